@@ -1,0 +1,324 @@
+// backend_traits<cpu>: the CPU implementation of forward, backward and forward_backward.
+//
+// Work is cut one of two ways. With at least as many rows as threads, each thread takes a
+// contiguous block of rows and does everything for a row while it is in cache: one read for the
+// statistics and, in forward_backward, the gradient written right after (the row is in L2). With
+// fewer rows than threads (32 x 32000 on 16 threads), each row's vocabulary is cut into slices; the
+// slices' partial statistics merge through online_lse, then each thread writes its slice's gradient.
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "../backend.hpp"
+#include "../error.hpp"
+#include "../loss_math.hpp"
+#include "../options.hpp"
+#include "../targets.hpp"
+#include "../views.hpp"
+#include "cpu.hpp"
+#include "parallel.hpp"
+#include "policy.hpp"
+#include "row_pass.hpp"
+
+namespace xent {
+namespace cpu_detail {
+
+/// The split of one call: `slices` pieces per row, `threads` workers.
+struct plan {
+  int threads = 1;
+  std::int64_t slices = 1;
+  std::int64_t slice_len = 0;
+
+  std::int64_t tasks(std::int64_t rows) const { return rows * slices; }
+};
+
+/// Most (row, slice) tasks a split call can have: rows < threads and slices <= ceil(threads/rows)
+/// bound it by 2 * max_threads, so their partials fit a fixed array.
+constexpr std::int64_t max_split_tasks = 2 * max_threads;
+
+inline plan make_plan(const cpu& exec, std::int64_t rows, std::int64_t cols) {
+  plan p;
+  p.threads = std::min(std::max(exec.threads, 1), max_threads);
+  if (rows * cols < policy::min_parallel_elements) p.threads = 1;
+  if (rows > 0 && rows < p.threads) {
+    const std::int64_t wanted = (p.threads + rows - 1) / rows;
+    p.slices = std::max<std::int64_t>(1, std::min(wanted, cols / policy::min_slice));
+  }
+  // Slice boundaries on 64-element multiples keep two threads off one cache line of the gradient.
+  p.slice_len = ((cols + p.slices - 1) / p.slices + 63) / 64 * 64;
+  p.slices = p.slice_len > 0 ? (cols + p.slice_len - 1) / p.slice_len : 1;
+  if (p.slices < 1) p.slices = 1;
+  p.threads = static_cast<int>(std::min<std::int64_t>(p.threads, std::max<std::int64_t>(p.tasks(rows), 1)));
+  return p;
+}
+
+/// Host-side check of class ids (each in [0, V) or ignore_index) and the mean's normalizer
+/// W = sum of w[y] over rows not ignored, in double. Runs before anything is written.
+template <class I>
+double check_targets_and_weigh(const char* fn, vector_view<const I> targets, std::int64_t cols,
+                               const options& opts) {
+  double total = 0.0;
+  const float* w = opts.class_weights.data;
+  for (std::int64_t n = 0; n < targets.size; ++n) {
+    const std::int64_t y = static_cast<std::int64_t>(targets[n]);
+    if (y == opts.ignore_index) continue;
+    if (y < 0 || y >= cols)
+      throw error(fn, "targets",
+                  "row " + std::to_string(n) + " has target " + std::to_string(y) +
+                      " outside [0, " + std::to_string(cols) + ") and not ignore_index (" +
+                      std::to_string(opts.ignore_index) + ")");
+    total += w ? static_cast<double>(w[y]) : 1.0;
+  }
+  return total;
+}
+
+template <class S>
+double check_targets_and_weigh(const char*, const soft_targets<S>& targets, std::int64_t,
+                               const options&) {
+  return static_cast<double>(targets.probs.rows);  // soft targets: mean divides by N
+}
+
+template <class T, class Tgt>
+problem<T, Tgt> make_problem(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
+                             const options& opts) {
+  double weight_sum = static_cast<double>(logits.cols);
+  if (opts.class_weights.data) {
+    weight_sum = 0.0;
+    for (std::int64_t c = 0; c < opts.class_weights.size; ++c) weight_sum += opts.class_weights[c];
+  }
+  return problem<T, Tgt>{logits,
+                         targets,
+                         opts.class_weights.data,
+                         make_loss_constants(opts, logits.cols, static_cast<float>(weight_sum)),
+                         opts.ignore_index,
+                         policy::chunk_for(exec.chunk)};
+}
+
+/// The upstream gradient of each row: scale (x *scale_ptr) / W for mean, for sum as is, per row
+/// for none. Formed in double and rounded once.
+struct row_scales {
+  double base = 1.0;
+  const float* rows = nullptr;
+
+  float operator()(std::int64_t n) const {
+    return static_cast<float>(rows ? base * static_cast<double>(rows[n]) : base);
+  }
+};
+
+inline row_scales make_row_scales(const upstream& up, const options& opts, double normalizer) {
+  row_scales s;
+  s.base = static_cast<double>(up.scale);
+  if (up.scale_ptr) s.base *= static_cast<double>(*up.scale_ptr);
+  if (opts.reduce == reduction::mean) s.base /= normalizer;
+  s.rows = up.rows.data;
+  return s;
+}
+
+/// Per-thread sums of one call, combined in thread order.
+struct totals {
+  std::array<double, max_threads> loss{};
+  std::array<std::int64_t, max_threads> correct{};
+};
+
+/// Finishes row n from its merged statistics: loss, LSE, argmax, and the per-thread sums.
+template <class T, class Tgt>
+float finish_row(const problem<T, Tgt>& pb, std::int64_t n, const row_partial& p,
+                 const argmax_state& am, const forward_outputs& out, totals& sums, int worker) {
+  float loss;
+  if constexpr (problem<T, Tgt>::soft) {
+    loss = soft_row_loss(p, pb.k);
+  } else {
+    loss = class_row_loss(p, pb.weight(pb.target(n)), pb.k);
+    if (am.index >= 0 && am.index == pb.target(n)) ++sums.correct[worker];
+  }
+  sums.loss[worker] += static_cast<double>(loss);
+  if (out.row_loss.data) out.row_loss[n] = loss;
+  if (out.lse.data) out.lse[n] = p.lse.lse();
+  if (out.argmax.data) out.argmax[n] = am.index;
+  return loss;
+}
+
+inline void finish_ignored_row(std::int64_t n, const forward_outputs& out) {
+  if (out.row_loss.data) out.row_loss[n] = 0.0f;
+  if (out.lse.data) out.lse[n] = 0.0f;
+  if (out.argmax.data) out.argmax[n] = -1;
+}
+
+inline void write_totals(const totals& sums, int threads, const options& opts, double normalizer,
+                         const forward_outputs& out) {
+  double loss = 0.0;
+  std::int64_t correct = 0;
+  for (int w = 0; w < threads; ++w) {
+    loss += sums.loss[w];
+    correct += sums.correct[w];
+  }
+  if (out.loss && opts.reduce != reduction::none)
+    *out.loss = static_cast<float>(opts.reduce == reduction::mean ? loss / normalizer : loss);
+  if (out.num_correct) *out.num_correct = correct;
+}
+
+/// The mass sum_c w_c t'_c of row n, given its merged statistics (forward) or recomputed (backward).
+template <class T, class Tgt>
+float row_mass(const problem<T, Tgt>& pb, std::int64_t n) {
+  if constexpr (problem<T, Tgt>::soft) {
+    return soft_mass(pb, n);
+  } else {
+    return class_target_mass(pb.weight(pb.target(n)), pb.k);
+  }
+}
+
+/// forward, and forward_backward when `grad` is non-null.
+template <bool Argmax, class T, class Tgt, class G>
+void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
+         const options& opts, const upstream* up, const forward_outputs& out, matrix_view<G> grad) {
+  const problem<T, Tgt> pb = make_problem(exec, logits, targets, opts);
+  const double normalizer = check_targets_and_weigh(fn, targets, logits.cols, opts);
+  const row_scales scale = up ? make_row_scales(*up, opts, normalizer) : row_scales{};
+  const std::int64_t rows = logits.rows, cols = logits.cols;
+  const plan pl = make_plan(exec, rows, cols);
+  totals sums;
+
+  auto mass_of = [&](std::int64_t n, const row_partial& p) {
+    if constexpr (problem<T, Tgt>::soft) {
+      return p.mass;
+    } else {
+      return class_target_mass(pb.weight(pb.target(n)), pb.k);
+    }
+  };
+
+  if (pl.slices == 1) {
+    parallel_for(pl.threads, rows, [&](std::int64_t begin, std::int64_t end, int worker) {
+      for (std::int64_t n = begin; n < end; ++n) {
+        if (pb.ignored(n)) {
+          finish_ignored_row(n, out);
+          if (grad.data) zero_slice(grad.row(n), 0, cols);
+          continue;
+        }
+        argmax_state am;
+        const row_partial p = slice_stats<Argmax>(pb, n, 0, cols, &am);
+        finish_row(pb, n, p, am, out, sums, worker);
+        if (grad.data) slice_gradient(pb, n, 0, cols, p.lse.lse(), mass_of(n, p), scale(n), grad.row(n));
+      }
+    });
+  } else {
+    const std::int64_t tasks = pl.tasks(rows);
+    std::array<row_partial, max_split_tasks> parts;
+    std::array<argmax_state, max_split_tasks> maxima;
+    auto slice_of = [&](std::int64_t task, std::int64_t& n, std::int64_t& v0, std::int64_t& v1) {
+      n = task / pl.slices;
+      v0 = (task % pl.slices) * pl.slice_len;
+      v1 = std::min(cols, v0 + pl.slice_len);
+    };
+    parallel_for(pl.threads, tasks, [&](std::int64_t begin, std::int64_t end, int) {
+      for (std::int64_t t = begin; t < end; ++t) {
+        std::int64_t n, v0, v1;
+        slice_of(t, n, v0, v1);
+        if (!pb.ignored(n)) parts[t] = slice_stats<Argmax>(pb, n, v0, v1, &maxima[t]);
+      }
+    });
+    std::array<float, max_threads> lse{}, mass{};
+    for (std::int64_t n = 0; n < rows; ++n) {
+      if (pb.ignored(n)) {
+        finish_ignored_row(n, out);
+        continue;
+      }
+      row_partial p = parts[n * pl.slices];
+      argmax_state am = maxima[n * pl.slices];
+      for (std::int64_t s = 1; s < pl.slices; ++s) {
+        p.merge(parts[n * pl.slices + s]);
+        am.merge(maxima[n * pl.slices + s]);
+      }
+      finish_row(pb, n, p, am, out, sums, 0);
+      lse[n] = p.lse.lse();
+      mass[n] = mass_of(n, p);
+    }
+    if (grad.data) {
+      parallel_for(pl.threads, tasks, [&](std::int64_t begin, std::int64_t end, int) {
+        for (std::int64_t t = begin; t < end; ++t) {
+          std::int64_t n, v0, v1;
+          slice_of(t, n, v0, v1);
+          if (pb.ignored(n))
+            zero_slice(grad.row(n), v0, v1);
+          else
+            slice_gradient(pb, n, v0, v1, lse[n], mass[n], scale(n), grad.row(n));
+        }
+      });
+    }
+  }
+  write_totals(sums, pl.threads, opts, normalizer, out);
+}
+
+template <class T, class Tgt, class G>
+void run_forward(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
+                 const options& opts, const upstream* up, const forward_outputs& out,
+                 matrix_view<G> grad) {
+  if (out.argmax.data || out.num_correct)
+    run<true>(fn, exec, logits, targets, opts, up, out, grad);
+  else
+    run<false>(fn, exec, logits, targets, opts, up, out, grad);
+}
+
+template <class T, class Tgt, class G>
+void run_backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
+                  const options& opts, vector_view<const float> lse, const upstream& up,
+                  matrix_view<G> grad) {
+  const problem<T, Tgt> pb = make_problem(exec, logits, targets, opts);
+  const double normalizer = check_targets_and_weigh("xent::backward", targets, logits.cols, opts);
+  const row_scales scale = make_row_scales(up, opts, normalizer);
+  const std::int64_t rows = logits.rows, cols = logits.cols;
+  const plan pl = make_plan(exec, rows, cols);
+  parallel_for(pl.threads, pl.tasks(rows), [&](std::int64_t begin, std::int64_t end, int) {
+    for (std::int64_t t = begin; t < end; ++t) {
+      const std::int64_t n = t / pl.slices;
+      const std::int64_t v0 = (t % pl.slices) * pl.slice_len;
+      const std::int64_t v1 = std::min(cols, v0 + pl.slice_len);
+      if (pb.ignored(n))
+        zero_slice(grad.row(n), v0, v1);
+      else
+        slice_gradient(pb, n, v0, v1, lse[n], row_mass(pb, n), scale(n), grad.row(n));
+    }
+  });
+}
+
+template <class T>
+struct is_cpu_dtype
+    : std::bool_constant<std::is_same<T, float>::value || std::is_same<T, Eigen::bfloat16>::value ||
+                         std::is_same<T, Eigen::half>::value> {};
+
+}  // namespace cpu_detail
+
+template <>
+struct backend_traits<cpu> {
+  template <class T>
+  static constexpr bool supports_dtype = cpu_detail::is_cpu_dtype<T>::value;
+
+  template <class T, class Tgt>
+  static void forward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
+                      const options& opts, const forward_outputs& out) {
+    cpu_detail::run_forward("xent::forward", exec, logits, targets, opts, nullptr, out,
+                            matrix_view<float>{});
+  }
+
+  template <class T, class Tgt, class G>
+  static void backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
+                       const options& opts, vector_view<const float> lse, const upstream& up,
+                       matrix_view<G> grad) {
+    cpu_detail::run_backward(exec, logits, targets, opts, lse, up, grad);
+  }
+
+  template <class T, class Tgt, class G>
+  static void forward_backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
+                               const options& opts, const upstream& up,
+                               const forward_outputs& out, matrix_view<G> grad) {
+    cpu_detail::run_forward("xent::forward_backward", exec, logits, targets, opts, &up, out, grad);
+  }
+};
+
+}  // namespace xent

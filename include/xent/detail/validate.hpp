@@ -1,0 +1,123 @@
+// Host-side argument checks shared by every backend. Each failure throws xent::error naming the
+// argument, before any output is written.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "../error.hpp"
+#include "../options.hpp"
+#include "../targets.hpp"
+#include "../views.hpp"
+
+namespace xent {
+namespace detail {
+
+inline void require(bool ok, const char* fn, const char* arg, const std::string& message) {
+  if (!ok) throw error(fn, arg, message);
+}
+
+inline std::string shape(std::int64_t rows, std::int64_t cols) {
+  return std::to_string(rows) + " x " + std::to_string(cols);
+}
+
+template <class T>
+void check_matrix(const char* fn, const char* arg, const matrix_view<T>& m) {
+  require(m.rows >= 0 && m.cols >= 0, fn, arg, "negative size " + shape(m.rows, m.cols));
+  require(m.ld >= m.cols, fn, arg,
+          "leading dimension " + std::to_string(m.ld) + " < cols " + std::to_string(m.cols));
+  require(m.data != nullptr || m.rows * m.cols == 0, fn, arg, "null data with non-zero size");
+}
+
+template <class T>
+void check_vector(const char* fn, const char* arg, const vector_view<T>& v, std::int64_t expected,
+                  bool optional) {
+  require(v.size >= 0, fn, arg, "negative size " + std::to_string(v.size));
+  if (optional && v.size == 0 && v.data == nullptr) return;
+  require(v.size == expected, fn, arg,
+          "has " + std::to_string(v.size) + " entries, expected " + std::to_string(expected));
+  require(v.data != nullptr || v.size == 0, fn, arg, "null data with non-zero size");
+}
+
+template <class T>
+void check_logits(const char* fn, const matrix_view<T>& logits) {
+  check_matrix(fn, "logits", logits);
+  require(logits.cols >= 1 || logits.rows == 0, fn, "logits",
+          "a row needs at least one class (cols = 0 with rows = " + std::to_string(logits.rows) + ")");
+}
+
+template <class I>
+void check_targets(const char* fn, const vector_view<I>& targets, std::int64_t rows, std::int64_t) {
+  check_vector(fn, "targets", targets, rows, false);
+}
+
+template <class S>
+void check_targets(const char* fn, const soft_targets<S>& targets, std::int64_t rows,
+                   std::int64_t cols) {
+  check_matrix(fn, "targets", targets.probs);
+  require(targets.probs.rows == rows && targets.probs.cols == cols, fn, "targets",
+          "soft targets are " + shape(targets.probs.rows, targets.probs.cols) + ", logits are " +
+              shape(rows, cols));
+}
+
+inline void check_options(const char* fn, const options& opts, std::int64_t cols) {
+  require(opts.reduce == reduction::none || opts.reduce == reduction::mean ||
+              opts.reduce == reduction::sum,
+          fn, "options.reduce", "not one of none, mean, sum");
+  require(opts.label_smoothing >= 0.0f && opts.label_smoothing <= 1.0f, fn,
+          "options.label_smoothing", "must be in [0, 1], got " + std::to_string(opts.label_smoothing));
+  require(opts.z_loss >= 0.0f && std::isfinite(opts.z_loss), fn, "options.z_loss",
+          "must be finite and >= 0, got " + std::to_string(opts.z_loss));
+  require(opts.softcap >= 0.0f && std::isfinite(opts.softcap), fn, "options.softcap",
+          "must be finite and >= 0 (0 is off), got " + std::to_string(opts.softcap));
+  check_vector(fn, "options.class_weights", opts.class_weights, cols, true);
+}
+
+inline void check_outputs(const char* fn, const forward_outputs& out, const options& opts,
+                          std::int64_t rows, bool loss_required) {
+  check_vector(fn, "outputs.row_loss", out.row_loss, rows, true);
+  check_vector(fn, "outputs.lse", out.lse, rows, true);
+  check_vector(fn, "outputs.argmax", out.argmax, rows, true);
+  if (!loss_required) return;
+  if (opts.reduce == reduction::none)
+    require(out.row_loss.data != nullptr || rows == 0, fn, "outputs.row_loss",
+            "required with reduction none");
+  else
+    require(out.loss != nullptr, fn, "outputs.loss", "required with reduction mean or sum");
+}
+
+inline void check_upstream(const char* fn, const upstream& up, const options& opts,
+                           std::int64_t rows) {
+  if (opts.reduce == reduction::none) {
+    check_vector(fn, "upstream.rows", up.rows, rows, true);
+    require(up.scale_ptr == nullptr, fn, "upstream.scale_ptr",
+            "a scalar upstream pointer is for reduction mean or sum; use upstream.rows");
+  } else {
+    require(up.rows.size == 0 && up.rows.data == nullptr, fn, "upstream.rows",
+            "per-row upstream gradients need reduction none");
+  }
+}
+
+/// The gradient may be a separate array or the logits themselves (in place: same data, same ld,
+/// same element type). Any other overlap would read logits after they were overwritten.
+template <class L, class G>
+void check_gradient(const char* fn, const matrix_view<L>& logits, const matrix_view<G>& grad) {
+  check_matrix(fn, "grad", grad);
+  require(grad.rows == logits.rows && grad.cols == logits.cols, fn, "grad",
+          "is " + shape(grad.rows, grad.cols) + ", logits are " + shape(logits.rows, logits.cols));
+  if (logits.empty()) return;
+  const char* lb = reinterpret_cast<const char*>(logits.data);
+  const char* le = reinterpret_cast<const char*>(logits.row(logits.rows - 1) + logits.cols);
+  const char* gb = reinterpret_cast<const char*>(grad.data);
+  const char* ge = reinterpret_cast<const char*>(grad.row(grad.rows - 1) + grad.cols);
+  const bool overlap = gb < le && lb < ge;
+  const bool same = gb == lb && grad.ld == logits.ld && std::is_same<std::remove_const_t<L>, std::remove_const_t<G>>::value;
+  require(!overlap || same, fn, "grad",
+          "overlaps logits without being them: in place needs grad.data == logits.data, the same "
+          "ld and the same element type");
+}
+
+}  // namespace detail
+}  // namespace xent

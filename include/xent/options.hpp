@@ -1,0 +1,53 @@
+// The loss options, with PyTorch's semantics (torch.nn.functional.cross_entropy, aten LossNLL.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "views.hpp"
+
+namespace xent {
+
+/// How per-row losses become the result.
+enum class reduction {
+  none,  ///< per-row losses only; backward takes a per-row upstream gradient
+  mean,  ///< sum of row losses / W, W = sum of w[y] over rows not ignored (their count without
+         ///< weights; N for soft targets). Every row ignored gives NaN, as PyTorch does.
+  sum,   ///< sum of row losses; 0 when every row is ignored or N = 0
+};
+
+struct options {
+  reduction reduce = reduction::mean;
+  /// Rows whose target equals this are ignored (loss 0, gradient 0, excluded from W). Any value,
+  /// also a valid class id. Not used with soft targets.
+  std::int64_t ignore_index = -100;
+  /// eps in [0, 1]: loss = (1 - eps) * NLL + (eps / V) * sum_c w_c * (-log p_c).
+  float label_smoothing = 0.0f;
+  /// Per-class weights w_c (V floats, in the backend's memory); empty means every weight is 1.
+  vector_view<const float> class_weights{};
+  /// z-loss (PaLM; Liger's lse_square_scale) >= 0: adds z_loss * lse^2 to every row not ignored.
+  float z_loss = 0.0f;
+  /// softcap (Gemma 2) >= 0: logits become softcap * tanh(x / softcap) before the loss; 0 is off.
+  float softcap = 0.0f;
+};
+
+/// The gradient flowing into the loss. With reduction mean or sum the loss is a scalar, and its
+/// gradient is `scale`, times `*scale_ptr` when that is given (a pointer into the backend's memory,
+/// so a device-resident gradient is read without a host synchronisation). With reduction none each
+/// row n gets `scale * rows[n]` (`rows` has N entries), or `scale` when `rows` is empty.
+struct upstream {
+  float scale = 1.0f;
+  const float* scale_ptr = nullptr;
+  vector_view<const float> rows{};
+};
+
+/// Where forward results go; every member is optional except the loss the reduction produces
+/// (`loss` for mean and sum, `row_loss` for none). Pointers and views refer to the backend's memory.
+struct forward_outputs {
+  float* loss = nullptr;                 ///< reduced loss (mean or sum)
+  vector_view<float> row_loss{};         ///< per-row loss, N entries (0 on ignored rows)
+  vector_view<float> lse{};              ///< per-row log-sum-exp of the (soft-capped) logits
+  vector_view<std::int64_t> argmax{};    ///< per-row index of the largest logit (first on ties)
+  std::int64_t* num_correct = nullptr;   ///< rows not ignored whose argmax equals the target
+};
+
+}  // namespace xent
