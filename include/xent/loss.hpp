@@ -44,7 +44,7 @@ void forward(const Exec& exec, matrix_view<L> logits, const Targets& targets, co
              const forward_outputs& outputs) {
   constexpr const char* fn = "xent::forward";
   detail::check_common<Exec>(fn, logits, targets, opts);
-  detail::check_outputs(fn, outputs, opts, logits.rows, true);
+  detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft, true);
   using T = std::remove_const_t<L>;
   backend_traits<Exec>::forward(exec, matrix_view<const T>(logits),
                                 typename detail::target_traits<Targets>::type(targets), opts,
@@ -85,7 +85,7 @@ void forward_backward(const Exec& exec, matrix_view<L> logits, const Targets& ta
   static_assert(backend_traits<Exec>::template supports_dtype<G>,
                 "xent: unsupported gradient dtype for this backend");
   detail::check_common<Exec>(fn, logits, targets, opts);
-  detail::check_outputs(fn, outputs, opts, logits.rows, false);
+  detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft, false);
   detail::check_upstream(fn, up, opts, logits.rows);
   detail::check_gradient(fn, logits, grad);
   using T = std::remove_const_t<L>;

@@ -193,6 +193,9 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
     }
   };
 
+  // A float gradient row can hold exp(z - m_c) between the two sweeps (exp_cache); softcap needs
+  // the logits again in the gradient sweep, so it keeps the two-exponential path.
+  const bool cacheable = grad.data && opts.softcap == 0.0f && exp_cache::fits(cols, pb.chunk);
   if (pl.slices == 1) {
     parallel_for(pl.threads, rows, [&](std::int64_t begin, std::int64_t end, int worker) {
       for (std::int64_t n = begin; n < end; ++n) {
@@ -202,9 +205,21 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
           continue;
         }
         argmax_state am;
+        if constexpr (std::is_same<G, float>::value) {
+          if (cacheable) {
+            exp_cache cache;
+            cache.values = grad.row(n);
+            const row_partial p = slice_stats<Argmax>(pb, n, 0, cols, &am, &cache);
+            finish_row(pb, n, p, am, out, sums, worker);
+            cached_row_gradient(pb, n, p.target_logit, p.lse.lse(), mass_of(n, p), scale(n),
+                                cache, grad.row(n));
+            continue;
+          }
+        }
         const row_partial p = slice_stats<Argmax>(pb, n, 0, cols, &am);
         finish_row(pb, n, p, am, out, sums, worker);
-        if (grad.data) slice_gradient(pb, n, 0, cols, p.lse.lse(), mass_of(n, p), scale(n), grad.row(n));
+        if (grad.data)
+          slice_gradient(pb, n, 0, cols, p.lse.lse(), mass_of(n, p), scale(n), grad.row(n));
       }
     });
   } else {

@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -109,39 +110,67 @@ inline void update_argmax(const_fmap z, std::int64_t c0, argmax_state& am) {
   }
 }
 
-/// Statistics of row n over classes [v0, v1): one read of the logits.
+/// Where the statistics pass may leave exp(z_j - m_c) for the gradient pass that follows, so a
+/// fused call takes one exponential per element instead of two: `values` is a float row (the
+/// gradient row, possibly the logits themselves) and m_c the max of chunk c.
+struct exp_cache {
+  static constexpr std::int64_t max_chunks = 256;
+  float* values = nullptr;
+  std::array<float, max_chunks> chunk_max;
+
+  static bool fits(std::int64_t cols, std::int64_t chunk) { return cols <= max_chunks * chunk; }
+};
+
+/// Adds chunk [c, c + len) of row n to the side sums the options need: argmax, the soft-target
+/// mass and dot, or the label-smoothing dot.
+template <bool Argmax, class T, class Tgt>
+void accumulate_sides(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t c, const_fmap z,
+                      row_partial& p, argmax_state* am, float* tbuf) {
+  if constexpr (Argmax) update_argmax(z, c, *am);
+  if constexpr (problem<T, Tgt>::soft) {
+    load_soft_targets(pb, n, c, z.size(), tbuf);
+    const_fmap t(tbuf, z.size());
+    p.mass += t.sum();
+    p.dot += (t * z).sum();
+  } else if (pb.k.smoothing()) {
+    p.dot += pb.weights ? (z * const_fmap(pb.weights + c, z.size())).sum() : z.sum();
+  }
+}
+
+/// Statistics of row n over classes [v0, v1): one read of the logits. With a cache (whole rows,
+/// no softcap), exp(z_j - m_c) is also stored in cache->values.
 template <bool Argmax, class T, class Tgt>
 row_partial slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, std::int64_t v1,
-                        argmax_state* am) {
+                        argmax_state* am, exp_cache* cache = nullptr) {
   alignas(64) float zbuf[policy::max_chunk];
   alignas(64) float tbuf[problem<T, Tgt>::soft ? policy::max_chunk : 1];
   const T* x = pb.logits.row(n);
   row_partial p;
-  for (std::int64_t c = v0; c < v1; c += pb.chunk) {
+  if constexpr (!problem<T, Tgt>::soft) {  // before a cache may overwrite it
+    const std::int64_t y = pb.target(n);
+    if (y >= v0 && y < v1) p.target_logit = apply_softcap(static_cast<float>(x[y]), pb.k);
+  }
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  for (std::int64_t c = v0, i = 0; c < v1; c += pb.chunk, ++i) {
     const std::int64_t len = std::min(pb.chunk, v1 - c);
     const_fmap z(load_logits(x + c, len, pb.k, zbuf), len);
     // Max first, then one exponential per element relative to it: the chunk is in L1, so the
     // second sweep is cheap, and it halves the exponentials of a per-element online update.
     const float m = z.maxCoeff();
+    accumulate_sides<Argmax>(pb, n, c, z, p, am, tbuf);
     float s;
-    if (m == -std::numeric_limits<float>::infinity())
+    if (m == -inf) {  // all -inf (masked) or NaN: no exp(-inf - -inf)
       s = z.isNaN().any() ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-    else
+      if (cache) Eigen::Map<farray>(cache->values + c, len).setZero();
+    } else if (cache) {  // z may alias the cache: each element is read before it is replaced
+      Eigen::Map<farray> e(cache->values + c, len);
+      e = (z - m).exp();
+      s = e.sum();
+    } else {
       s = (z - m).exp().sum();
-    p.lse.merge(online_lse::of_block(m, s));
-    if constexpr (Argmax) update_argmax(z, c, *am);
-    if constexpr (problem<T, Tgt>::soft) {
-      load_soft_targets(pb, n, c, len, tbuf);
-      const_fmap t(tbuf, len);
-      p.mass += t.sum();
-      p.dot += (t * z).sum();
-    } else if (pb.k.smoothing()) {
-      p.dot += pb.weights ? (z * const_fmap(pb.weights + c, len)).sum() : z.sum();
     }
-  }
-  if constexpr (!problem<T, Tgt>::soft) {
-    const std::int64_t y = pb.target(n);
-    if (y >= v0 && y < v1) p.target_logit = apply_softcap(static_cast<float>(x[y]), pb.k);
+    if (cache) cache->chunk_max[i] = m;
+    p.lse.merge(online_lse::of_block(m, s));
   }
   return p;
 }
@@ -165,11 +194,35 @@ void zero_slice(G* out, std::int64_t v0, std::int64_t v1) {
   std::fill(out + v0, out + v1, G(0.0f));
 }
 
+/// d_j -= g * w_j t'_j over chunk [c, c + len): the target part of the gradient that is not the
+/// single target class (label smoothing, soft targets).
+template <class T, class Tgt>
+void subtract_target_mass(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t c, float g,
+                          Eigen::Map<farray>& d, float* tbuf) {
+  const std::int64_t len = d.size();
+  if constexpr (problem<T, Tgt>::soft) {
+    load_soft_targets(pb, n, c, len, tbuf);
+    d -= const_fmap(tbuf, len) * g;
+  } else if (pb.k.smoothing()) {
+    if (pb.weights)
+      d -= const_fmap(pb.weights + c, len) * (g * pb.k.smooth);
+    else
+      d -= g * pb.k.smooth;
+  }
+}
+
+/// The target class of a class-id row, rewritten from a float computation (class_target_gradient)
+/// so that p_y - 1 is never formed in the output dtype.
+template <class T, class Tgt, class G>
+void write_target_gradient(const problem<T, Tgt>& pb, std::int64_t y, float x_y, float lse,
+                           float mass, float g, G* out) {
+  out[y] = G(class_target_gradient(x_y, pb.weight(y), gradient_alpha(mass, lse, pb.k), lse, g, pb.k));
+}
+
 /// Gradient of row n over classes [v0, v1), scaled by the row's upstream g:
 ///   g * (alpha * exp(z_j - lse) - w_j t'_j) * softcap'(x_j),
-/// then the target class rewritten from a float computation (class_target_gradient) so that
-/// p_y - 1 is never formed in the output dtype. `out` is the row of grad; it may be the row of the
-/// logits (each chunk is read in full before it is written).
+/// then the target class from write_target_gradient. `out` is the row of grad; it may be the row
+/// of the logits (each chunk is read in full before it is written).
 template <class T, class Tgt, class G>
 void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, std::int64_t v1,
                     float lse, float mass, float g, G* out) {
@@ -193,20 +246,28 @@ void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, 
     }
     Eigen::Map<farray> d(gbuf, len);
     d = (z - lse).exp() * ga;
-    if constexpr (problem<T, Tgt>::soft) {
-      load_soft_targets(pb, n, c, len, tbuf);
-      d -= const_fmap(tbuf, len) * g;
-    } else if (k.smoothing()) {
-      if (pb.weights)
-        d -= const_fmap(pb.weights + c, len) * (g * k.smooth);
-      else
-        d -= g * k.smooth;
-    }
+    subtract_target_mass(pb, n, c, g, d, tbuf);
     if (k.softcap > 0.0f) d *= 1.0f - (z * k.inv_softcap).square();
     o = d.template cast<G>();
   }
-  if (has_target)
-    out[y] = G(class_target_gradient(x_y, pb.weight(y), gradient_alpha(mass, lse, k), lse, g, k));
+  if (has_target) write_target_gradient(pb, y, x_y, lse, mass, g, out);
+}
+
+/// The same gradient over a whole row from the exponentials slice_stats cached in `out` (a float
+/// row; no softcap): one multiply per element replaces the second exponential. The row was
+/// written moments ago and is still in L2.
+template <class T, class Tgt>
+void cached_row_gradient(const problem<T, Tgt>& pb, std::int64_t n, float x_y, float lse,
+                         float mass, float g, const exp_cache& cache, float* out) {
+  alignas(64) float tbuf[problem<T, Tgt>::soft ? policy::max_chunk : 1];
+  const float ga = g * gradient_alpha(mass, lse, pb.k);
+  const std::int64_t cols = pb.logits.cols;
+  for (std::int64_t c = 0, i = 0; c < cols; c += pb.chunk, ++i) {
+    Eigen::Map<farray> d(out + c, std::min(pb.chunk, cols - c));
+    d *= ga * std::exp(cache.chunk_max[i] - lse);  // exp(z - m_c) * exp(m_c - lse) = p
+    subtract_target_mass(pb, n, c, g, d, tbuf);
+  }
+  if constexpr (!problem<T, Tgt>::soft) write_target_gradient(pb, pb.target(n), x_y, lse, mass, g, out);
 }
 
 }  // namespace cpu_detail

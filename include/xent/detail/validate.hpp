@@ -76,8 +76,10 @@ inline void check_options(const char* fn, const options& opts, std::int64_t cols
 }
 
 inline void check_outputs(const char* fn, const forward_outputs& out, const options& opts,
-                          std::int64_t rows, bool loss_required) {
+                          std::int64_t rows, bool soft, bool loss_required) {
   check_vector(fn, "outputs.row_loss", out.row_loss, rows, true);
+  require(!soft || out.num_correct == nullptr, fn, "outputs.num_correct",
+          "counts rows whose argmax equals a class id; soft targets have none");
   check_vector(fn, "outputs.lse", out.lse, rows, true);
   check_vector(fn, "outputs.argmax", out.argmax, rows, true);
   if (!loss_required) return;
