@@ -36,9 +36,9 @@ void check_common(const char* fn, const matrix_view<L>& logits, const Targets& t
 /// Loss of every row, and the reduced loss, without touching a gradient.
 ///
 /// logits: N x V (any ld >= V); targets: N class ids (int32 / int64) or soft_targets (N x V).
-/// outputs: the reduction's result (`loss` for mean / sum, `row_loss` for none) is required; per-row
-/// LSE (for backward), argmax and the count of correct rows are optional. Rows whose target is
-/// ignore_index are not read: their loss and LSE are 0 and their argmax -1.
+/// outputs: the reduction's result (`loss` for mean / sum, `row_loss` for none) is required;
+/// per-row LSE (for backward), argmax and the count of correct rows are optional. Rows whose target
+/// is ignore_index are not read: their loss and LSE are 0 and their argmax -1.
 template <class Exec, class L, class Targets>
 void forward(const Exec& exec, matrix_view<L> logits, const Targets& targets, const options& opts,
              const forward_outputs& outputs) {
@@ -85,7 +85,8 @@ void forward_backward(const Exec& exec, matrix_view<L> logits, const Targets& ta
   static_assert(backend_traits<Exec>::template supports_dtype<G>,
                 "xent: unsupported gradient dtype for this backend");
   detail::check_common<Exec>(fn, logits, targets, opts);
-  detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft, false);
+  detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft,
+                        false);
   detail::check_upstream(fn, up, opts, logits.rows);
   detail::check_gradient(fn, logits, grad);
   using T = std::remove_const_t<L>;

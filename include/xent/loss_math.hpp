@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "config.hpp"
 #include "online_lse.hpp"
@@ -26,8 +27,8 @@ namespace xent {
 struct row_partial {
   online_lse lse;
   float target_logit = 0.0f;  ///< class ids: z_y if y is in this slice
-  float dot = 0.0f;           ///< class ids: sum_c w_c z_c (label smoothing only); soft: sum_c w_c t'_c z_c
-  float mass = 0.0f;          ///< soft targets: sum_c w_c t'_c
+  float dot = 0.0f;   ///< class ids: sum_c w_c z_c (label smoothing only); soft: sum_c w_c t'_c z_c
+  float mass = 0.0f;  ///< soft targets: sum_c w_c t'_c
 
   XENT_HOST_DEVICE void merge(const row_partial& other) {
     lse.merge(other.lse);
@@ -37,19 +38,36 @@ struct row_partial {
   }
 };
 
+/// The largest element of a row seen so far and its first index; NaN counts as largest, as in
+/// torch.argmax. Pieces merge in any order to the same answer.
+struct argmax_state {
+  float value = -HUGE_VALF;
+  std::int64_t index = -1;
+
+  XENT_HOST_DEVICE static bool greater(float a, float b) {
+    return (a != a && b == b) || a > b;  // a is NaN and b is not, or plainly larger
+  }
+  XENT_HOST_DEVICE void merge(const argmax_state& o) {
+    if (o.index >= 0 &&
+        (index < 0 || greater(o.value, value) || (o.index < index && !greater(value, o.value))))
+      *this = o;
+  }
+};
+
 /// Constants of one call, derived from the options once.
 struct loss_constants {
-  float keep = 1.0f;          ///< 1 - eps
-  float smooth = 0.0f;        ///< eps / V
+  float keep = 1.0f;    ///< 1 - eps
+  float smooth = 0.0f;  ///< eps / V
   float z_loss = 0.0f;
-  float softcap = 0.0f;       ///< 0: off
+  float softcap = 0.0f;  ///< 0: off
   float inv_softcap = 0.0f;
-  float weight_sum = 0.0f;    ///< sum_c w_c (V without weights)
+  float weight_sum = 0.0f;  ///< sum_c w_c (V without weights)
 
   XENT_HOST_DEVICE bool smoothing() const { return smooth != 0.0f; }
 };
 
-inline loss_constants make_loss_constants(const options& opts, std::int64_t vocab, float weight_sum) {
+inline loss_constants make_loss_constants(const options& opts, std::int64_t vocab,
+                                          float weight_sum) {
   loss_constants k;
   k.keep = 1.0f - opts.label_smoothing;
   k.smooth = vocab > 0 ? opts.label_smoothing / static_cast<float>(vocab) : 0.0f;
@@ -78,7 +96,8 @@ XENT_HOST_DEVICE inline float class_target_mass(float w_y, const loss_constants&
 
 /// Loss of a row with class-id target of weight w_y. The NLL and smoothing terms are formed
 /// separately, each as a difference of its own sums, so eps = 0 costs no precision.
-XENT_HOST_DEVICE inline float class_row_loss(const row_partial& p, float w_y, const loss_constants& k) {
+XENT_HOST_DEVICE inline float class_row_loss(const row_partial& p, float w_y,
+                                             const loss_constants& k) {
   const float lse = p.lse.lse();
   float loss = k.keep * w_y * (lse - p.target_logit);
   if (k.smoothing()) loss += k.smooth * (k.weight_sum * lse - p.dot);
@@ -96,14 +115,13 @@ XENT_HOST_DEVICE inline float gradient_alpha(float mass, float lse, const loss_c
   return mass + 2.0f * k.z_loss * lse;
 }
 
-/// The gradient at the target class of a class-id row, formed in float from the raw target logit
-/// and rounded once by the caller: (alpha p_y - (1 - eps) w_y - (eps / V) w_y) * slope * g. The
-/// p_y - 1 cancellation happens here, in float, never through a bf16 intermediate.
-XENT_HOST_DEVICE inline float class_target_gradient(float raw_target_logit, float w_y, float alpha,
-                                                    float lse, float g, const loss_constants& k) {
-  const float z = apply_softcap(raw_target_logit, k);
-  const float p = std::exp(z - lse);
-  return g * (alpha * p - (k.keep + k.smooth) * w_y) * softcap_slope(z, k);
+/// The gradient at the target class of a class-id row, formed in float from its (soft-capped)
+/// logit z_y and rounded once by the caller: (alpha p_y - (1 - eps) w_y - (eps / V) w_y) * slope * g.
+/// The p_y - 1 cancellation happens here, in float, never through a bf16 intermediate.
+XENT_HOST_DEVICE inline float class_target_gradient(float z_y, float w_y, float alpha, float lse,
+                                                    float g, const loss_constants& k) {
+  const float p = std::exp(z_y - lse);
+  return g * (alpha * p - (k.keep + k.smooth) * w_y) * softcap_slope(z_y, k);
 }
 
 /// The mean reduction's normalizer contribution and the ignore test for a class-id row.

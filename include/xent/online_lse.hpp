@@ -14,7 +14,7 @@
 namespace xent {
 
 struct online_lse {
-  float max = -std::numeric_limits<float>::infinity();
+  float max = -HUGE_VALF;
   float sum = 0.0f;
 
   /// The state of a block whose largest element is `block_max` and whose elements z_j give

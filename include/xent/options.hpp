@@ -41,13 +41,14 @@ struct upstream {
 };
 
 /// Where forward results go; every member is optional except the loss the reduction produces
-/// (`loss` for mean and sum, `row_loss` for none). Pointers and views refer to the backend's memory.
+/// (`loss` for mean and sum, `row_loss` for none). Pointers and views refer to the backend's
+/// memory.
 struct forward_outputs {
-  float* loss = nullptr;                 ///< reduced loss (mean or sum)
-  vector_view<float> row_loss{};         ///< per-row loss, N entries (0 on ignored rows)
-  vector_view<float> lse{};              ///< per-row log-sum-exp of the (soft-capped) logits
-  vector_view<std::int64_t> argmax{};    ///< per-row index of the largest logit (first on ties)
-  std::int64_t* num_correct = nullptr;   ///< rows not ignored whose argmax equals the target
+  float* loss = nullptr;                ///< reduced loss (mean or sum)
+  vector_view<float> row_loss{};        ///< per-row loss, N entries (0 on ignored rows)
+  vector_view<float> lse{};             ///< per-row log-sum-exp of the (soft-capped) logits
+  vector_view<std::int64_t> argmax{};   ///< per-row index of the largest logit (first on ties)
+  std::int64_t* num_correct = nullptr;  ///< rows not ignored whose argmax equals the target
 };
 
 }  // namespace xent

@@ -19,3 +19,7 @@
 #include "options.hpp"
 #include "targets.hpp"
 #include "views.hpp"
+
+#if defined(__CUDACC__)
+#include "cuda/backend.cuh"
+#endif

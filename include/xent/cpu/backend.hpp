@@ -4,7 +4,8 @@
 // contiguous block of rows and does everything for a row while it is in cache: one read for the
 // statistics and, in forward_backward, the gradient written right after (the row is in L2). With
 // fewer rows than threads (32 x 32000 on 16 threads), each row's vocabulary is cut into slices; the
-// slices' partial statistics merge through online_lse, then each thread writes its slice's gradient.
+// slices' partial statistics merge through online_lse, then each thread writes its slice's
+// gradient.
 #pragma once
 
 #include <Eigen/Core>
@@ -55,7 +56,8 @@ inline plan make_plan(const cpu& exec, std::int64_t rows, std::int64_t cols) {
   p.slice_len = ((cols + p.slices - 1) / p.slices + 63) / 64 * 64;
   p.slices = p.slice_len > 0 ? (cols + p.slice_len - 1) / p.slice_len : 1;
   if (p.slices < 1) p.slices = 1;
-  p.threads = static_cast<int>(std::min<std::int64_t>(p.threads, std::max<std::int64_t>(p.tasks(rows), 1)));
+  p.threads =
+      static_cast<int>(std::min<std::int64_t>(p.threads, std::max<std::int64_t>(p.tasks(rows), 1)));
   return p;
 }
 
@@ -164,7 +166,8 @@ inline void write_totals(const totals& sums, int threads, const options& opts, d
   if (out.num_correct) *out.num_correct = correct;
 }
 
-/// The mass sum_c w_c t'_c of row n, given its merged statistics (forward) or recomputed (backward).
+/// The mass sum_c w_c t'_c of row n, given its merged statistics (forward) or recomputed
+/// (backward).
 template <class T, class Tgt>
 float row_mass(const problem<T, Tgt>& pb, std::int64_t n) {
   if constexpr (problem<T, Tgt>::soft) {
@@ -211,8 +214,8 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
             cache.values = grad.row(n);
             const row_partial p = slice_stats<Argmax>(pb, n, 0, cols, &am, &cache);
             finish_row(pb, n, p, am, out, sums, worker);
-            cached_row_gradient(pb, n, p.target_logit, p.lse.lse(), mass_of(n, p), scale(n),
-                                cache, grad.row(n));
+            cached_row_gradient(pb, n, p.target_logit, p.lse.lse(), mass_of(n, p), scale(n), cache,
+                                grad.row(n));
             continue;
           }
         }
@@ -330,8 +333,8 @@ struct backend_traits<cpu> {
 
   template <class T, class Tgt, class G>
   static void forward_backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
-                               const options& opts, const upstream& up,
-                               const forward_outputs& out, matrix_view<G> grad) {
+                               const options& opts, const upstream& up, const forward_outputs& out,
+                               matrix_view<G> grad) {
     cpu_detail::run_forward("xent::forward_backward", exec, logits, targets, opts, &up, out, grad);
   }
 };

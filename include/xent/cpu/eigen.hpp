@@ -17,9 +17,10 @@ template <class Derived>
 auto view(Eigen::DenseBase<Derived>& m) {
   static_assert(Derived::IsVectorAtCompileTime || (Derived::Flags & Eigen::RowMajorBit),
                 "xent::view: logits-like matrices must be row-major (Eigen::RowMajor)");
-  static_assert(int(Eigen::internal::traits<Derived>::InnerStrideAtCompileTime) == 1 ||
-                    int(Eigen::internal::traits<Derived>::InnerStrideAtCompileTime) == Eigen::Dynamic,
-                "xent::view: rows must be contiguous");
+  static_assert(
+      int(Eigen::internal::traits<Derived>::InnerStrideAtCompileTime) == 1 ||
+          int(Eigen::internal::traits<Derived>::InnerStrideAtCompileTime) == Eigen::Dynamic,
+      "xent::view: rows must be contiguous");
   using T = std::remove_reference_t<decltype(*m.derived().data())>;
   if constexpr (Derived::IsVectorAtCompileTime) {
     return vector_view<T>(m.derived().data(), m.size());

@@ -17,7 +17,8 @@ constexpr int max_threads = 256;
 /// each thread on neighbouring rows (sequential DRAM pages) and make the split deterministic.
 template <class F>
 void parallel_for(int threads, std::int64_t count, F&& f) {
-  const int n = static_cast<int>(std::min<std::int64_t>(std::max(threads, 1), std::max<std::int64_t>(count, 1)));
+  const int n = static_cast<int>(
+      std::min<std::int64_t>(std::max(threads, 1), std::max<std::int64_t>(count, 1)));
   auto begin = [&](int w) { return count * w / n; };
   if (n == 1) {
     f(std::int64_t{0}, count, 0);

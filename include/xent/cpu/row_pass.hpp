@@ -25,20 +25,6 @@ using const_fmap = Eigen::Map<const farray>;
 template <class T>
 using const_tmap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
 
-/// The largest element of a row seen so far and its first index; NaN counts as largest, as in
-/// torch.argmax.
-struct argmax_state {
-  float value = -std::numeric_limits<float>::infinity();
-  std::int64_t index = -1;
-
-  static bool greater(float a, float b) { return (std::isnan(a) && !std::isnan(b)) || a > b; }
-  void merge(const argmax_state& o) {
-    if (o.index >= 0 && (index < 0 || greater(o.value, value) ||
-                         (o.index < index && !greater(value, o.value))))
-      *this = o;
-  }
-};
-
 /// Everything a sweep needs to know about the call, for one logits dtype T and target kind Tgt.
 template <class T, class Tgt>
 struct problem {
@@ -216,7 +202,9 @@ void subtract_target_mass(const problem<T, Tgt>& pb, std::int64_t n, std::int64_
 template <class T, class Tgt, class G>
 void write_target_gradient(const problem<T, Tgt>& pb, std::int64_t y, float x_y, float lse,
                            float mass, float g, G* out) {
-  out[y] = G(class_target_gradient(x_y, pb.weight(y), gradient_alpha(mass, lse, pb.k), lse, g, pb.k));
+  out[y] =
+      G(class_target_gradient(apply_softcap(x_y, pb.k), pb.weight(y), gradient_alpha(mass, lse, pb.k),
+                              lse, g, pb.k));
 }
 
 /// Gradient of row n over classes [v0, v1), scaled by the row's upstream g:
@@ -267,7 +255,8 @@ void cached_row_gradient(const problem<T, Tgt>& pb, std::int64_t n, float x_y, f
     d *= ga * std::exp(cache.chunk_max[i] - lse);  // exp(z - m_c) * exp(m_c - lse) = p
     subtract_target_mass(pb, n, c, g, d, tbuf);
   }
-  if constexpr (!problem<T, Tgt>::soft) write_target_gradient(pb, pb.target(n), x_y, lse, mass, g, out);
+  if constexpr (!problem<T, Tgt>::soft)
+    write_target_gradient(pb, pb.target(n), x_y, lse, mass, g, out);
 }
 
 }  // namespace cpu_detail

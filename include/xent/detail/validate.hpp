@@ -44,8 +44,9 @@ void check_vector(const char* fn, const char* arg, const vector_view<T>& v, std:
 template <class T>
 void check_logits(const char* fn, const matrix_view<T>& logits) {
   check_matrix(fn, "logits", logits);
-  require(logits.cols >= 1 || logits.rows == 0, fn, "logits",
-          "a row needs at least one class (cols = 0 with rows = " + std::to_string(logits.rows) + ")");
+  require(
+      logits.cols >= 1 || logits.rows == 0, fn, "logits",
+      "a row needs at least one class (cols = 0 with rows = " + std::to_string(logits.rows) + ")");
 }
 
 template <class I>
@@ -67,7 +68,8 @@ inline void check_options(const char* fn, const options& opts, std::int64_t cols
               opts.reduce == reduction::sum,
           fn, "options.reduce", "not one of none, mean, sum");
   require(opts.label_smoothing >= 0.0f && opts.label_smoothing <= 1.0f, fn,
-          "options.label_smoothing", "must be in [0, 1], got " + std::to_string(opts.label_smoothing));
+          "options.label_smoothing",
+          "must be in [0, 1], got " + std::to_string(opts.label_smoothing));
   require(opts.z_loss >= 0.0f && std::isfinite(opts.z_loss), fn, "options.z_loss",
           "must be finite and >= 0, got " + std::to_string(opts.z_loss));
   require(opts.softcap >= 0.0f && std::isfinite(opts.softcap), fn, "options.softcap",
@@ -115,7 +117,8 @@ void check_gradient(const char* fn, const matrix_view<L>& logits, const matrix_v
   const char* gb = reinterpret_cast<const char*>(grad.data);
   const char* ge = reinterpret_cast<const char*>(grad.row(grad.rows - 1) + grad.cols);
   const bool overlap = gb < le && lb < ge;
-  const bool same = gb == lb && grad.ld == logits.ld && std::is_same<std::remove_const_t<L>, std::remove_const_t<G>>::value;
+  const bool same = gb == lb && grad.ld == logits.ld &&
+                    std::is_same<std::remove_const_t<L>, std::remove_const_t<G>>::value;
   require(!overlap || same, fn, "grad",
           "overlaps logits without being them: in place needs grad.data == logits.data, the same "
           "ld and the same element type");

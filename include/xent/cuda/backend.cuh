@@ -1,0 +1,238 @@
+// backend_traits<cuda>: dispatch (checks that need the device, plan, launch) for every entry point.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "../backend.hpp"
+#include "../error.hpp"
+#include "../loss_math.hpp"
+#include "../options.hpp"
+#include "../targets.hpp"
+#include "../views.hpp"
+#include "cuda.cuh"
+#include "dtype.cuh"
+#include "kernels.cuh"
+#include "policy.cuh"
+
+namespace xent {
+
+/// A CUDA runtime call failed while enqueueing work (a launch or a device query).
+class cuda_error : public std::runtime_error {
+ public:
+  cuda_error(const char* fn, cudaError_t e)
+      : std::runtime_error(std::string(fn) + ": CUDA error: " + cudaGetErrorString(e)), code_(e) {}
+  cudaError_t code() const noexcept { return code_; }
+
+ private:
+  cudaError_t code_;
+};
+
+namespace cuda_detail {
+
+inline void check_cuda(const char* fn, cudaError_t e) {
+  if (e != cudaSuccess) throw cuda_error(fn, e);
+}
+
+template <class I>
+class_ids<I> device_targets(const vector_view<const I>& t) {
+  return {t.data};
+}
+template <class S>
+soft_probs<device_t<S>> device_targets(const soft_targets<S>& t) {
+  return {reinterpret_cast<const device_t<S>*>(t.probs.data), t.probs.ld};
+}
+
+inline bool aligned16(const void* p, std::int64_t ld_bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && ld_bytes % 16 == 0;
+}
+
+struct device_facts {
+  int sms = 0;
+  int major = 0;
+};
+
+inline device_facts query_device(const char* fn) {
+  int dev = 0;
+  device_facts f;
+  check_cuda(fn, cudaGetDevice(&dev));
+  check_cuda(fn, cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
+  check_cuda(fn, cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, dev));
+  return f;
+}
+
+/// Whether this kernel instantiation was compiled for sm_90+ (clusters exist in its code), asked
+/// once per instantiation.
+template <class Kernel>
+bool kernel_has_clusters(Kernel kernel) {
+  static const bool has = [&] {
+    cudaFuncAttributes attr{};
+    return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90;
+  }();
+  return has;
+}
+
+template <class Cfg, pass P, class T, class G, class Tgt>
+void launch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
+                 const launch_plan& plan) {
+  auto kernel = row_kernel<Cfg, P, T, G, Tgt>;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(plan.grid_rows), 1);
+  cfg.blockDim = dim3(Cfg::block, 1, 1);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = exec.stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = plan.cluster > 1 ? 1 : 0;
+  check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
+}
+
+template <pass P, class T, class G, class Tgt>
+void dispatch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args, bool aligned) {
+  constexpr int vec = 16 / static_cast<int>(sizeof(T));
+  using small_vec =
+      tile_config<policy::small_block, policy::small_elems, vec, policy::small_min_blocks>;
+  using big_vec = tile_config<policy::big_block, policy::big_elems, vec, policy::big_min_blocks>;
+  // Rows that are not 16-byte aligned take scalar accesses in the small configuration only: a
+  // rare layout does not earn another instantiation.
+  using small_one =
+      tile_config<policy::small_block, policy::small_elems, 1, policy::small_min_blocks>;
+  const device_facts dev = query_device(fn);
+  const bool clusters = dev.major >= 9 && kernel_has_clusters(row_kernel<big_vec, P, T, G, Tgt>);
+  const launch_plan plan =
+      make_launch_plan(args.rows, args.cols, sizeof(T), aligned, dev.sms, clusters);
+  args.cluster = plan.cluster;
+  args.slice = plan.slice;
+  if (args.rows == 0) return;
+  if (!aligned)
+    launch_rows<small_one, P>(fn, exec, args, plan);
+  else if (plan.small)
+    launch_rows<small_vec, P>(fn, exec, args, plan);
+  else
+    launch_rows<big_vec, P>(fn, exec, args, plan);
+}
+
+/// Everything but the pass, from the public arguments.
+template <class T, class G, class Tgt>
+row_args<device_t<T>, device_t<G>, Tgt> make_args(const char* fn, const cuda& exec,
+                                                  matrix_view<const T> logits, Tgt targets,
+                                                  const options& opts) {
+  row_args<device_t<T>, device_t<G>, Tgt> a{};
+  a.logits = reinterpret_cast<const device_t<T>*>(logits.data);
+  a.ld = logits.ld;
+  a.rows = logits.rows;
+  a.cols = logits.cols;
+  a.targets = targets;
+  a.weights = opts.class_weights.data;
+  // With class weights, sum_c w_c comes from the prepare kernel (the weights live on the device).
+  a.k = make_loss_constants(opts, logits.cols, static_cast<float>(logits.cols));
+  a.ignore_index = opts.ignore_index;
+  a.reduce = opts.reduce;
+  a.workspace = exec.workspace;
+  a.error_count = exec.error_count;
+  (void)fn;
+  return a;
+}
+
+template <class Tgt>
+void run_prepare(const char* fn, const cuda& exec, Tgt targets, std::int64_t rows,
+                 std::int64_t cols, const options& opts) {
+  prepare_kernel<1024, Tgt><<<1, 1024, 0, exec.stream>>>(targets, rows, cols, opts.ignore_index,
+                                                         opts.class_weights.data, exec.workspace);
+  check_cuda(fn, cudaGetLastError());
+}
+
+inline void require_workspace(const char* fn, const cuda& exec, std::int64_t rows, bool needed) {
+  if (!needed) return;
+  if (exec.workspace == nullptr || exec.workspace_bytes < cuda_workspace_size(rows))
+    throw error(fn, "exec.workspace",
+                "needs " + std::to_string(cuda_workspace_size(rows)) +
+                    " bytes of device memory (cuda_workspace_size(rows)), got " +
+                    std::to_string(exec.workspace ? exec.workspace_bytes : 0));
+}
+
+template <pass P, class T, class Tgt, class G>
+void run(const char* fn, const cuda& exec, matrix_view<const T> logits, const Tgt& targets,
+         const options& opts, const upstream* up, const forward_outputs* out,
+         vector_view<const float> lse, matrix_view<G> grad) {
+  auto dt = device_targets(targets);
+  auto a = make_args<T, G>(fn, exec, logits, dt, opts);
+  const bool reduced = out && ((out->loss && opts.reduce != reduction::none) || out->num_correct);
+  const bool mean_grad = P != pass::forward && opts.reduce == reduction::mean;
+  const bool weighted_smoothing = opts.class_weights.data && opts.label_smoothing != 0.0f;
+  const bool needs_ws = (P != pass::backward && reduced) || mean_grad || weighted_smoothing;
+  require_workspace(fn, exec, logits.rows, needs_ws);
+  if (!needs_ws) a.workspace = nullptr;
+  if (out) {
+    a.loss = opts.reduce == reduction::none ? nullptr : out->loss;
+    a.row_loss = out->row_loss.data;
+    a.lse_out = out->lse.data;
+    a.argmax = out->argmax.data;
+    a.num_correct = out->num_correct;
+    a.want_argmax = out->argmax.data || out->num_correct;
+  }
+  a.lse_in = lse.data;
+  a.grad = reinterpret_cast<device_t<G>*>(grad.data);
+  a.grad_ld = grad.ld;
+  if (up) {
+    a.scale = up->scale;
+    a.scale_ptr = up->scale_ptr;
+    a.up_rows = up->rows.data;
+  }
+  bool aligned = aligned16(logits.data, logits.ld * static_cast<std::int64_t>(sizeof(T)));
+  if (grad.data)
+    aligned = aligned && aligned16(grad.data, grad.ld * static_cast<std::int64_t>(sizeof(G)));
+  if (needs_ws) run_prepare(fn, exec, dt, logits.rows, logits.cols, opts);
+  if (logits.rows == 0) {
+    // Nothing to read; the reduced loss of no rows is still defined (mean NaN, sum 0).
+    // All-ones bytes are a float NaN; memset nodes are capturable, unlike pageable copies.
+    if (a.loss)
+      check_cuda(fn, cudaMemsetAsync(a.loss, opts.reduce == reduction::mean ? 0xff : 0,
+                                     sizeof(float), exec.stream));
+    if (a.num_correct)
+      check_cuda(fn, cudaMemsetAsync(a.num_correct, 0, sizeof(std::int64_t), exec.stream));
+    return;
+  }
+  dispatch_rows<P>(fn, exec, a, aligned);
+}
+
+}  // namespace cuda_detail
+
+template <>
+struct backend_traits<cuda> {
+  template <class T>
+  static constexpr bool supports_dtype = cuda_detail::is_device_dtype<T>;
+
+  template <class T, class Tgt>
+  static void forward(const cuda& exec, matrix_view<const T> logits, const Tgt& targets,
+                      const options& opts, const forward_outputs& out) {
+    cuda_detail::run<cuda_detail::pass::forward>("xent::forward", exec, logits, targets, opts,
+                                                 nullptr, &out, {}, matrix_view<float>{});
+  }
+
+  template <class T, class Tgt, class G>
+  static void backward(const cuda& exec, matrix_view<const T> logits, const Tgt& targets,
+                       const options& opts, vector_view<const float> lse, const upstream& up,
+                       matrix_view<G> grad) {
+    cuda_detail::run<cuda_detail::pass::backward>("xent::backward", exec, logits, targets, opts,
+                                                  &up, nullptr, lse, grad);
+  }
+
+  template <class T, class Tgt, class G>
+  static void forward_backward(const cuda& exec, matrix_view<const T> logits, const Tgt& targets,
+                               const options& opts, const upstream& up, const forward_outputs& out,
+                               matrix_view<G> grad) {
+    cuda_detail::run<cuda_detail::pass::fused>("xent::forward_backward", exec, logits, targets,
+                                               opts, &up, &out, {}, grad);
+  }
+};
+
+}  // namespace xent

@@ -1,0 +1,58 @@
+// The CUDA execution object and its workspace.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace xent {
+
+/// Runs on the GPU of the current device, in `stream`. Every call only enqueues work: nothing
+/// synchronises with the host, nothing allocates, and each call can be captured in a CUDA graph.
+///
+/// `workspace` is caller-owned device memory of at least cuda_workspace_size(rows) bytes, needed
+/// for class-id targets, the reduced loss and num_correct (CUB's two-phase temp storage); calls
+/// that need none of these accept a null workspace.
+///
+/// `error_count`, when given, is a device int that every call adds the number of rows whose class
+/// id is outside [0, V) and not ignore_index to. Such a row never reads or writes out of bounds:
+/// its loss and LSE are NaN, its gradient row zero, and it is left out of the mean's normaliser.
+struct cuda {
+  cudaStream_t stream = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  int* error_count = nullptr;
+};
+
+namespace cuda_detail {
+
+/// The workspace layout: a header, then one float and one flag per row.
+struct workspace_header {
+  unsigned int rows_done;  ///< rows finished by the running call; the last resets it to 0
+  unsigned int pad;
+  double normalizer;  ///< W of the mean, from the prepare kernel
+  double weight_sum;  ///< sum_c w_c, from the prepare kernel (label smoothing with weights)
+};
+
+__host__ __device__ inline std::size_t align_up(std::size_t n, std::size_t a) {
+  return (n + a - 1) / a * a;
+}
+
+struct workspace_layout {
+  std::size_t row_loss = 0, correct = 0, total = 0;
+  __host__ __device__ explicit workspace_layout(std::int64_t rows) {
+    row_loss = align_up(sizeof(workspace_header), 256);
+    correct = align_up(row_loss + sizeof(float) * static_cast<std::size_t>(rows), 256);
+    total = align_up(correct + static_cast<std::size_t>(rows), 256);
+  }
+};
+
+}  // namespace cuda_detail
+
+/// Bytes of workspace a call over `rows` rows needs (cuda::workspace).
+inline std::size_t cuda_workspace_size(std::int64_t rows) {
+  return cuda_detail::workspace_layout(rows < 0 ? 0 : rows).total;
+}
+
+}  // namespace xent
