@@ -39,14 +39,15 @@ function(xent_target_options target)
   set(_cxx "$<COMPILE_LANGUAGE:CXX>")
   set(_cu "$<COMPILE_LANGUAGE:CUDA>")
 
-  # Warnings. GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsics
-  # (_mm512_undefined_ps) once Eigen's packet math is inlined into our code with -march=native: a
-  # false positive in a system header we cannot annotate, so that one warning is off for GCC.
+  # Warnings. GCC 12 reports -W(maybe-)uninitialized inside its own AVX-512 intrinsics
+  # (_mm512_undefined_ps, GCC bug 105593) once Eigen's packet math is inlined into our code with
+  # -march=native: a false positive in a system header we cannot annotate, so those two warnings
+  # are off for GCC before 13.
   # nvcc: Eigen's headers draw warnings 20012 / 20015 (annotations on defaulted functions,
   # constexpr host calls); they are Eigen's, not ours.
   target_compile_options(${target} ${_scope}
     "$<${_cxx}:-Wall;-Wextra>"
-    "$<$<AND:${_cxx},$<CXX_COMPILER_ID:GNU>>:-Wno-maybe-uninitialized>"
+    "$<$<AND:${_cxx},$<CXX_COMPILER_ID:GNU>,$<VERSION_LESS:$<CXX_COMPILER_VERSION>,13>>:-Wno-maybe-uninitialized;-Wno-uninitialized>"
     "$<${_cu}:-Xcompiler=-Wall;-Xcompiler=-Wextra;-diag-suppress=20012,20015>")
   if(XENT_WERROR)
     target_compile_options(${target} ${_scope}

@@ -116,8 +116,8 @@ XENT_HOST_DEVICE inline float gradient_alpha(float mass, float lse, const loss_c
 }
 
 /// The gradient at the target class of a class-id row, formed in float from its (soft-capped)
-/// logit z_y and rounded once by the caller: (alpha p_y - (1 - eps) w_y - (eps / V) w_y) * slope * g.
-/// The p_y - 1 cancellation happens here, in float, never through a bf16 intermediate.
+/// logit z_y and rounded once by the caller: (alpha p_y - (1 - eps) w_y - (eps / V) w_y) * slope *
+/// g. The p_y - 1 cancellation happens here, in float, never through a bf16 intermediate.
 XENT_HOST_DEVICE inline float class_target_gradient(float z_y, float w_y, float alpha, float lse,
                                                     float g, const loss_constants& k) {
   const float p = std::exp(z_y - lse);

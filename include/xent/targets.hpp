@@ -17,7 +17,7 @@ struct soft_targets {
 };
 
 template <class S>
-soft_targets<S> soft(matrix_view<S> probs) {
+soft_targets<std::remove_const_t<S>> soft(matrix_view<S> probs) {
   return {probs};
 }
 
@@ -30,7 +30,9 @@ struct is_class_id : std::bool_constant<std::is_same<T, std::int32_t>::value ||
 /// Maps what a caller may pass as targets onto the two forms the backends implement.
 template <class Targets, class = void>
 struct target_traits {
-  static constexpr bool valid = false;
+  static constexpr bool valid = false;  // the entry points' static_assert says what is accepted
+  static constexpr bool soft = false;
+  using type = Targets;
 };
 
 template <class I>

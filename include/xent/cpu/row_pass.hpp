@@ -1,6 +1,11 @@
 // The two sweeps over a row (or a vocabulary slice of it) that the CPU backend is made of:
 // statistics (online LSE + the sums the options need) and the gradient. Both walk the slice in
 // L1-sized chunks with Eigen's packet math; neither allocates.
+//
+// All arithmetic happens in 64-byte-aligned stack buffers; the caller's memory is only converted
+// into them and out of them. Eigen peels the unaligned head of a buffer into scalar code (scalar
+// std::exp, a different summation order), so arithmetic on the caller's pointers would make the
+// results depend on where the caller's arrays happen to sit.
 #pragma once
 
 #include <Eigen/Core>
@@ -21,9 +26,14 @@ namespace xent {
 namespace cpu_detail {
 
 using farray = Eigen::Array<float, Eigen::Dynamic, 1>;
-using const_fmap = Eigen::Map<const farray>;
+/// A chunk in one of the aligned stack buffers.
+using const_fmap = Eigen::Map<const farray, Eigen::Aligned64>;
+using fmap = Eigen::Map<farray, Eigen::Aligned64>;
+/// A chunk of the caller's memory (any alignment): only converted, never computed on.
 template <class T>
-using const_tmap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+using const_tmap = Eigen::Map<const Eigen::Array<std::remove_const_t<T>, Eigen::Dynamic, 1>>;
+template <class T>
+using tmap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
 
 /// Everything a sweep needs to know about the call, for one logits dtype T and target kind Tgt.
 template <class T, class Tgt>
@@ -55,19 +65,19 @@ struct problem {
   float weight(std::int64_t c) const { return weights ? weights[c] : 1.0f; }
 };
 
-/// z = softcap(x) for n elements as float. Returns `src` itself when it already is that (float
-/// logits, no softcap) so the common fp32 path sweeps the caller's memory without a copy.
+/// z = softcap(x) for n elements, as float, into the aligned buffer `buf`.
 template <class T>
 const float* load_logits(const T* src, std::int64_t n, const loss_constants& k, float* buf) {
-  if constexpr (std::is_same<T, float>::value) {
-    if (k.softcap == 0.0f) return src;
-  }
-  Eigen::Map<farray> b(buf, n);
-  auto x = const_tmap<T>(src, n).template cast<float>();
-  if (k.softcap > 0.0f)
-    b = (x * k.inv_softcap).tanh() * k.softcap;
-  else
-    b = x;
+  fmap b(buf, n);
+  b = const_tmap<T>(src, n).template cast<float>();
+  if (k.softcap > 0.0f) b = (b * k.inv_softcap).tanh() * k.softcap;
+  return buf;
+}
+
+/// n class weights from c0 into the aligned buffer `buf` (null weights: none to load).
+inline const float* load_weights(const float* weights, std::int64_t c0, std::int64_t n,
+                                 float* buf) {
+  fmap(buf, n) = const_tmap<float>(weights + c0, n);
   return buf;
 }
 
@@ -75,10 +85,10 @@ const float* load_logits(const T* src, std::int64_t n, const loss_constants& k, 
 template <class T, class S>
 void load_soft_targets(const problem<T, soft_targets<S>>& pb, std::int64_t n, std::int64_t c0,
                        std::int64_t len, float* buf) {
-  Eigen::Map<farray> b(buf, len);
-  b = const_tmap<S>(pb.targets.probs.row(n) + c0, len).template cast<float>() * pb.k.keep +
-      pb.k.smooth;
-  if (pb.weights) b *= const_fmap(pb.weights + c0, len);
+  fmap b(buf, len);
+  b = const_tmap<S>(pb.targets.probs.row(n) + c0, len).template cast<float>();
+  b = b * pb.k.keep + pb.k.smooth;
+  if (pb.weights) b *= const_tmap<float>(pb.weights + c0, len);  // elementwise: no peeling issue
 }
 
 /// Finds the first index of the chunk maximum, only when it beats the running one: on real rows the
@@ -119,7 +129,9 @@ void accumulate_sides(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t c,
     p.mass += t.sum();
     p.dot += (t * z).sum();
   } else if (pb.k.smoothing()) {
-    p.dot += pb.weights ? (z * const_fmap(pb.weights + c, z.size())).sum() : z.sum();
+    p.dot += pb.weights
+                 ? (z * const_fmap(load_weights(pb.weights, c, z.size(), tbuf), z.size())).sum()
+                 : z.sum();
   }
 }
 
@@ -129,7 +141,8 @@ template <bool Argmax, class T, class Tgt>
 row_partial slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, std::int64_t v1,
                         argmax_state* am, exp_cache* cache = nullptr) {
   alignas(64) float zbuf[policy::max_chunk];
-  alignas(64) float tbuf[problem<T, Tgt>::soft ? policy::max_chunk : 1];
+  alignas(64) float ebuf[policy::max_chunk];
+  alignas(64) float tbuf[policy::max_chunk];  // soft targets or class weights
   const T* x = pb.logits.row(n);
   row_partial p;
   if constexpr (!problem<T, Tgt>::soft) {  // before a cache may overwrite it
@@ -147,11 +160,12 @@ row_partial slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t 
     float s;
     if (m == -inf) {  // all -inf (masked) or NaN: no exp(-inf - -inf)
       s = z.isNaN().any() ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-      if (cache) Eigen::Map<farray>(cache->values + c, len).setZero();
-    } else if (cache) {  // z may alias the cache: each element is read before it is replaced
-      Eigen::Map<farray> e(cache->values + c, len);
+      if (cache) tmap<float>(cache->values + c, len).setZero();
+    } else if (cache) {  // the cache may be the logits: z was copied out of them already
+      fmap e(ebuf, len);
       e = (z - m).exp();
       s = e.sum();
+      tmap<float>(cache->values + c, len) = e;
     } else {
       s = (z - m).exp().sum();
     }
@@ -184,14 +198,14 @@ void zero_slice(G* out, std::int64_t v0, std::int64_t v1) {
 /// single target class (label smoothing, soft targets).
 template <class T, class Tgt>
 void subtract_target_mass(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t c, float g,
-                          Eigen::Map<farray>& d, float* tbuf) {
+                          fmap& d, float* tbuf) {
   const std::int64_t len = d.size();
   if constexpr (problem<T, Tgt>::soft) {
     load_soft_targets(pb, n, c, len, tbuf);
     d -= const_fmap(tbuf, len) * g;
   } else if (pb.k.smoothing()) {
     if (pb.weights)
-      d -= const_fmap(pb.weights + c, len) * (g * pb.k.smooth);
+      d -= const_fmap(load_weights(pb.weights, c, len, tbuf), len) * (g * pb.k.smooth);
     else
       d -= g * pb.k.smooth;
   }
@@ -202,9 +216,8 @@ void subtract_target_mass(const problem<T, Tgt>& pb, std::int64_t n, std::int64_
 template <class T, class Tgt, class G>
 void write_target_gradient(const problem<T, Tgt>& pb, std::int64_t y, float x_y, float lse,
                            float mass, float g, G* out) {
-  out[y] =
-      G(class_target_gradient(apply_softcap(x_y, pb.k), pb.weight(y), gradient_alpha(mass, lse, pb.k),
-                              lse, g, pb.k));
+  out[y] = G(class_target_gradient(apply_softcap(x_y, pb.k), pb.weight(y),
+                                   gradient_alpha(mass, lse, pb.k), lse, g, pb.k));
 }
 
 /// Gradient of row n over classes [v0, v1), scaled by the row's upstream g:
@@ -216,27 +229,21 @@ void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, 
                     float lse, float mass, float g, G* out) {
   alignas(64) float zbuf[policy::max_chunk];
   alignas(64) float gbuf[policy::max_chunk];
-  alignas(64) float tbuf[problem<T, Tgt>::soft ? policy::max_chunk : 1];
+  alignas(64) float tbuf[policy::max_chunk];  // soft targets or class weights
   const T* x = pb.logits.row(n);
   const loss_constants& k = pb.k;
   const float ga = g * gradient_alpha(mass, lse, k);
   const std::int64_t y = pb.target(n);
   const bool has_target = y >= v0 && y < v1;
   const float x_y = has_target ? static_cast<float>(x[y]) : 0.0f;  // read before it is overwritten
-  const bool plain = !problem<T, Tgt>::soft && !k.smoothing() && k.softcap == 0.0f;
   for (std::int64_t c = v0; c < v1; c += pb.chunk) {
     const std::int64_t len = std::min(pb.chunk, v1 - c);
     const_fmap z(load_logits(x + c, len, k, zbuf), len);
-    Eigen::Map<Eigen::Array<G, Eigen::Dynamic, 1>> o(out + c, len);
-    if (plain) {  // the common case in one fused sweep
-      o = ((z - lse).exp() * ga).template cast<G>();
-      continue;
-    }
-    Eigen::Map<farray> d(gbuf, len);
+    fmap d(gbuf, len);
     d = (z - lse).exp() * ga;
     subtract_target_mass(pb, n, c, g, d, tbuf);
     if (k.softcap > 0.0f) d *= 1.0f - (z * k.inv_softcap).square();
-    o = d.template cast<G>();
+    tmap<G>(out + c, len) = d.template cast<G>();  // a conversion only: no peeled arithmetic
   }
   if (has_target) write_target_gradient(pb, y, x_y, lse, mass, g, out);
 }
@@ -247,13 +254,17 @@ void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, 
 template <class T, class Tgt>
 void cached_row_gradient(const problem<T, Tgt>& pb, std::int64_t n, float x_y, float lse,
                          float mass, float g, const exp_cache& cache, float* out) {
-  alignas(64) float tbuf[problem<T, Tgt>::soft ? policy::max_chunk : 1];
+  alignas(64) float gbuf[policy::max_chunk];
+  alignas(64) float tbuf[policy::max_chunk];  // soft targets or class weights
   const float ga = g * gradient_alpha(mass, lse, pb.k);
   const std::int64_t cols = pb.logits.cols;
   for (std::int64_t c = 0, i = 0; c < cols; c += pb.chunk, ++i) {
-    Eigen::Map<farray> d(out + c, std::min(pb.chunk, cols - c));
+    const std::int64_t len = std::min(pb.chunk, cols - c);
+    fmap d(gbuf, len);
+    d = tmap<float>(out + c, len);  // back into the aligned buffer (L1/L2), computed there
     d *= ga * std::exp(cache.chunk_max[i] - lse);  // exp(z - m_c) * exp(m_c - lse) = p
     subtract_target_mass(pb, n, c, g, d, tbuf);
+    tmap<float>(out + c, len) = d;
   }
   if constexpr (!problem<T, Tgt>::soft)
     write_target_gradient(pb, pb.target(n), x_y, lse, mass, g, out);

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -65,26 +67,41 @@ inline device_facts query_device(const char* fn) {
   return f;
 }
 
-/// Whether this kernel instantiation was compiled for sm_90+ (clusters exist in its code), asked
-/// once per instantiation.
-template <class Kernel>
-bool kernel_has_clusters(Kernel kernel) {
-  static const bool has = [&] {
+/// Per kernel instantiation, asked once: whether its code was built for sm_90+ (clusters exist in
+/// it), after raising its dynamic shared-memory limit and allowing non-portable cluster sizes.
+template <int Vec, bool Plain, pass P, class T, class G, class Tgt>
+bool prepare_kernel_attributes() {
+  // One static per instantiation: the template arguments, not the kernel's signature, key it.
+  static const bool clusters = [] {
+    auto kernel = stream_kernel<policy::block, Vec, policy::stages, Plain, P, T, G, Tgt>;
     cudaFuncAttributes attr{};
-    return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90;
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) return false;
+    const int smem = static_cast<int>(policy::stages * policy::max_chunk_bytes);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (attr.binaryVersion < 90) return false;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+           cudaSuccess;
   }();
-  return has;
+  return clusters;
 }
 
-template <class Cfg, pass P, class T, class G, class Tgt>
-void launch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
-                 const launch_plan& plan) {
-  auto kernel = row_kernel<Cfg, P, T, G, Tgt>;
+template <int Vec, bool Plain, pass P, class T, class G, class Tgt>
+void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
+                 const device_facts& dev) {
+  auto kernel = stream_kernel<policy::block, Vec, policy::stages, Plain, P, T, G, Tgt>;
+  const bool clusters = prepare_kernel_attributes<Vec, Plain, P, T, G, Tgt>() && dev.major >= 9;
+  const launch_plan plan = make_launch_plan(args.rows, args.cols, sizeof(T), Vec, dev.sms,
+                                            clusters ? policy::cluster_max : 1);
+  args.cluster = plan.cluster;
+  args.slice = plan.slice;
+  args.chunk = plan.chunk;
+  args.chunks = plan.chunks;
+  args.chunk_bytes = plan.chunk_bytes;
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(plan.grid_rows), 1);
-  cfg.blockDim = dim3(Cfg::block, 1, 1);
-  cfg.dynamicSmemBytes = 0;
+  cfg.blockDim = dim3(policy::block, 1, 1);
+  cfg.dynamicSmemBytes = plan.smem_bytes;
   cfg.stream = exec.stream;
+  static const bool log = std::getenv("XENT_CUDA_LOG") != nullptr;  // read once
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
@@ -92,32 +109,44 @@ void launch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& ar
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = plan.cluster > 1 ? 1 : 0;
+  // Persistent clusters: as many as fit at once, each walking its share of the rows.
+  cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), 1, 1);
+  int active = 0;
+  if (plan.cluster > 1) {
+    check_cuda(fn, cudaOccupancyMaxActiveClusters(&active, kernel, &cfg));
+  } else {
+    check_cuda(fn, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&active, kernel, policy::block,
+                                                                 plan.smem_bytes));
+    active *= dev.sms;
+  }
+  const std::int64_t grid_rows = args.rows < active ? args.rows : (active > 0 ? active : 1);
+  cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(grid_rows), 1);
+  if (log)
+    std::fprintf(stderr,
+                 "%s: %lld x %lld, vec %d: cluster %d, slice %lld, chunk %lld x %lld, smem %zu, "
+                 "grid %lld (active %d)\n",
+                 fn, static_cast<long long>(args.rows), static_cast<long long>(args.cols), Vec,
+                 plan.cluster, static_cast<long long>(plan.slice),
+                 static_cast<long long>(plan.chunk), static_cast<long long>(plan.chunks),
+                 plan.smem_bytes, static_cast<long long>(grid_rows), active);
   check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
 }
 
 template <pass P, class T, class G, class Tgt>
-void dispatch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args, bool aligned) {
-  constexpr int vec = 16 / static_cast<int>(sizeof(T));
-  using small_vec =
-      tile_config<policy::small_block, policy::small_elems, vec, policy::small_min_blocks>;
-  using big_vec = tile_config<policy::big_block, policy::big_elems, vec, policy::big_min_blocks>;
-  // Rows that are not 16-byte aligned take scalar accesses in the small configuration only: a
-  // rare layout does not earn another instantiation.
-  using small_one =
-      tile_config<policy::small_block, policy::small_elems, 1, policy::small_min_blocks>;
-  const device_facts dev = query_device(fn);
-  const bool clusters = dev.major >= 9 && kernel_has_clusters(row_kernel<big_vec, P, T, G, Tgt>);
-  const launch_plan plan =
-      make_launch_plan(args.rows, args.cols, sizeof(T), aligned, dev.sms, clusters);
-  args.cluster = plan.cluster;
-  args.slice = plan.slice;
+void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
+                   bool aligned) {
   if (args.rows == 0) return;
+  const device_facts dev = query_device(fn);
+  // 16-byte accesses (cp.async, vector stores) when every row start is 16-byte aligned;
+  // element-wise otherwise.
+  constexpr int vec = 16 / static_cast<int>(sizeof(T));
+  const bool plain = !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f;
   if (!aligned)
-    launch_rows<small_one, P>(fn, exec, args, plan);
-  else if (plan.small)
-    launch_rows<small_vec, P>(fn, exec, args, plan);
+    launch_rows<1, false, P>(fn, exec, args, dev);
+  else if (plain)
+    launch_rows<vec, !Tgt::soft, P>(fn, exec, args, dev);  // soft targets never take it
   else
-    launch_rows<big_vec, P>(fn, exec, args, plan);
+    launch_rows<vec, false, P>(fn, exec, args, dev);
 }
 
 /// Everything but the pass, from the public arguments.

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cooperative_groups.h>
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -73,7 +74,10 @@ struct row_args {
   void* workspace;
   int* error_count;
   int cluster;
-  std::int64_t slice;
+  std::int64_t slice;       ///< classes per CTA
+  std::int64_t chunk;       ///< classes per shared-memory stage
+  std::int64_t chunks;      ///< stages per slice: 1 = the slice is resident
+  std::size_t chunk_bytes;  ///< bytes per stage (16-byte multiple)
   bool want_argmax;
 };
 
@@ -128,36 +132,12 @@ XENT_KERNEL void prepare_kernel(Tgt targets, std::int64_t rows, std::int64_t col
   }
 }
 
-/// Thread-local view of one tile: `loads` accesses of `vec` elements, in registers. Offsets
-/// inside a tile are 32-bit (a tile is at most a few thousand elements); the tile's base is 64-bit.
-template <class Cfg, class T>
-struct tile_regs {
-  vec_t<T, Cfg::vec> v[Cfg::loads];
-
-  /// Offset of access i of this thread from the tile's base.
-  __device__ static int offset(int i) {
-    return (i * Cfg::block + static_cast<int>(threadIdx.x)) * Cfg::vec;
-  }
-
-  /// Loads the first `count` elements of the tile at x; later elements are never read.
-  __device__ void load(const T* x, int count) {
-#pragma unroll
-    for (int i = 0; i < Cfg::loads; ++i) {
-      const int o = offset(i);
-      if (o + Cfg::vec <= count) {
-        v[i] = load_vec<T, Cfg::vec>(x + o);
-      } else {
-#pragma unroll
-        for (int e = 0; e < Cfg::vec; ++e)
-          if (o + e < count) v[i].v[e] = x[o + e];
-      }
-    }
-  }
-};
-
-template <class T>
+/// The soft-capped logit. `Plain` kernels (no softcap, no label smoothing, class ids) are compiled
+/// without the option paths, so their inner loops are the bare conversion, exponential and store.
+template <bool Plain = false, class T>
 __device__ __forceinline__ float capped(T raw, const loss_constants& k) {
   const float x = to_float(raw);
+  if constexpr (Plain) return x;
   return k.softcap > 0.0f ? k.softcap * tanhf(x * k.inv_softcap) : x;
 }
 
@@ -173,34 +153,40 @@ __device__ __forceinline__ float target_mass(const row_args<T, G, Tgt>& a, std::
   }
 }
 
-/// Statistics of this thread's elements of the tile at `base` (`count` valid): its own max first
-/// (registers, no memory), then one exponential per element relative to it; the side sums the
+/// Statistics of this thread's elements of a chunk staged in shared memory: `count` elements
+/// from class `base`, this thread taking vectors tid, tid + Block, ... Its own max first (a sweep
+/// over shared memory, no HBM), then one exponential per element relative to it; the side sums the
 /// options need ride along.
-template <class Cfg, class T, class G, class Tgt>
-__device__ void tile_stats(const row_args<T, G, Tgt>& a, const tile_regs<Cfg, T>& t, std::int64_t n,
-                           std::int64_t base, int count, cta_partial& acc) {
+template <int Block, int Vec, bool Plain, class T, class G, class Tgt>
+__device__ void chunk_stats(const row_args<T, G, Tgt>& a, const T* chunk, std::int64_t n,
+                            std::int64_t base, int count, cta_partial& acc) {
+  const int vectors = (count + Vec - 1) / Vec;
   float m = -HUGE_VALF;
+  // Not unrolled: warps, not in-thread parallelism, hide shared-memory latency here, and the
+  // per-element option paths would otherwise multiply the register count.
+#pragma unroll 1
+  for (int j = threadIdx.x; j < vectors; j += Block) {
+    const vec_t<T, Vec> v = load_vec<T, Vec>(chunk + j * Vec);
 #pragma unroll
-  for (int i = 0; i < Cfg::loads; ++i) {
-#pragma unroll
-    for (int e = 0; e < Cfg::vec; ++e) {
-      if (t.offset(i) + e < count) {
-        const float z = capped(t.v[i].v[e], a.k);
-        m = (z > m || z != z) ? z : m;  // NaN sticks, so it reaches the sum
-      }
+    for (int e = 0; e < Vec; ++e) {
+      // fmaxf passes over NaN; a NaN still reaches the sum below through its exponential.
+      if (j * Vec + e < count) m = fmaxf(m, capped<Plain>(v.v[e], a.k));
     }
   }
   const float shift = m == -HUGE_VALF ? 0.0f : m * log2e;
+  const bool side = !Plain && (Tgt::soft || a.k.smooth != 0.0f);
   float s = 0.0f, dot = 0.0f, mass = 0.0f, best = -HUGE_VALF;
   int best_at = -1;
-  const bool side = Tgt::soft || a.k.smooth != 0.0f;
+  // Not unrolled: warps, not in-thread parallelism, hide shared-memory latency here, and the
+  // per-element option paths would otherwise multiply the register count.
+#pragma unroll 1
+  for (int j = threadIdx.x; j < vectors; j += Block) {
+    const vec_t<T, Vec> v = load_vec<T, Vec>(chunk + j * Vec);
 #pragma unroll
-  for (int i = 0; i < Cfg::loads; ++i) {
-#pragma unroll
-    for (int e = 0; e < Cfg::vec; ++e) {
-      const int o = t.offset(i) + e;
+    for (int e = 0; e < Vec; ++e) {
+      const int o = j * Vec + e;
       if (o < count) {
-        const float z = capped(t.v[i].v[e], a.k);
+        const float z = capped<Plain>(v.v[e], a.k);
         s += fast_exp2(fmaf(z, log2e, -shift));
         if (side) {
           if constexpr (Tgt::soft) {
@@ -211,7 +197,7 @@ __device__ void tile_stats(const row_args<T, G, Tgt>& a, const tile_regs<Cfg, T>
             dot += (a.weights ? a.weights[base + o] : 1.0f) * z;
           }
         }
-        // Offsets grow with i and e, so a strict comparison keeps the first maximum.
+        // A thread's offsets only grow, so a strict comparison keeps its first maximum.
         if (a.want_argmax && argmax_state::greater(z, best)) {
           best = z;
           best_at = o;
@@ -230,24 +216,27 @@ __device__ void tile_stats(const row_args<T, G, Tgt>& a, const tile_regs<Cfg, T>
   }
 }
 
-/// Gradient of this thread's elements of the tile at `base`, written to out; the target class
-/// takes `target_grad` (formed once per row, in float, by class_target_gradient), and each vector
-/// is stored once.
-template <class Cfg, class T, class G, class Tgt>
-__device__ void tile_gradient(const row_args<T, G, Tgt>& a, const tile_regs<Cfg, T>& t,
-                              std::int64_t n, std::int64_t base, int count, std::int64_t y,
-                              float target_grad, float lse, float alpha, float g, G* out) {
+/// Gradient of this thread's elements of a staged chunk, stored to `out` (the row of grad): a
+/// 16-byte store per vector; the target class takes `target_grad`, formed once per row in float.
+template <int Block, int Vec, bool Plain, class T, class G, class Tgt>
+__device__ void chunk_gradient(const row_args<T, G, Tgt>& a, const T* chunk, std::int64_t n,
+                               std::int64_t base, int count, std::int64_t y, float target_grad,
+                               float lse, float alpha, float g, G* out) {
   const float ga = g * alpha;
   const float shift = lse * log2e;
-  const bool plain = !Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f;
+  const bool plain = Plain || (!Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f);
   const std::int64_t yo = y - base;  // outside [0, count) when the target is elsewhere
+  const int vectors = (count + Vec - 1) / Vec;
+  // Not unrolled: warps, not in-thread parallelism, hide shared-memory latency here, and the
+  // per-element option paths would otherwise multiply the register count.
+#pragma unroll 1
+  for (int j = threadIdx.x; j < vectors; j += Block) {
+    const vec_t<T, Vec> v = load_vec<T, Vec>(chunk + j * Vec);
+    const int o = j * Vec;
+    vec_t<G, Vec> d;
 #pragma unroll
-  for (int i = 0; i < Cfg::loads; ++i) {
-    const int o = t.offset(i);
-    vec_t<G, Cfg::vec> d;
-#pragma unroll
-    for (int e = 0; e < Cfg::vec; ++e) {
-      const float z = capped(t.v[i].v[e], a.k);
+    for (int e = 0; e < Vec; ++e) {
+      const float z = capped<Plain>(v.v[e], a.k);
       float r = ga * fast_exp2(fmaf(z, log2e, -shift));
       if (!plain && o + e < count) {
         r -= g * target_mass(a, n, base + o + e);
@@ -256,16 +245,34 @@ __device__ void tile_gradient(const row_args<T, G, Tgt>& a, const tile_regs<Cfg,
       if (o + e == yo) r = target_grad;
       d.v[e] = from_float<G>(r);
     }
-    if (o + Cfg::vec <= count) {
-      store_vec<G, Cfg::vec>(out + base + o, d);
+    if (Vec * sizeof(G) == 16 && o + Vec <= count) {
+      store_vec<G, Vec>(out + base + o, d);
     } else {
 #pragma unroll
-      for (int e = 0; e < Cfg::vec; ++e)
+      for (int e = 0; e < Vec; ++e)
         if (o + e < count) out[base + o + e] = d.v[e];
     }
   }
 }
 
+/// Copies `count` elements of a row into a shared-memory stage without waiting: 16-byte
+/// cp.async accesses when rows are aligned (the last vector zero-filled past the row's end, so
+/// nothing outside the row is read), plain loads otherwise.
+template <int Block, int Vec, class T>
+__device__ void stage_chunk(T* stage, const T* src, int count) {
+  if constexpr (Vec * sizeof(T) == 16) {
+    const int vectors = (count + Vec - 1) / Vec;
+    // Not unrolled: warps, not in-thread parallelism, hide shared-memory latency here, and the
+    // per-element option paths would otherwise multiply the register count.
+#pragma unroll 1
+    for (int j = threadIdx.x; j < vectors; j += Block) {
+      const int valid = count - j * Vec < Vec ? count - j * Vec : Vec;
+      __pipeline_memcpy_async(stage + j * Vec, src + j * Vec, 16, (Vec - valid) * sizeof(T));
+    }
+  } else {
+    for (int j = threadIdx.x; j < count; j += Block) stage[j] = src[j];
+  }
+}
 /// Block-wide merge, then (sm_90, cluster > 1) the cluster-wide merge through distributed shared
 /// memory: every CTA merges the cluster's partials in rank order, so all CTAs of a row agree
 /// bit for bit and the result does not depend on timing.
@@ -299,30 +306,41 @@ __device__ cta_partial reduce_row(const cta_partial& mine, int cluster_size) {
   return r;
 }
 
-/// Adds this row's loss and correctness to the workspace; the CTA that finishes the last row sums
-/// them in a fixed order (deterministic), writes the reduced loss and resets the counter.
-template <int Block, class T, class G, class Tgt>
-__device__ void finish_reduction(const row_args<T, G, Tgt>& a, std::int64_t n, float loss,
-                                 bool correct) {
-  __shared__ bool last;
+/// Records row n's loss and correctness in the workspace (plain stores; published by
+/// finish_reduction's fence).
+template <class T, class G, class Tgt>
+__device__ void record_row(const row_args<T, G, Tgt>& a, std::int64_t n, float loss, bool correct) {
   const workspace_layout layout(a.rows);
   char* ws = static_cast<char*>(a.workspace);
-  float* losses = reinterpret_cast<float*>(ws + layout.row_loss);
-  unsigned char* flags = reinterpret_cast<unsigned char*>(ws + layout.correct);
+  reinterpret_cast<float*>(ws + layout.row_loss)[n] = loss;
+  reinterpret_cast<unsigned char*>(ws + layout.correct)[n] = correct ? 1 : 0;
+}
+
+/// Once per CTA, after its last row: adds its row count to the counter; the CTA that completes it
+/// sums every row's entries in a fixed order (deterministic), writes the reduced loss and
+/// num_correct, and resets the counter for the next call. One fence and one atomic per CTA, not
+/// per row.
+template <int Block, class T, class G, class Tgt>
+__device__ void finish_reduction(const row_args<T, G, Tgt>& a, unsigned my_rows) {
+  __shared__ bool last;
+  __syncthreads();  // every record_row of this CTA is issued
   if (threadIdx.x == 0) {
-    losses[n] = loss;
-    flags[n] = correct ? 1 : 0;
-    __threadfence();  // the row's entries are visible before the count says so
-    last = atomicAdd(&header(a.workspace)->rows_done, 1u) == static_cast<unsigned>(a.rows - 1);
+    __threadfence();  // this CTA's entries are visible before the count says so
+    const unsigned before = atomicAdd(&header(a.workspace)->rows_done, my_rows);
+    last = before + my_rows == static_cast<unsigned>(a.rows);
   }
   __syncthreads();  // `last` is visible
   if (!last) return;
   __threadfence();
+  const workspace_layout layout(a.rows);
+  const char* ws = static_cast<const char*>(a.workspace);
+  const float* losses = reinterpret_cast<const float*>(ws + layout.row_loss);
+  const unsigned char* flags = reinterpret_cast<const unsigned char*>(ws + layout.correct);
   double sum = 0.0;
   long long hits = 0;
   for (std::int64_t r = threadIdx.x; r < a.rows; r += Block) {
-    sum += static_cast<double>(__ldcg(losses + r));  // L2: written by other SMs
-    hits += __ldcg(reinterpret_cast<const char*>(flags) + r);
+    sum += static_cast<double>(__ldcg(losses + r));  // from L2: written by other SMs
+    hits += __ldcg(reinterpret_cast<const signed char*>(flags) + r);
   }
   using dreduce = cub::BlockReduce<double, Block>;
   using lreduce = cub::BlockReduce<long long, Block>;
@@ -340,125 +358,183 @@ __device__ void finish_reduction(const row_args<T, G, Tgt>& a, std::int64_t n, f
   }
 }
 
-/// The upstream gradient of row n (see xent::upstream), formed in double and rounded once.
+/// The upstream gradient of row n (see xent::upstream), formed in double and rounded once;
+/// `scalar` is scale * *scale_ptr / W for mean and sum, read once per launch.
 template <class T, class G, class Tgt>
-__device__ float row_scale(const row_args<T, G, Tgt>& a, std::int64_t n) {
-  double g = a.scale;
-  if (a.reduce == reduction::none) {
-    if (a.up_rows) g *= a.up_rows[n];
-    return static_cast<float>(g);
-  }
-  if (a.scale_ptr) g *= *a.scale_ptr;
-  if (a.reduce == reduction::mean) g /= header(a.workspace)->normalizer;
-  return static_cast<float>(g);
+__device__ float row_scale(const row_args<T, G, Tgt>& a, std::int64_t n, double scalar) {
+  if (a.reduce == reduction::none)
+    return static_cast<float>(a.up_rows ? static_cast<double>(a.scale) * a.up_rows[n] : a.scale);
+  return static_cast<float>(scalar);
 }
 
-/// The row kernel. Grid (cluster, rows in flight); the CTAs of one cluster share a row, CTA `rank`
-/// owning elements [rank * slice, (rank + 1) * slice). A row that fits the cluster's registers is
-/// read once; longer ones re-read their tiles in the gradient sweep.
-template <class Cfg, pass P, class T, class G, class Tgt>
-XENT_KERNEL void __launch_bounds__(Cfg::block, Cfg::min_blocks) row_kernel(row_args<T, G, Tgt> a) {
+/// The streaming row kernel. Grid (cluster, clusters in flight): the CTAs of one cluster share a
+/// row, CTA `rank` owning classes [rank * slice, (rank + 1) * slice), and each cluster walks rows
+/// blockIdx.y, + gridDim.y, ... (persistent). A CTA's slice is staged in shared memory in chunks
+/// by cp.async, `Stages` deep, so the next row streams in from HBM while this one is reduced and
+/// its gradient written. When a slice fits one chunk (resident) the row is read from HBM once;
+/// otherwise the gradient sweep stages each chunk again.
+///
+/// The work of a cluster is a sequence of items, `per_row` per row: `chunks` statistics items then
+/// `chunks` gradient items (one item each way when resident; backward of class ids has only
+/// gradient items). Item k is staged at iteration k - (Stages - 1), into stage k % Stages, with
+/// the row's target and saved LSE, so no iteration waits on a dependent global load.
+template <int Block, int Vec, int Stages, bool Plain, pass P, class T, class G, class Tgt>
+XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) stream_kernel(row_args<T, G, Tgt> a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ std::int64_t stage_target[Stages];
+  __shared__ float stage_lse[Stages];
   if (a.weights && a.k.smooth != 0.0f)
     a.k.weight_sum = static_cast<float>(header(a.workspace)->weight_sum);
+  // The scalar upstream gradient (scale * *scale_ptr / W), once per launch.
+  double scalar = a.scale;
+  if (a.reduce != reduction::none && P != pass::forward) {
+    if (a.scale_ptr) scalar *= *a.scale_ptr;
+    if (a.reduce == reduction::mean) scalar /= header(a.workspace)->normalizer;
+  }
   const int rank = static_cast<int>(blockIdx.x);
   const std::int64_t v0 = rank * a.slice;
   const std::int64_t v1 = v0 + a.slice < a.cols ? v0 + a.slice : a.cols;
-  const std::int64_t tiles = v1 > v0 ? (v1 - v0 + Cfg::tile - 1) / Cfg::tile : 0;
-  const bool need_reduce = a.workspace && (a.loss || a.num_correct) && P != pass::backward;
+  const int chunks = static_cast<int>(a.chunks);
+  const bool resident = chunks == 1;
   constexpr bool want_grad = P != pass::forward;
   // Backward needs statistics only for soft targets (their mass); the LSE comes from forward.
   constexpr bool want_stats = P != pass::backward || Tgt::soft;
-  tile_regs<Cfg, T> t;
-
-  for (std::int64_t n = blockIdx.y; n < a.rows; n += gridDim.y) {
-    const T* x = a.logits + n * a.ld;
-    G* out = want_grad ? a.grad + n * a.grad_ld : nullptr;
-    std::int64_t y = -1;
-    bool ignored = false, invalid = false;
-    if constexpr (!Tgt::soft) {
-      y = static_cast<std::int64_t>(a.targets.ids[n]);
-      ignored = y == a.ignore_index;
-      invalid = !ignored && (y < 0 || y >= a.cols);
-    }
-    if (ignored || invalid) {  // not read; a zero gradient; no cluster exchange needed
-      if (rank == 0 && threadIdx.x == 0) {
-        const float v = invalid ? NAN : 0.0f;
-        if (P != pass::backward) {
-          if (a.row_loss) a.row_loss[n] = v;
-          if (a.lse_out) a.lse_out[n] = v;
-          if (a.argmax) a.argmax[n] = -1;
+  const int stat_items = want_stats ? chunks : 0;
+  const int per_row = resident ? 1 : stat_items + (want_grad ? chunks : 0);
+  const std::int64_t my_rows =
+      a.rows > blockIdx.y ? (a.rows - blockIdx.y + gridDim.y - 1) / gridDim.y : 0;
+  const std::int64_t items = my_rows * per_row;
+  const bool need_reduce = a.workspace && (a.loss || a.num_correct) && P != pass::backward;
+  auto stage = [&](std::int64_t k) {
+    return reinterpret_cast<T*>(smem + static_cast<std::size_t>(k % Stages) * a.chunk_bytes);
+  };
+  auto row_of = [&](std::int64_t k) { return blockIdx.y + (k / per_row) * gridDim.y; };
+  auto chunk_span = [&](int c, std::int64_t& base, int& count) {
+    base = v0 + static_cast<std::int64_t>(c) * a.chunk;
+    const std::int64_t rest = v1 - base;
+    count = static_cast<int>(rest < a.chunk ? (rest > 0 ? rest : 0) : a.chunk);
+  };
+  // Issues item k's copies (or none) and always commits a group, so group counts stay uniform.
+  // Ignored rows are copied too: knowing that first would put a dependent load before the copy.
+  auto issue = [&](std::int64_t k) {
+    if (k < items) {
+      const std::int64_t n = row_of(k);
+      const int j = static_cast<int>(k % per_row);
+      std::int64_t base;
+      int count;
+      chunk_span(resident ? 0 : j % chunks, base, count);
+      stage_chunk<Block, Vec>(stage(k), a.logits + n * a.ld + base, count);
+      if (threadIdx.x == 0 && j == 0) {
+        if constexpr (!Tgt::soft) {
+          if constexpr (sizeof(*a.targets.ids) == 8) {
+            __pipeline_memcpy_async(&stage_target[k % Stages], a.targets.ids + n, 8);
+          } else {
+            __pipeline_memcpy_async(reinterpret_cast<std::int32_t*>(&stage_target[k % Stages]),
+                                    a.targets.ids + n, 4);
+          }
         }
-        if (invalid && a.error_count) atomicAdd(a.error_count, 1);
+        if constexpr (P == pass::backward)
+          __pipeline_memcpy_async(&stage_lse[k % Stages], a.lse_in + n, 4);
       }
-      if (want_grad)
-        for (std::int64_t c = v0 + threadIdx.x; c < v1; c += Cfg::block)
-          out[c] = from_float<G>(0.0f);
-      if (need_reduce && rank == 0) finish_reduction<Cfg::block>(a, n, invalid ? NAN : 0.0f, false);
+    }
+    __pipeline_commit();
+  };
+
+  for (int k = 0; k < Stages - 1; ++k) issue(k);
+  cta_partial part;
+  float lse = 0.0f, mass = 0.0f, g = 0.0f, alpha = 0.0f, target_grad = 0.0f, loss = 0.0f;
+  std::int64_t y = -1;
+  bool skip = false, invalid = false;
+  for (std::int64_t k = 0; k < items; ++k) {
+    issue(k + Stages - 1);
+    __pipeline_wait_prior(Stages - 1);
+    __syncthreads();  // item k's chunk and metadata are in shared memory for every thread
+    const std::int64_t n = row_of(k);
+    const int j = static_cast<int>(k % per_row);
+    const T* chunk = stage(k);
+    if (j == 0) {  // a new row
+      part = cta_partial{};
+      if constexpr (!Tgt::soft) {
+        y = stage_target[k % Stages];
+        if (sizeof(*a.targets.ids) == 4) y = static_cast<std::int32_t>(y & 0xffffffff);
+        skip = y == a.ignore_index || y < 0 || y >= a.cols;
+        invalid = skip && y != a.ignore_index;
+      }
+      if constexpr (P == pass::backward) lse = stage_lse[k % Stages];
+    }
+    if (skip) {  // ignored or out of range: zero gradient, NaN loss if out of range
+      if (j == 0) {
+        if (rank == 0 && threadIdx.x == 0) {
+          const float v = invalid ? NAN : 0.0f;
+          if (P != pass::backward) {
+            if (a.row_loss) a.row_loss[n] = v;
+            if (a.lse_out) a.lse_out[n] = v;
+            if (a.argmax) a.argmax[n] = -1;
+            if (need_reduce) record_row(a, n, v, false);
+          }
+          if (invalid && a.error_count) atomicAdd(a.error_count, 1);
+        }
+        if (want_grad) {
+          G* out = a.grad + n * a.grad_ld;
+          for (std::int64_t c = v0 + threadIdx.x; c < v1; c += Block) out[c] = from_float<G>(0.0f);
+        }
+      }
+      __syncthreads();  // the stage is free for the next issue
       continue;
     }
-
-    cta_partial part;
-    if constexpr (!Tgt::soft) {
-      if (want_stats && threadIdx.x == 0 && y >= v0 && y < v1)
-        part.stats.target_logit = capped(x[y], a.k);
-    }
-    if (want_stats) {
-      for (std::int64_t i = 0; i < tiles; ++i) {
-        const std::int64_t base = v0 + i * Cfg::tile;
-        const int count = static_cast<int>(v1 - base < Cfg::tile ? v1 - base : Cfg::tile);
-        t.load(x + base, count);
-        tile_stats(a, t, n, base, count, part);
-      }
-    }
-    const cta_partial row = want_stats ? reduce_row<Cfg::block>(part, a.cluster) : part;
-
-    float lse;
-    if constexpr (P == pass::backward) {
-      lse = a.lse_in[n];
-    } else {
-      lse = row.stats.lse.lse();
-    }
-    float mass;
-    if constexpr (Tgt::soft) {
-      mass = row.stats.mass;
-    } else {
-      mass = class_target_mass(a.weights ? a.weights[y] : 1.0f, a.k);
-    }
-
-    if constexpr (P != pass::backward) {
-      float loss;
-      if constexpr (Tgt::soft) {
-        loss = soft_row_loss(row.stats, a.k);
-      } else {
-        loss = class_row_loss(row.stats, a.weights ? a.weights[y] : 1.0f, a.k);
-      }
-      if (rank == 0 && threadIdx.x == 0) {
-        if (a.row_loss) a.row_loss[n] = loss;
-        if (a.lse_out) a.lse_out[n] = lse;
-        if (a.argmax) a.argmax[n] = row.best.index;
-      }
-      if (need_reduce && rank == 0) finish_reduction<Cfg::block>(a, n, loss, row.best.index == y);
-    }
-
-    if constexpr (want_grad) {
-      const float g = row_scale(a, n);
-      const float alpha = gradient_alpha(mass, lse, a.k);
-      float target_grad = 0.0f;
+    const bool stats_item = want_stats && (resident || j < stat_items);
+    const bool grad_item = want_grad && (resident || j >= stat_items);
+    std::int64_t base;
+    int count;
+    chunk_span(resident ? 0 : j % chunks, base, count);
+    if (stats_item) {
       if constexpr (!Tgt::soft) {
-        // z_y: merged from the statistics, or read back (backward reads the row only here).
-        const float z_y = want_stats ? row.stats.target_logit : capped(x[y], a.k);
-        target_grad =
-            class_target_gradient(z_y, a.weights ? a.weights[y] : 1.0f, alpha, lse, g, a.k);
+        if (threadIdx.x == 0 && y >= base && y < base + count)
+          part.stats.target_logit = capped(chunk[y - base], a.k);
       }
-      for (std::int64_t i = 0; i < tiles; ++i) {
-        const std::int64_t base = v0 + i * Cfg::tile;
-        const int count = static_cast<int>(v1 - base < Cfg::tile ? v1 - base : Cfg::tile);
-        // A row held in registers is not read again; a longer one re-reads the tile from L2.
-        if (tiles > 1 || !want_stats) t.load(x + base, count);
-        tile_gradient(a, t, n, base, count, y, target_grad, lse, alpha, g, out);
+      chunk_stats<Block, Vec, Plain>(a, chunk, n, base, count, part);
+    }
+    const bool last_stats = want_stats ? (resident || j == stat_items - 1) : j == 0;
+    if (last_stats) {  // the row's statistics are complete: merge them, form the loss
+      const cta_partial row = want_stats ? reduce_row<Block>(part, a.cluster) : part;
+      if constexpr (P != pass::backward) lse = row.stats.lse.lse();
+      const float w_y = !Tgt::soft && a.weights ? a.weights[y] : 1.0f;
+      if constexpr (Tgt::soft) {
+        mass = row.stats.mass;
+      } else {
+        mass = class_target_mass(w_y, a.k);
+      }
+      if constexpr (P != pass::backward) {
+        if constexpr (Tgt::soft) {
+          loss = soft_row_loss(row.stats, a.k);
+        } else {
+          loss = class_row_loss(row.stats, w_y, a.k);
+        }
+        if (rank == 0 && threadIdx.x == 0) {
+          if (a.row_loss) a.row_loss[n] = loss;
+          if (a.lse_out) a.lse_out[n] = lse;
+          if (a.argmax) a.argmax[n] = row.best.index;
+          if (need_reduce) record_row(a, n, loss, row.best.index == y);
+        }
+      }
+      if constexpr (want_grad) {
+        g = row_scale(a, n, scalar);
+        alpha = gradient_alpha(mass, lse, a.k);
+        if constexpr (!Tgt::soft) {
+          // z_y: merged from the statistics, or read back (backward reads the row only here).
+          const float z_y =
+              want_stats ? row.stats.target_logit : capped(a.logits[n * a.ld + y], a.k);
+          target_grad = class_target_gradient(z_y, w_y, alpha, lse, g, a.k);
+        }
       }
     }
+    if (grad_item)
+      chunk_gradient<Block, Vec, Plain>(a, chunk, n, base, count, y, target_grad, lse, alpha, g,
+                                        a.grad + n * a.grad_ld);
+    __syncthreads();  // every thread is done with this stage before it is refilled
   }
+  __pipeline_wait_prior(0);  // no copy is left in flight at exit
+  if (need_reduce && rank == 0) finish_reduction<Block>(a, static_cast<unsigned>(my_rows));
 }
 
 }  // namespace cuda_detail

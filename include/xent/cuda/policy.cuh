@@ -1,73 +1,61 @@
 // Tunables of the CUDA backend, as data, and the choice among them.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace xent {
 namespace cuda_detail {
 
-/// One CTA holds `block * elems` elements of a row in registers (a tile), `elems` per thread in
-/// accesses of `vec` elements. A row is cut over the CTAs of a thread-block cluster (sm_90), so a
-/// row of up to `cluster_max` tiles is read from HBM once and its gradient written from registers;
-/// longer rows loop over tiles and re-read each from L2 for the gradient.
-template <int Block, int Elems, int Vec, int MinBlocks>
-struct tile_config {
-  static constexpr int block = Block;
-  static constexpr int elems = Elems;
-  static constexpr int vec = Vec;
-  static constexpr int loads = Elems / Vec;
-  static constexpr int tile = Block * Elems;
-  static constexpr int min_blocks = MinBlocks;  ///< __launch_bounds__: CTAs resident per SM
-};
-
 struct policy {
-  /// 32 elements per thread become 32 float registers; with 512 threads and two CTAs per SM
-  /// (64 registers a thread), one CTA's loads overlap the other's reductions and stores.
-  static constexpr int big_block = 512;
-  static constexpr int big_elems = 32;
-  static constexpr int big_min_blocks = 2;
-  /// Short batches: 256 threads x 16 elements, so a row spreads over more CTAs and fills the SMs.
-  static constexpr int small_block = 256;
-  static constexpr int small_elems = 16;
-  static constexpr int small_min_blocks = 2;
-  /// Portable cluster size limit; rows larger than 8 big tiles loop over tiles.
-  static constexpr int cluster_max = 8;
-  /// The grid's y dimension (rows in flight) is at most this; CTAs loop over further rows.
-  static constexpr std::int64_t max_grid_rows = 65535;
+  /// Threads per CTA. Rows are staged in shared memory, not registers; three CTAs of 256 threads
+  /// per SM (85 registers each) keep warps of one CTA busy while another waits at a barrier.
+  static constexpr int block = 256;
+  static constexpr int min_blocks = 3;
+  /// Shared-memory stages per CTA: the next row's chunk streams in while this one is processed.
+  static constexpr int stages = 2;
+  /// Bytes of a stage. 2 x 32 KiB per CTA leaves room for three CTAs per SM (227 KiB), so one
+  /// CTA's reductions and cluster barriers overlap the others' copies.
+  static constexpr std::size_t max_chunk_bytes = 32 * 1024;
+  /// Cluster size limit: 16 is the non-portable maximum of sm_90.
+  static constexpr int cluster_max = 16;
+  /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
+  static constexpr std::int64_t min_slice_bytes = 4096;
 };
 
 /// What the dispatcher decided for one call.
 struct launch_plan {
-  bool small = false;       ///< small tile config
-  bool vectorized = false;  ///< 16-byte accesses (alignment allows)
-  int cluster = 1;          ///< CTAs per row
-  std::int64_t slice = 0;   ///< elements of a row per CTA
-  std::int64_t grid_rows = 0;
+  int cluster = 1;              ///< CTAs per row
+  std::int64_t slice = 0;       ///< classes per CTA
+  std::int64_t chunk = 0;       ///< classes per stage
+  std::int64_t chunks = 1;      ///< stages per slice (1: the slice stays resident)
+  std::size_t chunk_bytes = 0;  ///< bytes per stage, a 16-byte multiple
+  std::size_t smem_bytes = 0;   ///< dynamic shared memory per CTA
 };
 
-/// Chooses tile size and cluster size. `row_bytes` of each row, `rows` rows, `sms` multiprocessors,
-/// `clusters` whether the device and binary support thread-block clusters.
-inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int elem_bytes,
-                                    bool aligned, int sms, bool clusters) {
-  launch_plan p;
-  p.vectorized = aligned;
-  const std::int64_t big_tile = std::int64_t{policy::big_block} * policy::big_elems;
-  const std::int64_t small_tile = std::int64_t{policy::small_block} * policy::small_elems;
-  const int max_cluster = clusters ? policy::cluster_max : 1;
+/// Cuts rows of `cols` elements of `elem_bytes` over a cluster. `vec` elements make 16 bytes (1
+/// when rows are not 16-byte aligned); `sms` multiprocessors; `max_cluster` 1 without clusters.
+inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int vec,
+                                    int sms, int max_cluster) {
   auto ceil_div = [](std::int64_t a, std::int64_t b) { return (a + b - 1) / b; };
-  std::int64_t c = ceil_div(cols, big_tile);
-  // Few rows (or misaligned ones, which take scalar accesses): small tiles and wider clusters so
-  // that rows * cluster covers the SMs twice.
-  if (!aligned || (rows * c < 2 * sms && cols <= small_tile * max_cluster)) {
-    p.small = true;
-    c = ceil_div(cols, small_tile);
-    while (c < max_cluster && rows * c < 2 * sms && cols / (c + 1) >= 256) ++c;
+  launch_plan p;
+  const std::int64_t row_bytes = cols * elem_bytes;
+  std::int64_t c = ceil_div(row_bytes, static_cast<std::int64_t>(policy::max_chunk_bytes));
+  if (c <= max_cluster) {
+    // Resident rows. A short batch spreads each row over more CTAs so rows * c covers the SMs
+    // twice, while a slice keeps at least min_slice_bytes.
+    while (c < max_cluster && rows * c < 2 * sms && row_bytes / (c + 1) >= policy::min_slice_bytes)
+      ++c;
+  } else {
+    c = max_cluster;  // rows too long for the cluster: each slice streams through in chunks
   }
-  p.cluster = static_cast<int>(c < 1 ? 1 : (c > max_cluster ? max_cluster : c));
-  // Each CTA's slice is a whole number of 16-byte vectors, so vector accesses stay aligned.
-  const std::int64_t vec = aligned ? 16 / elem_bytes : 1;
+  p.cluster = static_cast<int>(c < 1 ? 1 : c);
   p.slice = ceil_div(ceil_div(cols, p.cluster), vec) * vec;
-  p.grid_rows = rows < policy::max_grid_rows ? rows : policy::max_grid_rows;
+  const std::int64_t max_chunk = static_cast<std::int64_t>(policy::max_chunk_bytes) / elem_bytes;
+  p.chunks = ceil_div(p.slice, max_chunk);
+  p.chunk = ceil_div(ceil_div(p.slice, p.chunks), vec) * vec;
+  p.chunk_bytes = static_cast<std::size_t>(ceil_div(p.chunk * elem_bytes, 16) * 16);
+  p.smem_bytes = p.chunk_bytes * policy::stages;
   return p;
 }
 

@@ -1,0 +1,14 @@
+// Must NOT compile: double logits are not a CPU dtype (float, bfloat16 and half are).
+#include <cstdint>
+
+#include "xent/xent.hpp"
+
+int main() {
+  double logits[6] = {};
+  std::int64_t targets[2] = {0, 1};
+  float loss = 0;
+  xent::forward_outputs out;
+  out.loss = &loss;
+  xent::forward(xent::cpu{}, xent::matrix_view<const double>(logits, 2, 3),
+                xent::vector_view<const std::int64_t>(targets, 2), xent::options{}, out);
+}

@@ -1,0 +1,614 @@
+// The CUDA backend against the float64 oracle (tests/oracle) and against the CPU backend: every
+// entry point, dtype and option, edge sizes, misaligned rows, CUDA graph capture, determinism,
+// out-of-range targets, and one matrix of more than 2^31 elements. Without a GPU every test skips
+// with the reason.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+#include <xent/xent.hpp>
+
+#include "oracle/oracle.hpp"
+
+namespace {
+
+std::string no_gpu_reason() {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) return std::string("no CUDA device: ") + cudaGetErrorString(e);
+  if (count == 0) return "no CUDA device";
+  return {};
+}
+
+#define REQUIRE_GPU()                                              \
+  do {                                                             \
+    const std::string why = no_gpu_reason();                       \
+    if (!why.empty()) GTEST_SKIP() << why << " (CUDA tests skip)"; \
+  } while (0)
+
+void ok(cudaError_t e) { ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e); }
+
+/// A device buffer with host mirror helpers.
+template <class T>
+struct dbuf {
+  T* ptr = nullptr;
+  std::size_t n = 0;
+  explicit dbuf(std::size_t count = 0) : n(count) {
+    if (n) EXPECT_EQ(cudaMalloc(&ptr, n * sizeof(T)), cudaSuccess);
+  }
+  dbuf(const std::vector<T>& h) : dbuf(h.size()) { upload(h); }
+  ~dbuf() { cudaFree(ptr); }
+  dbuf(const dbuf&) = delete;
+  void upload(const std::vector<T>& h) {
+    EXPECT_EQ(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+template <class T>
+double dbl(T v) {
+  return static_cast<double>(static_cast<float>(v));
+}
+
+/// Half the spacing of the dtype's subnormals: the absolute rounding error of a tiny gradient.
+template <class T>
+double subnormal_half_step() {
+  if (std::is_same<T, Eigen::half>::value) return std::ldexp(1.0, -25);
+  if (std::is_same<T, Eigen::bfloat16>::value) return std::ldexp(1.0, -134);
+  return std::ldexp(1.0, -150);
+}
+
+template <class T>
+double unit_roundoff() {
+  if (std::is_same<T, float>::value) return std::ldexp(1.0, -24);
+  if (std::is_same<T, Eigen::bfloat16>::value) return std::ldexp(1.0, -8);
+  return std::ldexp(1.0, -11);
+}
+
+struct spec {
+  std::int64_t rows = 7, cols = 1000, ld = 0;  // ld 0: cols
+  xent::reduction reduce = xent::reduction::mean;
+  float smoothing = 0.0f, z_loss = 0.0f, softcap = 0.0f;
+  bool weights = false, soft = false, some_ignored = false, all_ignored = false;
+  bool in_place = true, argmax = true;
+  std::int64_t ignore_index = -100;
+  std::uint64_t seed = 1;
+  std::string name() const {
+    return std::to_string(rows) + "x" + std::to_string(cols) + " ld " + std::to_string(ld) +
+           " red " + std::to_string(static_cast<int>(reduce)) + " eps " +
+           std::to_string(smoothing) + " z " + std::to_string(z_loss) + " cap " +
+           std::to_string(softcap) + (weights ? " weights" : "") + (soft ? " soft" : "") +
+           (some_ignored ? " some-ign" : "") + (all_ignored ? " all-ign" : "") +
+           (in_place ? " in-place" : " out-of-place");
+  }
+};
+
+/// Runs forward, backward and forward_backward on the device for one spec and checks each against
+/// the oracle evaluated on the same (rounded) inputs.
+template <class T>
+void check_spec(const spec& s) {
+  SCOPED_TRACE(s.name());
+  const std::int64_t N = s.rows, V = s.cols, ld = s.ld ? s.ld : s.cols;
+  std::mt19937_64 rng(s.seed);
+  std::normal_distribution<double> normal(0.0, 2.0);
+  std::vector<T> logits(static_cast<std::size_t>(N * ld) + 1, T(7.0f));  // padding stays 7
+  oracle::problem pb;
+  pb.rows = N;
+  pb.cols = V;
+  pb.logits.resize(N * V);
+  for (std::int64_t n = 0; n < N; ++n)
+    for (std::int64_t c = 0; c < V; ++c) {
+      logits[n * ld + c] = T(static_cast<float>(normal(rng)));
+      pb.logits[n * V + c] = dbl(logits[n * ld + c]);
+    }
+  std::vector<std::int64_t> targets(N);
+  std::vector<float> probs;
+  pb.soft = s.soft;
+  if (s.soft) {
+    probs.resize(N * V);
+    pb.probs.resize(N * V);
+    for (std::int64_t n = 0; n < N; ++n) {
+      double sum = 0.0;
+      for (std::int64_t c = 0; c < V; ++c) sum += (pb.probs[n * V + c] = std::exp(normal(rng)));
+      for (std::int64_t c = 0; c < V; ++c) {
+        probs[n * V + c] = static_cast<float>(pb.probs[n * V + c] / sum);
+        pb.probs[n * V + c] = probs[n * V + c];
+      }
+    }
+  } else {
+    std::uniform_int_distribution<std::int64_t> cls(0, V - 1);
+    for (std::int64_t n = 0; n < N; ++n) {
+      targets[n] = cls(rng);
+      if (s.all_ignored || (s.some_ignored && n % 3 == 1)) targets[n] = s.ignore_index;
+    }
+    pb.targets = targets;
+  }
+  std::vector<float> weights;
+  if (s.weights) {
+    std::uniform_real_distribution<double> u(0.25, 2.0);
+    for (std::int64_t c = 0; c < V; ++c) weights.push_back(static_cast<float>(u(rng)));
+    pb.weights.assign(weights.begin(), weights.end());
+  }
+  pb.reduce = static_cast<oracle::reduction>(static_cast<int>(s.reduce));
+  pb.ignore_index = s.ignore_index;
+  pb.label_smoothing = s.smoothing;
+  pb.z_loss = s.z_loss;
+  pb.softcap = s.softcap;
+  oracle::upstream up_ref;
+  up_ref.scale = 0.75;
+  std::vector<float> up_rows;
+  if (s.reduce == xent::reduction::none) {
+    for (std::int64_t n = 0; n < N; ++n)
+      up_rows.push_back(0.5f + 0.25f * static_cast<float>(n % 5));
+    up_ref.rows.assign(up_rows.begin(), up_rows.end());
+    for (double& r : up_ref.rows) r *= 0.75;
+  }
+  const oracle::result ref = oracle::evaluate(pb, &up_ref);
+
+  dbuf<T> d_logits(logits);
+  dbuf<T> d_grad(logits.size());
+  dbuf<std::int64_t> d_targets(targets.empty() ? std::vector<std::int64_t>{0} : targets);
+  dbuf<float> d_probs(probs.empty() ? std::vector<float>{0} : probs);
+  dbuf<float> d_weights(weights.empty() ? std::vector<float>{0} : weights);
+  dbuf<float> d_up_rows(up_rows.empty() ? std::vector<float>{0} : up_rows);
+  dbuf<float> d_row_loss(N + 1), d_lse(N + 1), d_loss(1);
+  dbuf<std::int64_t> d_argmax(N + 1), d_correct(1);
+  dbuf<int> d_errors(std::vector<int>{0});
+  dbuf<char> d_ws(xent::cuda_workspace_size(N));
+
+  xent::cuda exec;
+  exec.workspace = d_ws.ptr;
+  exec.workspace_bytes = d_ws.n;
+  exec.error_count = d_errors.ptr;
+  xent::options opts;
+  opts.reduce = s.reduce;
+  opts.ignore_index = s.ignore_index;
+  opts.label_smoothing = s.smoothing;
+  opts.z_loss = s.z_loss;
+  opts.softcap = s.softcap;
+  if (s.weights) opts.class_weights = {d_weights.ptr, V};
+  xent::upstream up;
+  up.scale = 0.75f;
+  if (s.reduce == xent::reduction::none) up.rows = {d_up_rows.ptr, N};
+  xent::forward_outputs out;
+  out.loss = d_loss.ptr;
+  out.row_loss = {d_row_loss.ptr, N};
+  out.lse = {d_lse.ptr, N};
+  if (s.argmax) {
+    out.argmax = {d_argmax.ptr, N};
+    if (!s.soft) out.num_correct = d_correct.ptr;
+  }
+  const xent::matrix_view<T> L(d_logits.ptr, N, V, ld);
+  const xent::matrix_view<T> Gout(s.in_place ? d_logits.ptr : d_grad.ptr, N, V, ld);
+  const xent::matrix_view<const float> P(d_probs.ptr, N, V);
+
+  auto run = [&](auto&& targets_view) {
+    // forward, then backward from its LSE (out of place), then forward_backward.
+    xent::forward(exec, L, targets_view, opts, out);
+    ok(cudaDeviceSynchronize());
+    const auto rl = d_row_loss.download();
+    const auto lse = d_lse.download();
+    const auto am = d_argmax.download();
+    const float loss = d_loss.download()[0];
+    const double tol_row = 64 * std::ldexp(1.0, -24);
+    for (std::int64_t n = 0; n < N; ++n) {
+      EXPECT_NEAR(rl[n], ref.row_loss[n], tol_row * (ref.row_magnitude[n] + 1e-30) + 1e-30)
+          << "row " << n;
+      EXPECT_NEAR(lse[n], ref.lse[n], 1e-5 * (std::fabs(ref.lse[n]) + 1)) << "row " << n;
+      if (s.argmax) {
+        const std::int64_t a = am[n];
+        if (a != ref.argmax[n]) {  // a tie after rounding may pick another index of equal value
+          ASSERT_GE(a, 0);
+          EXPECT_EQ(ref.z[n * V + a], ref.z[n * V + ref.argmax[n]]) << "row " << n;
+        }
+      }
+    }
+    if (s.reduce != xent::reduction::none) {
+      if (std::isnan(ref.loss))
+        EXPECT_TRUE(std::isnan(loss));
+      else
+        EXPECT_NEAR(loss, ref.loss, 1e-5 * std::fabs(ref.loss) + 1e-6);
+    }
+    if (s.argmax && !s.soft) EXPECT_EQ(d_correct.download()[0], ref.num_correct);
+
+    auto check_grad = [&](const std::vector<T>& g, const char* what) {
+      const double u = unit_roundoff<T>();
+      double worst = 0.0;
+      for (std::int64_t n = 0; n < N; ++n) {
+        for (std::int64_t c = 0; c < V; ++c) {
+          const double got = dbl(g[n * ld + c]), want = ref.grad[n * V + c];
+          const double tol = 2 * u * std::fabs(want) +
+                             64 * std::ldexp(1.0, -24) * (ref.grad_magnitude[n * V + c] + 1e-30);
+          if (!(std::fabs(got - want) <= tol + subnormal_half_step<T>() + 1e-37)) {
+            ADD_FAILURE() << what << ": grad[" << n << "," << c << "] = " << got << ", want "
+                          << want << " (tol " << tol << ")";
+            return;
+          }
+          worst = std::max(worst, std::fabs(got - want));
+        }
+        for (std::int64_t c = V; c < ld; ++c)
+          ASSERT_EQ(dbl(g[n * ld + c]), 7.0) << what << ": padding written at row " << n;
+      }
+    };
+    // backward, out of place (also checks that the logits are untouched by it)
+    xent::backward(exec, L, targets_view, opts, xent::vector_view<const float>(d_lse.ptr, N), up,
+                   xent::matrix_view<T>(d_grad.ptr, N, V, ld));
+    ok(cudaDeviceSynchronize());
+    if (ld > V) {  // padding of the out-of-place gradient is never written; set it for the check
+      std::vector<T> g = d_grad.download();
+      for (std::int64_t n = 0; n < N; ++n)
+        for (std::int64_t c = V; c < ld; ++c) g[n * ld + c] = T(7.0f);
+      d_grad.upload(g);
+      xent::backward(exec, L, targets_view, opts, xent::vector_view<const float>(d_lse.ptr, N), up,
+                     xent::matrix_view<T>(d_grad.ptr, N, V, ld));
+      ok(cudaDeviceSynchronize());
+    }
+    check_grad(d_grad.download(), "backward");
+    // forward_backward
+    xent::forward_backward(exec, L, targets_view, opts, up, out, Gout);
+    ok(cudaDeviceSynchronize());
+    check_grad(s.in_place ? d_logits.download() : d_grad.download(), "forward_backward");
+    EXPECT_EQ(d_loss.download()[0] == loss || (std::isnan(loss)), true);
+  };
+  if (s.soft)
+    run(xent::soft(P));
+  else
+    run(xent::vector_view<const std::int64_t>(d_targets.ptr, N));
+  EXPECT_EQ(d_errors.download()[0], 0);
+}
+
+template <class T>
+class CudaBackend : public ::testing::Test {
+ protected:
+  void SetUp() override { REQUIRE_GPU(); }
+};
+using dtypes = ::testing::Types<float, Eigen::bfloat16, Eigen::half>;
+TYPED_TEST_SUITE(CudaBackend, dtypes);
+
+TYPED_TEST(CudaBackend, MatchesFloat64OracleAcrossEdgeVocabularySizes) {
+  for (std::int64_t V : {1, 2, 3, 255, 256, 257, 4095, 4096, 4097, 16383, 16385, 32000, 50257})
+    for (std::int64_t N : {1, 3, 19}) {
+      spec s;
+      s.rows = N;
+      s.cols = V;
+      s.seed = static_cast<std::uint64_t>(V * 31 + N);
+      check_spec<TypeParam>(s);
+    }
+}
+
+TYPED_TEST(CudaBackend, MatchesFloat64OracleForEveryOption) {
+  std::uint64_t seed = 100;
+  for (auto red : {xent::reduction::none, xent::reduction::mean, xent::reduction::sum})
+    for (float eps : {0.0f, 0.1f})
+      for (bool w : {false, true})
+        for (float z : {0.0f, 1e-3f})
+          for (float cap : {0.0f, 30.0f})
+            for (bool soft : {false, true}) {
+              spec s;
+              s.rows = 19;
+              s.cols = 3001;
+              s.reduce = red;
+              s.smoothing = eps;
+              s.weights = w;
+              s.z_loss = z;
+              s.softcap = cap;
+              s.soft = soft;
+              s.some_ignored = !soft;
+              s.in_place = (seed % 2) == 0;
+              s.seed = seed++;
+              check_spec<TypeParam>(s);
+            }
+}
+
+TYPED_TEST(CudaBackend, MatchesFloat64OracleWithPaddedAndMisalignedRows) {
+  for (std::int64_t ld : {1003, 1008, 1024}) {
+    spec s;
+    s.rows = 7;
+    s.cols = 1000;
+    s.ld = ld;
+    s.in_place = false;
+    s.seed = static_cast<std::uint64_t>(ld);
+    check_spec<TypeParam>(s);
+    s.in_place = true;
+    check_spec<TypeParam>(s);
+  }
+}
+
+TYPED_TEST(CudaBackend, MatchesFloat64OracleOnLargeRowsAndManyRows) {
+  for (auto shape : {std::pair<std::int64_t, std::int64_t>{733, 2048}, {2, 131073}, {3, 262145}}) {
+    spec s;
+    s.rows = shape.first;
+    s.cols = shape.second;
+    s.smoothing = 0.1f;
+    s.some_ignored = true;
+    check_spec<TypeParam>(s);
+  }
+}
+
+TEST(CudaBackendSemantics, AllIgnoredGivesNanMeanZeroSumAndZeroGradient) {
+  REQUIRE_GPU();
+  for (auto red : {xent::reduction::mean, xent::reduction::sum}) {
+    spec s;
+    s.all_ignored = true;
+    s.reduce = red;
+    check_spec<float>(s);
+  }
+}
+
+TEST(CudaBackendSemantics, IgnoreIndexThatIsAValidClass) {
+  REQUIRE_GPU();
+  spec s;
+  s.ignore_index = 0;
+  s.cols = 3;
+  s.rows = 19;
+  check_spec<float>(s);
+}
+
+TEST(CudaBackendSemantics, OutOfRangeTargetGivesNanRowZeroGradientAndCountsAnError) {
+  REQUIRE_GPU();
+  const std::int64_t N = 3, V = 100;
+  std::vector<float> x(N * V, 0.5f);
+  std::vector<std::int64_t> y{1, 100, -5};
+  dbuf<float> dx(x), dloss(N), dl(1);
+  dbuf<std::int64_t> dy(y);
+  dbuf<int> derr(std::vector<int>{0});
+  dbuf<char> ws(xent::cuda_workspace_size(N));
+  xent::cuda exec{nullptr, ws.ptr, ws.n, derr.ptr};
+  xent::options opts;
+  opts.reduce = xent::reduction::sum;
+  xent::forward_outputs out;
+  out.loss = dl.ptr;
+  out.row_loss = {dloss.ptr, N};
+  xent::forward_backward(exec, xent::matrix_view<float>(dx.ptr, N, V),
+                         xent::vector_view<const std::int64_t>(dy.ptr, N), opts, xent::upstream{},
+                         out, xent::matrix_view<float>(dx.ptr, N, V));
+  ok(cudaDeviceSynchronize());
+  EXPECT_EQ(derr.download()[0], 2);
+  const auto rl = dloss.download();
+  EXPECT_NEAR(rl[0], std::log(100.0), 1e-5);
+  EXPECT_TRUE(std::isnan(rl[1]));
+  EXPECT_TRUE(std::isnan(rl[2]));
+  const auto g = dx.download();
+  for (std::int64_t c = 0; c < V; ++c) {
+    EXPECT_EQ(g[V + c], 0.0f);
+    EXPECT_EQ(g[2 * V + c], 0.0f);
+  }
+}
+
+TEST(CudaBackendSemantics, ZeroRowsGiveNanMeanAndZeroSum) {
+  REQUIRE_GPU();
+  dbuf<float> dl(std::vector<float>{5.0f});
+  dbuf<char> ws(xent::cuda_workspace_size(0) + 256);
+  float dummy = 0;
+  xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
+  xent::forward_outputs out;
+  out.loss = dl.ptr;
+  xent::options opts;
+  xent::forward(exec, xent::matrix_view<const float>(&dummy, 0, 10),
+                xent::vector_view<const std::int64_t>(nullptr, 0), opts, out);
+  ok(cudaDeviceSynchronize());
+  EXPECT_TRUE(std::isnan(dl.download()[0]));
+  opts.reduce = xent::reduction::sum;
+  xent::forward(exec, xent::matrix_view<const float>(&dummy, 0, 10),
+                xent::vector_view<const std::int64_t>(nullptr, 0), opts, out);
+  ok(cudaDeviceSynchronize());
+  EXPECT_EQ(dl.download()[0], 0.0f);
+}
+
+TEST(CudaBackendSemantics, MissingWorkspaceIsAClearError) {
+  REQUIRE_GPU();
+  dbuf<float> dx(std::vector<float>(30, 1.0f)), dl(1);
+  dbuf<std::int64_t> dy(std::vector<std::int64_t>{0, 1, 2});
+  xent::forward_outputs out;
+  out.loss = dl.ptr;
+  try {
+    xent::forward(xent::cuda{}, xent::matrix_view<const float>(dx.ptr, 3, 10),
+                  xent::vector_view<const std::int64_t>(dy.ptr, 3), xent::options{}, out);
+    FAIL() << "no error";
+  } catch (const xent::error& e) {
+    EXPECT_EQ(e.argument(), "exec.workspace");
+  }
+}
+
+/// Everything at once, in a CUDA graph: captured, replayed twice, equal to the direct call.
+TEST(CudaBackendGraphs, ForwardBackwardAndBackwardUnderStreamCaptureMatchDirectCalls) {
+  REQUIRE_GPU();
+  const std::int64_t N = 64, V = 32000;
+  std::vector<Eigen::bfloat16> x(N * V);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (auto& v : x) v = Eigen::bfloat16(nd(rng));
+  std::vector<std::int64_t> y(N);
+  for (std::int64_t n = 0; n < N; ++n) y[n] = (n * 7919) % V;
+  dbuf<Eigen::bfloat16> a(x), b(x), g(x.size());
+  dbuf<std::int64_t> dy(y);
+  dbuf<float> la(1), lb(1), lse(N);
+  dbuf<char> ws(xent::cuda_workspace_size(N));
+  cudaStream_t stream;
+  ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  xent::cuda exec{stream, ws.ptr, ws.n, nullptr};
+  xent::options opts;
+  opts.label_smoothing = 0.1f;
+  xent::forward_outputs out;
+  out.loss = la.ptr;
+  out.lse = {lse.ptr, N};
+  const xent::vector_view<const std::int64_t> T(dy.ptr, N);
+  xent::forward_backward(exec, xent::matrix_view<Eigen::bfloat16>(a.ptr, N, V), T, opts,
+                         xent::upstream{}, out, xent::matrix_view<Eigen::bfloat16>(a.ptr, N, V));
+  ok(cudaStreamSynchronize(stream));
+  const auto direct = a.download();
+  const float direct_loss = la.download()[0];
+
+  cudaGraph_t graph;
+  cudaGraphExec_t inst;
+  out.loss = lb.ptr;
+  ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  xent::forward_backward(exec, xent::matrix_view<Eigen::bfloat16>(b.ptr, N, V), T, opts,
+                         xent::upstream{}, out, xent::matrix_view<Eigen::bfloat16>(g.ptr, N, V));
+  xent::backward(exec, xent::matrix_view<Eigen::bfloat16>(b.ptr, N, V), T, opts,
+                 xent::vector_view<const float>(lse.ptr, N), xent::upstream{},
+                 xent::matrix_view<Eigen::bfloat16>(b.ptr, N, V));
+  ok(cudaStreamEndCapture(stream, &graph));
+  ok(cudaGraphInstantiate(&inst, graph, 0));
+  ok(cudaGraphLaunch(inst, stream));
+  ok(cudaStreamSynchronize(stream));
+  const auto fused = g.download();
+  const auto from_lse = b.download();
+  EXPECT_EQ(lb.download()[0], direct_loss);
+  for (std::size_t i = 0; i < direct.size(); ++i) {
+    ASSERT_EQ(dbl(fused[i]), dbl(direct[i])) << i;
+    ASSERT_EQ(dbl(from_lse[i]), dbl(direct[i])) << i;
+  }
+  cudaGraphExecDestroy(inst);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaBackendDeterminism, SameInputsGiveBitwiseSameResults) {
+  REQUIRE_GPU();
+  const std::int64_t N = 333, V = 50257;
+  std::vector<float> x(N * V);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 3.0f);
+  for (auto& v : x) v = nd(rng);
+  std::vector<std::int64_t> y(N);
+  for (std::int64_t n = 0; n < N; ++n) y[n] = (n * 31) % V;
+  dbuf<float> dx(x), g1(x.size()), g2(x.size()), l1(1), l2(1);
+  dbuf<std::int64_t> dy(y);
+  dbuf<char> ws(xent::cuda_workspace_size(N));
+  xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
+  xent::forward_outputs out;
+  out.loss = l1.ptr;
+  xent::forward_backward(exec, xent::matrix_view<const float>(dx.ptr, N, V),
+                         xent::vector_view<const std::int64_t>(dy.ptr, N), xent::options{},
+                         xent::upstream{}, out, xent::matrix_view<float>(g1.ptr, N, V));
+  out.loss = l2.ptr;
+  xent::forward_backward(exec, xent::matrix_view<const float>(dx.ptr, N, V),
+                         xent::vector_view<const std::int64_t>(dy.ptr, N), xent::options{},
+                         xent::upstream{}, out, xent::matrix_view<float>(g2.ptr, N, V));
+  ok(cudaDeviceSynchronize());
+  EXPECT_EQ(l1.download()[0], l2.download()[0]);
+  const auto a = g1.download(), b = g2.download();
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+}
+
+TEST(CudaBackendAgreement, MatchesTheCpuBackend) {
+  REQUIRE_GPU();
+  const std::int64_t N = 37, V = 32000;
+  std::vector<Eigen::bfloat16> x(N * V);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (auto& v : x) v = Eigen::bfloat16(nd(rng));
+  std::vector<std::int32_t> y(N);
+  for (std::int64_t n = 0; n < N; ++n) y[n] = static_cast<std::int32_t>((n * 577) % V);
+  y[5] = -100;
+  xent::options opts;
+  opts.label_smoothing = 0.05f;
+  opts.z_loss = 1e-4f;
+  std::vector<float> cpu_rows(N), cpu_lse(N);
+  std::vector<Eigen::bfloat16> cpu_grad(x.size());
+  xent::forward_outputs out;
+  float cpu_loss = 0;
+  out.loss = &cpu_loss;
+  out.row_loss = {cpu_rows.data(), N};
+  xent::forward_backward(xent::cpu{}, xent::matrix_view<const Eigen::bfloat16>(x.data(), N, V),
+                         xent::vector_view<const std::int32_t>(y.data(), N), opts, xent::upstream{},
+                         out, xent::matrix_view<Eigen::bfloat16>(cpu_grad.data(), N, V));
+  dbuf<Eigen::bfloat16> dx(x);
+  dbuf<std::int32_t> dy(y);
+  dbuf<float> drows(N), dloss(1);
+  dbuf<char> ws(xent::cuda_workspace_size(N));
+  xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
+  out.loss = dloss.ptr;
+  out.row_loss = {drows.ptr, N};
+  xent::forward_backward(exec, xent::matrix_view<Eigen::bfloat16>(dx.ptr, N, V),
+                         xent::vector_view<const std::int32_t>(dy.ptr, N), opts, xent::upstream{},
+                         out, xent::matrix_view<Eigen::bfloat16>(dx.ptr, N, V));
+  ok(cudaDeviceSynchronize());
+  EXPECT_NEAR(dloss.download()[0], cpu_loss, 1e-5 * std::fabs(cpu_loss));
+  const auto rows = drows.download();
+  for (std::int64_t n = 0; n < N; ++n) EXPECT_NEAR(rows[n], cpu_rows[n], 1e-4 * (1 + cpu_rows[n]));
+  const auto g = dx.download();
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < g.size(); ++i)
+    if (std::fabs(dbl(g[i]) - dbl(cpu_grad[i])) > 1e-2 * std::fabs(dbl(cpu_grad[i])) + 1e-9)
+      ++differ;
+  EXPECT_EQ(differ, 0u);  // bf16 outputs agree to one rounding of the float value
+}
+
+/// Small cases that compute-sanitizer memcheck / racecheck run (.ci/device).
+TEST(CudaSanitizer, SmallCasesOfEveryPath) {
+  REQUIRE_GPU();
+  for (std::int64_t V : {3, 1000, 20000}) {
+    spec s;
+    s.rows = 5;
+    s.cols = V;
+    s.smoothing = 0.1f;
+    s.some_ignored = true;
+    check_spec<Eigen::bfloat16>(s);
+    s.soft = true;
+    s.ld = V + 3;
+    s.in_place = false;
+    check_spec<float>(s);
+  }
+}
+
+/// 16384 x 131073 bf16 = 2.1e9 elements (> 2^31): 64-bit offsets end to end. Rows are checked by
+/// sampling against the oracle.
+TEST(CudaBackendLarge, MoreThan2Pow31ElementsIndexCorrectly) {
+  REQUIRE_GPU();
+  const std::int64_t N = 16384, V = 131073;
+  std::size_t free_bytes = 0, total = 0;
+  ok(cudaMemGetInfo(&free_bytes, &total));
+  if (free_bytes < std::size_t(6) << 30) GTEST_SKIP() << "needs 6 GiB of free device memory";
+  dbuf<Eigen::bfloat16> dx(static_cast<std::size_t>(N * V));
+  std::vector<Eigen::bfloat16> row(V);
+  std::vector<std::int64_t> y(N);
+  for (std::int64_t n = 0; n < N; ++n) y[n] = (n * 104729) % V;
+  // Fill every row with a shifted copy of one pattern (cheap to upload, distinct per row).
+  for (std::int64_t c = 0; c < V; ++c) row[c] = Eigen::bfloat16(std::sin(0.001f * c) * 3.0f);
+  for (std::int64_t n = 0; n < N; ++n)
+    ok(cudaMemcpy(dx.ptr + n * V, row.data() + 0, sizeof(Eigen::bfloat16) * V,
+                  cudaMemcpyHostToDevice));
+  dbuf<std::int64_t> dy(y);
+  dbuf<float> drows(N), dl(1);
+  dbuf<char> ws(xent::cuda_workspace_size(N));
+  xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
+  xent::options opts;
+  opts.reduce = xent::reduction::sum;
+  xent::forward_outputs out;
+  out.loss = dl.ptr;
+  out.row_loss = {drows.ptr, N};
+  xent::forward_backward(exec, xent::matrix_view<Eigen::bfloat16>(dx.ptr, N, V),
+                         xent::vector_view<const std::int64_t>(dy.ptr, N), opts, xent::upstream{},
+                         out, xent::matrix_view<Eigen::bfloat16>(dx.ptr, N, V));
+  ok(cudaDeviceSynchronize());
+  oracle::problem pb;
+  pb.rows = 1;
+  pb.cols = V;
+  pb.reduce = oracle::reduction::sum;
+  for (std::int64_t c = 0; c < V; ++c) pb.logits.push_back(dbl(row[c]));
+  const auto rows = drows.download();
+  for (std::int64_t n :
+       {std::int64_t{0}, std::int64_t{16383}, std::int64_t{16384 - 2}, std::int64_t{9000}}) {
+    pb.targets = {y[n]};
+    oracle::upstream up;
+    const auto ref = oracle::evaluate(pb, &up);
+    EXPECT_NEAR(rows[n], ref.row_loss[0], 1e-4 * ref.row_loss[0]) << "row " << n;
+    std::vector<Eigen::bfloat16> g(V);
+    ok(cudaMemcpy(g.data(), dx.ptr + n * V, sizeof(Eigen::bfloat16) * V, cudaMemcpyDeviceToHost));
+    for (std::int64_t c : {std::int64_t{0}, y[n], V - 1})
+      EXPECT_NEAR(dbl(g[c]), ref.grad[c], 1e-2 * std::fabs(ref.grad[c]) + 1e-9) << n << "," << c;
+  }
+}
+
+}  // namespace
