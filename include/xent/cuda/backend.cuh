@@ -6,9 +6,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "../backend.hpp"
 #include "../error.hpp"
@@ -54,16 +56,16 @@ inline bool aligned16(const void* p, std::int64_t ld_bytes) {
 }
 
 struct device_facts {
+  int id = 0;
   int sms = 0;
   int major = 0;
 };
 
 inline device_facts query_device(const char* fn) {
-  int dev = 0;
   device_facts f;
-  check_cuda(fn, cudaGetDevice(&dev));
-  check_cuda(fn, cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev));
-  check_cuda(fn, cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, dev));
+  check_cuda(fn, cudaGetDevice(&f.id));
+  check_cuda(fn, cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, f.id));
+  check_cuda(fn, cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, f.id));
   return f;
 }
 
@@ -83,6 +85,39 @@ bool prepare_kernel_attributes() {
            cudaSuccess;
   }();
   return clusters;
+}
+
+/// How many clusters of this kernel fit on the device at once, for a launch shaped like `cfg`:
+/// the occupancy query costs microseconds of host time, so answers are kept per instantiation
+/// (keyed by device, cluster size and shared memory).
+template <int Vec, bool Plain, pass P, class T, class G, class Tgt>
+int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_facts& dev) {
+  struct entry {
+    int device, cluster;
+    std::size_t smem;
+    int active;
+  };
+  static std::mutex lock;
+  static std::vector<entry> known;
+  const int cluster = static_cast<int>(cfg.gridDim.x);
+  {
+    std::lock_guard<std::mutex> hold(lock);
+    for (const entry& e : known)
+      if (e.device == dev.id && e.cluster == cluster && e.smem == cfg.dynamicSmemBytes)
+        return e.active;
+  }
+  auto kernel = stream_kernel<policy::block, Vec, policy::stages, Plain, P, T, G, Tgt>;
+  int active = 0;
+  if (cluster > 1) {
+    check_cuda(fn, cudaOccupancyMaxActiveClusters(&active, kernel, &cfg));
+  } else {
+    check_cuda(fn, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&active, kernel, policy::block,
+                                                                 cfg.dynamicSmemBytes));
+    active *= dev.sms;
+  }
+  std::lock_guard<std::mutex> hold(lock);
+  known.push_back({dev.id, cluster, cfg.dynamicSmemBytes, active});
+  return active;
 }
 
 template <int Vec, bool Plain, pass P, class T, class G, class Tgt>
@@ -111,14 +146,7 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   cfg.numAttrs = plan.cluster > 1 ? 1 : 0;
   // Persistent clusters: as many as fit at once, each walking its share of the rows.
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), 1, 1);
-  int active = 0;
-  if (plan.cluster > 1) {
-    check_cuda(fn, cudaOccupancyMaxActiveClusters(&active, kernel, &cfg));
-  } else {
-    check_cuda(fn, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&active, kernel, policy::block,
-                                                                 plan.smem_bytes));
-    active *= dev.sms;
-  }
+  const int active = active_clusters<Vec, Plain, P, T, G, Tgt>(fn, cfg, dev);
   const std::int64_t grid_rows = args.rows < active ? args.rows : (active > 0 ? active : 1);
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(grid_rows), 1);
   if (log)

@@ -7,7 +7,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <cub/block/block_reduce.cuh>
+#include <type_traits>
 
 #include "../loss_math.hpp"
 #include "../online_lse.hpp"
@@ -91,13 +93,6 @@ struct cta_partial {
   }
 };
 
-struct merge_op {
-  __device__ cta_partial operator()(cta_partial a, const cta_partial& b) const {
-    a.merge(b);
-    return a;
-  }
-};
-
 __device__ __forceinline__ workspace_header* header(void* ws) {
   return static_cast<workspace_header*>(ws);
 }
@@ -153,71 +148,100 @@ __device__ __forceinline__ float target_mass(const row_args<T, G, Tgt>& a, std::
   }
 }
 
-/// Statistics of this thread's elements of a chunk staged in shared memory: `count` elements
-/// from class `base`, this thread taking vectors tid, tid + Block, ... Its own max first (a sweep
-/// over shared memory, no HBM), then one exponential per element relative to it; the side sums the
-/// options need ride along.
+/// A count known at compile time (std::integral_constant's conversion is host-only under nvcc).
+template <int N>
+struct fixed_count {
+  __host__ __device__ constexpr operator int() const { return N; }  // NOLINT
+};
+
+/// Calls f(offset, v, valid) for this thread's vectors of a staged chunk of `count` elements
+/// (vectors tid, tid + Block, ...). Whole vectors pass `valid` as a fixed_count, so the
+/// per-element bound checks vanish from the loop body; only the chunk's last vector checks.
+template <int Block, int Vec, class T, class F>
+__device__ __forceinline__ void for_each_vector(const T* chunk, int count, F&& f) {
+  const int whole = count / Vec;
+  // Not unrolled: warps, not in-thread parallelism, hide shared-memory latency here.
+#pragma unroll 1
+  for (int j = threadIdx.x; j < whole; j += Block)
+    f(j * Vec, load_vec<T, Vec>(chunk + j * Vec), fixed_count<Vec>{});
+  if (count % Vec != 0 && static_cast<int>(threadIdx.x) == whole % Block)
+    f(whole * Vec, load_vec<T, Vec>(chunk + whole * Vec), count % Vec);
+}
+
+/// Statistics of this thread's elements of a chunk staged in shared memory (`count` elements from
+/// class `base`): its own max first (a sweep over shared memory, no HBM), then one exponential
+/// per element relative to it. The side sums (soft targets, label smoothing) and the argmax each
+/// take a sweep of their own, only when asked for, so the common sweeps stay lean.
 template <int Block, int Vec, bool Plain, class T, class G, class Tgt>
 __device__ void chunk_stats(const row_args<T, G, Tgt>& a, const T* chunk, std::int64_t n,
                             std::int64_t base, int count, cta_partial& acc) {
-  const int vectors = (count + Vec - 1) / Vec;
   float m = -HUGE_VALF;
-  // Not unrolled: warps, not in-thread parallelism, hide shared-memory latency here, and the
-  // per-element option paths would otherwise multiply the register count.
-#pragma unroll 1
-  for (int j = threadIdx.x; j < vectors; j += Block) {
-    const vec_t<T, Vec> v = load_vec<T, Vec>(chunk + j * Vec);
+  for_each_vector<Block, Vec>(chunk, count, [&](int, const vec_t<T, Vec>& v, auto valid) {
 #pragma unroll
-    for (int e = 0; e < Vec; ++e) {
-      // fmaxf passes over NaN; a NaN still reaches the sum below through its exponential.
-      if (j * Vec + e < count) m = fmaxf(m, capped<Plain>(v.v[e], a.k));
-    }
-  }
+    for (int e = 0; e < Vec; ++e)  // fmaxf passes over NaN; the sum below still meets it
+      if (e < valid) m = fmaxf(m, capped<Plain>(v.v[e], a.k));
+  });
   const float shift = m == -HUGE_VALF ? 0.0f : m * log2e;
-  const bool side = !Plain && (Tgt::soft || a.k.smooth != 0.0f);
-  float s = 0.0f, dot = 0.0f, mass = 0.0f, best = -HUGE_VALF;
-  int best_at = -1;
-  // Not unrolled: warps, not in-thread parallelism, hide shared-memory latency here, and the
-  // per-element option paths would otherwise multiply the register count.
-#pragma unroll 1
-  for (int j = threadIdx.x; j < vectors; j += Block) {
-    const vec_t<T, Vec> v = load_vec<T, Vec>(chunk + j * Vec);
+  float s0 = 0.0f, s1 = 0.0f;  // two chains of additions, for latency
+  for_each_vector<Block, Vec>(chunk, count, [&](int, const vec_t<T, Vec>& v, auto valid) {
 #pragma unroll
     for (int e = 0; e < Vec; ++e) {
-      const int o = j * Vec + e;
-      if (o < count) {
-        const float z = capped<Plain>(v.v[e], a.k);
-        s += fast_exp2(fmaf(z, log2e, -shift));
-        if (side) {
+      if (e < valid) {
+        const float p = fast_exp2(fmaf(capped<Plain>(v.v[e], a.k), log2e, -shift));
+        if (e % 2)
+          s1 += p;
+        else
+          s0 += p;
+      }
+    }
+  });
+  acc.stats.lse.merge(online_lse::of_block(m, s0 + s1));
+  if (!Plain && (Tgt::soft || a.k.smooth != 0.0f)) {
+    float dot = 0.0f, mass = 0.0f;
+    for_each_vector<Block, Vec>(chunk, count, [&](int o, const vec_t<T, Vec>& v, auto valid) {
+#pragma unroll
+      for (int e = 0; e < Vec; ++e) {
+        if (e < valid) {
+          const float z = capped<Plain>(v.v[e], a.k);
           if constexpr (Tgt::soft) {
-            const float wt = target_mass(a, n, base + o);
+            const float wt = target_mass(a, n, base + o + e);
             mass += wt;
             dot += wt * z;
           } else {
-            dot += (a.weights ? a.weights[base + o] : 1.0f) * z;
+            dot += (a.weights ? a.weights[base + o + e] : 1.0f) * z;
           }
         }
-        // A thread's offsets only grow, so a strict comparison keeps its first maximum.
-        if (a.want_argmax && argmax_state::greater(z, best)) {
+      }
+    });
+    acc.stats.dot += dot;
+    acc.stats.mass += mass;
+  }
+  if (a.want_argmax) {
+    float best = -HUGE_VALF;
+    int best_at = -1;
+    for_each_vector<Block, Vec>(chunk, count, [&](int o, const vec_t<T, Vec>& v, auto valid) {
+#pragma unroll
+      for (int e = 0; e < Vec; ++e) {  // offsets only grow: strict > keeps the first maximum
+        const float z = capped<Plain>(v.v[e], a.k);
+        if (e < valid && argmax_state::greater(z, best)) {
           best = z;
-          best_at = o;
+          best_at = o + e;
         }
       }
+    });
+    if (best_at >= 0) {
+      argmax_state here;
+      here.value = best;
+      here.index = base + best_at;
+      acc.best.merge(here);
     }
-  }
-  acc.stats.lse.merge(online_lse::of_block(m, s));
-  acc.stats.dot += dot;
-  acc.stats.mass += mass;
-  if (best_at >= 0) {
-    argmax_state here;
-    here.value = best;
-    here.index = base + best_at;
-    acc.best.merge(here);
   }
 }
 
-/// Gradient of this thread's elements of a staged chunk, stored to `out` (the row of grad): a
-/// 16-byte store per vector; the target class takes `target_grad`, formed once per row in float.
+/// Gradient of this thread's elements of a staged chunk, stored to `out` (the row of grad), one
+/// 16-byte store per whole vector. The target class gets `target_grad` (formed once per row, in
+/// float) from the thread that stored its vector, right after that store, so program order makes
+/// it the final value and the sweep itself carries no per-element test.
 template <int Block, int Vec, bool Plain, class T, class G, class Tgt>
 __device__ void chunk_gradient(const row_args<T, G, Tgt>& a, const T* chunk, std::int64_t n,
                                std::int64_t base, int count, std::int64_t y, float target_grad,
@@ -225,85 +249,185 @@ __device__ void chunk_gradient(const row_args<T, G, Tgt>& a, const T* chunk, std
   const float ga = g * alpha;
   const float shift = lse * log2e;
   const bool plain = Plain || (!Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f);
-  const std::int64_t yo = y - base;  // outside [0, count) when the target is elsewhere
-  const int vectors = (count + Vec - 1) / Vec;
-  // Not unrolled: warps, not in-thread parallelism, hide shared-memory latency here, and the
-  // per-element option paths would otherwise multiply the register count.
-#pragma unroll 1
-  for (int j = threadIdx.x; j < vectors; j += Block) {
-    const vec_t<T, Vec> v = load_vec<T, Vec>(chunk + j * Vec);
-    const int o = j * Vec;
+  out += base;
+  for_each_vector<Block, Vec>(chunk, count, [&](int o, const vec_t<T, Vec>& v, auto valid) {
     vec_t<G, Vec> d;
 #pragma unroll
     for (int e = 0; e < Vec; ++e) {
       const float z = capped<Plain>(v.v[e], a.k);
       float r = ga * fast_exp2(fmaf(z, log2e, -shift));
-      if (!plain && o + e < count) {
+      if (!plain && e < valid) {
         r -= g * target_mass(a, n, base + o + e);
         if (a.k.softcap > 0.0f) r *= 1.0f - (z * a.k.inv_softcap) * (z * a.k.inv_softcap);
       }
-      if (o + e == yo) r = target_grad;
       d.v[e] = from_float<G>(r);
     }
-    if (Vec * sizeof(G) == 16 && o + Vec <= count) {
-      store_vec<G, Vec>(out + base + o, d);
+    if constexpr (std::is_same<decltype(valid), fixed_count<Vec>>::value && Vec * sizeof(G) == 16) {
+      store_vec<G, Vec>(out + o, d);
     } else {
 #pragma unroll
       for (int e = 0; e < Vec; ++e)
-        if (o + e < count) out[base + o + e] = d.v[e];
+        if (e < valid) out[o + e] = d.v[e];
     }
-  }
+  });
+  const std::int64_t yo = y - base;
+  if (yo >= 0 && yo < count && static_cast<int>(threadIdx.x) == (yo / Vec) % Block)
+    out[yo] = from_float<G>(target_grad);
 }
 
 /// Copies `count` elements of a row into a shared-memory stage without waiting: 16-byte
 /// cp.async accesses when rows are aligned (the last vector zero-filled past the row's end, so
 /// nothing outside the row is read), plain loads otherwise.
+/// cp.async of 16 bytes of which the first `src_bytes` are read and the rest zero-filled; the
+/// source size in a register (the intrinsic's constant form branches per vector).
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, int src_bytes) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
 template <int Block, int Vec, class T>
 __device__ void stage_chunk(T* stage, const T* src, int count) {
   if constexpr (Vec * sizeof(T) == 16) {
     const int vectors = (count + Vec - 1) / Vec;
-    // Not unrolled: warps, not in-thread parallelism, hide shared-memory latency here, and the
-    // per-element option paths would otherwise multiply the register count.
 #pragma unroll 1
     for (int j = threadIdx.x; j < vectors; j += Block) {
       const int valid = count - j * Vec < Vec ? count - j * Vec : Vec;
-      __pipeline_memcpy_async(stage + j * Vec, src + j * Vec, 16, (Vec - valid) * sizeof(T));
+      copy16_async(stage + j * Vec, src + j * Vec, valid * static_cast<int>(sizeof(T)));
     }
   } else {
     for (int j = threadIdx.x; j < count; j += Block) stage[j] = src[j];
   }
 }
-/// Block-wide merge, then (sm_90, cluster > 1) the cluster-wide merge through distributed shared
-/// memory: every CTA merges the cluster's partials in rank order, so all CTAs of a row agree
-/// bit for bit and the result does not depend on timing.
-template <int Block>
-__device__ cta_partial reduce_row(const cta_partial& mine, int cluster_size) {
-  using reduce_t = cub::BlockReduce<cta_partial, Block>;
-  __shared__ typename reduce_t::TempStorage tmp;
-  __shared__ cta_partial slot;
-  __shared__ cta_partial result;
-  const cta_partial block = reduce_t(tmp).Reduce(mine, merge_op{});
-  if (threadIdx.x == 0) slot = block;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (cluster_size > 1) {
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    cluster.sync();  // every CTA's slot is written
-    if (threadIdx.x == 0) {
-      cta_partial r = *cluster.map_shared_rank(&slot, 0);
-      for (int rank = 1; rank < cluster_size; ++rank)
-        r.merge(*cluster.map_shared_rank(&slot, rank));
-      result = r;
-    }
-    cluster.sync();  // no CTA rewrites its slot (next row) or exits while another still reads it
-    return result;
-  }
-#endif
-  (void)cluster_size;
-  __syncthreads();  // slot is visible to the whole block
-  const cta_partial r = slot;
-  __syncthreads();  // nobody overwrites slot (next row) before everyone has read it
+/// Exchanges a trivially copyable partial with the lane `mask` away, word by word.
+template <class P>
+__device__ __forceinline__ P shuffle_xor(const P& v, int mask) {
+  static_assert(sizeof(P) % 4 == 0, "partials are whole words");
+  int w[sizeof(P) / 4];
+  memcpy(w, &v, sizeof(P));
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(P) / 4); ++i)
+    w[i] = __shfl_xor_sync(0xffffffffu, w[i], mask);
+  P r;
+  memcpy(&r, w, sizeof(P));
   return r;
+}
+
+/// Butterfly merge over the lanes of a warp: every lane ends with the merge of all 32, and since
+/// a merge is commutative bit for bit (max, and sums of two terms), all lanes agree.
+__device__ __forceinline__ cta_partial warp_merge(cta_partial v) {
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) v.merge(shuffle_xor(v, mask));
+  return v;
+}
+
+/// Where the CTAs of a cluster meet once per row: a slot per rank for each parity, and for each
+/// parity an mbarrier that completes when every rank's partial has landed in this CTA.
+struct cluster_exchange {
+  cta_partial slots[2][policy::cluster_max];
+  unsigned long long arrived[2];
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+/// Sets up the exchange's mbarriers (one arrival per phase: this CTA's own expect_tx) and makes
+/// them visible to the cluster before any CTA may signal them. Every thread calls it once.
+__device__ inline void init_exchange(cluster_exchange& x) {
+  if (threadIdx.x == 0) {
+    for (int p = 0; p < 2; ++p)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&x.arrived[p]))
+                   : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cooperative_groups::this_cluster().sync();  // once per launch, not per row
+}
+
+/// Lane `rank_to` of warp 0 sends this CTA's partial into slot `from` of CTA `to`: st.async
+/// stores into the remote shared memory that count their bytes on the remote mbarrier, so the
+/// receiver learns of them without a cluster barrier or a memory fence.
+__device__ inline void send_partial(cluster_exchange& x, int parity, const cta_partial& v, int from,
+                                    int to) {
+  unsigned slot = shared_address(&x.slots[parity][from]);
+  unsigned mbar = shared_address(&x.arrived[parity]);
+  asm volatile("mapa.shared::cluster.u32 %0, %0, %1;" : "+r"(slot) : "r"(to));
+  asm volatile("mapa.shared::cluster.u32 %0, %0, %1;" : "+r"(mbar) : "r"(to));
+  unsigned w[sizeof(cta_partial) / 4];
+  memcpy(w, &v, sizeof(cta_partial));
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(cta_partial) / 4); ++i)
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                     slot + 4 * i),
+                 "r"(w[i]), "r"(mbar)
+                 : "memory");
+}
+
+/// Arms this CTA's mbarrier for `bytes` incoming and waits (acquire at cluster scope) for the
+/// phase of use `use`.
+__device__ inline void await_partials(cluster_exchange& x, int parity, unsigned bytes, int use) {
+  const unsigned mbar = shared_address(&x.arrived[parity]);
+  asm volatile(
+      "{ .reg .b64 state; mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 state, [%0], %1; "
+      "}" ::"r"(mbar),
+      "r"(bytes)
+      : "memory");
+  unsigned done = 0;
+  while (!done)
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(mbar), "r"(use & 1)
+        : "memory");
+}
+#endif
+
+/// The row's statistics over the CTA and then the cluster, the same bits in every thread of every
+/// CTA of the row. Warps merge by shuffles and warp 0 merges the warps. With a cluster (sm_90),
+/// lane r of warp 0 pushes the CTA's partial into CTA r's slot (st.async), each CTA waits on its
+/// own mbarrier for all ranks' partials and merges them in a fixed tree. Slots and mbarriers
+/// alternate with the parity of `exchange` (rows that crossed the cluster so far): a CTA sends
+/// into parity p again only after receiving every rank's partial of the row in between, which
+/// each rank sends only after it has read its parity-p slots.
+template <int Block>
+__device__ cta_partial reduce_row(const cta_partial& mine, int cluster_size, int exchange,
+                                  cluster_exchange& x) {
+  constexpr int warps = Block / 32;
+  static_assert(warps <= 32, "one warp merges the warps");
+  __shared__ cta_partial warp_parts[warps];
+  __shared__ cta_partial result;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const cta_partial w = warp_merge(mine);
+  if (lane == 0) warp_parts[warp] = w;
+  __syncthreads();  // warp partials are visible to warp 0
+  if (warp == 0) {
+    const cta_partial block = warp_merge(lane < warps ? warp_parts[lane] : cta_partial{});
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster_size > 1) {
+      const int parity = exchange & 1;
+      const int rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
+      if (lane < cluster_size) send_partial(x, parity, block, rank, lane);
+      if (lane == 0)
+        await_partials(x, parity, static_cast<unsigned>(cluster_size * sizeof(cta_partial)),
+                       exchange >> 1);
+      __syncwarp();  // lane 0 saw the phase complete; its acquire covers the warp after this
+      asm volatile("fence.acq_rel.cta;" ::: "memory");
+      const cta_partial row =
+          warp_merge(lane < cluster_size ? x.slots[parity][lane] : cta_partial{});
+      if (lane == 0) result = row;
+    } else if (lane == 0) {
+      result = block;
+    }
+#else
+    (void)exchange;
+    (void)x;
+    if (lane == 0) result = block;
+#endif
+  }
+  __syncthreads();  // `result` is visible
+  return result;
 }
 
 /// Records row n's loss and correctness in the workspace (plain stores; published by
@@ -445,6 +569,13 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) stream_kernel(row_
   float lse = 0.0f, mass = 0.0f, g = 0.0f, alpha = 0.0f, target_grad = 0.0f, loss = 0.0f;
   std::int64_t y = -1;
   bool skip = false, invalid = false;
+  int exchanges = 0;  // rows whose statistics crossed the cluster
+  // Raw storage: shared memory takes no initialiser (the mbarriers are set up by init_exchange).
+  __shared__ alignas(cluster_exchange) unsigned char exchange_bytes[sizeof(cluster_exchange)];
+  cluster_exchange& exchange = *reinterpret_cast<cluster_exchange*>(exchange_bytes);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (a.cluster > 1 && want_stats) init_exchange(exchange);
+#endif
   for (std::int64_t k = 0; k < items; ++k) {
     issue(k + Stages - 1);
     __pipeline_wait_prior(Stages - 1);
@@ -496,7 +627,8 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) stream_kernel(row_
     }
     const bool last_stats = want_stats ? (resident || j == stat_items - 1) : j == 0;
     if (last_stats) {  // the row's statistics are complete: merge them, form the loss
-      const cta_partial row = want_stats ? reduce_row<Block>(part, a.cluster) : part;
+      const cta_partial row =
+          want_stats ? reduce_row<Block>(part, a.cluster, exchanges++, exchange) : part;
       if constexpr (P != pass::backward) lse = row.stats.lse.lse();
       const float w_y = !Tgt::soft && a.weights ? a.weights[y] : 1.0f;
       if constexpr (Tgt::soft) {

@@ -4,19 +4,38 @@
 #include <cstddef>
 #include <cstdint>
 
+// The defaults below; a benchmark build may define others to measure alternatives.
+#ifndef XENT_CUDA_BLOCK
+#define XENT_CUDA_BLOCK 256
+#endif
+#ifndef XENT_CUDA_MIN_BLOCKS
+#define XENT_CUDA_MIN_BLOCKS 3
+#endif
+#ifndef XENT_CUDA_STAGES
+#define XENT_CUDA_STAGES 2
+#endif
+#ifndef XENT_CUDA_CHUNK_KIB
+#define XENT_CUDA_CHUNK_KIB 32
+#endif
+
 namespace xent {
 namespace cuda_detail {
 
+/// Chosen on an H200 (2026-11-21, bench/cuda_cross_entropy.cu, bf16 16384 x 128256 forward_backward
+/// and forward, 8192 x 32000, fp32 8192 x 128256) among: 256 threads / 3 CTAs per SM / 2 stages of
+/// 32 KiB (3.45 ms, the choice); 2-4 stages of 16-32 KiB (3.76-5.47 ms: fewer CTAs per SM or more
+/// CTAs per row cost more than deeper staging gains); 128 threads x 16 KiB (3.70 ms); 384-512
+/// threads with 48-64 KiB stages (3.90-4.33 ms). Per-row costs, not copy latency, dominate.
 struct policy {
   /// Threads per CTA. Rows are staged in shared memory, not registers; three CTAs of 256 threads
   /// per SM (85 registers each) keep warps of one CTA busy while another waits at a barrier.
-  static constexpr int block = 256;
-  static constexpr int min_blocks = 3;
+  static constexpr int block = XENT_CUDA_BLOCK;
+  static constexpr int min_blocks = XENT_CUDA_MIN_BLOCKS;
   /// Shared-memory stages per CTA: the next row's chunk streams in while this one is processed.
-  static constexpr int stages = 2;
+  static constexpr int stages = XENT_CUDA_STAGES;
   /// Bytes of a stage. 2 x 32 KiB per CTA leaves room for three CTAs per SM (227 KiB), so one
   /// CTA's reductions and cluster barriers overlap the others' copies.
-  static constexpr std::size_t max_chunk_bytes = 32 * 1024;
+  static constexpr std::size_t max_chunk_bytes = XENT_CUDA_CHUNK_KIB * 1024;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.

@@ -1,0 +1,205 @@
+// CUDA benchmarks: forward, forward_backward (in place) and backward on the shapes of ANCHORS.md,
+// timed with CUDA events (manual time), bytes/s of the minimum traffic and % of a device-to-device
+// copy roof measured by this binary in this run. Each timed call starts from freshly written random
+// logits and a cold L2 (a 256 MiB buffer is overwritten in between, untimed), as triton's do_bench
+// does for the anchors' figures.
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+#include <xent/xent.hpp>
+
+#include "common/traffic.hpp"
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+/// Normal-ish values from a hash of the index (sum of uniforms), so 4 GB fill in a millisecond.
+template <class T>
+__global__ void fill_kernel(T* out, std::int64_t n, std::uint64_t seed, float stddev) {
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::int64_t{gridDim.x} * blockDim.x) {
+    std::uint64_t h = (static_cast<std::uint64_t>(i) + seed) * 0x9E3779B97F4A7C15ull;
+    float s = 0.0f;
+    for (int k = 0; k < 4; ++k) {
+      h ^= h >> 31;
+      h *= 0xBF58476D1CE4E5B9ull;
+      h ^= h >> 29;
+      s += static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
+    }
+    out[i] = xent::cuda_detail::from_float<T>((s - 2.0f) * 1.7320508f * stddev);
+  }
+}
+
+__global__ void targets_kernel(std::int64_t* out, std::int64_t n, std::int64_t classes) {
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::int64_t{gridDim.x} * blockDim.x)
+    out[i] = static_cast<std::int64_t>((static_cast<std::uint64_t>(i) * 2654435761ull) % classes);
+}
+
+/// Device buffers reused across benchmarks (the largest shape sizes them).
+struct arena {
+  void* logits = nullptr;
+  void* grad = nullptr;
+  std::size_t bytes = 0;
+  std::int64_t* targets = nullptr;
+  float* lse = nullptr;
+  float* loss = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  void* flush = nullptr;
+  static constexpr std::size_t flush_bytes = std::size_t{256} << 20;
+  cudaEvent_t start{}, stop{};
+
+  void reserve(std::size_t b, std::int64_t rows) {
+    if (b > bytes) {
+      cudaFree(logits);
+      cudaFree(grad);
+      check(cudaMalloc(&logits, b), "cudaMalloc logits");
+      check(cudaMalloc(&grad, b), "cudaMalloc grad");
+      bytes = b;
+    }
+    const std::size_t ws = xent::cuda_workspace_size(rows);
+    if (ws > workspace_bytes) {
+      cudaFree(workspace);
+      cudaFree(targets);
+      cudaFree(lse);
+      check(cudaMalloc(&workspace, ws), "cudaMalloc workspace");
+      check(cudaMalloc(&targets, sizeof(std::int64_t) * rows), "cudaMalloc targets");
+      check(cudaMalloc(&lse, sizeof(float) * rows), "cudaMalloc lse");
+      workspace_bytes = ws;
+    }
+    if (!flush) {
+      check(cudaMalloc(&flush, flush_bytes), "cudaMalloc flush");
+      check(cudaMalloc(&loss, sizeof(float)), "cudaMalloc loss");
+      check(cudaEventCreate(&start), "event");
+      check(cudaEventCreate(&stop), "event");
+    }
+  }
+};
+
+arena& buffers() {
+  static arena a;
+  return a;
+}
+
+double& copy_roof() {  // bytes/s, read + written
+  static double roof = 0.0;
+  return roof;
+}
+
+void BM_copy_roof(benchmark::State& state) {
+  const std::size_t bytes = std::size_t{2} << 30;
+  arena& a = buffers();
+  a.reserve(bytes, 1);
+  double total = 0.0;
+  for (auto _ : state) {
+    check(cudaEventRecord(a.start), "record");
+    check(cudaMemcpyAsync(a.grad, a.logits, bytes, cudaMemcpyDeviceToDevice), "copy");
+    check(cudaEventRecord(a.stop), "record");
+    check(cudaEventSynchronize(a.stop), "sync");
+    float ms = 0.0f;
+    check(cudaEventElapsedTime(&ms, a.start, a.stop), "elapsed");
+    state.SetIterationTime(ms * 1e-3);
+    total += ms * 1e-3;
+  }
+  copy_roof() = 2.0 * static_cast<double>(bytes) * state.iterations() / total;
+  state.SetBytesProcessed(static_cast<std::int64_t>(2 * bytes) * state.iterations());
+  state.counters["roof_pct"] = 100.0;
+}
+
+enum class op { forward, forward_backward, backward };
+
+template <class T, op Op>
+void BM_cross_entropy(benchmark::State& state) {
+  const std::int64_t rows = state.range(0), cols = state.range(1);
+  const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(rows * cols);
+  arena& a = buffers();
+  a.reserve(bytes, rows);
+  T* logits = static_cast<T*>(a.logits);
+  T* grad = static_cast<T*>(a.grad);
+  targets_kernel<<<1024, 256>>>(a.targets, rows, cols);
+  xent::cuda exec;
+  exec.workspace = a.workspace;
+  exec.workspace_bytes = a.workspace_bytes;
+  xent::matrix_view<T> L(logits, rows, cols);
+  xent::vector_view<const std::int64_t> y(a.targets, rows);
+  xent::options opts;
+  xent::forward_outputs out;
+  out.loss = a.loss;
+  out.lse = {a.lse, rows};
+  auto call = [&] {
+    if constexpr (Op == op::forward)
+      xent::forward(exec, L, y, opts, out);
+    else if constexpr (Op == op::forward_backward)
+      xent::forward_backward(exec, L, y, opts, xent::upstream{}, out, L);  // in place
+    else
+      xent::backward(exec, L, y, opts, xent::vector_view<const float>(a.lse, rows),
+                     xent::upstream{}, xent::matrix_view<T>(grad, rows, cols));
+  };
+  std::uint64_t seed = 1;
+  auto refresh = [&] {
+    fill_kernel<T><<<4096, 256>>>(logits, rows * cols, seed++, 2.0f);
+    if (Op == op::backward) xent::forward(exec, L, y, opts, out);
+    check(cudaMemsetAsync(a.flush, static_cast<int>(seed & 0xff), a.flush_bytes), "flush");
+  };
+  refresh();
+  call();  // warm-up: module load, first-launch costs
+  check(cudaDeviceSynchronize(), "warm-up");
+  double total = 0.0;
+  for (auto _ : state) {
+    refresh();
+    check(cudaEventRecord(a.start), "record");
+    call();
+    check(cudaEventRecord(a.stop), "record");
+    check(cudaEventSynchronize(a.stop), "sync");
+    float ms = 0.0f;
+    check(cudaEventElapsedTime(&ms, a.start, a.stop), "elapsed");
+    state.SetIterationTime(ms * 1e-3);
+    total += ms * 1e-3;
+  }
+  const auto p = Op == op::forward ? xent_bench::pass::forward : xent_bench::pass::forward_backward;
+  xent_bench::report_traffic(state, xent_bench::min_traffic_bytes(p, rows, cols, sizeof(T)),
+                             rows * cols, total, copy_roof());
+}
+
+void shapes(benchmark::internal::Benchmark* b, bool seed_shapes, bool training_shapes) {
+  if (seed_shapes) b->Args({32, 32000})->Args({128, 32000})->Args({32, 50257});
+  if (training_shapes) b->Args({8192, 32000})->Args({16384, 128256})->Args({4096, 262144});
+  b->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+
+}  // namespace
+
+BENCHMARK(BM_copy_roof)->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(20);
+
+#define XENT_CUDA_BENCH(T, OP, SEED, TRAIN)                                                  \
+  BENCHMARK_TEMPLATE(BM_cross_entropy, T, OP)->Apply([](benchmark::internal::Benchmark* b) { \
+    shapes(b, SEED, TRAIN);                                                                  \
+  })
+
+XENT_CUDA_BENCH(float, op::forward_backward, true, false);
+XENT_CUDA_BENCH(float, op::forward, true, false);
+XENT_CUDA_BENCH(__nv_bfloat16, op::forward_backward, false, true);
+XENT_CUDA_BENCH(__nv_bfloat16, op::forward, false, true);
+XENT_CUDA_BENCH(__nv_bfloat16, op::backward, false, true);
+BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward_backward)
+    ->Args({8192, 128256})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward)
+    ->Args({8192, 128256})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+BENCHMARK_MAIN();
