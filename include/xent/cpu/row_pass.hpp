@@ -20,6 +20,7 @@
 #include "../online_lse.hpp"
 #include "../targets.hpp"
 #include "../views.hpp"
+#include "packet.hpp"
 #include "policy.hpp"
 
 namespace xent {
@@ -141,10 +142,13 @@ template <bool Argmax, class T, class Tgt>
 row_partial slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, std::int64_t v1,
                         argmax_state* am, exp_cache* cache = nullptr) {
   alignas(64) float zbuf[policy::max_chunk];
-  alignas(64) float ebuf[policy::max_chunk];
   alignas(64) float tbuf[policy::max_chunk];  // soft targets or class weights
   const T* x = pb.logits.row(n);
   row_partial p;
+  // Float logits with nothing but the LSE to compute are swept in place by the packet loops; any
+  // other case converts each chunk into zbuf first (the Eigen expressions then run on it).
+  const bool direct = std::is_same<T, float>::value && pb.k.softcap == 0.0f && !Argmax &&
+                      !problem<T, Tgt>::soft && !pb.k.smoothing();
   if constexpr (!problem<T, Tgt>::soft) {  // before a cache may overwrite it
     const std::int64_t y = pb.target(n);
     if (y >= v0 && y < v1) p.target_logit = apply_softcap(static_cast<float>(x[y]), pb.k);
@@ -152,22 +156,20 @@ row_partial slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t 
   constexpr float inf = std::numeric_limits<float>::infinity();
   for (std::int64_t c = v0, i = 0; c < v1; c += pb.chunk, ++i) {
     const std::int64_t len = std::min(pb.chunk, v1 - c);
-    const_fmap z(load_logits(x + c, len, pb.k, zbuf), len);
+    const float* zp =
+        direct ? reinterpret_cast<const float*>(x + c) : load_logits(x + c, len, pb.k, zbuf);
     // Max first, then one exponential per element relative to it: the chunk is in L1, so the
     // second sweep is cheap, and it halves the exponentials of a per-element online update.
-    const float m = z.maxCoeff();
-    accumulate_sides<Argmax>(pb, n, c, z, p, am, tbuf);
+    const float m = packet_max(zp, len);
+    if (!direct) accumulate_sides<Argmax>(pb, n, c, const_fmap(zp, len), p, am, tbuf);
+    float* e = cache ? cache->values + c : nullptr;  // may be the logits: zp is read first
     float s;
     if (m == -inf) {  // all -inf (masked) or NaN: no exp(-inf - -inf)
-      s = z.isNaN().any() ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-      if (cache) tmap<float>(cache->values + c, len).setZero();
-    } else if (cache) {  // the cache may be the logits: z was copied out of them already
-      fmap e(ebuf, len);
-      e = (z - m).exp();
-      s = e.sum();
-      tmap<float>(cache->values + c, len) = e;
+      s = 0.0f;
+      for (std::int64_t j = 0; j < len; ++j) s += zp[j] != zp[j] ? zp[j] : 0.0f;  // NaN stays
+      if (e) std::fill(e, e + len, 0.0f);
     } else {
-      s = (z - m).exp().sum();
+      s = packet_exp_sum(zp, len, m, e);
     }
     if (cache) cache->chunk_max[i] = m;
     p.lse.merge(online_lse::of_block(m, s));
@@ -258,11 +260,17 @@ void cached_row_gradient(const problem<T, Tgt>& pb, std::int64_t n, float x_y, f
   alignas(64) float tbuf[policy::max_chunk];  // soft targets or class weights
   const float ga = g * gradient_alpha(mass, lse, pb.k);
   const std::int64_t cols = pb.logits.cols;
+  const bool plain = !problem<T, Tgt>::soft && !pb.k.smoothing();
   for (std::int64_t c = 0, i = 0; c < cols; c += pb.chunk, ++i) {
     const std::int64_t len = std::min(pb.chunk, cols - c);
+    const float scale = ga * std::exp(cache.chunk_max[i] - lse);  // exp(z - m_c) exp(m_c - lse)
+    if (plain) {
+      packet_scale(out + c, len, scale);
+      continue;
+    }
     fmap d(gbuf, len);
-    d = tmap<float>(out + c, len);  // back into the aligned buffer (L1/L2), computed there
-    d *= ga * std::exp(cache.chunk_max[i] - lse);  // exp(z - m_c) * exp(m_c - lse) = p
+    d = tmap<float>(out + c, len);  // into the aligned buffer (L1/L2), computed there
+    d *= scale;
     subtract_target_mass(pb, n, c, g, d, tbuf);
     tmap<float>(out + c, len) = d;
   }
