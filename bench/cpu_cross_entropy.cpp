@@ -6,7 +6,7 @@
 //                  --benchmark_out_format=json
 //
 // Lines (every one in real time; threads T = 1, 2 and std::thread::hardware_concurrency() unless
-// --xent_threads says otherwise; chunk sweep C = 1024, 2048, 4096, 8192 unless --xent_chunks):
+// --xent_threads says otherwise; chunk sweep C = 512, 1024, 2048, 4096, 8192 unless --xent_chunks):
 //   copy_roof/threads:T        memcpy of >= 1 GiB in T contiguous pieces, bytes read + written
 //   read_roof/threads:T        a sum over >= 1 GiB (forward's access pattern), bytes read
 //   update_roof/threads:T      x[i] *= c in place over >= 1 GiB (in-place forward_backward's
@@ -14,7 +14,8 @@
 //   forward/DTYPE/NxV/threads:T             class-id targets (int64), mean; outputs loss + LSE
 //   forward_backward/DTYPE/NxV/threads:T    the same plus the gradient, in place over the logits
 //   forward_backward_out_of_place/f32/4096x32000/threads:T    gradient to a separate float buffer
-//   forward_backward/DTYPE/NxV/chunk:C/threads:T   xent::cpu{T, C}, C = 1024..8192 (policy sweep)
+//   forward/DTYPE/NxV/chunk:C/threads:T, forward_backward/DTYPE/NxV/chunk:C/threads:T
+//                              xent::cpu{T, C}: the policy's chunk swept (training shapes)
 // Counters:
 //   bytes_per_second   the minimum traffic: forward N*V*sizeof(T); forward_backward that plus
 //                      N*V*sizeof(gradient)
@@ -101,7 +102,8 @@ void bm_roof(benchmark::State& state, xb::roof_kind kind) {
   // one (one per repetition) and the table's best is a printed figure.
   if (state.iterations() > 0 && seconds.count() > 0)
     xb::roof_table::instance().record(
-        roof_key(kind, threads), traffic * static_cast<double>(state.iterations()) / seconds.count());
+        roof_key(kind, threads),
+        traffic * static_cast<double>(state.iterations()) / seconds.count());
   state.SetBytesProcessed(static_cast<std::int64_t>(traffic) * state.iterations());
   state.counters["buffer_MiB"] = static_cast<double>(buf.bytes()) / xb::mib;
   state.counters["other_cores"] = others;
@@ -128,13 +130,13 @@ enum class op { forward, forward_backward_in_place, forward_backward_out_of_plac
 struct input_set {
   std::string key;
   std::int64_t rows = 0, cols = 0, elem_bytes = 0;
-  int copies = 1;                    // input sets used in turn
-  xb::host_buffer logits;            // copies x rows x cols
-  xb::host_buffer grad;              // out of place only, copies x rows x cols float
-  xb::host_buffer pristine;          // --refresh_inplace only: the logits as first filled
-  std::vector<std::int64_t> targets; // copies x rows
-  std::vector<float> lse;            // rows
-  bool dirty = false;                // an in-place call has overwritten logits with gradients
+  int copies = 1;                     // input sets used in turn
+  xb::host_buffer logits;             // copies x rows x cols
+  xb::host_buffer grad;               // out of place only, copies x rows x cols float
+  xb::host_buffer pristine;           // --refresh_inplace only: the logits as first filled
+  std::vector<std::int64_t> targets;  // copies x rows
+  std::vector<float> lse;             // rows
+  bool dirty = false;                 // an in-place call has overwritten logits with gradients
 
   std::int64_t set_bytes() const { return rows * cols * elem_bytes; }
 };
@@ -157,8 +159,8 @@ void fill_logits(input_set& in) {
 template <class T>
 input_set& inputs_for(std::int64_t rows, std::int64_t cols, op o) {
   roof_buffers.reset();  // the roof lines are done; give their memory back
-  const std::string key = std::string(dtype_name<T>()) + "/" + std::to_string(rows) + "x" +
-                          std::to_string(cols);
+  const std::string key =
+      std::string(dtype_name<T>()) + "/" + std::to_string(rows) + "x" + std::to_string(cols);
   if (!inputs || inputs->key != key) {
     inputs.reset();
     auto in = std::make_unique<input_set>();
@@ -168,7 +170,8 @@ input_set& inputs_for(std::int64_t rows, std::int64_t cols, op o) {
     in->elem_bytes = sizeof(T);
     const std::int64_t rotate =
         static_cast<std::int64_t>(std::max(4 * xb::last_level_cache_bytes(), 256 * xb::mib));
-    in->copies = static_cast<int>(std::max<std::int64_t>(1, (rotate + in->set_bytes() - 1) / in->set_bytes()));
+    in->copies = static_cast<int>(
+        std::max<std::int64_t>(1, (rotate + in->set_bytes() - 1) / in->set_bytes()));
     in->logits = xb::host_buffer(static_cast<std::size_t>(in->set_bytes()) * in->copies);
     in->targets.resize(static_cast<std::size_t>(rows * in->copies));
     xb::fill_class_ids(in->targets.data(), rows * in->copies, cols, 0x7a7 + cols);
@@ -247,7 +250,7 @@ void run_cross_entropy(benchmark::State& state, std::int64_t rows, std::int64_t 
 
   // In place, each call's logits are the previous call's gradient: (p - onehot) / N, finite and
   // far from denormal (>= ~1e-9 for these shapes), so later calls run on near-uniform rows. The
-  // CPU path has no data-dependent branch on the way (Eigen's exp is branch-free; argmax is not
+  // CPU path has no data-dependent branch on the way (the packet exp is branch-free; argmax is not
   // requested), so that costs nothing in realism, and it avoids re-copying 512 MiB per call, which
   // would also leave the tail of the logits in cache. --refresh_inplace restores the logits
   // before each call instead, to check this claim (see bench/results/README.md).
@@ -308,17 +311,19 @@ void run_cross_entropy(benchmark::State& state, std::int64_t rows, std::int64_t 
     }
   std::string bad;
   const std::int64_t offset = static_cast<std::int64_t>(last) * rows * cols;
-  if (o == op::forward_backward_in_place) bad = check_gradient(in.logits.as<const T>() + offset, rows, cols);
-  if (o == op::forward_backward_out_of_place) bad = check_gradient(in.grad.as<const float>() + offset, rows, cols);
+  if (o == op::forward_backward_in_place)
+    bad = check_gradient(in.logits.as<const T>() + offset, rows, cols);
+  if (o == op::forward_backward_out_of_place)
+    bad = check_gradient(in.grad.as<const float>() + offset, rows, cols);
   if (!bad.empty()) {
     state.SkipWithError(bad.c_str());
     return;
   }
 
   const std::int64_t grad_bytes = o == op::forward_backward_out_of_place ? sizeof(float) : 0;
-  const std::int64_t bytes = xb::min_traffic_bytes(
-      o == op::forward ? xb::pass::forward : xb::pass::forward_backward, rows, cols, sizeof(T),
-      grad_bytes);
+  const std::int64_t bytes =
+      xb::min_traffic_bytes(o == op::forward ? xb::pass::forward : xb::pass::forward_backward, rows,
+                            cols, sizeof(T), grad_bytes);
   xb::report_traffic(state, bytes, rows * cols, seconds.count(), copy_roof);
   if (pattern_roof > 0)
     state.counters[o == op::forward ? "read_roof_pct" : "update_roof_pct"] =
@@ -331,7 +336,7 @@ void run_cross_entropy(benchmark::State& state, std::int64_t rows, std::int64_t 
 
 // Thread counts and the chunk sweep; --xent_threads=1,2,8 and --xent_chunks=512,1024 override them.
 std::vector<int> threads_list;
-std::vector<std::int64_t> chunks_list{1024, 2048, 4096, 8192};
+std::vector<std::int64_t> chunks_list{512, 1024, 2048, 4096, 8192};
 
 std::vector<int> thread_counts() {
   if (!threads_list.empty()) return threads_list;
@@ -354,8 +359,8 @@ std::vector<I> parse_list(const std::string& s) {
 template <class T>
 void add(const char* what, std::int64_t rows, std::int64_t cols, op o, std::int64_t chunk,
          benchmark::TimeUnit unit) {
-  std::string name = std::string(what) + "/" + dtype_name<T>() + "/" + std::to_string(rows) +
-                     "x" + std::to_string(cols);
+  std::string name = std::string(what) + "/" + dtype_name<T>() + "/" + std::to_string(rows) + "x" +
+                     std::to_string(cols);
   if (chunk) name += "/chunk:" + std::to_string(chunk);
   auto* b = benchmark::RegisterBenchmark(
       name.c_str(), [=](benchmark::State& s) { run_cross_entropy<T>(s, rows, cols, o, chunk); });
@@ -367,8 +372,10 @@ template <class T>
 void add_shape(std::int64_t rows, std::int64_t cols, bool out_of_place, bool sweep_chunks,
                benchmark::TimeUnit unit) {
   // Order matters only for speed: forward and out-of-place need random logits, in place
-  // overwrites them, so in-place lines come last for a shape.
+  // overwrites them (refilling takes a second), so in-place lines come last for a shape.
   add<T>("forward", rows, cols, op::forward, 0, unit);
+  if (sweep_chunks)
+    for (std::int64_t chunk : chunks_list) add<T>("forward", rows, cols, op::forward, chunk, unit);
   if (out_of_place)
     add<T>("forward_backward_out_of_place", rows, cols, op::forward_backward_out_of_place, 0, unit);
   add<T>("forward_backward", rows, cols, op::forward_backward_in_place, 0, unit);
@@ -379,8 +386,8 @@ void add_shape(std::int64_t rows, std::int64_t cols, bool out_of_place, bool swe
 
 void register_all() {
   for (xb::roof_kind k : {xb::roof_kind::copy, xb::roof_kind::read, xb::roof_kind::update}) {
-    auto* b = benchmark::RegisterBenchmark(xb::roof_name(k),
-                                           [k](benchmark::State& s) { bm_roof(s, k); });
+    auto* b =
+        benchmark::RegisterBenchmark(xb::roof_name(k), [k](benchmark::State& s) { bm_roof(s, k); });
     // 5 passes over >= 1 GiB: >= 0.2 s on this class of machine, and no iteration-count probing.
     b->ArgName("threads")->UseRealTime()->Unit(benchmark::kMillisecond)->Iterations(5);
     for (int t : thread_counts()) b->Arg(t);

@@ -93,6 +93,20 @@ arena& buffers() {
   return a;
 }
 
+/// Runs `work` between two events and reports its device time as the iteration's manual time;
+/// returns it in seconds.
+template <class Work>
+double timed(benchmark::State& state, arena& a, Work&& work) {
+  check(cudaEventRecord(a.start), "record");
+  work();
+  check(cudaEventRecord(a.stop), "record");
+  check(cudaEventSynchronize(a.stop), "sync");
+  float ms = 0.0f;
+  check(cudaEventElapsedTime(&ms, a.start, a.stop), "elapsed");
+  state.SetIterationTime(ms * 1e-3);
+  return ms * 1e-3;
+}
+
 double& copy_roof() {  // bytes/s, read + written
   static double roof = 0.0;
   return roof;
@@ -103,16 +117,10 @@ void BM_copy_roof(benchmark::State& state) {
   arena& a = buffers();
   a.reserve(bytes, 1);
   double total = 0.0;
-  for (auto _ : state) {
-    check(cudaEventRecord(a.start), "record");
-    check(cudaMemcpyAsync(a.grad, a.logits, bytes, cudaMemcpyDeviceToDevice), "copy");
-    check(cudaEventRecord(a.stop), "record");
-    check(cudaEventSynchronize(a.stop), "sync");
-    float ms = 0.0f;
-    check(cudaEventElapsedTime(&ms, a.start, a.stop), "elapsed");
-    state.SetIterationTime(ms * 1e-3);
-    total += ms * 1e-3;
-  }
+  for (auto _ : state)
+    total += timed(state, a, [&] {
+      check(cudaMemcpyAsync(a.grad, a.logits, bytes, cudaMemcpyDeviceToDevice), "copy");
+    });
   copy_roof() = 2.0 * static_cast<double>(bytes) * state.iterations() / total;
   state.SetBytesProcessed(static_cast<std::int64_t>(2 * bytes) * state.iterations());
   state.counters["roof_pct"] = 100.0;
@@ -159,14 +167,7 @@ void BM_cross_entropy(benchmark::State& state) {
   double total = 0.0;
   for (auto _ : state) {
     refresh();
-    check(cudaEventRecord(a.start), "record");
-    call();
-    check(cudaEventRecord(a.stop), "record");
-    check(cudaEventSynchronize(a.stop), "sync");
-    float ms = 0.0f;
-    check(cudaEventElapsedTime(&ms, a.start, a.stop), "elapsed");
-    state.SetIterationTime(ms * 1e-3);
-    total += ms * 1e-3;
+    total += timed(state, a, call);
   }
   const auto p = Op == op::forward ? xent_bench::pass::forward : xent_bench::pass::forward_backward;
   xent_bench::report_traffic(state, xent_bench::min_traffic_bytes(p, rows, cols, sizeof(T)),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs a Google Benchmark binary of xent one line at a time on a shared machine, keeping for each
+r"""Runs a Google Benchmark binary of xent one line at a time on a shared machine, keeping for each
 line the attempt that other processes disturbed least, and writes one JSON in Google Benchmark's
 format (context of the first attempt; each line's benchmarks, its roofs' lines included).
 
@@ -8,7 +8,8 @@ count, so roof_pct still divides by a roof measured by the same process moments 
 attempt the script waits for the CPUs to be idle; an attempt is accepted when every run in it
 reports other_cores <= --max-other (the counter host_load.hpp fills), else it is retried.
 
-  bench/common/clean_run.py build/bench-dev/bench/xent_bench_cpu -o bench/results/cpu-HOST-DATE.json \
+  bench/common/clean_run.py build/bench-dev/bench/xent_bench_cpu \
+      -o bench/results/cpu-HOST-DATE.json \
       [--filter REGEX] [--attempts 4] [-- flags for the binary]
 """
 import argparse
@@ -41,7 +42,8 @@ def wait_idle(max_wait, need=3, threshold=0.9):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("binary")
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--filter", default=".", help="regex over line names (default: all)")
@@ -78,7 +80,8 @@ def main():
             worst = max((b.get("other_cores", 0.0) for b in runs), default=0.0)
             if best is None or worst < best[0]:
                 best = (worst, attempt, data)
-            print(f"{name}: attempt {attempt}, waited-for-idle={idle}, worst other_cores {worst:.2f}",
+            print(f"{name}: attempt {attempt}, waited-for-idle={idle}, "
+                  f"worst other_cores {worst:.2f}",
                   file=sys.stderr, flush=True)
             if worst <= args.max_other:
                 break

@@ -69,7 +69,10 @@ class host_buffer {
     ptr_ = std::aligned_alloc(align, (bytes + align - 1) / align * align);
     if (!ptr_) throw std::bad_alloc();
   }
-  host_buffer(host_buffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; o.bytes_ = 0; }
+  host_buffer(host_buffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
   host_buffer& operator=(host_buffer&& o) noexcept {
     std::swap(ptr_, o.ptr_);
     std::swap(bytes_, o.bytes_);
@@ -80,7 +83,9 @@ class host_buffer {
   ~host_buffer() { std::free(ptr_); }
 
   template <class T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   std::size_t bytes() const { return bytes_; }
 
  private:
