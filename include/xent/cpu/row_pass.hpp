@@ -20,6 +20,7 @@
 #include "../online_lse.hpp"
 #include "../targets.hpp"
 #include "../views.hpp"
+#include "convert.hpp"
 #include "packet.hpp"
 #include "policy.hpp"
 
@@ -70,7 +71,7 @@ struct problem {
 template <class T>
 const float* load_logits(const T* src, std::int64_t n, const loss_constants& k, float* buf) {
   fmap b(buf, n);
-  b = const_tmap<T>(src, n).template cast<float>();
+  convert(src, n, buf);
   if (k.softcap > 0.0f) b = (b * k.inv_softcap).tanh() * k.softcap;
   return buf;
 }
@@ -87,7 +88,7 @@ template <class T, class S>
 void load_soft_targets(const problem<T, soft_targets<S>>& pb, std::int64_t n, std::int64_t c0,
                        std::int64_t len, float* buf) {
   fmap b(buf, len);
-  b = const_tmap<S>(pb.targets.probs.row(n) + c0, len).template cast<float>();
+  convert(pb.targets.probs.row(n) + c0, len, buf);
   b = b * pb.k.keep + pb.k.smooth;
   if (pb.weights) b *= const_tmap<float>(pb.weights + c0, len);  // elementwise: no peeling issue
 }
@@ -245,7 +246,7 @@ void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, 
     d = (z - lse).exp() * ga;
     subtract_target_mass(pb, n, c, g, d, tbuf);
     if (k.softcap > 0.0f) d *= 1.0f - (z * k.inv_softcap).square();
-    tmap<G>(out + c, len) = d.template cast<G>();  // a conversion only: no peeled arithmetic
+    convert(gbuf, len, out + c);  // a conversion only: no peeled arithmetic
   }
   if (has_target) write_target_gradient(pb, y, x_y, lse, mass, g, out);
 }
