@@ -577,9 +577,12 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) stream_kernel(row_
   if (a.cluster > 1 && want_stats) init_exchange(exchange);
 #endif
   for (std::int64_t k = 0; k < items; ++k) {
+    // Copies issued so far reach item k + Stages - 2: waiting for all but Stages - 2 of them
+    // lands item k. One barrier then serves twice: item k is visible to every thread, and every
+    // thread is done with item k - 1, whose stage the next copy refills.
+    __pipeline_wait_prior(Stages - 2);
+    __syncthreads();
     issue(k + Stages - 1);
-    __pipeline_wait_prior(Stages - 1);
-    __syncthreads();  // item k's chunk and metadata are in shared memory for every thread
     const std::int64_t n = row_of(k);
     const int j = static_cast<int>(k % per_row);
     const T* chunk = stage(k);
@@ -610,7 +613,6 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) stream_kernel(row_
           for (std::int64_t c = v0 + threadIdx.x; c < v1; c += Block) out[c] = from_float<G>(0.0f);
         }
       }
-      __syncthreads();  // the stage is free for the next issue
       continue;
     }
     const bool stats_item = want_stats && (resident || j < stat_items);
@@ -663,7 +665,6 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) stream_kernel(row_
     if (grad_item)
       chunk_gradient<Block, Vec, Plain>(a, chunk, n, base, count, y, target_grad, lse, alpha, g,
                                         a.grad + n * a.grad_ld);
-    __syncthreads();  // every thread is done with this stage before it is refilled
   }
   __pipeline_wait_prior(0);  // no copy is left in flight at exit
   if (need_reduce && rank == 0) finish_reduction<Block>(a, static_cast<unsigned>(my_rows));
