@@ -115,6 +115,17 @@ XENT_HOST_DEVICE inline float gradient_alpha(float mass, float lse, const loss_c
   return mass + 2.0f * k.z_loss * lse;
 }
 
+/// The upstream gradient every row of a mean or sum reduction gets: scale, times *scale_ptr when
+/// given (read in the caller's memory space: host for the CPU, device inside a kernel), divided by
+/// the mean's normaliser W. In double, rounded once by the caller.
+XENT_HOST_DEVICE inline double scalar_upstream(float scale, const float* scale_ptr,
+                                               reduction reduce, double normalizer) {
+  double g = static_cast<double>(scale);
+  if (scale_ptr) g *= static_cast<double>(*scale_ptr);
+  if (reduce == reduction::mean) g /= normalizer;
+  return g;
+}
+
 /// The gradient at the target class of a class-id row, formed in float from its (soft-capped)
 /// logit z_y and rounded once by the caller: (alpha p_y - (1 - eps) w_y - (eps / V) w_y) * slope *
 /// g. The p_y - 1 cancellation happens here, in float, never through a bf16 intermediate.

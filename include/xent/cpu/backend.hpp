@@ -38,6 +38,13 @@ struct plan {
   std::int64_t slice_len = 0;
 
   std::int64_t tasks(std::int64_t rows) const { return rows * slices; }
+  /// Task t is slice t % slices of row t / slices: classes [v0, v1).
+  void slice(std::int64_t t, std::int64_t cols, std::int64_t& n, std::int64_t& v0,
+             std::int64_t& v1) const {
+    n = t / slices;
+    v0 = (t % slices) * slice_len;
+    v1 = v0 + slice_len < cols ? v0 + slice_len : cols;
+  }
 };
 
 /// Most (row, slice) tasks a split call can have: rows < threads and slices <= ceil(threads/rows)
@@ -116,9 +123,10 @@ struct row_scales {
 
 inline row_scales make_row_scales(const upstream& up, const options& opts, double normalizer) {
   row_scales s;
-  s.base = static_cast<double>(up.scale);
-  if (up.scale_ptr) s.base *= static_cast<double>(*up.scale_ptr);
-  if (opts.reduce == reduction::mean) s.base /= normalizer;
+  // With reduction none the upstream is per row: scale * rows[n] (scale_ptr is refused there).
+  s.base = opts.reduce == reduction::none
+               ? static_cast<double>(up.scale)
+               : scalar_upstream(up.scale, up.scale_ptr, opts.reduce, normalizer);
   s.rows = up.rows.data;
   return s;
 }
@@ -166,12 +174,12 @@ inline void write_totals(const totals& sums, int threads, const options& opts, d
   if (out.num_correct) *out.num_correct = correct;
 }
 
-/// The mass sum_c w_c t'_c of row n, given its merged statistics (forward) or recomputed
-/// (backward).
+/// The mass sum_c w_c t'_c of row n: from its merged statistics when a forward pass has them,
+/// else recomputed from the soft targets (backward); a class id's follows from its weight.
 template <class T, class Tgt>
-float row_mass(const problem<T, Tgt>& pb, std::int64_t n) {
+float row_mass(const problem<T, Tgt>& pb, std::int64_t n, const row_partial* merged = nullptr) {
   if constexpr (problem<T, Tgt>::soft) {
-    return soft_mass(pb, n);
+    return merged ? merged->mass : soft_mass(pb, n);
   } else {
     return class_target_mass(pb.weight(pb.target(n)), pb.k);
   }
@@ -187,14 +195,6 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
   const std::int64_t rows = logits.rows, cols = logits.cols;
   const plan pl = make_plan(exec, rows, cols);
   totals sums;
-
-  auto mass_of = [&](std::int64_t n, const row_partial& p) {
-    if constexpr (problem<T, Tgt>::soft) {
-      return p.mass;
-    } else {
-      return class_target_mass(pb.weight(pb.target(n)), pb.k);
-    }
-  };
 
   // A float gradient row can hold exp(z - m_c) between the two sweeps (exp_cache); softcap needs
   // the logits again in the gradient sweep, so it keeps the two-exponential path.
@@ -214,30 +214,25 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
             cache.values = grad.row(n);
             const row_partial p = slice_stats<Argmax>(pb, n, 0, cols, &am, &cache);
             finish_row(pb, n, p, am, out, sums, worker);
-            cached_row_gradient(pb, n, p.target_logit, p.lse.lse(), mass_of(n, p), scale(n), cache,
-                                grad.row(n));
+            cached_row_gradient(pb, n, p.target_logit, p.lse.lse(), row_mass(pb, n, &p), scale(n),
+                                cache, grad.row(n));
             continue;
           }
         }
         const row_partial p = slice_stats<Argmax>(pb, n, 0, cols, &am);
         finish_row(pb, n, p, am, out, sums, worker);
         if (grad.data)
-          slice_gradient(pb, n, 0, cols, p.lse.lse(), mass_of(n, p), scale(n), grad.row(n));
+          slice_gradient(pb, n, 0, cols, p.lse.lse(), row_mass(pb, n, &p), scale(n), grad.row(n));
       }
     });
   } else {
     const std::int64_t tasks = pl.tasks(rows);
     std::array<row_partial, max_split_tasks> parts;
     std::array<argmax_state, max_split_tasks> maxima;
-    auto slice_of = [&](std::int64_t task, std::int64_t& n, std::int64_t& v0, std::int64_t& v1) {
-      n = task / pl.slices;
-      v0 = (task % pl.slices) * pl.slice_len;
-      v1 = std::min(cols, v0 + pl.slice_len);
-    };
     parallel_for(pl.threads, tasks, [&](std::int64_t begin, std::int64_t end, int) {
       for (std::int64_t t = begin; t < end; ++t) {
         std::int64_t n, v0, v1;
-        slice_of(t, n, v0, v1);
+        pl.slice(t, cols, n, v0, v1);
         if (!pb.ignored(n)) parts[t] = slice_stats<Argmax>(pb, n, v0, v1, &maxima[t]);
       }
     });
@@ -255,13 +250,13 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
       }
       finish_row(pb, n, p, am, out, sums, 0);
       lse[n] = p.lse.lse();
-      mass[n] = mass_of(n, p);
+      mass[n] = row_mass(pb, n, &p);
     }
     if (grad.data) {
       parallel_for(pl.threads, tasks, [&](std::int64_t begin, std::int64_t end, int) {
         for (std::int64_t t = begin; t < end; ++t) {
           std::int64_t n, v0, v1;
-          slice_of(t, n, v0, v1);
+          pl.slice(t, cols, n, v0, v1);
           if (pb.ignored(n))
             zero_slice(grad.row(n), v0, v1);
           else
@@ -294,9 +289,8 @@ void run_backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targe
   const plan pl = make_plan(exec, rows, cols);
   parallel_for(pl.threads, pl.tasks(rows), [&](std::int64_t begin, std::int64_t end, int) {
     for (std::int64_t t = begin; t < end; ++t) {
-      const std::int64_t n = t / pl.slices;
-      const std::int64_t v0 = (t % pl.slices) * pl.slice_len;
-      const std::int64_t v1 = std::min(cols, v0 + pl.slice_len);
+      std::int64_t n, v0, v1;
+      pl.slice(t, cols, n, v0, v1);
       if (pb.ignored(n))
         zero_slice(grad.row(n), v0, v1);
       else

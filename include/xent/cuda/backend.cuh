@@ -179,9 +179,8 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
 
 /// Everything but the pass, from the public arguments.
 template <class T, class G, class Tgt>
-row_args<device_t<T>, device_t<G>, Tgt> make_args(const char* fn, const cuda& exec,
-                                                  matrix_view<const T> logits, Tgt targets,
-                                                  const options& opts) {
+row_args<device_t<T>, device_t<G>, Tgt> make_args(const cuda& exec, matrix_view<const T> logits,
+                                                  Tgt targets, const options& opts) {
   row_args<device_t<T>, device_t<G>, Tgt> a{};
   a.logits = reinterpret_cast<const device_t<T>*>(logits.data);
   a.ld = logits.ld;
@@ -195,7 +194,6 @@ row_args<device_t<T>, device_t<G>, Tgt> make_args(const char* fn, const cuda& ex
   a.reduce = opts.reduce;
   a.workspace = exec.workspace;
   a.error_count = exec.error_count;
-  (void)fn;
   return a;
 }
 
@@ -221,7 +219,7 @@ void run(const char* fn, const cuda& exec, matrix_view<const T> logits, const Tg
          const options& opts, const upstream* up, const forward_outputs* out,
          vector_view<const float> lse, matrix_view<G> grad) {
   auto dt = device_targets(targets);
-  auto a = make_args<T, G>(fn, exec, logits, dt, opts);
+  auto a = make_args<T, G>(exec, logits, dt, opts);
   const bool reduced = out && ((out->loss && opts.reduce != reduction::none) || out->num_correct);
   const bool mean_grad = P != pass::forward && opts.reduce == reduction::mean;
   const bool weighted_smoothing = opts.class_weights.data && opts.label_smoothing != 0.0f;

@@ -131,9 +131,8 @@ XENT_KERNEL void prepare_kernel(Tgt targets, std::int64_t rows, std::int64_t col
 /// without the option paths, so their inner loops are the bare conversion, exponential and store.
 template <bool Plain = false, class T>
 __device__ __forceinline__ float capped(T raw, const loss_constants& k) {
-  const float x = to_float(raw);
-  if constexpr (Plain) return x;
-  return k.softcap > 0.0f ? k.softcap * tanhf(x * k.inv_softcap) : x;
+  if constexpr (Plain) return to_float(raw);
+  return apply_softcap(to_float(raw), k);
 }
 
 /// w_c t'_c for class c of row n (soft targets; class ids use the smoothing term alone).
@@ -510,11 +509,12 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) stream_kernel(row_
   if (a.weights && a.k.smooth != 0.0f)
     a.k.weight_sum = static_cast<float>(header(a.workspace)->weight_sum);
   // The scalar upstream gradient (scale * *scale_ptr / W), once per launch.
-  double scalar = a.scale;
-  if (a.reduce != reduction::none && P != pass::forward) {
-    if (a.scale_ptr) scalar *= *a.scale_ptr;
-    if (a.reduce == reduction::mean) scalar /= header(a.workspace)->normalizer;
-  }
+  // The workspace (and its normaliser) exists only when a mean needs it.
+  const double scalar =
+      a.reduce != reduction::none && P != pass::forward
+          ? scalar_upstream(a.scale, a.scale_ptr, a.reduce,
+                            a.reduce == reduction::mean ? header(a.workspace)->normalizer : 1.0)
+          : 0.0;
   const int rank = static_cast<int>(blockIdx.x);
   const std::int64_t v0 = rank * a.slice;
   const std::int64_t v1 = v0 + a.slice < a.cols ? v0 + a.slice : a.cols;
