@@ -75,6 +75,7 @@ struct arena {
       cudaFree(targets);
       cudaFree(lse);
       check(cudaMalloc(&workspace, ws), "cudaMalloc workspace");
+      check(cudaMemset(workspace, 0, ws), "cudaMemset workspace");  // xent::cuda's contract
       check(cudaMalloc(&targets, sizeof(std::int64_t) * rows), "cudaMalloc targets");
       check(cudaMalloc(&lse, sizeof(float) * rows), "cudaMalloc lse");
       workspace_bytes = ws;

@@ -39,7 +39,10 @@ struct dbuf {
   T* ptr = nullptr;
   std::size_t n = 0;
   explicit dbuf(std::size_t count = 0) : n(count) {
-    if (n) EXPECT_EQ(cudaMalloc(&ptr, n * sizeof(T)), cudaSuccess);
+    if (n) {  // zero-filled: a workspace must be (see xent::cuda)
+      EXPECT_EQ(cudaMalloc(&ptr, n * sizeof(T)), cudaSuccess);
+      EXPECT_EQ(cudaMemset(ptr, 0, n * sizeof(T)), cudaSuccess);
+    }
   }
   dbuf(const std::vector<T>& h) : dbuf(h.size()) { upload(h); }
   ~dbuf() { cudaFree(ptr); }

@@ -71,11 +71,12 @@ inline device_facts query_device(const char* fn) {
 
 /// Per kernel instantiation, asked once: whether its code was built for sm_90+ (clusters exist in
 /// it), after raising its dynamic shared-memory limit and allowing non-portable cluster sizes.
-template <int Vec, bool Plain, pass P, class T, class G, class Tgt>
+template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
 bool prepare_kernel_attributes() {
   // One static per instantiation: the template arguments, not the kernel's signature, key it.
   static const bool clusters = [] {
-    auto kernel = stream_kernel<policy::block, Vec, policy::stages, Plain, P, T, G, Tgt>;
+    auto kernel =
+        row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
     cudaFuncAttributes attr{};
     if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) return false;
     const int smem = static_cast<int>(policy::stages * policy::max_chunk_bytes);
@@ -90,7 +91,7 @@ bool prepare_kernel_attributes() {
 /// How many clusters of this kernel fit on the device at once, for a launch shaped like `cfg`:
 /// the occupancy query costs microseconds of host time, so answers are kept per instantiation
 /// (keyed by device, cluster size and shared memory).
-template <int Vec, bool Plain, pass P, class T, class G, class Tgt>
+template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
 int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_facts& dev) {
   struct entry {
     int device, cluster;
@@ -106,7 +107,8 @@ int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_
       if (e.device == dev.id && e.cluster == cluster && e.smem == cfg.dynamicSmemBytes)
         return e.active;
   }
-  auto kernel = stream_kernel<policy::block, Vec, policy::stages, Plain, P, T, G, Tgt>;
+  auto kernel =
+      row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
   int active = 0;
   if (cluster > 1) {
     check_cuda(fn, cudaOccupancyMaxActiveClusters(&active, kernel, &cfg));
@@ -120,12 +122,13 @@ int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_
   return active;
 }
 
-template <int Vec, bool Plain, pass P, class T, class G, class Tgt>
+template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
 void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
                  const device_facts& dev) {
-  auto kernel = stream_kernel<policy::block, Vec, policy::stages, Plain, P, T, G, Tgt>;
-  const bool clusters = prepare_kernel_attributes<Vec, Plain, P, T, G, Tgt>() && dev.major >= 9;
-  const launch_plan plan = make_launch_plan(args.rows, args.cols, sizeof(T), Vec, dev.sms,
+  auto kernel =
+      row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
+  const bool clusters = prepare_kernel_attributes<Aligned, Plain, P, T, G, Tgt>() && dev.major >= 9;
+  const launch_plan plan = make_launch_plan(args.rows, args.cols, sizeof(T), dev.sms,
                                             clusters ? policy::cluster_max : 1);
   args.cluster = plan.cluster;
   args.slice = plan.slice;
@@ -146,17 +149,19 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   cfg.numAttrs = plan.cluster > 1 ? 1 : 0;
   // Persistent clusters: as many as fit at once, each walking its share of the rows.
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), 1, 1);
-  const int active = active_clusters<Vec, Plain, P, T, G, Tgt>(fn, cfg, dev);
+  const int active = active_clusters<Aligned, Plain, P, T, G, Tgt>(fn, cfg, dev);
   const std::int64_t grid_rows = args.rows < active ? args.rows : (active > 0 ? active : 1);
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(grid_rows), 1);
   if (log)
-    std::fprintf(stderr,
-                 "%s: %lld x %lld, vec %d: cluster %d, slice %lld, chunk %lld x %lld, smem %zu, "
-                 "grid %lld (active %d)\n",
-                 fn, static_cast<long long>(args.rows), static_cast<long long>(args.cols), Vec,
-                 plan.cluster, static_cast<long long>(plan.slice),
-                 static_cast<long long>(plan.chunk), static_cast<long long>(plan.chunks),
-                 plan.smem_bytes, static_cast<long long>(grid_rows), active);
+    std::fprintf(
+        stderr,
+        "%s: %lld x %lld, aligned %d, plain %d: cluster %d, slice %lld, chunk %lld x %lld, "
+        "smem %zu, grid %lld (active %d)\n",
+        fn, static_cast<long long>(args.rows), static_cast<long long>(args.cols),
+        static_cast<int>(Aligned), static_cast<int>(Plain), plan.cluster,
+        static_cast<long long>(plan.slice), static_cast<long long>(plan.chunk),
+        static_cast<long long>(plan.chunks), plan.smem_bytes, static_cast<long long>(grid_rows),
+        active);
   check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
 }
 
@@ -165,16 +170,17 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
                    bool aligned) {
   if (args.rows == 0) return;
   const device_facts dev = query_device(fn);
-  // 16-byte accesses (cp.async, vector stores) when every row start is 16-byte aligned;
-  // element-wise otherwise.
-  constexpr int vec = 16 / static_cast<int>(sizeof(T));
-  const bool plain = !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f;
+  // Bulk copies and 16-byte stores when every row start is 16-byte aligned; element-wise
+  // staging and stores otherwise. The plain kernel has no option paths (soft targets never take
+  // it).
+  const bool plain =
+      !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f && !args.want_argmax;
   if (!aligned)
-    launch_rows<1, false, P>(fn, exec, args, dev);
+    launch_rows<false, false, P>(fn, exec, args, dev);
   else if (plain)
-    launch_rows<vec, !Tgt::soft, P>(fn, exec, args, dev);  // soft targets never take it
+    launch_rows<true, !Tgt::soft, P>(fn, exec, args, dev);
   else
-    launch_rows<vec, false, P>(fn, exec, args, dev);
+    launch_rows<true, false, P>(fn, exec, args, dev);
 }
 
 /// Everything but the pass, from the public arguments.
@@ -188,21 +194,13 @@ row_args<device_t<T>, device_t<G>, Tgt> make_args(const cuda& exec, matrix_view<
   a.cols = logits.cols;
   a.targets = targets;
   a.weights = opts.class_weights.data;
-  // With class weights, sum_c w_c comes from the prepare kernel (the weights live on the device).
+  // With class weights, sum_c w_c is summed on the device (where the weights live) by the kernel.
   a.k = make_loss_constants(opts, logits.cols, static_cast<float>(logits.cols));
   a.ignore_index = opts.ignore_index;
   a.reduce = opts.reduce;
   a.workspace = exec.workspace;
   a.error_count = exec.error_count;
   return a;
-}
-
-template <class Tgt>
-void run_prepare(const char* fn, const cuda& exec, Tgt targets, std::int64_t rows,
-                 std::int64_t cols, const options& opts) {
-  prepare_kernel<1024, Tgt><<<1, 1024, 0, exec.stream>>>(targets, rows, cols, opts.ignore_index,
-                                                         opts.class_weights.data, exec.workspace);
-  check_cuda(fn, cudaGetLastError());
 }
 
 inline void require_workspace(const char* fn, const cuda& exec, std::int64_t rows, bool needed) {
@@ -221,9 +219,7 @@ void run(const char* fn, const cuda& exec, matrix_view<const T> logits, const Tg
   auto dt = device_targets(targets);
   auto a = make_args<T, G>(exec, logits, dt, opts);
   const bool reduced = out && ((out->loss && opts.reduce != reduction::none) || out->num_correct);
-  const bool mean_grad = P != pass::forward && opts.reduce == reduction::mean;
-  const bool weighted_smoothing = opts.class_weights.data && opts.label_smoothing != 0.0f;
-  const bool needs_ws = (P != pass::backward && reduced) || mean_grad || weighted_smoothing;
+  const bool needs_ws = P != pass::backward && reduced;
   require_workspace(fn, exec, logits.rows, needs_ws);
   if (!needs_ws) a.workspace = nullptr;
   if (out) {
@@ -245,7 +241,6 @@ void run(const char* fn, const cuda& exec, matrix_view<const T> logits, const Tg
   bool aligned = aligned16(logits.data, logits.ld * static_cast<std::int64_t>(sizeof(T)));
   if (grad.data)
     aligned = aligned && aligned16(grad.data, grad.ld * static_cast<std::int64_t>(sizeof(G)));
-  if (needs_ws) run_prepare(fn, exec, dt, logits.rows, logits.cols, opts);
   if (logits.rows == 0) {
     // Nothing to read; the reduced loss of no rows is still defined (mean NaN, sum 0).
     // All-ones bytes are a float NaN; memset nodes are capturable, unlike pageable copies.

@@ -12,8 +12,9 @@ namespace xent {
 /// synchronises with the host, nothing allocates, and each call can be captured in a CUDA graph.
 ///
 /// `workspace` is caller-owned device memory of at least cuda_workspace_size(rows) bytes, needed
-/// for class-id targets, the reduced loss and num_correct (CUB's two-phase temp storage); calls
-/// that need none of these accept a null workspace.
+/// for the reduced loss and num_correct (CUB's two-phase temp storage); calls that need neither
+/// accept a null workspace. Zero-fill it once before its first use (cudaMemset): every call
+/// leaves it zeroed again for the next, so each call is a single kernel launch.
 ///
 /// `error_count`, when given, is a device int that every call adds the number of rows whose class
 /// id is outside [0, V) and not ignore_index to. Such a row never reads or writes out of bounds:
@@ -30,9 +31,7 @@ namespace cuda_detail {
 /// The workspace layout: a header, then one float and one flag per row.
 struct workspace_header {
   unsigned int rows_done;  ///< rows finished by the running call; the last resets it to 0
-  unsigned int pad;
-  double normalizer;  ///< W of the mean, from the prepare kernel
-  double weight_sum;  ///< sum_c w_c, from the prepare kernel (label smoothing with weights)
+  unsigned int pad[3];
 };
 
 __host__ __device__ inline std::size_t align_up(std::size_t n, std::size_t a) {

@@ -14,6 +14,9 @@
 #ifndef XENT_CUDA_STAGES
 #define XENT_CUDA_STAGES 2
 #endif
+#ifndef XENT_CUDA_STATS_UNROLL  // vectors in flight per thread in a statistics sweep
+#define XENT_CUDA_STATS_UNROLL 2
+#endif
 #ifndef XENT_CUDA_CHUNK_KIB
 #define XENT_CUDA_CHUNK_KIB 32
 #endif
@@ -36,6 +39,12 @@ struct policy {
   /// Bytes of a stage. 2 x 32 KiB per CTA leaves room for three CTAs per SM (227 KiB), so one
   /// CTA's reductions and cluster barriers overlap the others' copies.
   static constexpr std::size_t max_chunk_bytes = XENT_CUDA_CHUNK_KIB * 1024;
+  /// Vectors per thread in flight in a statistics sweep over shared memory: unrolling the whole
+  /// chunk there would hold a second chunk in registers beside the tile.
+  static constexpr int stats_unroll = XENT_CUDA_STATS_UNROLL;
+  /// 16-byte vectors per thread that hold a chunk in registers (32 registers for 32 KiB).
+  static constexpr int regs = static_cast<int>(max_chunk_bytes / (16 * block));
+  static_assert(regs * 16 * block == max_chunk_bytes, "a chunk is whole vectors per thread");
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
@@ -52,10 +61,12 @@ struct launch_plan {
   std::size_t smem_bytes = 0;   ///< dynamic shared memory per CTA
 };
 
-/// Cuts rows of `cols` elements of `elem_bytes` over a cluster. `vec` elements make 16 bytes (1
-/// when rows are not 16-byte aligned); `sms` multiprocessors; `max_cluster` 1 without clusters.
-inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int vec,
-                                    int sms, int max_cluster) {
+/// Cuts rows of `cols` elements of `elem_bytes` over a cluster: `sms` multiprocessors,
+/// `max_cluster` 1 without clusters. Slices and chunks are whole 16-byte vectors (the register
+/// tiles' unit).
+inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms,
+                                    int max_cluster) {
+  const int vec = 16 / elem_bytes;
   auto ceil_div = [](std::int64_t a, std::int64_t b) { return (a + b - 1) / b; };
   launch_plan p;
   const std::int64_t row_bytes = cols * elem_bytes;

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds the CUDA benchmark once per set of tunables (policy.cuh macros) and times each on the
+# same shapes, back to back on one GPU: how the choices in cuda/policy.cuh were measured.
+#   bash bench/cuda_variants.sh [--build-only|--run-only] FILTER NAME=FLAGS...
+#   e.g. bash bench/cuda_variants.sh 'bfloat16.*16384/128256' base= mb2=-DXENT_CUDA_MIN_BLOCKS=2
+# Writes $OUT/variant-NAME.json (Google Benchmark JSON) and prints time and % of roof per line.
+set -uo pipefail
+OUT=${OUT:-$PWD/build/variants-out}
+mkdir -p "$OUT" build/variants
+step=both
+[[ ${1:-} == --build-only ]] && { step=build; shift; }
+[[ ${1:-} == --run-only ]] && { step=run; shift; }
+filter=$1
+shift
+arch=${XENT_VARIANT_ARCH:-90}
+for spec in "$@"; do
+  [[ $step == run ]] && break
+  name=${spec%%=*}
+  flags=${spec#*=}
+  # shellcheck disable=SC2086
+  nvcc -std=c++17 -O3 -arch=sm_$arch -DNDEBUG -Iinclude -Ibench -I/usr/include/eigen3 \
+    -diag-suppress=20012,20013,20015 $flags bench/cuda_cross_entropy.cu -o "build/variants/$name" \
+    -lbenchmark -lpthread >"$OUT/build-$name.log" 2>&1 &
+done
+wait
+[[ $step == build ]] && exit 0
+for spec in "$@"; do
+  name=${spec%%=*}
+  if [[ ! -x build/variants/$name ]]; then
+    echo "$name: build failed"; tail -5 "$OUT/build-$name.log"; continue
+  fi
+  "build/variants/$name" --benchmark_filter="copy_roof|$filter" --benchmark_out="$OUT/variant-$name.json" \
+    --benchmark_out_format=json >"$OUT/variant-$name.txt" 2>&1
+  awk -v n="$name" '/manual_time/ && !/copy_roof/ {printf "%-8s %-75s %10s %s  roof %s%%\n", n, $1, $2, $3, $NF}' \
+    "$OUT/variant-$name.txt"
+done

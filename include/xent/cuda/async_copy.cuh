@@ -1,0 +1,115 @@
+// Copies from global into shared memory that run while the CTA computes, and the mbarriers that
+// say when they have landed. Included only by nvcc (cuda/kernels.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace xent {
+namespace cuda_detail {
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+/// cp.async of 16 bytes of which the first `src_bytes` are read and the rest zero-filled, so
+/// nothing past a row's end is read. The source size is a register operand: the intrinsic's
+/// constant form branched nine ways per vector.
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
+               "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
+/// cp.async of 4 or 8 bytes (a target id, a saved LSE), tracked like the copies above.
+template <int Bytes>
+__device__ __forceinline__ void copy_small_async(void* dst, const void* src) {
+  static_assert(Bytes == 4 || Bytes == 8, "cp.async.ca moves 4, 8 or 16 bytes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(shared_address(dst)), "l"(src),
+               "n"(Bytes)
+               : "memory");
+}
+
+// mbarriers and bulk copies. The bulk copy, expect_tx and try_wait are sm_90 instructions: below
+// sm_90 their bodies are empty and no kernel reaches them. A phase of a "landed" barrier completes
+// when its one arrival (the issuing thread's expect_tx) is in, every byte announced has been
+// written by the bulk copy, and every cp.async the issuing thread tied to it has completed.
+
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(arrivals)
+               : "memory");
+}
+
+/// Makes mbarrier initialisation visible to the async proxy and to the cluster; a CTA or
+/// cluster barrier must follow before any use.
+__device__ __forceinline__ void mbarrier_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+  asm volatile(
+      "{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" ::"r"(shared_address(bar))
+      : "memory");
+}
+
+/// Arrives and announces `bytes` of transactions still to land in this phase.
+__device__ __forceinline__ void mbarrier_arrive_expect(unsigned long long* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1; }" ::"r"(
+          shared_address(bar)),
+      "r"(bytes)
+      : "memory");
+#else
+  (void)bar;
+  (void)bytes;
+#endif
+}
+
+/// Ties every cp.async this thread issued so far to the barrier's current phase: the phase
+/// cannot complete before they land (the pending count rises now and falls when they do).
+__device__ __forceinline__ void mbarrier_track_copies(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(shared_address(bar))
+               : "memory");
+}
+
+/// Waits (acquire, CTA scope) until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned addr = shared_address(bar);
+  unsigned done = 0;
+  while (!done)
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+#else
+  (void)bar;
+  (void)parity;
+#endif
+}
+
+/// One bulk copy (the TMA's 1-D form) of `bytes` (a multiple of 16; both addresses 16-byte
+/// aligned) that counts its bytes on `bar`: one instruction moves a whole chunk, where cp.async
+/// took one per 16 bytes and per thread, with their address arithmetic.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
+                                          unsigned long long* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(bar))
+      : "memory");
+#else
+  (void)dst;
+  (void)src;
+  (void)bytes;
+  (void)bar;
+#endif
+}
+
+}  // namespace cuda_detail
+}  // namespace xent

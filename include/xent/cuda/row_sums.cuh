@@ -1,0 +1,138 @@
+// Sums over rows and classes that a row's gradient or the reduced loss needs: the mean's
+// normaliser, sum_c w_c, and the deterministic reduction of the per-row losses through the
+// workspace. Included only by nvcc (cuda/kernels.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cub/block/block_reduce.cuh>
+
+#include "../options.hpp"
+#include "cuda.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+/// Class-id or soft targets as the kernel sees them (device pointers).
+template <class I>
+struct class_ids {
+  const I* ids;
+  static constexpr bool soft = false;
+};
+template <class S>
+struct soft_probs {
+  const S* probs;
+  std::int64_t ld;
+  static constexpr bool soft = true;
+};
+
+/// The sum of every thread's `v` over the CTA, in a fixed order (the same bits in every CTA that
+/// sums the same values), returned to all threads.
+template <int Block>
+__device__ double block_sum(double v) {
+  using reduce_t = cub::BlockReduce<double, Block>;
+  __shared__ typename reduce_t::TempStorage tmp;
+  __shared__ double total;
+  const double t = reduce_t(tmp).Sum(v);
+  if (threadIdx.x == 0) total = t;
+  __syncthreads();
+  const double r = total;
+  __syncthreads();  // tmp and total may be reused by the next call
+  return r;
+}
+
+/// The mean's normaliser: sum of w[y] over rows not ignored and in range (N for soft targets).
+/// Every CTA that needs it sums it itself, in the same order, so no launch runs before the row
+/// kernel: the targets are a few KiB to a few hundred KiB read from L2.
+template <int Block, class Tgt>
+__device__ double mean_normalizer(const Tgt& targets, std::int64_t rows, std::int64_t cols,
+                                  std::int64_t ignore_index, const float* weights) {
+  if constexpr (Tgt::soft) {
+    return static_cast<double>(rows);
+  } else {
+    double w = 0.0;
+#pragma unroll 4
+    for (std::int64_t n = threadIdx.x; n < rows; n += Block) {
+      const std::int64_t y = static_cast<std::int64_t>(targets.ids[n]);
+      if (y != ignore_index && y >= 0 && y < cols) w += weights ? weights[y] : 1.0;
+    }
+    return block_sum<Block>(w);
+  }
+}
+
+/// sum_c w_c (label smoothing with class weights).
+template <int Block>
+__device__ double class_weight_sum(const float* weights, std::int64_t cols) {
+  double w = 0.0;
+#pragma unroll 4
+  for (std::int64_t c = threadIdx.x; c < cols; c += Block) w += weights[c];
+  return block_sum<Block>(w);
+}
+
+__device__ __forceinline__ workspace_header* header(void* ws) {
+  return static_cast<workspace_header*>(ws);
+}
+
+/// Records row n's loss and correctness in the workspace (plain stores; published by
+/// finish_reduction's fence).
+__device__ inline void record_row(void* workspace, std::int64_t rows, std::int64_t n, float loss,
+                                  bool correct) {
+  const workspace_layout layout(rows);
+  char* ws = static_cast<char*>(workspace);
+  reinterpret_cast<float*>(ws + layout.row_loss)[n] = loss;
+  reinterpret_cast<unsigned char*>(ws + layout.correct)[n] = correct ? 1 : 0;
+}
+
+/// What the reduction of the per-row losses writes.
+template <class Tgt>
+struct reduced_outputs {
+  float* loss;                ///< null: not asked for
+  std::int64_t* num_correct;  ///< null: not asked for
+  reduction reduce;
+  Tgt targets;
+  std::int64_t cols, ignore_index;
+  const float* weights;
+};
+
+/// Once per CTA, after its last row: adds its row count to the counter; the CTA that completes it
+/// sums every row's entries in a fixed order (deterministic), writes the reduced loss and
+/// num_correct, and resets the counter to 0 for the next call. One fence and one atomic per CTA,
+/// not per row.
+template <int Block, class Tgt>
+__device__ void finish_reduction(void* workspace, std::int64_t rows, unsigned my_rows,
+                                 const reduced_outputs<Tgt>& out) {
+  __shared__ bool last;
+  __syncthreads();  // every record_row of this CTA is issued
+  if (threadIdx.x == 0) {
+    __threadfence();  // this CTA's entries are visible before the count says so
+    const unsigned before = atomicAdd(&header(workspace)->rows_done, my_rows);
+    last = before + my_rows == static_cast<unsigned>(rows);
+  }
+  __syncthreads();  // `last` is visible
+  if (!last) return;
+  __threadfence();
+  const workspace_layout layout(rows);
+  const char* ws = static_cast<const char*>(workspace);
+  const float* losses = reinterpret_cast<const float*>(ws + layout.row_loss);
+  const signed char* flags = reinterpret_cast<const signed char*>(ws + layout.correct);
+  double sum = 0.0, hits = 0.0;
+  for (std::int64_t r = threadIdx.x; r < rows; r += Block) {
+    sum += static_cast<double>(__ldcg(losses + r));  // from L2: written by other SMs
+    hits += __ldcg(flags + r);
+  }
+  const double total = block_sum<Block>(sum);
+  const double total_hits = block_sum<Block>(hits);  // exact: integers below 2^53
+  const double w =
+      out.loss && out.reduce == reduction::mean
+          ? mean_normalizer<Block>(out.targets, rows, out.cols, out.ignore_index, out.weights)
+          : 1.0;
+  if (threadIdx.x == 0) {
+    if (out.loss) *out.loss = static_cast<float>(total / w);
+    if (out.num_correct) *out.num_correct = static_cast<std::int64_t>(total_hits);
+    header(workspace)->rows_done = 0;
+  }
+}
+
+}  // namespace cuda_detail
+}  // namespace xent

@@ -1,0 +1,130 @@
+// A chunk of a row held in registers: each thread's 16-byte vectors of a chunk staged in shared
+// memory, loaded once and then swept as often as the pass needs with no further shared-memory
+// traffic. Included only by nvcc (cuda/kernels.cuh).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <type_traits>
+
+#include "dtype.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+template <class T>
+__device__ __forceinline__ T negative_infinity() {
+  return from_float<T>(-HUGE_VALF);
+}
+
+/// The largest of a 16-byte vector's elements, folded into `acc` (kept in T's own packed form:
+/// one HMNMX2 per two 16-bit elements, where converting first took three instructions each).
+/// NaN is passed over, as fmaxf does; the sum of exponentials still meets it.
+template <class T, int Vec>
+__device__ __forceinline__ void fold_max(const vec_t<T, Vec>& v, vec_t<T, 2>& acc) {
+  if constexpr (std::is_same<T, float>::value) {
+#pragma unroll
+    for (int e = 0; e < Vec; ++e) acc.v[e % 2] = fmaxf(acc.v[e % 2], v.v[e]);
+  } else {
+    using pair = std::conditional_t<std::is_same<T, __half>::value, __half2, __nv_bfloat162>;
+    pair a;
+    memcpy(&a, &acc, sizeof(pair));
+#pragma unroll
+    for (int e = 0; e < Vec; e += 2) {
+      pair p;
+      memcpy(&p, &v.v[e], sizeof(pair));
+      a = __hmax2(a, p);
+    }
+    memcpy(&acc, &a, sizeof(pair));
+  }
+}
+
+/// Vec floats rounded to G, two at a time for 16-bit G (one cvt.rn.{bf16,f16}x2.f32 per pair).
+template <class G, int Vec>
+__device__ __forceinline__ vec_t<G, Vec> round_vector(const float (&f)[Vec]) {
+  vec_t<G, Vec> d;
+  if constexpr (std::is_same<G, __nv_bfloat16>::value) {
+#pragma unroll
+    for (int e = 0; e < Vec; e += 2) {
+      const __nv_bfloat162 p = __floats2bfloat162_rn(f[e], f[e + 1]);
+      memcpy(&d.v[e], &p, sizeof(p));
+    }
+  } else if constexpr (std::is_same<G, __half>::value) {
+#pragma unroll
+    for (int e = 0; e < Vec; e += 2) {
+      const __half2 p = __floats2half2_rn(f[e], f[e + 1]);
+      memcpy(&d.v[e], &p, sizeof(p));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < Vec; ++e) d.v[e] = from_float<G>(f[e]);
+  }
+  return d;
+}
+
+/// Stores a vector of G whose address is a multiple of its size within a 16-byte aligned row, in
+/// pieces of at most 16 bytes.
+template <class G, int Vec>
+__device__ __forceinline__ void store_vector(G* p, const vec_t<G, Vec>& d) {
+  constexpr int piece = 16 / sizeof(G) < Vec ? 16 / sizeof(G) : Vec;
+#pragma unroll
+  for (int e = 0; e < Vec; e += piece) {
+    vec_t<G, piece> q;
+#pragma unroll
+    for (int i = 0; i < piece; ++i) q.v[i] = d.v[e + i];
+    store_vec<G, piece>(p + e, q);
+  }
+}
+
+/// Which 16-byte vectors of a chunk of `count` elements this thread takes: vectors tid,
+/// tid + Block, ... (`Regs` of them at most), so a warp's accesses are contiguous.
+template <class T, int Regs, int Block>
+struct tile_shape {
+  static constexpr int vec = 16 / static_cast<int>(sizeof(T));
+  /// Element offset, within the chunk, of this thread's vector r.
+  __device__ __forceinline__ static int offset(int r) {
+    return (r * Block + static_cast<int>(threadIdx.x)) * vec;
+  }
+  __device__ __forceinline__ static bool has(int r, int count) { return offset(r) < count; }
+  /// Elements of vector r inside the chunk (vec for all but the chunk's last vector).
+  __device__ __forceinline__ static int valid(int r, int count) {
+    return count - offset(r) < vec ? count - offset(r) : vec;
+  }
+  /// Vector r of a chunk staged in shared memory. `MaskTail`: elements past the chunk become
+  /// -inf, so max and sum sweeps need no per-element test (exp2(-inf) = 0).
+  template <bool MaskTail>
+  __device__ __forceinline__ static vec_t<T, vec> fetch(const T* stage, int count, int r) {
+    vec_t<T, vec> v = load_vec<T, vec>(stage + offset(r));
+    if (MaskTail && valid(r, count) < vec) {
+#pragma unroll
+      for (int e = 0; e < vec; ++e)
+        if (e >= valid(r, count)) v.v[e] = negative_infinity<T>();
+    }
+    return v;
+  }
+};
+
+/// This thread's vectors of a chunk, held in registers from the moment its stage may be refilled
+/// until the gradient sweep has used them.
+template <class T, int Regs, int Block>
+struct row_tile : tile_shape<T, Regs, Block> {
+  using shape = tile_shape<T, Regs, Block>;
+  vec_t<T, shape::vec> v[Regs];
+  int count = 0;
+
+  __device__ __forceinline__ bool has(int r) const { return shape::has(r, count); }
+  __device__ __forceinline__ int valid(int r) const { return shape::valid(r, count); }
+
+  __device__ __forceinline__ void load(const T* stage, int n) {
+    count = n;
+#pragma unroll
+    for (int r = 0; r < Regs; ++r)
+      if (has(r)) v[r] = shape::template fetch<false>(stage, count, r);
+  }
+};
+
+}  // namespace cuda_detail
+}  // namespace xent
