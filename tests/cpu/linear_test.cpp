@@ -146,16 +146,16 @@ struct workspace_buffer {
 
 /// The bytes a case's workspace gets: the minimum, the least that holds a few rows per chunk, or
 /// the default budget (every row in one chunk at these sizes).
-template <class T>
+template <class T, class G = T>
 std::size_t workspace_bytes(const ldata<T>& L, xent::linear_pass pass) {
   const xent::cpu exec(L.s.ce.threads);
   const xent::linear_shape shape{L.N(), L.D(), L.V()};
-  const auto least = xent::linear_workspace_size<T, T>(exec, shape, pass, L.options(), 0);
+  const auto least = xent::linear_workspace_size<T, G>(exec, shape, pass, L.options(), 0);
   if (L.s.space == budget::minimal) return least.minimal;
   if (L.s.space == budget::all_rows)
-    return xent::linear_workspace_size<T, T>(exec, shape, pass, L.options()).bytes;
+    return xent::linear_workspace_size<T, G>(exec, shape, pass, L.options()).bytes;
   std::size_t b = least.minimal;
-  while (xent::linear_workspace_size<T, T>(exec, shape, pass, L.options(), b).chunk_rows <
+  while (xent::linear_workspace_size<T, G>(exec, shape, pass, L.options(), b).chunk_rows <
          std::min<std::int64_t>(4, L.N()))
     b += 16;
   return b;
@@ -353,8 +353,9 @@ std::string check_gradients(const ldata<T>& L, const oracle::linear_result& r, c
 }
 
 /// Runs linear_forward, linear_forward_backward and linear_backward (from forward's LSE) on a
-/// case and checks each against the oracle. Returns whether everything passed.
-template <class T>
+/// case, with inputs of dtype T and gradients of dtype G, and checks each against the oracle.
+/// Returns whether everything passed.
+template <class T, class G = T>
 bool run_case(const lspec& s) {
   const ldata<T> L = make_data<T>(s);
   const oracle::linear_problem pb = L.problem();
@@ -365,13 +366,13 @@ bool run_case(const lspec& s) {
   const xent::linear_shape shape{L.N(), L.D(), L.V()};
   // Chunks d_weight is rounded in under dw_accumulation::output with a narrow d_weight.
   double chunk_rounding = 0.0;
-  if (s.accumulate == xent::dw_accumulation::output && !std::is_same<T, float>::value) {
-    const std::size_t bytes = workspace_bytes(L, xent::linear_pass::training);
+  if (s.accumulate == xent::dw_accumulation::output && !std::is_same<G, float>::value) {
+    const std::size_t bytes = workspace_bytes<T, G>(L, xent::linear_pass::training);
     const auto rows =
-        xent::linear_workspace_size<T, T>(exec, shape, xent::linear_pass::training, opts, bytes)
+        xent::linear_workspace_size<T, G>(exec, shape, xent::linear_pass::training, opts, bytes)
             .chunk_rows;
     chunk_rounding =
-        2.0 * xt::unit_roundoff<T>() * ((L.N() + rows - 1) / std::max<std::int64_t>(rows, 1));
+        2.0 * xt::unit_roundoff<G>() * ((L.N() + rows - 1) / std::max<std::int64_t>(rows, 1));
   }
   const bounds e = error_bounds(L, pb, r, chunk_rounding);
   std::string errors;
@@ -389,9 +390,9 @@ bool run_case(const lspec& s) {
     note("linear_forward", check_outputs(L, r, e, fwd));
   }
   {
-    workspace_buffer ws(workspace_bytes(L, xent::linear_pass::training), s.ce.seed + 1);
+    workspace_buffer ws(workspace_bytes<T, G>(L, xent::linear_pass::training), s.ce.seed + 1);
     outputs fb(L.N());
-    gradients<T> g(s);
+    gradients<G> g(s);
     L.d.with_targets([&](auto targets) {
       xent::linear_forward_backward(exec, L.hidden(), L.weight(), L.bias(), targets, opts,
                                     L.d.upstream(), fb.all(s.ce), g.views(), ws.ws);
@@ -399,7 +400,7 @@ bool run_case(const lspec& s) {
     note("linear_forward_backward", check_outputs(L, r, e, fb));
     note("linear_forward_backward", check_gradients(L, r, e, g));
 
-    gradients<T> gb(s);
+    gradients<G> gb(s);
     L.d.with_targets([&](auto targets) {
       xent::linear_backward(exec, L.hidden(), L.weight(), L.bias(), targets, opts,
                             xent::vector_view<const float>(fwd.lse.data(), L.N()), L.d.upstream(),
@@ -408,7 +409,9 @@ bool run_case(const lspec& s) {
     note("linear_backward", check_gradients(L, r, e, gb));
   }
   if (!errors.empty()) {
-    ADD_FAILURE() << "case " << xt::dtype_name<T>() << ", " << s.describe() << "\n" << errors;
+    ADD_FAILURE() << "case " << xt::dtype_name<T>() << " -> " << xt::dtype_name<G>() << " grads, "
+                  << s.describe() << "\n"
+                  << errors;
     return false;
   }
   return true;
@@ -459,6 +462,28 @@ TEST(CpuLinear, Bfloat16AndHalfMatchFloat64OracleWithEveryOption) {
     if (!b.record(i % 8 == 1 ? run_case<bf16>(s) : run_case<half>(s))) return;
   }
   EXPECT_EQ(b.cases(), 72);
+}
+
+TEST(CpuLinear, GradientDtypeMayDifferFromTheInputs) {
+  // bf16 / fp16 hidden and weight with float gradients (d_weight its own accumulator), and float
+  // inputs with bf16 gradients (converted rows of d_hidden, the fp32 or output d_weight).
+  xt::case_budget b;
+  std::uint64_t seed = 700;
+  for (auto mode : {xent::dw_accumulation::fp32, xent::dw_accumulation::output})
+    for (budget space : {budget::minimal, budget::few_rows, budget::all_rows}) {
+      lspec s = make_spec(13, 9, 31);
+      s.ce.ignore = ignore_mode::some;
+      s.ce.reduce = reduction::none;
+      s.ce.up = upstream_mode::pointer_or_rows;
+      s.ce.z_loss = 1e-2f;
+      s.ce.seed = ++seed;
+      s.space = space;
+      s.accumulate = mode;
+      s.pad = 2;
+      if (!b.record(run_case<bf16, float>(s) && run_case<half, float>(s) &&
+                    run_case<float, bf16>(s)))
+        return;
+    }
 }
 
 TEST(CpuLinear, ManyWeightBlocksAndThreadsMatchOracle) {
