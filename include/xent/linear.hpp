@@ -77,11 +77,12 @@ void check_linear_training(const char* fn, const Exec& exec, const matrix_view<c
   check_workspace(fn, ws,
                   linear_workspace_size<T, G>(exec, {hidden.rows, hidden.cols, weight.rows},
                                               linear_pass::training, opts, 0));
-  check_disjoint(
-      fn,
-      {span_of("grads.d_hidden", grads.d_hidden), span_of("grads.d_weight", grads.d_weight),
-       span_of("grads.d_bias", grads.d_bias), span_of("workspace", ws)},
-      {span_of("hidden", hidden), span_of("weight", weight), span_of("bias", bias)});
+  const span_of written[] = {span_of("grads.d_hidden", grads.d_hidden),
+                             span_of("grads.d_weight", grads.d_weight),
+                             span_of("grads.d_bias", grads.d_bias), span_of("workspace", ws)};
+  const span_of read[] = {span_of("hidden", hidden), span_of("weight", weight),
+                          span_of("bias", bias)};
+  check_disjoint(fn, written, read);
 }
 
 }  // namespace detail
@@ -105,9 +106,10 @@ void linear_forward(const Exec& exec, matrix_view<H> hidden,
   detail::check_workspace(fn, workspace,
                           linear_workspace_size<T, T>(exec, {x.rows, x.cols, weight.rows},
                                                       linear_pass::forward, opts, 0));
-  detail::check_disjoint(fn, {detail::span_of("workspace", workspace)},
-                         {detail::span_of("hidden", x), detail::span_of("weight", weight),
-                          detail::span_of("bias", bias)});
+  const detail::span_of written[] = {detail::span_of("workspace", workspace)};
+  const detail::span_of read[] = {detail::span_of("hidden", x), detail::span_of("weight", weight),
+                                  detail::span_of("bias", bias)};
+  detail::check_disjoint(fn, written, read);
   linear_traits<Exec>::forward(exec, x, weight, bias,
                                typename detail::target_traits<Targets>::type(targets), opts,
                                outputs, workspace);

@@ -4,7 +4,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 #include <string>
 
 #include "../detail/validate.hpp"
@@ -45,14 +44,17 @@ struct span_of {
 };
 
 /// Each written span must miss every input and every other written span: a call reads the
-/// weight and the hidden rows again after it has started writing.
-inline void check_disjoint(const char* fn, std::initializer_list<span_of> written,
-                           std::initializer_list<span_of> read) {
-  for (auto w = written.begin(); w != written.end(); ++w) {
+/// weight and the hidden rows again after it has started writing. (Arrays rather than
+/// initializer_lists of temporaries: nvcc's front end mistranslates the latter.)
+template <std::size_t Written, std::size_t Read>
+void check_disjoint(const char* fn, const span_of (&written)[Written],
+                    const span_of (&read)[Read]) {
+  for (std::size_t w = 0; w < Written; ++w) {
     for (const span_of& r : read)
-      require(!w->overlaps(r), fn, w->name, std::string("overlaps ") + r.name);
-    for (auto o = w + 1; o != written.end(); ++o)
-      require(!w->overlaps(*o), fn, w->name, std::string("overlaps ") + o->name);
+      require(!written[w].overlaps(r), fn, written[w].name, std::string("overlaps ") + r.name);
+    for (std::size_t o = w + 1; o < Written; ++o)
+      require(!written[w].overlaps(written[o]), fn, written[w].name,
+              std::string("overlaps ") + written[o].name);
   }
 }
 
