@@ -1,14 +1,16 @@
-// train_lm_head: trains a small word-level language model with xent's fused cross-entropy, on text
-// that every Debian machine ships (the GPL, /usr/share/common-licenses/GPL-3, by default).
+// train_lm_head: trains a small word-level language model with xent's fused linear cross-entropy,
+// on text that every Debian machine ships (the GPL, /usr/share/common-licenses/GPL-3, by default).
 //
 // The model guesses each word of the text from the k words before it (a linear n-gram model):
 //     h      = [E[x(t-1)], ..., E[x(t-k)]]             N x kD   E: V x D word embeddings
-//     logits = h · Wᵀ                                  N x V    W: V x kD, the LM head (GEMM)
-//     loss   = mean cross-entropy(logits, x(t))                 xent::forward_backward
-// xent writes dloss/dlogits over the logits buffer (in place), so one N x V buffer is all the
-// step holds; probabilities are never materialised. The backward GEMMs read the gradient G there:
-//     dW = Gᵀ · h,   dh = G · W,   dE[x(t-i)] += dh's i-th D columns,
-// then SGD with momentum and weight decay.
+//     logits = h · Wᵀ                                  N x V    W: V x kD, the LM head
+//     loss   = mean cross-entropy(logits, x(t))
+// xent::linear_forward_backward takes h and W and returns the loss, dh and dW: it computes the
+// logits a chunk of rows at a time in a workspace (a quarter of the logits' size here, to show the
+// chunking), runs the fused cross-entropy in place on each chunk and folds the chunk's gradient G
+// into dW = Gᵀ · h and dh = G · W. The N x V logits never exist. Then dE[x(t-i)] += dh's i-th D
+// columns, and SGD with momentum and weight decay. Step 1 is checked against the unfused path
+// written plainly in double precision.
 //
 //   xent_demo [corpus file or directory ...] [--steps N] [--threads T] [--dim D] [--batch B] ...
 //   xent_demo --help
@@ -68,7 +70,7 @@ void print_usage() {
       "usage: xent_demo [CORPUS ...] [options]\n"
       "\n"
       "Trains a word-level language-model head on CORPUS (files or directories of text;\n"
-      "default %s) with xent's fused, in-place cross-entropy.\n"
+      "default %s) with xent's fused linear cross-entropy.\n"
       "\n"
       "  --steps N        training steps (1000)\n"
       "  --threads T      threads for xent (the machine's cores, at most 8)\n"
@@ -213,21 +215,24 @@ void embed(const model& m, const std::vector<std::int32_t>& text, const std::int
 
 // ----------------------------------------------------------------------------------------------
 // The loss: the one place xent is called in training. The execution object picks the backend;
-// the views are plain {pointer, rows, cols, ld}, so a GPU path passes xent::cuda{stream} and views
-// of device memory here (with `loss` in device memory too) and nothing else about the call changes.
+// the views are plain {pointer, rows, cols, ld}, so another backend passes its execution object and
+// views of its memory here and nothing else about the call changes.
 // ----------------------------------------------------------------------------------------------
 
-/// Mean cross-entropy (with the options' smoothing and z-loss) of `logits` (N x V) against
-/// `targets`; on return `logits` holds dloss/dlogits. Each row is read once and its gradient
-/// written while the row is still in cache; no N x V array besides `logits` exists.
+/// Mean cross-entropy (with the options' smoothing and z-loss) of the logits h · Wᵀ against
+/// `targets`, and its gradients dh (N x kD) and dW (V x kD), in one call over row chunks of the
+/// workspace.
 template <class Exec>
-float loss_and_gradient_in_place(const Exec& exec, xent::matrix_view<float> logits,
-                                 xent::vector_view<const std::int32_t> targets,
-                                 const xent::options& opts) {
+float loss_and_gradients(const Exec& exec, const matrix& h, const matrix& W, const ids& targets,
+                         const xent::linear_options& opts, matrix& dh, matrix& dW,
+                         std::vector<unsigned char>& workspace) {
   float loss = 0.0f;
   xent::forward_outputs out;
   out.loss = &loss;
-  xent::forward_backward(exec, logits, targets, opts, xent::upstream{}, out, /*grad=*/logits);
+  xent::linear_forward_backward(exec, xent::view(h), xent::view(W), {}, xent::view(targets), opts,
+                                xent::upstream{}, out,
+                                xent::linear_grads<float>{xent::view(dh), xent::view(dW), {}},
+                                {workspace.data(), workspace.size()});
   return loss;
 }
 
@@ -236,22 +241,20 @@ struct eval_result {
   double accuracy = 0.0;  // fraction of positions whose most likely word is the right one
 };
 
-/// Loss and top-1 accuracy over `positions` with xent::forward, in batches that reuse the training
-/// buffers. forward writes nothing over the logits; num_correct counts rows whose argmax is the
-/// target.
+/// Loss and top-1 accuracy over `positions` with xent::linear_forward, in batches that reuse the
+/// training buffers; num_correct counts rows whose argmax is the target.
 template <class Exec>
 eval_result evaluate(const Exec& exec, const model& m, const dataset& data,
-                     const std::vector<std::int64_t>& positions, std::int64_t k, matrix& logits,
-                     matrix& h, ids& targets) {
-  const xent::options plain{xent::reduction::sum};
+                     const std::vector<std::int64_t>& positions, std::int64_t k, matrix& h,
+                     ids& targets, std::vector<unsigned char>& workspace) {
+  xent::linear_options plain;
+  plain.reduce = xent::reduction::sum;
   double loss_sum = 0.0;
   std::int64_t correct = 0;
   const std::int64_t total = static_cast<std::int64_t>(positions.size());
-  for (std::int64_t begin = 0; begin < total; begin += logits.rows()) {
-    const std::int64_t rows = std::min<std::int64_t>(logits.rows(), total - begin);
+  for (std::int64_t begin = 0; begin < total; begin += h.rows()) {
+    const std::int64_t rows = std::min<std::int64_t>(h.rows(), total - begin);
     embed(m, data.ids, positions.data() + begin, rows, k, h);
-    auto z = logits.topRows(rows);
-    z.noalias() = h.topRows(rows) * m.W.transpose();
     auto y = targets.head(rows);
     for (std::int64_t n = 0; n < rows; ++n) y[n] = data.ids[positions[begin + n]];
 
@@ -260,21 +263,20 @@ eval_result evaluate(const Exec& exec, const model& m, const dataset& data,
     xent::forward_outputs out;
     out.loss = &loss;
     out.num_correct = &num_correct;
-    xent::forward(exec, xent::view(z), xent::view(y), plain, out);
+    const auto x = xent::view(h);
+    xent::linear_forward(exec, xent::matrix_view<const float>(x.data, rows, x.cols, x.ld),
+                         xent::view(m.W), {}, xent::view(y), plain, out,
+                         {workspace.data(), workspace.size()});
     loss_sum += loss;
     correct += num_correct;
   }
   return {loss_sum / static_cast<double>(total), static_cast<double>(correct) / total};
 }
 
-/// Backward through the head and the embeddings from G = dloss/dlogits, then one SGD step with
-/// momentum and weight decay. h holds the step's inputs to the head; dh, dW, dE are workspace.
-void backward_and_update(model& m, const matrix& G, const matrix& h, const dataset& data,
-                         const std::vector<std::int64_t>& pos, const config& cfg, matrix& dh,
-                         matrix& dW, matrix& dE) {
+/// Backward through the embeddings from dh, then one SGD step with momentum and weight decay.
+void backward_and_update(model& m, const matrix& dh, const matrix& dW, const dataset& data,
+                         const std::vector<std::int64_t>& pos, const config& cfg, matrix& dE) {
   const std::int64_t k = cfg.context, d = cfg.dim;
-  dW.noalias() = G.transpose() * h;  // V x kD
-  dh.noalias() = G * m.W;            // N x kD
   dE.setZero();
   for (std::size_t n = 0; n < pos.size(); ++n)
     for (std::int64_t i = 0; i < k; ++i)
@@ -286,46 +288,46 @@ void backward_and_update(model& m, const matrix& G, const matrix& h, const datas
 }
 
 // ----------------------------------------------------------------------------------------------
-// The judge for the first step: the same loss and gradient from a copy of the logits, written
-// plainly in double precision with the softmax spelled out, independently of xent's code.
+// The judge for the first step: the same loss and gradients, unfused, written plainly in double
+// precision with the logits and the softmax spelled out, independently of xent's code.
 // ----------------------------------------------------------------------------------------------
 
 struct check_result {
-  double max_abs_diff = 0.0;  // over every element of the gradient
+  double max_abs_diff = 0.0;  // over every element of dh and dW
   double max_abs_grad = 0.0;
   double loss_diff = 0.0;
 };
 
-/// Per row, with p = softmax(z), lse = log sum exp(z), t' = (1 - eps) onehot(y) + eps / V:
-///   loss = sum_j t'_j (lse - z_j) + z_loss lse^2,   dloss/dz_j = (1 + 2 z_loss lse) p_j - t'_j,
-/// both divided by N for the mean.
-check_result check_against_float64(const matrix& logits_copy, const ids& targets,
-                                   const xent::options& opts, const matrix& fused_grad,
-                                   float fused_loss) {
-  const std::int64_t rows = logits_copy.rows(), vocab = logits_copy.cols();
+/// Per row, with z = h Wᵀ, p = softmax(z), lse = log sum exp(z), t' = (1 - eps) onehot(y) + eps /
+/// V:
+///   loss = sum_j t'_j (lse - z_j) + z_loss lse^2,   G_j = dloss/dz_j = (1 + 2 z_loss lse) p_j -
+///   t'_j,
+/// both divided by N for the mean; then dh = G W and dW = Gᵀ h.
+check_result check_against_float64(const matrix& h, const matrix& W, const ids& targets,
+                                   const xent::options& opts, const matrix& fused_dh,
+                                   const matrix& fused_dW, float fused_loss) {
+  const std::int64_t rows = h.rows(), vocab = W.rows(), width = h.cols();
   const double eps = opts.label_smoothing, zl = opts.z_loss;
+  const Eigen::MatrixXd hd = h.cast<double>(), Wd = W.cast<double>();
+  Eigen::MatrixXd dh = Eigen::MatrixXd::Zero(rows, width), dW = Eigen::MatrixXd::Zero(vocab, width);
   check_result r;
   double loss = 0.0;
-  std::vector<double> p(static_cast<std::size_t>(vocab));
+  Eigen::VectorXd z(vocab), g(vocab);
   for (std::int64_t n = 0; n < rows; ++n) {
-    double mx = -INFINITY, sum = 0.0, sum_z = 0.0;
-    for (std::int64_t j = 0; j < vocab; ++j) mx = std::max(mx, double(logits_copy(n, j)));
-    for (std::int64_t j = 0; j < vocab; ++j) {
-      p[j] = std::exp(double(logits_copy(n, j)) - mx);
-      sum += p[j];
-      sum_z += logits_copy(n, j);
-    }
-    const double lse = mx + std::log(sum);
+    z.noalias() = Wd * hd.row(n).transpose();
+    const double mx = z.maxCoeff();
+    const Eigen::VectorXd p = (z.array() - mx).exp().matrix();
+    const double sum = p.sum(), lse = mx + std::log(sum);
     const std::int32_t y = targets[n];
-    loss += (1 - eps) * (lse - logits_copy(n, y)) + eps / vocab * (vocab * lse - sum_z) +
-            zl * lse * lse;
-    for (std::int64_t j = 0; j < vocab; ++j) {
-      const double target = (1 - eps) * (j == y) + eps / vocab;
-      const double g = ((1 + 2 * zl * lse) * p[j] / sum - target) / rows;
-      r.max_abs_diff = std::max(r.max_abs_diff, std::abs(g - fused_grad(n, j)));
-      r.max_abs_grad = std::max(r.max_abs_grad, std::abs(g));
-    }
+    loss += (1 - eps) * (lse - z[y]) + eps / vocab * (vocab * lse - z.sum()) + zl * lse * lse;
+    for (std::int64_t j = 0; j < vocab; ++j)
+      g[j] = ((1 + 2 * zl * lse) * p[j] / sum - ((1 - eps) * (j == y) + eps / vocab)) / rows;
+    dh.row(n) = g.transpose() * Wd;
+    dW += g * hd.row(n);
   }
+  r.max_abs_diff = std::max((dh - fused_dh.cast<double>()).cwiseAbs().maxCoeff(),
+                            (dW - fused_dW.cast<double>()).cwiseAbs().maxCoeff());
+  r.max_abs_grad = std::max(dh.cwiseAbs().maxCoeff(), dW.cwiseAbs().maxCoeff());
   r.loss_diff = std::abs(loss / rows - fused_loss);
   return r;
 }
@@ -377,9 +379,10 @@ void print_continuations(const model& m, const dataset& data, std::int64_t k) {
 }
 
 /// Memory of the loss for one batch. A naive softmax keeps the logits, the probabilities and the
-/// gradient (PyTorch eager also keeps log-probs for backward); xent keeps the logits buffer, which
-/// becomes the gradient, plus one float of LSE per row when forward and backward are separate.
-void print_memory(std::int64_t rows, std::int64_t vocab) {
+/// gradient (PyTorch eager also keeps log-probs for backward); xent's fused cross-entropy keeps the
+/// logits buffer, which becomes the gradient, and fused linear cross-entropy only its workspace.
+void print_memory(std::int64_t rows, std::int64_t vocab, std::size_t workspace,
+                  std::int64_t chunk_rows) {
   auto naive = [](double n, double v, int arrays) { return arrays * n * v * 4.0; };
   auto fused = [](double n, double v) { return n * v * 4.0 + n * 4.0; };
   const double n = static_cast<double>(rows), v = static_cast<double>(vocab);
@@ -395,6 +398,8 @@ void print_memory(std::int64_t rows, std::int64_t vocab) {
       examples::mib(fused(n, v)), "");
   row("saved", examples::mib(naive(n, v, 3) - fused(n, v)),
       format("(%.0f%%)", 100 * (1 - fused(n, v) / naive(n, v, 3))));
+  row(format("xent fused linear: workspace (%lld-row chunks)", static_cast<long long>(chunk_rows)),
+      examples::mib(static_cast<double>(workspace)), "(no N x V array at all)");
   const double big_n = 8192, big_v = 128256;
   std::printf("  the same arithmetic at 8192 tokens x 128256 words (Llama 3): %s vs %s\n",
               examples::bytes_human(naive(big_n, big_v, 3)).c_str(),
@@ -423,14 +428,14 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  xent::options opts;  // mean reduction
+  xent::linear_options opts;  // mean reduction, d_weight summed in float
   opts.label_smoothing = cfg.smoothing;
   opts.z_loss = cfg.z_loss;
   const xent::cpu exec{cfg.threads};
 
   const std::string corpus_name =
       files.size() == 1 ? files[0] : format("%s (%zu files)", cfg.corpus[0].c_str(), files.size());
-  std::printf("xent demo: a word-level LM head trained with fused, in-place cross-entropy\n");
+  std::printf("xent demo: a word-level LM head trained with fused linear cross-entropy\n");
   std::printf("  corpus    %s\n", corpus_name.c_str());
   std::printf("  tokens    %zu (%zu training positions, %zu held out)\n", data.ids.size(),
               data.train.size(), data.heldout.size());
@@ -444,8 +449,8 @@ int main(int argc, char** argv) {
       static_cast<long long>(cfg.steps), static_cast<long long>(B), cfg.lr, cfg.momentum,
       cfg.weight_decay);
   std::printf(
-      "  loss      xent::forward_backward in place on %lld x %lld logits: mean, label smoothing "
-      "%g, z-loss %g\n",
+      "  loss      xent::linear_forward_backward on %lld x %lld logits never materialised: mean, "
+      "label smoothing %g, z-loss %g\n",
       static_cast<long long>(B), static_cast<long long>(V), cfg.smoothing, cfg.z_loss);
   std::printf("  threads   %d for xent::cpu (Eigen GEMMs: %d)\n\n", cfg.threads,
               Eigen::nbThreads());
@@ -453,13 +458,18 @@ int main(int argc, char** argv) {
   // ---- Buffers, allocated once ----------------------------------------------------------------
   std::mt19937_64 rng(cfg.seed);
   model m(V, D, k, rng);
-  matrix logits(B, V);  // the one N x V buffer: logits in, dloss/dlogits out
   matrix h(B, k * D), dh(B, k * D), dW(V, k * D), dE(V, D);
+  // The workspace: a quarter of the logits' bytes (chunks of about B / 4 rows), or the minimum.
+  const xent::linear_shape shape{B, k * D, V};
+  const std::size_t budget = static_cast<std::size_t>(B * V) * sizeof(float) / 4;
+  const xent::linear_workspace_sizes plan =
+      xent::linear_workspace_size<float>(exec, shape, xent::linear_pass::training, opts, budget);
+  std::vector<unsigned char> workspace(plan.bytes);
   ids targets(B);
   std::vector<std::int64_t> pos(static_cast<std::size_t>(B));
   std::uniform_int_distribution<std::size_t> pick(0, data.train.size() - 1);
 
-  const eval_result before = evaluate(exec, m, data, data.heldout, k, logits, h, targets);
+  const eval_result before = evaluate(exec, m, data, data.heldout, k, h, targets, workspace);
 
   // ---- Training ---------------------------------------------------------------------------------
   examples::progress bar(cfg.steps, examples::stdout_is_terminal());
@@ -473,17 +483,13 @@ int main(int argc, char** argv) {
       targets[n] = data.ids[pos[n]];
     }
     embed(m, data.ids, pos.data(), B, k, h);
-    logits.noalias() = h * m.W.transpose();
-
-    matrix logits_copy;
-    if (step == 1) logits_copy = logits;  // for the gradient check below
+    matrix W_before;
+    if (step == 1) W_before = m.W;  // for the gradient check below
 
     const auto tx = clock_type::now();
-    const float loss =
-        loss_and_gradient_in_place(exec, xent::view(logits), xent::view(targets), opts);
+    const float loss = loss_and_gradients(exec, h, m.W, targets, opts, dh, dW, workspace);
     xent_seconds += seconds_since(tx);
-    const matrix& G = logits;  // now dloss/dlogits
-    backward_and_update(m, G, h, data, pos, cfg, dh, dW, dE);
+    backward_and_update(m, dh, dW, data, pos, cfg, dE);
     train_seconds += seconds_since(t0);
 
     if (!std::isfinite(loss)) {
@@ -494,10 +500,11 @@ int main(int argc, char** argv) {
     }
     if (step == 1) {
       first_loss = loss;
-      const check_result c = check_against_float64(logits_copy, targets, opts, G, loss);
+      const check_result c = check_against_float64(h, W_before, targets, opts, dh, dW, loss);
       const bool ok = c.max_abs_diff <= 1e-5 * c.max_abs_grad && c.loss_diff <= 1e-4 * loss;
       std::printf(
-          "gradient check, step 1 (fused fp32 in place vs naive fp64 softmax on a copy):\n"
+          "gradient check, step 1 (fused linear fp32, dh and dW, vs unfused fp64 logits and "
+          "softmax):\n"
           "  max abs diff %.2e (largest gradient %.2e), loss diff %.2e  %s\n\n",
           c.max_abs_diff, c.max_abs_grad, c.loss_diff, ok ? "ok" : "MISMATCH");
       if (!ok) {
@@ -515,7 +522,7 @@ int main(int argc, char** argv) {
       last_window_loss = window_loss / window;
       window_loss = 0.0;
       window = 0;
-      last_heldout = evaluate(exec, m, data, data.heldout, k, logits, h, targets).loss;
+      last_heldout = evaluate(exec, m, data, data.heldout, k, h, targets, workspace).loss;
     }
     const double tokens = static_cast<double>(B) * step;
     bar.update(step, format("loss %.3f  held-out %.3f  %s tok/s  (xent %s tok/s)",
@@ -524,7 +531,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- Results ----------------------------------------------------------------------------------
-  const eval_result after = evaluate(exec, m, data, data.heldout, k, logits, h, targets);
+  const eval_result after = evaluate(exec, m, data, data.heldout, k, h, targets, workspace);
   std::int64_t most_frequent = 0;
   for (const std::int64_t t : data.heldout) most_frequent += data.ids[t] == 0;
   const double tokens = static_cast<double>(B) * cfg.steps;
@@ -541,12 +548,12 @@ int main(int argc, char** argv) {
       "  time            %.2f s for %lld steps: %s tokens/s end to end (most of it in the GEMMs)\n",
       train_seconds, static_cast<long long>(cfg.steps), si(tokens / train_seconds).c_str());
   std::printf(
-      "  xent            %.3f s of it (%.0f%%): %s tokens/s, %.1f GB/s (logits read, gradient "
-      "written)\n",
+      "  xent            %.3f s of it (%.0f%%): %s tokens/s, %.1f GFLOP/s (its three GEMMs, "
+      "6 N V kD)\n",
       xent_seconds, 100 * xent_seconds / train_seconds, si(tokens / xent_seconds).c_str(),
-      tokens * V * 8.0 / xent_seconds / 1e9);
+      tokens * V * 6.0 * static_cast<double>(k * D) / xent_seconds / 1e9);
 
   print_continuations(m, data, k);
-  print_memory(B, V);
+  print_memory(B, V, plan.bytes, plan.chunk_rows);
   return 0;
 }

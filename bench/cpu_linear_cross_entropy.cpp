@@ -1,0 +1,224 @@
+// xent_bench_cpu_linear: fused linear cross-entropy on the CPU backend (xent::linear_forward,
+// xent::linear_forward_backward) against the GEMM floor measured by this binary in this run.
+//
+//   xent_bench_cpu_linear [--xent_threads=1,2] --benchmark_out=bench/results/linear-HOST-DATE.json
+//                         --benchmark_out_format=json
+//
+// Lines (real time; threads T = 1 and std::thread::hardware_concurrency() unless --xent_threads):
+//   gemm_floor_forward/NxDxV/threads:T    L = X · Wᵀ alone, float, Eigen, split over T threads by
+//                                         blocks of W's rows as xent splits it
+//   gemm_floor_training/NxDxV/threads:T   that, then dW = Lᵀ · X (by W blocks) and dX = L · W (by
+//                                         rows): the three GEMMs of a training step, nothing else
+//   linear_forward/DTYPE/NxDxV/threads:T           class ids, mean; outputs loss + LSE
+//   linear_forward_backward/DTYPE/NxDxV/threads:T  the same plus d_hidden and d_weight
+// Counters:
+//   items_per_second   multiply-adds x 2 (FLOP/s): 2 N V D forward, 6 N V D training
+//   floor_pct          the floor line's time / this line's time * 100 (the floor's float GEMMs on
+//                      the same shapes; bf16 lines also convert, so their floor is the same)
+//   chunk_rows, workspace_MiB   the plan the default 256 MiB budget gives
+//   loss               the last call's loss (checked finite, else the line is an error)
+#include <benchmark/benchmark.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include <xent/xent.hpp>
+
+namespace {
+
+using row_matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+struct shape {
+  std::int64_t n, d, v;
+  std::string name() const {
+    return std::to_string(n) + "x" + std::to_string(d) + "x" + std::to_string(v);
+  }
+};
+
+// Small enough to time in seconds on a 2-core machine, large enough that the GEMMs dominate.
+const shape shapes[] = {{512, 256, 8192}, {1024, 512, 32000}};
+
+/// Best seconds per call of each floor line (by name), for floor_pct.
+std::map<std::string, double>& floors() {
+  static std::map<std::string, double> table;
+  return table;
+}
+
+std::string floor_key(bool training, const shape& s, int threads) {
+  return std::string(training ? "training/" : "forward/") + s.name() + "/" +
+         std::to_string(threads);
+}
+
+template <class F>
+void split(int threads, std::int64_t count, F&& f) {
+  std::vector<std::thread> workers;
+  for (int t = 1; t < threads; ++t)
+    workers.emplace_back([&, t] { f(count * t / threads, count * (t + 1) / threads); });
+  f(std::int64_t{0}, count / threads);
+  for (auto& w : workers) w.join();
+}
+
+/// The GEMMs alone, on float matrices, split as xent splits them (256-row blocks of W).
+struct floor_problem {
+  row_matrix x, w, l, dx, dw;
+  explicit floor_problem(const shape& s)
+      : x(row_matrix::Random(s.n, s.d)),
+        w(row_matrix::Random(s.v, s.d)),
+        l(s.n, s.v),
+        dx(s.n, s.d),
+        dw(s.v, s.d) {}
+  void run(bool training, int threads) {
+    const std::int64_t block = 256, blocks = (w.rows() + block - 1) / block;
+    auto by_block = [&](auto&& f) {
+      split(threads, blocks, [&](std::int64_t b0, std::int64_t b1) {
+        for (std::int64_t b = b0; b < b1; ++b) {
+          const std::int64_t v0 = b * block, nb = std::min(block, w.rows() - v0);
+          f(v0, nb);
+        }
+      });
+    };
+    by_block([&](std::int64_t v0, std::int64_t nb) {
+      l.middleCols(v0, nb).noalias() = x * w.middleRows(v0, nb).transpose();
+    });
+    if (!training) return;
+    by_block([&](std::int64_t v0, std::int64_t nb) {
+      dw.middleRows(v0, nb).noalias() = l.middleCols(v0, nb).transpose() * x;
+    });
+    split(threads, x.rows(), [&](std::int64_t r0, std::int64_t r1) {
+      dx.middleRows(r0, r1 - r0).noalias() = l.middleRows(r0, r1 - r0) * w;
+    });
+  }
+};
+
+void bm_floor(benchmark::State& state, bool training, shape s) {
+  const int threads = static_cast<int>(state.range(0));
+  floor_problem p(s);
+  p.run(training, threads);  // warm-up: first touch of every page
+  double best = 1e30;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    p.run(training, threads);
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    benchmark::ClobberMemory();
+  }
+  auto& f = floors()[floor_key(training, s, threads)];
+  f = f > 0 ? std::min(f, best) : best;
+  state.SetItemsProcessed(state.iterations() * (training ? 6 : 2) * s.n * s.v * s.d);
+}
+
+template <class T>
+const char* dtype_name() {
+  return std::is_same<T, float>::value ? "f32" : "bf16";
+}
+
+template <class T>
+void bm_linear(benchmark::State& state, bool training, shape s) {
+  const int threads = static_cast<int>(state.range(0));
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<T> x(s.n * s.d), w(s.v * s.d), dx(s.n * s.d), dw(s.v * s.d);
+  for (auto& e : x) e = T(normal(rng));
+  for (auto& e : w) e = T(normal(rng) / std::sqrt(static_cast<float>(s.d)));
+  std::vector<std::int64_t> targets(s.n);
+  for (auto& t : targets) t = static_cast<std::int64_t>(rng() % static_cast<unsigned>(s.v));
+  std::vector<float> lse(s.n);
+  const xent::cpu exec(threads);
+  const auto pass = training ? xent::linear_pass::training : xent::linear_pass::forward;
+  const auto size = xent::linear_workspace_size<T>(exec, {s.n, s.d, s.v}, pass);
+  std::vector<unsigned char> workspace(size.bytes);
+  float loss = 0.0f;
+  xent::forward_outputs out;
+  out.loss = &loss;
+  out.lse = {lse.data(), s.n};
+  const xent::matrix_view<const T> hidden(x.data(), s.n, s.d), weight(w.data(), s.v, s.d);
+  const xent::vector_view<const std::int64_t> ids(targets.data(), s.n);
+  const xent::linear_grads<T> grads{{dx.data(), s.n, s.d}, {dw.data(), s.v, s.d}, {}};
+  const xent::linear_workspace ws{workspace.data(), workspace.size()};
+  auto call = [&] {
+    if (training)
+      xent::linear_forward_backward(exec, hidden, weight, {}, ids, xent::linear_options{},
+                                    xent::upstream{}, out, grads, ws);
+    else
+      xent::linear_forward(exec, hidden, weight, {}, ids, xent::linear_options{}, out, ws);
+  };
+  call();  // warm-up
+  double best = 1e30;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  if (!std::isfinite(loss)) state.SkipWithError("non-finite loss");
+  state.SetItemsProcessed(state.iterations() * (training ? 6 : 2) * s.n * s.v * s.d);
+  state.counters["chunk_rows"] = static_cast<double>(size.chunk_rows);
+  state.counters["workspace_MiB"] = static_cast<double>(size.bytes) / (1 << 20);
+  state.counters["loss"] = loss;
+  const auto f = floors().find(floor_key(training, s, threads));
+  if (f != floors().end()) state.counters["floor_pct"] = 100.0 * f->second / best;
+}
+
+std::vector<int> thread_counts(int* argc, char** argv) {
+  std::set<int> t{1, static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))};
+  for (int i = 1; i < *argc; ++i) {
+    const std::string a = argv[i], flag = "--xent_threads=";
+    if (a.rfind(flag, 0) != 0) continue;
+    t.clear();
+    for (std::size_t p = flag.size(); p < a.size();) {
+      const std::size_t q = std::min(a.find(',', p), a.size());
+      t.insert(std::stoi(a.substr(p, q - p)));
+      p = q + 1;
+    }
+    for (int j = i; j + 1 < *argc; ++j) argv[j] = argv[j + 1];
+    --*argc;
+    break;
+  }
+  return {t.begin(), t.end()};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<int> threads = thread_counts(&argc, argv);
+  benchmark::Initialize(&argc, argv);
+  // Each floor line runs before the xent lines of its shape, so floor_pct has its figure.
+  for (const shape& s : shapes)
+    for (bool training : {false, true}) {
+      const std::string op = training ? "training" : "forward";
+      for (int t : threads)
+        benchmark::RegisterBenchmark(("gemm_floor_" + op + "/" + s.name()).c_str(), bm_floor,
+                                     training, s)
+            ->Arg(t)
+            ->ArgName("threads")
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+      const std::string name = training ? "linear_forward_backward/" : "linear_forward/";
+      for (int t : threads) {
+        benchmark::RegisterBenchmark((name + "f32/" + s.name()).c_str(), bm_linear<float>, training,
+                                     s)
+            ->Arg(t)
+            ->ArgName("threads")
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+        benchmark::RegisterBenchmark((name + "bf16/" + s.name()).c_str(),
+                                     bm_linear<Eigen::bfloat16>, training, s)
+            ->Arg(t)
+            ->ArgName("threads")
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+}

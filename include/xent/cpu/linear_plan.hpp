@@ -1,0 +1,98 @@
+// The CPU workspace of fused linear cross-entropy: which float buffers a call needs, where they
+// sit in the caller's buffer, and how many rows a chunk can have in a given number of bytes.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "../linear/options.hpp"
+#include "cpu.hpp"
+#include "parallel.hpp"
+
+namespace xent {
+namespace cpu_detail {
+
+/// Weight rows per GEMM block. A block is converted to float (bf16 / fp16 weights) once per chunk
+/// and pass and multiplied against every row of the chunk, so its conversion is amortised over the
+/// chunk; 256 rows is wide enough for Eigen's GEMM panels and keeps a thread's converted block at
+/// 1 KiB per hidden unit (4 MiB for D = 4096). Not tuned by measurement yet.
+constexpr std::int64_t linear_block_rows = 256;
+
+/// Every buffer is 64-byte aligned (a cache line; Eigen's largest packet), measured from the
+/// first aligned address of the caller's buffer, so the caller's buffer may have any alignment.
+constexpr std::size_t linear_alignment = 64;
+constexpr std::size_t linear_absent = ~std::size_t{0};
+
+/// Byte offsets of a call's buffers from the aligned base (linear_absent when not needed) and the
+/// bytes it needs in all.
+struct linear_plan {
+  int threads = 1;                       ///< GEMM workers; each has its own weight block
+  std::int64_t chunk_rows = 1;           ///< rows of hidden per chunk
+  std::int64_t block = 1;                ///< weight rows per GEMM block
+  std::size_t logits = linear_absent;    ///< chunk_rows x V: logits, then their gradient
+  std::size_t row_loss = linear_absent;  ///< chunk_rows: row losses nobody asked for
+  std::size_t x = linear_absent;         ///< chunk_rows x D: hidden rows in float (T not float)
+  std::size_t wblock = linear_absent;    ///< threads x block x D: weight blocks (T not float)
+  std::size_t bias = linear_absent;      ///< V: bias in float (T not float)
+  std::size_t dx = linear_absent;        ///< chunk_rows x D: d_hidden rows in float (G not float)
+  std::size_t dw = linear_absent;  ///< V x D, or threads x block x D (dw_accumulation::output)
+  std::size_t db = linear_absent;  ///< V: d_bias in float (G not float)
+  std::size_t bytes = 0;           ///< what the call needs, alignment slack included
+};
+
+template <class T, class G>
+linear_plan make_linear_plan(const cpu& exec, const linear_shape& s, linear_pass pass,
+                             dw_accumulation accumulate, std::int64_t chunk_rows) {
+  linear_plan p;
+  p.block = std::max<std::int64_t>(1, std::min(s.vocab, linear_block_rows));
+  const std::int64_t blocks = (s.vocab + p.block - 1) / p.block;
+  p.threads = static_cast<int>(std::max<std::int64_t>(
+      1, std::min<std::int64_t>(std::min(std::max(exec.threads, 1), max_threads), blocks)));
+  p.chunk_rows = chunk_rows;
+
+  constexpr bool convert_in = !std::is_same<T, float>::value;
+  constexpr bool convert_out = !std::is_same<G, float>::value;
+  const bool training = pass == linear_pass::training;
+  std::size_t at = 0;
+  auto take = [&](std::int64_t floats, bool needed) {
+    if (!needed) return linear_absent;
+    const std::size_t offset = at;
+    const std::size_t bytes = sizeof(float) * static_cast<std::size_t>(floats);
+    at += (bytes + linear_alignment - 1) / linear_alignment * linear_alignment;
+    return offset;
+  };
+  const std::int64_t R = chunk_rows, V = s.vocab, D = s.hidden;
+  p.logits = take(R * V, true);
+  p.row_loss = take(R, true);
+  p.x = take(R * D, convert_in);
+  p.wblock = take(p.threads * p.block * D, convert_in);
+  p.bias = take(V, convert_in);
+  p.dx = take(R * D, training && convert_out);
+  p.dw = accumulate == dw_accumulation::fp32
+             ? take(V * D, training && convert_out)
+             : take(p.threads * p.block * D, training && convert_out);
+  p.db = take(V, training && convert_out);
+  p.bytes = at + linear_alignment;  // room to align whatever address the caller's buffer has
+  return p;
+}
+
+/// The plan with the most rows per chunk (at most every row) that fits `budget` bytes; the
+/// one-row plan when none does.
+template <class T, class G>
+linear_plan plan_linear(const cpu& exec, const linear_shape& s, linear_pass pass,
+                        dw_accumulation accumulate, std::size_t budget) {
+  std::int64_t lo = 1, hi = std::max<std::int64_t>(s.rows, 1);
+  while (lo < hi) {  // the largest chunk whose plan fits; bytes grow with the chunk
+    const std::int64_t mid = lo + (hi - lo + 1) / 2;
+    if (make_linear_plan<T, G>(exec, s, pass, accumulate, mid).bytes <= budget)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return make_linear_plan<T, G>(exec, s, pass, accumulate, lo);
+}
+
+}  // namespace cpu_detail
+}  // namespace xent

@@ -1,0 +1,160 @@
+// Fused linear cross-entropy: the loss of the logits hidden · weightᵀ (+ bias) and its gradients
+// with respect to hidden, weight and bias, without materialising the N x V logits. Each call
+// computes them a chunk of rows at a time in a caller-sized workspace, runs the cross-entropy core
+// (loss.hpp's backends) in place on the chunk, and folds the chunk's logit gradient into d_hidden,
+// d_weight and d_bias. Extra memory beyond the workspace: O(N) (the caller's per-row outputs).
+//
+//   auto ws = xent::linear_workspace_size<bf16>(exec, {N, D, V}, xent::linear_pass::training);
+//   xent::linear_forward_backward(exec, hidden, weight, bias, targets, opts, xent::upstream{},
+//                                 outputs, {d_hidden, d_weight, d_bias}, {buffer, ws.bytes});
+//
+// Every loss option of xent::options applies, with the semantics of loss.hpp; the mean's
+// normaliser W is the whole call's, not a chunk's. Arguments are checked here for every backend
+// and a bad one throws xent::error before anything is written.
+#pragma once
+
+#include <cstddef>
+#include <type_traits>
+
+#include "backend.hpp"
+#include "detail/validate.hpp"
+#include "linear/backend.hpp"
+#include "linear/options.hpp"
+#include "linear/validate.hpp"
+#include "options.hpp"
+#include "targets.hpp"
+#include "views.hpp"
+
+namespace xent {
+
+/// Workspace bytes for calls of `shape` on `exec`, with hidden / weight / bias of dtype T and
+/// gradients of dtype G: the least any call accepts (one row per chunk), and what a call uses
+/// when given `budget` bytes (the largest row chunk that fits, at most every row). The CPU's
+/// figure is, per chunk row, V floats of logits and one float of row loss, plus D floats of
+/// converted hidden row (T not float) and of d_hidden row (training, G not float); and once a
+/// converted weight block per thread (T not float), V floats of bias (T not float) and, for
+/// training with G not float, V floats of d_bias and either the V x D float d_weight accumulator
+/// (dw_accumulation::fp32) or a weight block per thread (dw_accumulation::output).
+template <class T, class G = T, class Exec>
+linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shape& shape,
+                                             linear_pass pass, const linear_options& opts = {},
+                                             std::size_t budget = linear_default_budget) {
+  static_assert(detail::has_linear_backend<Exec>::value,
+                "xent: no fused linear backend for this execution object");
+  detail::require(shape.rows >= 0 && shape.hidden >= 0 && shape.vocab >= 0,
+                  "xent::linear_workspace_size", "shape", "negative size");
+  return linear_traits<Exec>::template workspace_size<T, G>(exec, shape, pass, opts.accumulate,
+                                                            budget);
+}
+
+namespace detail {
+
+template <class Exec, class T, class Targets>
+void check_linear_call(const char* fn, const matrix_view<const T>& hidden,
+                       const matrix_view<const T>& weight, const vector_view<const T>& bias,
+                       const Targets& targets, const linear_options& opts) {
+  static_assert(has_linear_backend<Exec>::value,
+                "xent: no fused linear backend for this execution object (include its header)");
+  static_assert(backend_traits<Exec>::template supports_dtype<T>,
+                "xent: unsupported hidden / weight dtype for this backend (float, bfloat16 and "
+                "half are)");
+  static_assert(target_traits<Targets>::valid,
+                "xent: targets must be vector_view<int32_t / int64_t> or soft_targets<dtype>");
+  check_linear_inputs(fn, hidden, weight, bias, typename target_traits<Targets>::type(targets),
+                      opts);
+}
+
+template <class Exec, class T, class G>
+void check_linear_training(const char* fn, const Exec& exec, const matrix_view<const T>& hidden,
+                           const matrix_view<const T>& weight, const vector_view<const T>& bias,
+                           const linear_options& opts, const upstream& up,
+                           const linear_grads<G>& grads, const linear_workspace& ws) {
+  static_assert(!std::is_const<G>::value, "xent: gradients must be writable");
+  static_assert(backend_traits<Exec>::template supports_dtype<G>,
+                "xent: unsupported gradient dtype for this backend");
+  check_upstream(fn, up, opts, hidden.rows);
+  check_linear_grads(fn, grads, hidden, weight, bias);
+  check_workspace(fn, ws,
+                  linear_workspace_size<T, G>(exec, {hidden.rows, hidden.cols, weight.rows},
+                                              linear_pass::training, opts, 0));
+  const span_of written[] = {span_of("grads.d_hidden", grads.d_hidden),
+                             span_of("grads.d_weight", grads.d_weight),
+                             span_of("grads.d_bias", grads.d_bias), span_of("workspace", ws)};
+  const span_of read[] = {span_of("hidden", hidden), span_of("weight", weight),
+                          span_of("bias", bias)};
+  check_disjoint(fn, written, read);
+}
+
+}  // namespace detail
+
+/// Evaluation: the loss of every row and the reduced loss, from hidden (N x D), weight (V x D),
+/// an optional bias (V; an empty view for none) and targets (N class ids, int32 / int64, or
+/// soft_targets N x V). outputs as xent::forward's: the reduction's result is required, per-row
+/// LSE (for linear_backward), argmax and num_correct optional. workspace: at least
+/// linear_workspace_size(..., linear_pass::forward).minimal bytes; more makes row chunks larger.
+template <class Exec, class H, class Targets>
+void linear_forward(const Exec& exec, matrix_view<H> hidden,
+                    matrix_view<const std::remove_const_t<H>> weight,
+                    vector_view<const std::remove_const_t<H>> bias, const Targets& targets,
+                    const linear_options& opts, const forward_outputs& outputs,
+                    const linear_workspace& workspace) {
+  constexpr const char* fn = "xent::linear_forward";
+  using T = std::remove_const_t<H>;
+  const matrix_view<const T> x(hidden);
+  detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
+  detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, true);
+  detail::check_workspace(fn, workspace,
+                          linear_workspace_size<T, T>(exec, {x.rows, x.cols, weight.rows},
+                                                      linear_pass::forward, opts, 0));
+  const detail::span_of written[] = {detail::span_of("workspace", workspace)};
+  const detail::span_of read[] = {detail::span_of("hidden", x), detail::span_of("weight", weight),
+                                  detail::span_of("bias", bias)};
+  detail::check_disjoint(fn, written, read);
+  linear_traits<Exec>::forward(exec, x, weight, bias,
+                               typename detail::target_traits<Targets>::type(targets), opts,
+                               outputs, workspace);
+}
+
+/// Training in one call: loss (every output optional) and d_hidden, d_weight, d_bias (each
+/// optional, see linear_grads) with the upstream gradient given up front (a scalar for mean /
+/// sum, per row for none). Per-row upstream gradients scale each row's logit gradient before it
+/// is summed over rows into d_weight and d_bias (Liger #678 / #968 summed first).
+template <class Exec, class H, class Targets, class G>
+void linear_forward_backward(const Exec& exec, matrix_view<H> hidden,
+                             matrix_view<const std::remove_const_t<H>> weight,
+                             vector_view<const std::remove_const_t<H>> bias, const Targets& targets,
+                             const linear_options& opts, const upstream& up,
+                             const forward_outputs& outputs, const linear_grads<G>& grads,
+                             const linear_workspace& workspace) {
+  constexpr const char* fn = "xent::linear_forward_backward";
+  using T = std::remove_const_t<H>;
+  const matrix_view<const T> x(hidden);
+  detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
+  detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, false);
+  detail::check_linear_training(fn, exec, x, weight, bias, opts, up, grads, workspace);
+  linear_traits<Exec>::forward_backward(exec, x, weight, bias,
+                                        typename detail::target_traits<Targets>::type(targets),
+                                        opts, up, outputs, grads, workspace);
+}
+
+/// The gradients from the per-row LSE that linear_forward saved, recomputing each chunk's logits
+/// (the N x V logits are never kept between the calls). The upstream gradient is a scalar for
+/// mean / sum and per row for none, applied to each row before any sum over rows.
+template <class Exec, class H, class Targets, class G>
+void linear_backward(const Exec& exec, matrix_view<H> hidden,
+                     matrix_view<const std::remove_const_t<H>> weight,
+                     vector_view<const std::remove_const_t<H>> bias, const Targets& targets,
+                     const linear_options& opts, vector_view<const float> lse, const upstream& up,
+                     const linear_grads<G>& grads, const linear_workspace& workspace) {
+  constexpr const char* fn = "xent::linear_backward";
+  using T = std::remove_const_t<H>;
+  const matrix_view<const T> x(hidden);
+  detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
+  detail::check_vector(fn, "lse", lse, x.rows, false);
+  detail::check_linear_training(fn, exec, x, weight, bias, opts, up, grads, workspace);
+  linear_traits<Exec>::backward(exec, x, weight, bias,
+                                typename detail::target_traits<Targets>::type(targets), opts, lse,
+                                up, grads, workspace);
+}
+
+}  // namespace xent

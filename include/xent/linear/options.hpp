@@ -1,0 +1,69 @@
+// Fused linear cross-entropy: its options, its gradients and its workspace. The logits
+// hidden · weightᵀ (+ bias) are never materialised whole: a call computes them a chunk of rows at
+// a time inside a caller-sized workspace.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../options.hpp"
+#include "../views.hpp"
+
+namespace xent {
+
+/// How d_weight (V x D) is summed over the row chunks of a call.
+enum class dw_accumulation {
+  /// In a float V x D buffer inside the workspace, rounded to d_weight's dtype once at the end.
+  /// Summing in bf16 across chunks made training diverge (Liger #512), so this is the default.
+  /// When d_weight is float it is its own accumulator and costs nothing extra; otherwise the
+  /// workspace holds 4 V D more bytes (1 GiB for V = 128256, D = 2048).
+  fp32,
+  /// In d_weight itself: each chunk's float contribution is added to d_weight and rounded, once
+  /// per chunk. Saves the 4 V D bytes; the error grows with the number of chunks (up to half an
+  /// ulp of d_weight's dtype per chunk). Identical to fp32 when d_weight is float.
+  output,
+};
+
+/// The loss options of xent::options (every one applies to the logits hidden · weightᵀ + bias)
+/// and how d_weight is accumulated.
+struct linear_options : options {
+  dw_accumulation accumulate = dw_accumulation::fp32;
+};
+
+/// The gradients of a training call, each optional (an empty view is not computed: a frozen
+/// weight or bias, or a first layer without d_hidden). Each is written, not added to.
+template <class G>
+struct linear_grads {
+  matrix_view<G> d_hidden{};  ///< N x D
+  matrix_view<G> d_weight{};  ///< V x D
+  vector_view<G> d_bias{};    ///< V; only with a bias
+};
+
+/// The sizes of a call: hidden is rows x hidden, weight is vocab x hidden.
+struct linear_shape {
+  std::int64_t rows = 0;
+  std::int64_t hidden = 0;
+  std::int64_t vocab = 0;
+};
+
+/// Which calls a workspace is for: forward only, or the training calls (forward_backward and
+/// backward), which also need room for the gradients' accumulators.
+enum class linear_pass { forward, training };
+
+/// Caller-owned memory of the backend's kind (host memory for xent::cpu). Any alignment.
+struct linear_workspace {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// What xent::linear_workspace_size answers.
+struct linear_workspace_sizes {
+  std::size_t minimal = 0;  ///< the least a call accepts: one row per chunk
+  std::size_t bytes = 0;    ///< what a call uses when given the budget (minimal if that is more)
+  std::int64_t chunk_rows = 0;  ///< rows per chunk with `bytes`
+};
+
+/// The budget xent::linear_workspace_size plans for when none is given.
+constexpr std::size_t linear_default_budget = std::size_t{256} << 20;
+
+}  // namespace xent
