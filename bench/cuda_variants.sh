@@ -30,7 +30,8 @@ for spec in "$@"; do
     echo "$name: build failed"; tail -5 "$OUT/build-$name.log"; continue
   fi
   "build/variants/$name" --benchmark_filter="copy_roof|$filter" --benchmark_out="$OUT/variant-$name.json" \
-    --benchmark_out_format=json >"$OUT/variant-$name.txt" 2>&1
+    --benchmark_out_format=json --benchmark_min_time="${XENT_VARIANT_MIN_TIME:-0.3s}" \
+    >"$OUT/variant-$name.txt" 2>&1
   awk -v n="$name" '/manual_time/ && !/copy_roof/ {printf "%-8s %-75s %10s %s  roof %s%%\n", n, $1, $2, $3, $NF}' \
     "$OUT/variant-$name.txt"
 done

@@ -329,7 +329,8 @@ struct row_state {
 /// and the freed stage.
 template <int Block, int Regs, int Stages, bool Aligned, bool Plain, pass P, class T, class G,
           class Tgt>
-XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) row_kernel(row_args<T, G, Tgt> a) {
+XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T>())
+    row_kernel(row_args<T, G, Tgt> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool bulk = Aligned;
 #else
@@ -559,18 +560,26 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) row_kernel(row_arg
     // barriers, one pair per row parity, hand over the rest: warps 1.. arrive with row i's
     // partials and move on, warp 0 waits for them to send; warp 0 arrives with row i - 1's result,
     // which the other warps wait for only when its gradient is due.
-    // Barrier ids: 1 + parity for row partials, 3 + parity for row results.
-    auto partials_sync = [](std::int64_t i) {
-      i & 1 ? named_barrier_sync<2>(Block) : named_barrier_sync<1>(Block);
+    // Barrier ids: 1 + parity for row partials, 3 + parity for row results. Without split
+    // barriers (policy::split_barriers) both hand-offs are full CTA barriers at the consumer's
+    // point.
+    constexpr bool split = policy::split_barriers;
+    auto partials_handoff = [](std::int64_t i, bool consumer) {
+      if (!split)
+        __syncthreads();
+      else if (consumer)
+        i & 1 ? named_barrier_sync<2>(Block) : named_barrier_sync<1>(Block);
+      else
+        i & 1 ? named_barrier_arrive<2>(Block) : named_barrier_arrive<1>(Block);
     };
-    auto partials_arrive = [](std::int64_t i) {
-      i & 1 ? named_barrier_arrive<2>(Block) : named_barrier_arrive<1>(Block);
+    auto result_ready = [](std::int64_t i) {  // warp 0, once result(i) is written
+      if (split) i & 1 ? named_barrier_arrive<4>(Block) : named_barrier_arrive<3>(Block);
     };
-    auto result_sync = [](std::int64_t i) {
-      i & 1 ? named_barrier_sync<4>(Block) : named_barrier_sync<3>(Block);
-    };
-    auto result_arrive = [](std::int64_t i) {
-      i & 1 ? named_barrier_arrive<4>(Block) : named_barrier_arrive<3>(Block);
+    auto result_wait = [](std::int64_t i, bool producer) {  // every thread, before gradient(i)
+      if (!split)
+        __syncthreads();
+      else if (!producer)
+        i & 1 ? named_barrier_sync<4>(Block) : named_barrier_sync<3>(Block);
     };
     const bool warp0 = threadIdx.x < 32;
     tile_t tile;
@@ -582,7 +591,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) row_kernel(row_arg
       if (prev_stats) {
         if (warp0) {
           ex.receive(slot ^ 1, received);
-          if (want_grad) result_arrive(i - 1);
+          if (want_grad) result_ready(i - 1);
         }
         ++received;
       }
@@ -594,12 +603,8 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) row_kernel(row_arg
           part_t part{};
           item_stats(i, cur, part);
           ex.publish(warp_total(part), slot);
-          if (warp0) {
-            partials_sync(i);
-            ex.send(slot, sent);
-          } else {
-            partials_arrive(i);
-          }
+          partials_handoff(i, warp0);
+          if (warp0) ex.send(slot, sent);
           ++sent;
         }
         if (!want_grad) release_item(i);
@@ -608,7 +613,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks) row_kernel(row_arg
         if (prev.skip) {
           finish_skipped(prev);
         } else if (want_grad) {
-          if (prev_stats && !warp0) result_sync(i - 1);
+          if (prev_stats) result_wait(i - 1, warp0);
           finish_stats(prev, want_stats ? ex.result(slot ^ 1) : part_t{});
           tile_gradient<Plain, Aligned>(a, tile, prev.n, v0, prev.rg, a.grad + prev.n * a.grad_ld);
         } else if (warp0) {  // forward: warp 0 alone writes the row's outputs

@@ -8,14 +8,15 @@
 #ifndef XENT_CUDA_BLOCK
 #define XENT_CUDA_BLOCK 256
 #endif
-#ifndef XENT_CUDA_MIN_BLOCKS
-#define XENT_CUDA_MIN_BLOCKS 3
-#endif
+// XENT_CUDA_MIN_BLOCKS, when defined, replaces the per-dtype choice of policy::min_blocks.
 #ifndef XENT_CUDA_STAGES
 #define XENT_CUDA_STAGES 2
 #endif
 #ifndef XENT_CUDA_STATS_UNROLL  // vectors in flight per thread in a statistics sweep
 #define XENT_CUDA_STATS_UNROLL 2
+#endif
+#ifndef XENT_CUDA_SPLIT_BARRIERS  // 0: full CTA barriers for the row hand-offs (see policy)
+#define XENT_CUDA_SPLIT_BARRIERS 1
 #endif
 #ifndef XENT_CUDA_CHUNK_KIB
 #define XENT_CUDA_CHUNK_KIB 32
@@ -24,20 +25,28 @@
 namespace xent {
 namespace cuda_detail {
 
-/// Chosen on an H200 (2026-11-21, bench/cuda_cross_entropy.cu, bf16 16384 x 128256 forward_backward
-/// and forward, 8192 x 32000, fp32 8192 x 128256) among: 256 threads / 3 CTAs per SM / 2 stages of
-/// 32 KiB (3.45 ms, the choice); 2-4 stages of 16-32 KiB (3.76-5.47 ms: fewer CTAs per SM or more
-/// CTAs per row cost more than deeper staging gains); 128 threads x 16 KiB (3.70 ms); 384-512
-/// threads with 48-64 KiB stages (3.90-4.33 ms). Per-row costs, not copy latency, dominate.
+/// Chosen on an H200 (2026-11-21, bench/cuda_variants.sh; bf16 16384 x 128256 and 4096 x 262144,
+/// fp32 8192 x 128256 and 32 x 32000). The figures of every version and alternative measured are
+/// in bench/results/cuda-notes.md. In short: 256 threads holding a 32 KiB chunk as eight 16-byte
+/// registers each, two 32 KiB stages; three CTAs per SM (80 registers) for fp32 rows and two
+/// (128 registers) for 16-bit rows, whose unpacked values spill at 80 registers (bf16 fused
+/// 4.99 ms at three CTAs, 3.17 ms at two; fp32 fused 2.45 ms at three, 2.61 ms at two).
+/// 512-thread CTAs and three stages were slower.
 struct policy {
-  /// Threads per CTA. Rows are staged in shared memory, not registers; three CTAs of 256 threads
-  /// per SM (85 registers each) keep warps of one CTA busy while another waits at a barrier.
+  /// Threads per CTA.
   static constexpr int block = XENT_CUDA_BLOCK;
-  static constexpr int min_blocks = XENT_CUDA_MIN_BLOCKS;
+  /// CTAs per SM the register budget is set for (__launch_bounds__), by element size.
+  template <class T>
+  static constexpr int min_blocks() {
+#ifdef XENT_CUDA_MIN_BLOCKS
+    return XENT_CUDA_MIN_BLOCKS;
+#else
+    return sizeof(T) == 4 ? 3 : 2;
+#endif
+  }
   /// Shared-memory stages per CTA: the next row's chunk streams in while this one is processed.
   static constexpr int stages = XENT_CUDA_STAGES;
-  /// Bytes of a stage. 2 x 32 KiB per CTA leaves room for three CTAs per SM (227 KiB), so one
-  /// CTA's reductions and cluster barriers overlap the others' copies.
+  /// Bytes of a stage. 2 x 32 KiB per CTA leaves room for three CTAs per SM (227 KiB).
   static constexpr std::size_t max_chunk_bytes = XENT_CUDA_CHUNK_KIB * 1024;
   /// Vectors per thread in flight in a statistics sweep over shared memory: unrolling the whole
   /// chunk there would hold a second chunk in registers beside the tile.
@@ -45,6 +54,13 @@ struct policy {
   /// 16-byte vectors per thread that hold a chunk in registers (32 registers for 32 KiB).
   static constexpr int regs = static_cast<int>(max_chunk_bytes / (16 * block));
   static_assert(regs * 16 * block == max_chunk_bytes, "a chunk is whole vectors per thread");
+  /// Row hand-offs inside a CTA through named producer/consumer barriers (bar.arrive / bar.sync),
+  /// so only warp 0 waits for a row's partials and the other warps wait for its result only when
+  /// the gradient is due: bf16 16384 x 128256 fused 3.16 ms, against 3.37 ms with two
+  /// __syncthreads per row. compute-sanitizer's racecheck does not model bar.arrive and reports
+  /// barrier-separated accesses anywhere in such a kernel as hazards, so the sanitizer build
+  /// (.ci/device) checks the same protocol with full barriers (XENT_CUDA_SPLIT_BARRIERS=0).
+  static constexpr bool split_barriers = XENT_CUDA_SPLIT_BARRIERS != 0;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
