@@ -251,7 +251,7 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a,
     float f[vec];
 #pragma unroll
     for (int e = 0; e < vec; ++e) {
-      const float z = capped<Plain>(t.v[r].v[e], a.k);
+      const float z = capped<Plain>(t.value(r, e), a.k);
       f[e] = ga * fast_exp2(fmaf(z, log2e, -shift));
       if (!plain && e < t.valid(r)) {
         f[e] -= rg.g * target_mass(a, n, base + t.offset(r) + e);
@@ -263,8 +263,8 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a,
 #pragma unroll
         for (int e = 0; e < vec; ++e)
           if (e == e_own)
-            f[e] = class_target_gradient(capped<Plain>(t.v[r].v[e], a.k), rg.w_y, rg.alpha, rg.lse,
-                                         rg.g, a.k);
+            f[e] = class_target_gradient(capped<Plain>(t.value(r, e), a.k), rg.w_y, rg.alpha,
+                                         rg.lse, rg.g, a.k);
       }
     }
     const vec_t<G, vec> d = round_vector<G, vec>(f);
@@ -329,7 +329,7 @@ struct row_state {
 /// and the freed stage.
 template <int Block, int Regs, int Stages, bool Aligned, bool Plain, pass P, class T, class G,
           class Tgt>
-XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T>())
+XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backward>())
     row_kernel(row_args<T, G, Tgt> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool bulk = Aligned;
@@ -582,6 +582,10 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T>())
         i & 1 ? named_barrier_sync<4>(Block) : named_barrier_sync<3>(Block);
     };
     const bool warp0 = threadIdx.x < 32;
+    // Row i - 1 is finished after row i's statistics (its cluster round trip hidden behind them,
+    // its tile held in registers meanwhile) or before them (the tile is then live only between
+    // rows: see policy::overlap_rows).
+    constexpr bool overlap = policy::template overlap_rows<T, P == pass::fused>;
     tile_t tile;
     row_state prev;
     for (std::int64_t i = 0; i <= my_rows; ++i) {
@@ -595,6 +599,20 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T>())
         }
         ++received;
       }
+      // Row i - 1's loss, outputs and gradient.
+      auto finish_prev = [&] {
+        if (i == 0) return;
+        if (prev.skip) {
+          finish_skipped(prev);
+        } else if (want_grad) {
+          if (prev_stats) result_wait(i - 1, warp0);
+          finish_stats(prev, want_stats ? ex.result(slot ^ 1) : part_t{});
+          tile_gradient<Plain, Aligned>(a, tile, prev.n, v0, prev.rg, a.grad + prev.n * a.grad_ld);
+        } else if (warp0) {  // forward: warp 0 alone writes the row's outputs
+          finish_stats(prev, ex.result(slot ^ 1));
+        }
+      };
+      if (!overlap) finish_prev();
       row_state cur;
       if (has_cur) {
         wait_item(i);
@@ -609,17 +627,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T>())
         }
         if (!want_grad) release_item(i);
       }
-      if (i > 0) {
-        if (prev.skip) {
-          finish_skipped(prev);
-        } else if (want_grad) {
-          if (prev_stats) result_wait(i - 1, warp0);
-          finish_stats(prev, want_stats ? ex.result(slot ^ 1) : part_t{});
-          tile_gradient<Plain, Aligned>(a, tile, prev.n, v0, prev.rg, a.grad + prev.n * a.grad_ld);
-        } else if (warp0) {  // forward: warp 0 alone writes the row's outputs
-          finish_stats(prev, ex.result(slot ^ 1));
-        }
-      }
+      if (overlap) finish_prev();
       if (has_cur && want_grad) {
         if (!cur.skip) {
           std::int64_t base;

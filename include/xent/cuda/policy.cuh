@@ -28,20 +28,20 @@ namespace cuda_detail {
 /// Chosen on an H200 (2026-11-21, bench/cuda_variants.sh; bf16 16384 x 128256 and 4096 x 262144,
 /// fp32 8192 x 128256 and 32 x 32000). The figures of every version and alternative measured are
 /// in bench/results/cuda-notes.md. In short: 256 threads holding a 32 KiB chunk as eight 16-byte
-/// registers each, two 32 KiB stages; three CTAs per SM (80 registers) for fp32 rows and two
-/// (128 registers) for 16-bit rows, whose unpacked values spill at 80 registers (bf16 fused
-/// 4.99 ms at three CTAs, 3.17 ms at two; fp32 fused 2.45 ms at three, 2.61 ms at two).
-/// 512-thread CTAs and three stages were slower.
+/// registers each, two 32 KiB stages, three CTAs per SM (bf16 fused 2.81 ms at three, 2.95 at
+/// two); 512-thread CTAs and three stages were slower.
 struct policy {
   /// Threads per CTA.
   static constexpr int block = XENT_CUDA_BLOCK;
-  /// CTAs per SM the register budget is set for (__launch_bounds__), by element size.
-  template <class T>
+  /// CTAs per SM the register budget is set for (__launch_bounds__): three (80 registers), but
+  /// two (128) for the backward pass of 16-bit rows, which measured faster so (2.44 against
+  /// 2.52 ms for bf16 16384 x 128256).
+  template <class T, bool Backward>
   static constexpr int min_blocks() {
 #ifdef XENT_CUDA_MIN_BLOCKS
     return XENT_CUDA_MIN_BLOCKS;
 #else
-    return sizeof(T) == 4 ? 3 : 2;
+    return sizeof(T) == 2 && Backward ? 2 : 3;
 #endif
   }
   /// Shared-memory stages per CTA: the next row's chunk streams in while this one is processed.
@@ -61,6 +61,17 @@ struct policy {
   /// barrier-separated accesses anywhere in such a kernel as hazards, so the sanitizer build
   /// (.ci/device) checks the same protocol with full barriers (XENT_CUDA_SPLIT_BARRIERS=0).
   static constexpr bool split_barriers = XENT_CUDA_SPLIT_BARRIERS != 0;
+  /// Whether a row's gradient waits until the next row's statistics are taken (hiding its cluster
+  /// round trip) or is written first. Waiting holds the row's register tile across those sweeps:
+  /// for fused 16-bit rows that is more than three CTAs per SM leave registers for (the tile
+  /// spilled to local memory), so they finish a row first and keep three CTAs per SM.
+  template <class T, bool Fused>
+  static constexpr bool overlap_rows =
+#ifdef XENT_CUDA_OVERLAP_ROWS
+      XENT_CUDA_OVERLAP_ROWS != 0;
+#else
+      sizeof(T) == 4 || !Fused;
+#endif
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.

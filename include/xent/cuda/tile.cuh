@@ -107,22 +107,48 @@ struct tile_shape {
   }
 };
 
+/// Element e (0..3 for fp32, 0..7 for 16-bit types) of a 16-byte vector held as four 32-bit
+/// words, as a float. Indices are compile-time once the callers' loops are unrolled.
+template <class T>
+__device__ __forceinline__ float word_element(const unsigned (&w)[4], int e) {
+  if constexpr (std::is_same<T, float>::value) {
+    return __uint_as_float(w[e]);
+  } else if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const unsigned x = w[e / 2];  // bf16 is the high half of a float
+    return __uint_as_float(e % 2 ? x & 0xffff0000u : x << 16);
+  } else {
+    const unsigned x = w[e / 2];
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(e % 2 ? x >> 16 : x)));
+  }
+}
+
 /// This thread's vectors of a chunk, held in registers from the moment its stage may be refilled
-/// until the gradient sweep has used them.
+/// until the gradient sweep has used them. Held as 32-bit words: an array of 16-bit elements is
+/// kept one element per register (twice the registers, and at three CTAs per SM the tile spilled
+/// to local memory).
 template <class T, int Regs, int Block>
 struct row_tile : tile_shape<T, Regs, Block> {
   using shape = tile_shape<T, Regs, Block>;
-  vec_t<T, shape::vec> v[Regs];
+  unsigned w[Regs][4];
   int count = 0;
 
   __device__ __forceinline__ bool has(int r) const { return shape::has(r, count); }
   __device__ __forceinline__ int valid(int r) const { return shape::valid(r, count); }
+  /// Element e of vector r, as a float.
+  __device__ __forceinline__ float value(int r, int e) const { return word_element<T>(w[r], e); }
 
   __device__ __forceinline__ void load(const T* stage, int n) {
     count = n;
 #pragma unroll
-    for (int r = 0; r < Regs; ++r)
-      if (has(r)) v[r] = shape::template fetch<false>(stage, count, r);
+    for (int r = 0; r < Regs; ++r) {
+      if (has(r)) {
+        const uint4 q = *reinterpret_cast<const uint4*>(stage + shape::offset(r));
+        w[r][0] = q.x;
+        w[r][1] = q.y;
+        w[r][2] = q.z;
+        w[r][3] = q.w;
+      }
+    }
   }
 };
 
