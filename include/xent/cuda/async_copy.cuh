@@ -74,18 +74,29 @@ __device__ __forceinline__ void mbarrier_track_copies(unsigned long long* bar) {
                : "memory");
 }
 
-/// Waits (acquire, CTA scope) until the phase of parity `parity` has completed.
+/// Waits until the phase of parity `parity` has completed, with acquire semantics at CTA scope
+/// (copies into this CTA) or at cluster scope (`Cluster`: stores from other CTAs of the cluster).
+template <bool Cluster = false>
 __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const unsigned addr = shared_address(bar);
   unsigned done = 0;
-  while (!done)
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-        "selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
+  while (!done) {
+    if constexpr (Cluster)
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
+          "selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(addr), "r"(parity)
+          : "memory");
+    else
+      asm volatile(
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+          "selp.u32 %0, 1, 0, p; }"
+          : "=r"(done)
+          : "r"(addr), "r"(parity)
+          : "memory");
+  }
 #else
   (void)bar;
   (void)parity;

@@ -137,20 +137,8 @@ __device__ inline void send_partial(row_exchange_state<P, Warps>& x, int set, co
 template <class P, int Warps>
 __device__ inline void await_partials(row_exchange_state<P, Warps>& x, int set, unsigned bytes,
                                       unsigned parity) {
-  const unsigned mbar = shared_address(&x.arrived[set]);
-  asm volatile(
-      "{ .reg .b64 state; mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 state, [%0], %1; "
-      "}" ::"r"(mbar),
-      "r"(bytes)
-      : "memory");
-  unsigned done = 0;
-  while (!done)
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
-        "selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(mbar), "r"(parity)
-        : "memory");
+  mbarrier_arrive_expect(&x.arrived[set], bytes);
+  mbarrier_wait<true>(&x.arrived[set], parity);
 }
 #endif
 
