@@ -54,6 +54,20 @@ struct argmax_state {
   }
 };
 
+/// Everything one slice of a row contributes: its statistics and its argmax (a global class id).
+/// CPU threads merge these per row, and so do vocab-parallel ranks after exchanging them, in a
+/// fixed order so that every rank gets the same bits. A plain, fixed-size record: it travels
+/// through collectives as bytes.
+struct slice_partial {
+  row_partial stats;
+  argmax_state argmax;
+
+  XENT_HOST_DEVICE void merge(const slice_partial& other) {
+    stats.merge(other.stats);
+    argmax.merge(other.argmax);
+  }
+};
+
 /// Constants of one call, derived from the options once.
 struct loss_constants {
   float keep = 1.0f;    ///< 1 - eps

@@ -11,6 +11,13 @@
 //   outputs,
 //                                 grads, workspace);
 //
+// and vocab-parallel cross-entropy over a vocabulary split across ranks (parallel/):
+//   xent::vocab_parallel_forward(exec, group, logits_shard, shard, targets, opts, outputs);
+//   xent::vocab_parallel_backward(exec, group, logits_shard, shard, targets, opts, lse, upstream,
+//                                 grad_shard);
+//   xent::vocab_parallel_forward_backward(exec, group, logits_shard, shard, targets, opts,
+//                                         upstream, outputs, grad_shard);
+//
 // exec is xent::cpu{threads} (always available) or, when compiled by nvcc, xent::cuda{stream}.
 #pragma once
 
@@ -20,12 +27,17 @@
 #include "cpu/cpu.hpp"
 #include "cpu/eigen.hpp"
 #include "cpu/linear.hpp"
+#include "cpu/vocab_parallel.hpp"
 #include "error.hpp"
 #include "linear.hpp"
 #include "loss.hpp"
 #include "loss_math.hpp"
 #include "online_lse.hpp"
 #include "options.hpp"
+#include "parallel/communicator.hpp"
+#include "parallel/inprocess_group.hpp"
+#include "parallel/shard.hpp"
+#include "parallel/vocab_parallel.hpp"
 #include "targets.hpp"
 #include "views.hpp"
 

@@ -21,6 +21,7 @@
 #include "../error.hpp"
 #include "../loss_math.hpp"
 #include "../options.hpp"
+#include "../parallel/shard.hpp"
 #include "../targets.hpp"
 #include "../views.hpp"
 #include "cpu.hpp"
@@ -94,20 +95,25 @@ double check_targets_and_weigh(const char*, const soft_targets<S>& targets, std:
   return static_cast<double>(targets.probs.rows);  // soft targets: mean divides by N
 }
 
+/// The problem of `logits`, which hold classes [shard.first, shard.first + cols) of shard.vocab
+/// ({0, cols} unsharded). Label smoothing's eps / V and sum_c w_c span the whole vocabulary, so a
+/// shard's rows get the unsharded loss (opts.class_weights holds all V weights).
 template <class T, class Tgt>
 problem<T, Tgt> make_problem(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
-                             const options& opts) {
-  double weight_sum = static_cast<double>(logits.cols);
-  if (opts.class_weights.data) {
+                             const options& opts, vocab_shard shard) {
+  double weight_sum = static_cast<double>(shard.vocab);
+  const float* w = opts.class_weights.data;
+  if (w) {
     weight_sum = 0.0;
-    for (std::int64_t c = 0; c < opts.class_weights.size; ++c) weight_sum += opts.class_weights[c];
+    for (std::int64_t c = 0; c < opts.class_weights.size; ++c) weight_sum += w[c];
   }
   return problem<T, Tgt>{logits,
                          targets,
-                         opts.class_weights.data,
-                         make_loss_constants(opts, logits.cols, static_cast<float>(weight_sum)),
+                         w ? w + shard.first : nullptr,
+                         make_loss_constants(opts, shard.vocab, static_cast<float>(weight_sum)),
                          opts.ignore_index,
-                         policy::chunk_for(exec.chunk)};
+                         policy::chunk_for(exec.chunk),
+                         shard.first};
 }
 
 /// The upstream gradient of each row: scale (x *scale_ptr) / W for mean, for sum as is, per row
@@ -146,7 +152,7 @@ float finish_row(const problem<T, Tgt>& pb, std::int64_t n, const row_partial& p
     loss = soft_row_loss(p, pb.k);
   } else {
     loss = class_row_loss(p, pb.weight(pb.target(n)), pb.k);
-    if (am.index >= 0 && am.index == pb.target(n)) ++sums.correct[worker];
+    if (am.index >= 0 && am.index == pb.class_id(n)) ++sums.correct[worker];
   }
   sums.loss[worker] += static_cast<double>(loss);
   if (out.row_loss.data) out.row_loss[n] = loss;
@@ -185,11 +191,76 @@ float row_mass(const problem<T, Tgt>& pb, std::int64_t n, const row_partial* mer
   }
 }
 
+/// Calls f(n, v0, v1, t) for task t of every (row, slice) task of the plan, classes [v0, v1) of row
+/// n, on the plan's threads.
+template <class F>
+void for_each_task(const plan& pl, std::int64_t rows, std::int64_t cols, const F& f) {
+  parallel_for(pl.threads, pl.tasks(rows), [&](std::int64_t begin, std::int64_t end, int) {
+    for (std::int64_t t = begin; t < end; ++t) {
+      std::int64_t n, v0, v1;
+      pl.slice(t, cols, n, v0, v1);
+      f(n, v0, v1, t);
+    }
+  });
+}
+
+/// Statistics of every (row, slice) task of the plan into parts[t]; ignored rows keep the empty
+/// partial.
+template <bool Argmax, class T, class Tgt>
+void task_partials(const plan& pl, const problem<T, Tgt>& pb, slice_partial* parts) {
+  for_each_task(pl, pb.logits.rows, pb.logits.cols,
+                [&](std::int64_t n, std::int64_t v0, std::int64_t v1, std::int64_t t) {
+                  if (!pb.ignored(n))
+                    parts[t].stats = slice_stats<Argmax>(pb, n, v0, v1, &parts[t].argmax);
+                });
+}
+
+/// Pieces 0, 1, ..., pieces - 1 of row n (piece(n, s)) merged in that order: a fixed order, so
+/// the result does not depend on which thread or rank finished first.
+template <class Piece>
+slice_partial merge_pieces(const Piece& piece, std::int64_t n, std::int64_t pieces) {
+  slice_partial p = piece(n, 0);
+  for (std::int64_t s = 1; s < pieces; ++s) p.merge(piece(n, s));
+  return p;
+}
+
+/// Merges each row's pieces (merge_pieces) and finishes it (finish_row); lse[n] and mass[n]
+/// receive what its gradient needs. One thread, rows in order: cheap next to the sweeps, and the
+/// totals do not depend on the thread count.
+template <class T, class Tgt, class Piece>
+void finish_rows(const problem<T, Tgt>& pb, std::int64_t pieces, const Piece& piece,
+                 const forward_outputs& out, totals& sums, float* lse, float* mass) {
+  for (std::int64_t n = 0; n < pb.logits.rows; ++n) {
+    if (pb.ignored(n)) {
+      finish_ignored_row(n, out);
+      continue;
+    }
+    const slice_partial p = merge_pieces(piece, n, pieces);
+    finish_row(pb, n, p.stats, p.argmax, out, sums, 0);
+    lse[n] = p.stats.lse.lse();
+    mass[n] = row_mass(pb, n, &p.stats);
+  }
+}
+
+/// The gradient of every (row, slice) task of the plan: zero on ignored rows, else slice_gradient
+/// from the row's LSE and mass (lse_of(n), mass_of(n)) and upstream scale.
+template <class T, class Tgt, class G, class Lse, class Mass>
+void write_gradient(const plan& pl, const problem<T, Tgt>& pb, const Lse& lse_of,
+                    const Mass& mass_of, const row_scales& scale, matrix_view<G> grad) {
+  for_each_task(pl, pb.logits.rows, pb.logits.cols,
+                [&](std::int64_t n, std::int64_t v0, std::int64_t v1, std::int64_t) {
+                  if (pb.ignored(n))
+                    zero_slice(grad.row(n), v0, v1);
+                  else
+                    slice_gradient(pb, n, v0, v1, lse_of(n), mass_of(n), scale(n), grad.row(n));
+                });
+}
+
 /// forward, and forward_backward when `grad` is non-null.
 template <bool Argmax, class T, class Tgt, class G>
 void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
          const options& opts, const upstream* up, const forward_outputs& out, matrix_view<G> grad) {
-  const problem<T, Tgt> pb = make_problem(exec, logits, targets, opts);
+  const problem<T, Tgt> pb = make_problem(exec, logits, targets, opts, {0, logits.cols});
   const double normalizer = check_targets_and_weigh(fn, targets, logits.cols, opts);
   const row_scales scale = up ? make_row_scales(*up, opts, normalizer) : row_scales{};
   const std::int64_t rows = logits.rows, cols = logits.cols;
@@ -226,44 +297,16 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
       }
     });
   } else {
-    const std::int64_t tasks = pl.tasks(rows);
-    std::array<row_partial, max_split_tasks> parts;
-    std::array<argmax_state, max_split_tasks> maxima;
-    parallel_for(pl.threads, tasks, [&](std::int64_t begin, std::int64_t end, int) {
-      for (std::int64_t t = begin; t < end; ++t) {
-        std::int64_t n, v0, v1;
-        pl.slice(t, cols, n, v0, v1);
-        if (!pb.ignored(n)) parts[t] = slice_stats<Argmax>(pb, n, v0, v1, &maxima[t]);
-      }
-    });
+    std::array<slice_partial, max_split_tasks> parts;
+    task_partials<Argmax>(pl, pb, parts.data());
     std::array<float, max_threads> lse{}, mass{};
-    for (std::int64_t n = 0; n < rows; ++n) {
-      if (pb.ignored(n)) {
-        finish_ignored_row(n, out);
-        continue;
-      }
-      row_partial p = parts[n * pl.slices];
-      argmax_state am = maxima[n * pl.slices];
-      for (std::int64_t s = 1; s < pl.slices; ++s) {
-        p.merge(parts[n * pl.slices + s]);
-        am.merge(maxima[n * pl.slices + s]);
-      }
-      finish_row(pb, n, p, am, out, sums, 0);
-      lse[n] = p.lse.lse();
-      mass[n] = row_mass(pb, n, &p);
-    }
-    if (grad.data) {
-      parallel_for(pl.threads, tasks, [&](std::int64_t begin, std::int64_t end, int) {
-        for (std::int64_t t = begin; t < end; ++t) {
-          std::int64_t n, v0, v1;
-          pl.slice(t, cols, n, v0, v1);
-          if (pb.ignored(n))
-            zero_slice(grad.row(n), v0, v1);
-          else
-            slice_gradient(pb, n, v0, v1, lse[n], mass[n], scale(n), grad.row(n));
-        }
-      });
-    }
+    finish_rows(
+        pb, pl.slices, [&](std::int64_t n, std::int64_t s) { return parts[n * pl.slices + s]; },
+        out, sums, lse.data(), mass.data());
+    if (grad.data)
+      write_gradient(
+          pl, pb, [&](std::int64_t n) { return lse[n]; }, [&](std::int64_t n) { return mass[n]; },
+          scale, grad);
   }
   write_totals(sums, pl.threads, opts, normalizer, out);
 }
@@ -282,21 +325,11 @@ template <class T, class Tgt, class G>
 void run_backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
                   const options& opts, vector_view<const float> lse, const upstream& up,
                   matrix_view<G> grad) {
-  const problem<T, Tgt> pb = make_problem(exec, logits, targets, opts);
+  const problem<T, Tgt> pb = make_problem(exec, logits, targets, opts, {0, logits.cols});
   const double normalizer = check_targets_and_weigh("xent::backward", targets, logits.cols, opts);
-  const row_scales scale = make_row_scales(up, opts, normalizer);
-  const std::int64_t rows = logits.rows, cols = logits.cols;
-  const plan pl = make_plan(exec, rows, cols);
-  parallel_for(pl.threads, pl.tasks(rows), [&](std::int64_t begin, std::int64_t end, int) {
-    for (std::int64_t t = begin; t < end; ++t) {
-      std::int64_t n, v0, v1;
-      pl.slice(t, cols, n, v0, v1);
-      if (pb.ignored(n))
-        zero_slice(grad.row(n), v0, v1);
-      else
-        slice_gradient(pb, n, v0, v1, lse[n], row_mass(pb, n), scale(n), grad.row(n));
-    }
-  });
+  write_gradient(
+      make_plan(exec, logits.rows, logits.cols), pb, [&](std::int64_t n) { return lse[n]; },
+      [&](std::int64_t n) { return row_mass(pb, n); }, make_row_scales(up, opts, normalizer), grad);
 }
 
 template <class T>

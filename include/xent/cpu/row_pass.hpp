@@ -38,6 +38,11 @@ template <class T>
 using tmap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
 
 /// Everything a sweep needs to know about the call, for one logits dtype T and target kind Tgt.
+///
+/// Sweeps index columns of `logits`. The logits may be a vocabulary shard (vocab-parallel calls):
+/// column 0 is class `first_class`, class ids in `targets` are global, and `weights` points at the
+/// weight of column 0 (the caller's full weight vector + first_class), so that local column
+/// indices address logits, soft targets, gradient and weights alike. Unsharded: first_class = 0.
 template <class T, class Tgt>
 struct problem {
   matrix_view<const T> logits;
@@ -46,24 +51,28 @@ struct problem {
   loss_constants k;
   std::int64_t ignore_index;
   std::int64_t chunk;
+  std::int64_t first_class = 0;
 
   static constexpr bool soft = detail::target_traits<Tgt>::soft;
 
-  /// Class id of row n, or -1 for soft targets.
-  std::int64_t target(std::int64_t n) const {
+  /// Global class id of row n, or -1 for soft targets.
+  std::int64_t class_id(std::int64_t n) const {
     if constexpr (soft) {
       return -1;
     } else {
       return static_cast<std::int64_t>(targets[n]);
     }
   }
+  /// Column of row n's target (outside [0, cols) when another shard holds it).
+  std::int64_t target(std::int64_t n) const { return class_id(n) - first_class; }
   bool ignored(std::int64_t n) const {
     if constexpr (soft) {
       return false;
     } else {
-      return target(n) == ignore_index;
+      return class_id(n) == ignore_index;
     }
   }
+  /// Weight of column c; columns outside the shard still index the caller's full weight vector.
   float weight(std::int64_t c) const { return weights ? weights[c] : 1.0f; }
 };
 
@@ -124,7 +133,7 @@ struct exp_cache {
 template <bool Argmax, class T, class Tgt>
 void accumulate_sides(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t c, const_fmap z,
                       row_partial& p, argmax_state* am, float* tbuf) {
-  if constexpr (Argmax) update_argmax(z, c, *am);
+  if constexpr (Argmax) update_argmax(z, pb.first_class + c, *am);  // a global class id
   if constexpr (problem<T, Tgt>::soft) {
     load_soft_targets(pb, n, c, z.size(), tbuf);
     const_fmap t(tbuf, z.size());

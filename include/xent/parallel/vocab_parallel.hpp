@@ -1,0 +1,138 @@
+// Vocab-parallel cross-entropy: the vocabulary is split across ranks (tensor parallelism), each
+// rank holds logits[:, first : first + V_local] of every row, and each call returns, on every
+// rank, the loss of the unsharded computation and that rank's shard of its gradient.
+//
+// Every rank of the group makes the same call with its own shard; targets, options, upstream and
+// the reduction are the same on every rank. One collective per call (group.all_gather,
+// parallel/communicator.hpp) exchanges a few floats per row; each rank then merges the rows'
+// statistics in rank order, so every rank gets bitwise-identical forward outputs. The semantics
+// are exactly the unsharded calls' (loss.hpp), for every option:
+//   - class ids are global, in [0, V) or ignore_index; ignored rows: loss 0, LSE 0, argmax -1,
+//     gradient 0; the mean's W is the same global sum of w[y] over rows not ignored;
+//   - label smoothing spreads eps over the full vocabulary: eps / V with the full V and the sum of
+//     all V weights (not Megatron's eps / V_local per shard);
+//   - class weights: every rank passes the full vector of V weights (opts.class_weights). The
+//     smoothing term needs the sum of all of them and W needs w[y] for targets in other shards;
+//     V floats per rank is small next to a shard of logits;
+//   - soft targets: the rank's shard of the N x V probabilities (N x V_local);
+//   - argmax is a global class id; num_correct counts against the global targets.
+// A rank's shard may be empty (more ranks than classes). Nothing N x V is materialised.
+//
+// Errors. Each rank checks its own arguments before the collective (xent::error naming the
+// argument). An error in arguments that are the same on every rank (targets, options, upstream,
+// outputs) is therefore raised on every rank. After the exchange every rank checks that the
+// ranks declared the same V and that the shards tile [0, V) (argument "shard"), so those errors,
+// too, are raised on every rank before any output is written. A rank-local error (a bad view on
+// one rank) leaves the other ranks in the collective: as with NCCL, the caller aborts the group
+// (inprocess_group::run does).
+#pragma once
+
+#include <type_traits>
+
+#include "../backend.hpp"
+#include "../detail/validate.hpp"
+#include "../options.hpp"
+#include "../targets.hpp"
+#include "../views.hpp"
+#include "communicator.hpp"
+#include "shard.hpp"
+
+namespace xent {
+namespace detail {
+
+template <class Exec, class Group, class L, class Targets>
+void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<L>& logits,
+                          vocab_shard shard, const Targets& targets, const options& opts) {
+  static_assert(has_vocab_parallel<Exec>::value,
+                "xent: no vocab-parallel backend for this execution object");
+  static_assert(has_backend<Exec>::value &&
+                    backend_traits<Exec>::template supports_dtype<std::remove_const_t<L>>,
+                "xent: unsupported logits dtype for this backend (float, bfloat16 and half are)");
+  static_assert(target_traits<Targets>::valid,
+                "xent: targets must be vector_view<int32_t / int64_t> or soft_targets<dtype>");
+  static_assert(is_communicator<Group>::value,
+                "xent: group must provide rank(), size() and all_gather(send, recv, bytes) "
+                "(parallel/communicator.hpp)");
+  require(group.size() >= 1 && group.rank() >= 0 && group.rank() < group.size(), fn, "group",
+          "rank " + std::to_string(group.rank()) + " of size " + std::to_string(group.size()));
+  check_matrix(fn, "logits", logits);
+  require(shard.vocab >= 1 || logits.rows == 0, fn, "shard.vocab",
+          "a row needs at least one class (vocab = " + std::to_string(shard.vocab) + ")");
+  require(shard.first >= 0 && shard.first <= shard.vocab - logits.cols, fn, "shard.first",
+          "the shard's classes [" + std::to_string(shard.first) + ", " +
+              std::to_string(shard.first + logits.cols) +
+              ") (first, first + logits.cols) are not "
+              "inside [0, " +
+              std::to_string(shard.vocab) + ")");
+  check_targets(fn, typename target_traits<Targets>::type(targets), logits.rows, logits.cols);
+  check_options(fn, opts, shard.vocab);  // class_weights: all V of them
+}
+
+}  // namespace detail
+
+/// Loss of every row and the reduced loss over a vocabulary-sharded logits matrix.
+///
+/// exec: the backend (xent::cpu); group: this rank's communicator (parallel/communicator.hpp);
+/// logits: this rank's N x V_local shard, classes [shard.first, shard.first + V_local) of
+/// shard.vocab; targets: N global class ids (int32 / int64), or soft_targets of this rank's
+/// N x V_local probabilities. outputs as xent::forward, written on every rank with the same values.
+template <class Exec, class Group, class L, class Targets>
+void vocab_parallel_forward(const Exec& exec, const Group& group, matrix_view<L> logits,
+                            vocab_shard shard, const Targets& targets, const options& opts,
+                            const forward_outputs& outputs) {
+  constexpr const char* fn = "xent::vocab_parallel_forward";
+  detail::check_vocab_parallel<Exec>(fn, group, logits, shard, targets, opts);
+  detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft, true);
+  using T = std::remove_const_t<L>;
+  vocab_parallel_traits<Exec>::forward(exec, group, matrix_view<const T>(logits), shard,
+                                       typename detail::target_traits<Targets>::type(targets), opts,
+                                       outputs);
+}
+
+/// This rank's shard of the gradient (N x V_local) from the global per-row LSE that
+/// vocab_parallel_forward saved (the same on every rank). With class ids it needs no collective;
+/// with soft targets it exchanges one float per row (the shards' target mass). grad may be the
+/// logits shard itself (in place).
+template <class Exec, class Group, class L, class Targets, class G>
+void vocab_parallel_backward(const Exec& exec, const Group& group, matrix_view<L> logits,
+                             vocab_shard shard, const Targets& targets, const options& opts,
+                             vector_view<const float> lse, const upstream& up,
+                             matrix_view<G> grad) {
+  constexpr const char* fn = "xent::vocab_parallel_backward";
+  static_assert(!std::is_const<G>::value, "xent::vocab_parallel_backward: grad must be writable");
+  static_assert(backend_traits<Exec>::template supports_dtype<G>,
+                "xent: unsupported gradient dtype for this backend");
+  detail::check_vocab_parallel<Exec>(fn, group, logits, shard, targets, opts);
+  detail::check_vector(fn, "lse", lse, logits.rows, false);
+  detail::check_upstream(fn, up, opts, logits.rows);
+  detail::check_gradient(fn, logits, grad);
+  using T = std::remove_const_t<L>;
+  vocab_parallel_traits<Exec>::backward(exec, group, matrix_view<const T>(logits), shard,
+                                        typename detail::target_traits<Targets>::type(targets),
+                                        opts, lse, up, grad);
+}
+
+/// Loss and this rank's gradient shard in one call (one collective): the vocab-parallel
+/// xent::forward_backward. Every output is optional; grad may be the logits shard itself.
+template <class Exec, class Group, class L, class Targets, class G>
+void vocab_parallel_forward_backward(const Exec& exec, const Group& group, matrix_view<L> logits,
+                                     vocab_shard shard, const Targets& targets, const options& opts,
+                                     const upstream& up, const forward_outputs& outputs,
+                                     matrix_view<G> grad) {
+  constexpr const char* fn = "xent::vocab_parallel_forward_backward";
+  static_assert(!std::is_const<G>::value,
+                "xent::vocab_parallel_forward_backward: grad must be writable");
+  static_assert(backend_traits<Exec>::template supports_dtype<G>,
+                "xent: unsupported gradient dtype for this backend");
+  detail::check_vocab_parallel<Exec>(fn, group, logits, shard, targets, opts);
+  detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft,
+                        false);
+  detail::check_upstream(fn, up, opts, logits.rows);
+  detail::check_gradient(fn, logits, grad);
+  using T = std::remove_const_t<L>;
+  vocab_parallel_traits<Exec>::forward_backward(
+      exec, group, matrix_view<const T>(logits), shard,
+      typename detail::target_traits<Targets>::type(targets), opts, up, outputs, grad);
+}
+
+}  // namespace xent
