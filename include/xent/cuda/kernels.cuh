@@ -99,11 +99,11 @@ __device__ __forceinline__ float target_mass(const row_args<T, G, Tgt>& a, std::
 }
 
 __device__ __forceinline__ row_partial& stats_of(row_partial& p) { return p; }
-__device__ __forceinline__ row_partial& stats_of(full_partial& p) { return p.stats; }
+__device__ __forceinline__ row_partial& stats_of(slice_partial& p) { return p.stats; }
 __device__ __forceinline__ const row_partial& stats_of(const row_partial& p) { return p; }
-__device__ __forceinline__ const row_partial& stats_of(const full_partial& p) { return p.stats; }
+__device__ __forceinline__ const row_partial& stats_of(const slice_partial& p) { return p.stats; }
 __device__ __forceinline__ std::int64_t best_of(const row_partial&) { return -1; }
-__device__ __forceinline__ std::int64_t best_of(const full_partial& p) { return p.best.index; }
+__device__ __forceinline__ std::int64_t best_of(const slice_partial& p) { return p.argmax.index; }
 
 /// Folds a tile's (max, sum) into a running state; the first tile of a row takes no exponential.
 __device__ __forceinline__ void fold_lse(online_lse& acc, float m, float s) {
@@ -208,7 +208,7 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
           }
         }
       }
-      acc.best.merge(best);
+      acc.argmax.merge(best);
     }
   }
 }
@@ -336,7 +336,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
 #else
   constexpr bool bulk = false;
 #endif
-  using part_t = std::conditional_t<Plain, row_partial, full_partial>;
+  using part_t = std::conditional_t<Plain, row_partial, slice_partial>;
   using tile_t = row_tile<T, Regs, Block>;
   using exchange_t = row_exchange<part_t, Block>;
   extern __shared__ __align__(16) unsigned char smem[];

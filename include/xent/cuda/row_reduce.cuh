@@ -14,16 +14,6 @@
 namespace xent {
 namespace cuda_detail {
 
-/// A row's statistics with the argmax (the general kernels: every option, side outputs).
-struct full_partial {
-  row_partial stats;
-  argmax_state best;
-  __device__ void merge(const full_partial& o) {
-    stats.merge(o.stats);
-    best.merge(o.best);
-  }
-};
-
 /// Exchanges a trivially copyable partial with the lane `mask` away, word by word.
 template <class P>
 __device__ __forceinline__ P shuffle_xor(const P& v, int mask) {
