@@ -7,10 +7,11 @@
 // is passed to xent as the leading dimension); the Python wrappers flatten (..., C) inputs. Every
 // reduction and every per-row result is float32; the wrapper casts the loss to the input's dtype.
 //
-// CUDA: the kernels below are templates over xent's execution object. The CUDA build compiles this
-// same file with nvcc (where <xent/xent.hpp> also brings in xent::cuda) and registers the same
-// templates under TORCH_LIBRARY_IMPL(xent, CUDA, m) with an xent::cuda object built from the
-// current stream and a workspace; that build is not part of this file yet.
+// CUDA: the tensor-to-view adapters below are device-neutral; only cpu_exec() and the
+// TORCH_LIBRARY_IMPL(xent, CPU, m) block name the CPU. The CUDA build will compile this same file
+// with nvcc (where <xent/xent.hpp> also brings in xent::cuda), make the kernels templates over the
+// execution object, and register them under TORCH_LIBRARY_IMPL(xent, CUDA, m) with an xent::cuda
+// built from the current stream and a workspace from torch's allocator. Not done yet.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -19,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -178,9 +180,31 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_cpu(
   return {loss, lse};
 }
 
+// The per-row LSE a forward saved, as N float32 values.
+at::Tensor saved_lse(const at::Tensor& lse, std::int64_t n) {
+  at::Tensor saved = lse.to(at::kFloat).contiguous();
+  TORCH_CHECK_VALUE(saved.dim() == 1 && saved.size(0) == n, "xent: lse must be (N,)");
+  return saved;
+}
+
+// The loss's gradient as xent's upstream: g_out (float32, contiguous) is 0-d for mean / sum, read
+// through upstream.scale_ptr (never .item(), so the CUDA build can keep it on the device), and (N,)
+// for none, applied per row. g_out must outlive the call that uses the result.
+xent::upstream upstream_of(const at::Tensor& g_out, xent::reduction reduce, std::int64_t n) {
+  xent::upstream up;
+  if (reduce == xent::reduction::none) {
+    TORCH_CHECK_VALUE(g_out.numel() == n, "xent: grad_output of reduction none must have N = ", n,
+                      " entries, got ", g_out.numel());
+    up.rows = {g_out.data_ptr<float>(), n};
+  } else {
+    TORCH_CHECK_VALUE(g_out.numel() == 1, "xent: grad_output of a reduced loss must be a scalar");
+    up.scale_ptr = g_out.data_ptr<float>();
+  }
+  return up;
+}
+
 // The gradient of the loss with respect to the logits into `grad` (the logits themselves, or a
-// fresh tensor). grad_output: 0-d for mean / sum, read through upstream.scale_ptr (never .item(),
-// so the CUDA build can keep it on the device); (N,) for none, applied per row.
+// fresh tensor), scaled by grad_output (see upstream_of).
 void backward_into(const at::Tensor& grad_output, const at::Tensor& x, const at::Tensor& target,
                    const std::optional<at::Tensor>& weight, const at::Tensor& lse,
                    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing,
@@ -192,17 +216,8 @@ void backward_into(const at::Tensor& grad_output, const at::Tensor& x, const at:
   const xent::options opts =
       options_of(w, ignore_index, reduction, label_smoothing, z_loss, softcap);
   const at::Tensor g_out = grad_output.to(at::kFloat).contiguous();
-  const at::Tensor saved = lse.to(at::kFloat).contiguous();
-  TORCH_CHECK_VALUE(saved.dim() == 1 && saved.size(0) == n, "xent: lse must be (N,)");
-  xent::upstream up;
-  if (opts.reduce == xent::reduction::none) {
-    TORCH_CHECK_VALUE(g_out.numel() == n, "xent: grad_output of reduction none must have N = ", n,
-                      " entries, got ", g_out.numel());
-    up.rows = {g_out.data_ptr<float>(), n};
-  } else {
-    TORCH_CHECK_VALUE(g_out.numel() == 1, "xent: grad_output of a reduced loss must be a scalar");
-    up.scale_ptr = g_out.data_ptr<float>();
-  }
+  const at::Tensor saved = saved_lse(lse, n);
+  const xent::upstream up = upstream_of(g_out, opts.reduce, n);
 
   dispatch(x, ids, [&](auto tag, auto id) {
     using T = decltype(tag);
@@ -245,6 +260,124 @@ void cross_entropy_bwd_inplace_cpu(const at::Tensor& grad_output, const at::Tens
                 z_loss, softcap, input);
 }
 
+// --- fused linear cross-entropy: logits = hidden weight^T (+ bias), never materialised ----------
+
+struct linear_inputs {
+  at::Tensor hidden, weight, bias, ids, class_weights;
+  xent::linear_options opts;
+};
+
+linear_inputs linear_inputs_of(const at::Tensor& hidden, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, const at::Tensor& target,
+                               const std::optional<at::Tensor>& class_weight,
+                               std::int64_t ignore_index, std::int64_t reduction,
+                               double label_smoothing, double z_loss, double softcap) {
+  check_input_dtype(hidden);
+  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(),
+                   "xent: weight must have hidden's dtype ", hidden.scalar_type(), ", got ",
+                   weight.scalar_type());
+  linear_inputs in;
+  in.hidden = rows_view(hidden);
+  in.weight = rows_view(weight);
+  TORCH_CHECK_VALUE(in.weight.size(1) == in.hidden.size(1), "xent: weight is ", weight.sizes(),
+                    ", hidden is ", hidden.sizes(), ": their last dimensions must agree");
+  const std::int64_t vocab = in.weight.size(0);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_TYPE(bias->scalar_type() == hidden.scalar_type(),
+                     "xent: bias must have hidden's dtype");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == vocab,
+                      "xent: bias must be (V,) with V = ", vocab, ", got ", bias->sizes());
+    in.bias = bias->contiguous();
+  }
+  in.ids = targets_of(target, in.hidden.size(0));
+  in.class_weights = weights_of(class_weight, vocab);
+  static_cast<xent::options&>(in.opts) =
+      options_of(in.class_weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  return in;
+}
+
+template <class T>
+xent::vector_view<T> vector_of(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  return {reinterpret_cast<T*>(t.data_ptr()), t.numel()};
+}
+
+// A workspace of the size xent asks for with its default budget (256 MiB at most beyond the
+// minimum), allocated through torch's allocator for this call.
+template <class T>
+at::Tensor linear_workspace_for(const linear_inputs& in, xent::linear_pass pass) {
+  const auto size = xent::linear_workspace_size<T>(
+      cpu_exec(), {in.hidden.size(0), in.hidden.size(1), in.weight.size(0)}, pass, in.opts);
+  return at::empty({static_cast<std::int64_t>(size.bytes)}, in.hidden.options().dtype(at::kByte));
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap) {
+  const linear_inputs in =
+      linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                       label_smoothing, z_loss, softcap);
+  const std::int64_t n = in.hidden.size(0);
+  const auto f32 = in.hidden.options().dtype(at::kFloat);
+  at::Tensor loss =
+      in.opts.reduce == xent::reduction::none ? at::empty({n}, f32) : at::empty({}, f32);
+  at::Tensor lse = at::empty({n}, f32);
+  dispatch(in.hidden, in.ids, [&](auto tag, auto id) {
+    using T = decltype(tag);
+    using I = decltype(id);
+    xent::forward_outputs out;
+    if (in.opts.reduce == xent::reduction::none)
+      out.row_loss = {loss.data_ptr<float>(), n};
+    else
+      out.loss = loss.data_ptr<float>();
+    out.lse = {lse.data_ptr<float>(), n};
+    at::Tensor ws = linear_workspace_for<T>(in, xent::linear_pass::forward);
+    call_xent([&] {
+      xent::linear_forward(cpu_exec(), matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
+                           vector_of<const T>(in.bias), vector_of<const I>(in.ids), in.opts, out,
+                           {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
+    });
+  });
+  return {loss, lse};
+}
+
+// d_hidden (N x D), d_weight (V x D) and d_bias (V, or an empty tensor without a bias), in the
+// hidden dtype, from the LSE the forward saved; each chunk's logits are recomputed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd_cpu(
+    const at::Tensor& grad_output, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& target,
+    const std::optional<at::Tensor>& class_weight, const at::Tensor& lse, std::int64_t ignore_index,
+    std::int64_t reduction, double label_smoothing, double z_loss, double softcap) {
+  const linear_inputs in =
+      linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                       label_smoothing, z_loss, softcap);
+  const std::int64_t n = in.hidden.size(0);
+  const at::Tensor g_out = grad_output.to(at::kFloat).contiguous();
+  const at::Tensor saved = saved_lse(lse, n);
+  const xent::upstream up = upstream_of(g_out, in.opts.reduce, n);
+  const auto like = in.hidden.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor d_hidden = at::empty(in.hidden.sizes(), like);
+  at::Tensor d_weight = at::empty(in.weight.sizes(), like);
+  at::Tensor d_bias = at::empty({in.bias.defined() ? in.weight.size(0) : 0}, like);
+  dispatch(in.hidden, in.ids, [&](auto tag, auto id) {
+    using T = decltype(tag);
+    using I = decltype(id);
+    xent::linear_grads<T> grads{matrix_of<T>(d_hidden), matrix_of<T>(d_weight),
+                                in.bias.defined() ? vector_of<T>(d_bias) : xent::vector_view<T>{}};
+    at::Tensor ws = linear_workspace_for<T>(in, xent::linear_pass::training);
+    call_xent([&] {
+      xent::linear_backward(cpu_exec(), matrix_of<const T>(in.hidden),
+                            matrix_of<const T>(in.weight), vector_of<const T>(in.bias),
+                            vector_of<const I>(in.ids), in.opts,
+                            xent::vector_view<const float>(saved.data_ptr<float>(), n), up, grads,
+                            {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
+    });
+  });
+  return {d_hidden, d_weight, d_bias};
+}
+
 }  // namespace
 }  // namespace xent_torch
 
@@ -261,10 +394,21 @@ TORCH_LIBRARY(xent, m) {
       "cross_entropy_bwd_(Tensor grad_output, Tensor(a!) input, Tensor target, Tensor? weight, "
       "Tensor lse, int ignore_index, int reduction, float label_smoothing, float z_loss, "
       "float softcap) -> ()");
+  m.def(
+      "linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+      "Tensor? class_weight, int ignore_index, int reduction, float label_smoothing, "
+      "float z_loss, float softcap) -> (Tensor loss, Tensor lse)");
+  m.def(
+      "linear_cross_entropy_bwd(Tensor grad_output, Tensor hidden, Tensor weight, Tensor? bias, "
+      "Tensor target, Tensor? class_weight, Tensor lse, int ignore_index, int reduction, "
+      "float label_smoothing, float z_loss, float softcap) "
+      "-> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)");
 }
 
 TORCH_LIBRARY_IMPL(xent, CPU, m) {
   m.impl("cross_entropy_fwd", &xent_torch::cross_entropy_fwd_cpu);
   m.impl("cross_entropy_bwd", &xent_torch::cross_entropy_bwd_cpu);
   m.impl("cross_entropy_bwd_", &xent_torch::cross_entropy_bwd_inplace_cpu);
+  m.impl("linear_cross_entropy_fwd", &xent_torch::linear_cross_entropy_fwd_cpu);
+  m.impl("linear_cross_entropy_bwd", &xent_torch::linear_cross_entropy_bwd_cpu);
 }

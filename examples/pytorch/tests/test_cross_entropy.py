@@ -356,6 +356,7 @@ def test_module_wrapper_matches_torch_module():
     torch.testing.assert_close(loss, ref_loss)
     torch.testing.assert_close(grad, ref_grad)
     assert "label_smoothing=0.1" in repr(mine)
+    assert mine.weight is not None and "weight" in dict(mine.named_buffers())
 
 
 def test_no_grad_forward():

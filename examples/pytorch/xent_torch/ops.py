@@ -98,3 +98,66 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if reduction == "none":
         loss = loss.reshape(input.shape[:-1])
     return loss.to(input.dtype)
+
+
+# --- fused linear cross-entropy --------------------------------------------------------------------
+
+
+@torch.library.register_fake("xent::linear_cross_entropy_fwd")
+def _linear_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                     label_smoothing, z_loss, softcap):
+    n = hidden.shape[0]
+    loss = hidden.new_empty((n,) if reduction == 0 else (), dtype=torch.float32)
+    return loss, hidden.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.register_fake("xent::linear_cross_entropy_bwd")
+def _linear_bwd_fake(grad_output, hidden, weight, bias, target, class_weight, lse, ignore_index,
+                     reduction, label_smoothing, z_loss, softcap):
+    d_bias = hidden.new_empty((weight.shape[0] if bias is not None else 0,))
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), d_bias
+
+
+def _linear_setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, class_weight, *options = inputs
+    ctx.save_for_backward(hidden, weight, bias, target, class_weight, output[1])
+    ctx.options = tuple(options)
+
+
+def _linear_backward(ctx, grad_loss, grad_lse):
+    hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
+    d_hidden, d_weight, d_bias = torch.ops.xent.linear_cross_entropy_bwd(
+        grad_loss, hidden, weight, bias, target, class_weight, lse, *ctx.options)
+    return (d_hidden, d_weight, d_bias if bias is not None else None, None, None, None, None,
+            None, None, None)
+
+
+torch.library.register_autograd("xent::linear_cross_entropy_fwd", _linear_backward,
+                                setup_context=_linear_setup_context)
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, ignore_index=-100,
+                         reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None):
+    """cross_entropy(hidden @ weight.T + bias, target, ...) without materialising the logits.
+
+    hidden (..., D), weight (V, D) (an LM head), bias (V,) or None, all of one dtype (float32,
+    bfloat16 or float16); target (...) class ids, int64 or int32. class_weight is
+    cross_entropy's `weight` (per-class weights); every other option is cross_entropy's.
+    The logits are computed a chunk of rows at a time (xent::linear_forward) and recomputed in
+    backward (xent::linear_backward) from the saved per-row log-sum-exp.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"target shape {tuple(target.shape)} must be hidden shape without its "
+                         f"last dimension, {tuple(hidden.shape[:-1])}")
+    h = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
+    loss, _ = torch.ops.xent.linear_cross_entropy_fwd(
+        h, weight, bias, target.reshape(-1), class_weight, int(ignore_index),
+        _REDUCTIONS[reduction], float(label_smoothing), float(z_loss),
+        0.0 if softcap is None else float(softcap))
+    if reduction == "none":
+        loss = loss.reshape(hidden.shape[:-1])
+    return loss.to(hidden.dtype)
