@@ -1,0 +1,384 @@
+"""xent_torch.cross_entropy against torch.nn.functional.cross_entropy (values and gradients), the
+extensions (softcap, z_loss) against a plain torch formula, the in-place contract, gradcheck,
+torch.library.opcheck and torch.compile(fullgraph=True).
+
+Importing xent_torch builds the extension (about 25 s on 2 cores the first time).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="PyTorch is not installed: the xent_torch binding tests need it")
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import xent_torch  # noqa: E402
+
+C = 37  # classes: not a multiple of any vector width
+N = 19  # rows
+
+TOL = {  # (rtol, atol) for the loss and the gradient, per input dtype
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (2e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-4),
+}
+
+
+def make(n=N, c=C, dtype=torch.float32, scale=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, c, generator=g) * scale).to(dtype)
+    t = torch.randint(0, c, (n,), generator=g)
+    return x, t
+
+
+def upstream_for(loss, seed=1):
+    """A non-trivial upstream gradient: per row for reduction none, a scalar otherwise."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(loss.shape, generator=g) + 0.5).to(loss.dtype)
+
+
+def loss_and_grad(fn, x, *args, **kwargs):
+    x = x.detach().clone().requires_grad_()
+    loss = fn(x, *args, **kwargs)
+    (grad,) = torch.autograd.grad(loss, x, upstream_for(loss))
+    return loss.detach(), grad
+
+
+def plain_grad(fn, x, *args, **kwargs):
+    """d fn / d x with upstream 1, as loss.backward() gives."""
+    x = x.detach().clone().requires_grad_()
+    fn(x, *args, **kwargs).backward()
+    return x.grad
+
+
+def assert_matches_torch(x, t, dtype=torch.float32, **kw):
+    """xent on x (any dtype) vs torch's float32 cross_entropy on the same values."""
+    rtol, atol = TOL[dtype]
+    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, **kw)
+    ref_loss, ref_grad = loss_and_grad(F.cross_entropy, x.float(), t.long(), **kw)
+    assert loss.dtype == x.dtype
+    torch.testing.assert_close(loss.float(), ref_loss, rtol=rtol, atol=atol, equal_nan=True)
+    torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=rtol, atol=atol,
+                               equal_nan=True)
+
+
+def weights(c=C, seed=3):
+    return torch.rand(c, generator=torch.Generator().manual_seed(seed)) + 0.25
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1, 1.0])
+@pytest.mark.parametrize("ignore", [False, True])
+def test_matches_torch_every_option(reduction, weighted, label_smoothing, ignore):
+    x, t = make()
+    if ignore:
+        t[::3] = -100
+    assert_matches_torch(x, t, reduction=reduction, weight=weights() if weighted else None,
+                         label_smoothing=label_smoothing)
+
+
+@pytest.mark.parametrize("target_dtype", [torch.int32, torch.int64])
+def test_int32_and_int64_targets(target_dtype):
+    x, t = make()
+    t[4] = 7
+    assert_matches_torch(x, t.to(target_dtype), weight=weights(), ignore_index=7,
+                         label_smoothing=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_half_precision_inputs(dtype, reduction):
+    x, t = make(dtype=dtype)
+    t[1] = -100
+    assert_matches_torch(x, t, dtype=dtype, reduction=reduction, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_every_row_ignored(reduction):
+    # mean: NaN loss (PyTorch's choice); sum: 0; gradient zero in both.
+    x, _ = make()
+    t = torch.full((N,), -100)
+    assert_matches_torch(x, t, reduction=reduction)
+    loss = xent_torch.cross_entropy(x, t, reduction=reduction)
+    if reduction == "mean":
+        assert torch.isnan(loss)
+    else:
+        assert (loss == 0).all()
+
+
+def test_ignore_index_that_is_a_valid_class():
+    x, t = make()
+    t[:5] = 2
+    assert_matches_torch(x, t, ignore_index=2, weight=weights())
+
+
+def test_empty_batch():
+    x = torch.randn(0, C)
+    t = torch.zeros(0, dtype=torch.long)
+    assert torch.isnan(xent_torch.cross_entropy(x, t))
+    assert xent_torch.cross_entropy(x, t, reduction="sum") == 0
+    assert xent_torch.cross_entropy(x, t, reduction="none").shape == (0,)
+
+
+def test_row_stride_larger_than_classes():
+    # The last dimension is contiguous: xent reads the rows in place with ld = 50.
+    wide, t = make(c=50)
+    x = wide[:, :C]
+    t = t % C
+    assert x.stride() == (50, 1)
+    assert_matches_torch(x, t, label_smoothing=0.1)
+
+
+def test_transposed_input():
+    # The last dimension is strided: the binding makes a contiguous copy.
+    xt, t = make(n=C, c=N)
+    x = xt.t()
+    t = torch.randint(0, C, (N,))
+    assert x.stride(1) != 1
+    assert_matches_torch(x, t, reduction="none", weight=weights())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_three_d_input_class_dimension_last(reduction):
+    x, t = make(n=4 * 5)
+    x3, t3 = x.reshape(4, 5, C), t.reshape(4, 5)
+    t3[1, 2] = -100
+    loss, grad = loss_and_grad(xent_torch.cross_entropy, x3, t3, reduction=reduction)
+    ref_loss, ref_grad = loss_and_grad(
+        lambda a, b, **k: F.cross_entropy(a.reshape(-1, C), b.reshape(-1), **k).reshape(
+            b.shape if k["reduction"] == "none" else ()), x3, t3, reduction=reduction)
+    assert loss.shape == ((4, 5) if reduction == "none" else ())
+    assert grad.shape == x3.shape
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+def test_unbatched_input():
+    x, t = make(n=1)
+    assert_matches_torch(x[0], t[0], label_smoothing=0.2)
+
+
+def reference_extended(x, t, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                       z_loss=0.0, softcap=None):
+    """softcap and z-loss written with torch ops: per row
+    CE(softcap * tanh(x / softcap)) + z_loss * logsumexp^2 (rows not ignored), mean over W."""
+    xf = x.float()
+    if softcap is not None:
+        xf = softcap * torch.tanh(xf / softcap)
+    keep = t != ignore_index
+    rows = F.cross_entropy(xf, t.long(), weight=weight, ignore_index=ignore_index,
+                           reduction="none", label_smoothing=label_smoothing)
+    rows = rows + z_loss * torch.logsumexp(xf, dim=-1) ** 2 * keep
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    w = weight[t.clamp(min=0)] if weight is not None else torch.ones(t.shape)
+    return rows.sum() / (w * keep).sum()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("z_loss,softcap", [(1e-2, None), (0.0, 5.0), (1e-3, 2.5)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_softcap_and_z_loss_match_torch_formula(reduction, z_loss, softcap, weighted):
+    x, t = make(scale=6.0)
+    t[::4] = -100
+    kw = dict(reduction=reduction, z_loss=z_loss, softcap=softcap,
+              weight=weights() if weighted else None)
+    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, **kw)
+    ref_loss, ref_grad = loss_and_grad(reference_extended, x, t, **kw)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_softcap_with_label_smoothing():
+    x, t = make(scale=6.0)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=3.0)
+    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, **kw)
+    ref_loss, ref_grad = loss_and_grad(reference_extended, x, t, **kw)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
+# --- the in-place contract (Liger #272): the logits are overwritten only when asked ---------------
+
+
+def test_default_backward_leaves_the_logits_alone():
+    x, t = make()
+    leaf = x.clone().requires_grad_()
+    logits = leaf * 1.0  # an intermediate, as an LM head's output is
+    before = logits.detach().clone()
+    xent_torch.cross_entropy(logits, t, label_smoothing=0.1).backward()
+    assert torch.equal(logits.detach(), before)
+    torch.testing.assert_close(leaf.grad, plain_grad(F.cross_entropy, x, t, label_smoothing=0.1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_backward_writes_the_gradient_over_the_logits(dtype):
+    x, t = make(dtype=dtype)
+    leaf = x.clone().requires_grad_()
+    logits = leaf * 1.0
+    ptr = logits.data_ptr()
+    xent_torch.cross_entropy(logits, t, reduction="sum", inplace_backward=True).backward()
+    # The gradient is the logits' own memory, and it is correct.
+    assert torch.equal(logits.detach(), leaf.grad)
+    assert logits.data_ptr() == ptr
+    ref_grad = plain_grad(xent_torch.cross_entropy, x, t, reduction="sum")
+    torch.testing.assert_close(leaf.grad, ref_grad, rtol=0, atol=0)
+
+
+def test_inplace_backward_of_a_3d_view_overwrites_the_callers_tensor():
+    x, t = make(n=12)
+    leaf = x.reshape(3, 4, C).clone().requires_grad_()
+    logits = leaf + 0.0
+    xent_torch.cross_entropy(logits, t.reshape(3, 4), inplace_backward=True).backward()
+    assert torch.equal(logits.detach(), leaf.grad)
+
+
+def test_inplace_backward_refuses_to_corrupt_saved_logits():
+    # tanh saves its output for its own backward; writing the gradient over it must fail loudly
+    # (autograd's version check), not hand tanh's backward the gradient as if it were the logits.
+    x, t = make()
+    leaf = x.clone().requires_grad_()
+    logits = torch.tanh(leaf)
+    loss = xent_torch.cross_entropy(logits, t, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_inplace_backward_with_strided_classes_falls_back_to_a_new_gradient():
+    xt, _ = make(n=C, c=N)
+    leaf = xt.clone().requires_grad_()
+    logits = leaf.t() * 1.0  # not contiguous in the class dimension
+    logits = logits.t().contiguous().t()
+    assert logits.stride(1) != 1
+    t = torch.randint(0, C, (N,))
+    before = logits.detach().clone()
+    xent_torch.cross_entropy(logits, t, inplace_backward=True).backward()
+    assert torch.equal(logits.detach(), before)
+    torch.testing.assert_close(leaf.grad.t(), plain_grad(F.cross_entropy, xt.t(), t))
+
+
+# --- gradcheck, opcheck, torch.compile ------------------------------------------------------------
+#
+# gradcheck normally runs in float64. xent has no float64 kernels (every path accumulates in
+# float32), and a float64 reference inside the binding would check that reference, not xent. So
+# gradcheck runs the real kernels in float32 on tiny shapes with a step (eps = 1e-2) and tolerances
+# sized for float32 central differences (truncation ~ eps^2 |f'''|, rounding ~ 1e-7 / eps ~ 1e-5):
+# atol 2e-4, rtol 2e-3, tight enough that a gradient 1% off fails. It checks xent's backward
+# against finite differences of xent's forward, independently of torch's cross_entropy (which the
+# tests above compare against).
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(reduction="sum", weight="w", label_smoothing=0.2),
+    dict(reduction="none", ignore=True, z_loss=0.05),
+    dict(softcap=2.0, z_loss=0.01, label_smoothing=0.1, weight="w", ignore=True),
+])
+@pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double precision")
+def test_gradcheck_float32(kw):
+    kw = dict(kw)
+    x, t = make(n=5, c=7, scale=1.0, seed=11)
+    if kw.pop("ignore", False):
+        t[2] = -100
+    if kw.get("weight") == "w":
+        kw["weight"] = weights(c=7)
+    x.requires_grad_()
+    fn = lambda a: xent_torch.cross_entropy(a, t, **kw)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x,), eps=1e-2, atol=2e-4, rtol=2e-3,
+                                    fast_mode=False)
+
+
+def test_float64_is_refused_clearly():
+    x, t = make(dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64 is not supported"):
+        xent_torch.cross_entropy(x, t)
+
+
+def test_opcheck_registrations():
+    # Schema, fake kernels, autograd registration and AOT dispatch, as torch.library defines them.
+    x, t = make(n=6, c=9)
+    lse = torch.logsumexp(x, dim=-1)
+    for reduction in (0, 1, 2):
+        torch.library.opcheck(torch.ops.xent.cross_entropy_fwd.default,
+                              (x.clone().requires_grad_(), t, weights(c=9), -100, reduction, 0.1,
+                               1e-3, 0.0, False))
+        g = torch.rand(6) if reduction == 0 else torch.tensor(0.5)
+        torch.library.opcheck(torch.ops.xent.cross_entropy_bwd.default,
+                              (g, x, t, None, lse, -100, reduction, 0.0, 0.0, 0.0))
+        torch.library.opcheck(torch.ops.xent.cross_entropy_bwd_.default,
+                              (g, x.clone(), t, None, lse, -100, reduction, 0.0, 0.0, 0.0))
+
+
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_torch_compile_fullgraph_forward_and_backward(inplace_backward):
+    torch._dynamo.reset()
+    x, t = make(n=8, c=16)
+    w = weights(c=16)
+    t[3] = -100
+
+    def step(h, proj):
+        logits = torch.tanh(h) @ proj  # an LM head in miniature
+        loss = xent_torch.cross_entropy(logits, t, weight=w, label_smoothing=0.1, z_loss=1e-3,
+                                        inplace_backward=inplace_backward)
+        return loss * 2.0
+
+    def reference(h, proj):
+        logits = torch.tanh(h) @ proj
+        return 2.0 * reference_extended(logits, t, weight=w, label_smoothing=0.1, z_loss=1e-3)
+
+    compiled = torch.compile(step, fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    h0, p0 = x, torch.randn(16, 16, generator=g)
+    results = []
+    for fn in (compiled, reference):
+        h, p = h0.clone().requires_grad_(), p0.clone().requires_grad_()
+        loss = fn(h, p)
+        loss.backward()
+        results.append((loss.detach(), h.grad, p.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_module_wrapper_matches_torch_module():
+    x, t = make()
+    t[0] = -100
+    w = weights()
+    mine = xent_torch.CrossEntropyLoss(weight=w, label_smoothing=0.1, reduction="sum")
+    ref = torch.nn.CrossEntropyLoss(weight=w, label_smoothing=0.1, reduction="sum")
+    loss, grad = loss_and_grad(mine, x, t)
+    ref_loss, ref_grad = loss_and_grad(ref, x, t)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad, ref_grad)
+    assert "label_smoothing=0.1" in repr(mine)
+    assert mine.weight is not None and "weight" in dict(mine.named_buffers())
+
+
+def test_no_grad_forward():
+    x, t = make()
+    with torch.no_grad():
+        loss = xent_torch.cross_entropy(x, t)
+    torch.testing.assert_close(loss, F.cross_entropy(x, t))
+
+
+def test_bad_arguments_raise_torch_errors():
+    x, t = make()
+    bad = t.clone()
+    bad[5] = C
+    with pytest.raises(IndexError, match="row 5 has target"):
+        xent_torch.cross_entropy(x, bad)
+    with pytest.raises(TypeError, match="int64 or int32"):
+        xent_torch.cross_entropy(x, t.float())
+    with pytest.raises(ValueError, match="target shape"):
+        xent_torch.cross_entropy(x, t[:-1])
+    with pytest.raises(ValueError, match="reduction"):
+        xent_torch.cross_entropy(x, t, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        xent_torch.cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="weight"):
+        xent_torch.cross_entropy(x, t, weight=torch.ones(C + 1))

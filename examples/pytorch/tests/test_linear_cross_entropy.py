@@ -1,0 +1,142 @@
+"""xent_torch.linear_cross_entropy against cross_entropy(F.linear(hidden, weight, bias)) computed by
+torch: loss and the gradients of hidden, weight and bias, for every option; gradcheck, opcheck and
+torch.compile(fullgraph=True)."""
+
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="PyTorch is not installed: the xent_torch binding tests need it")
+import torch.nn.functional as F  # noqa: E402
+
+from test_cross_entropy import reference_extended, weights  # noqa: E402  (also loads xent_torch)
+import xent_torch  # noqa: E402
+
+N, D, V = 23, 16, 41
+
+
+def make(n=N, d=D, v=V, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=g).to(dtype)
+    weight = (torch.randn(v, d, generator=g) / d**0.5).to(dtype)
+    bias = torch.randn(v, generator=g).to(dtype)
+    target = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, bias, target
+
+
+def torch_linear_ce(hidden, weight, target, bias=None, class_weight=None, **kw):
+    logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    return reference_extended(logits, target, weight=class_weight, **kw)
+
+
+def losses_and_grads(fn, hidden, weight, target, bias, **kw):
+    leaves = [a.detach().clone().requires_grad_() for a in (hidden, weight)]
+    if bias is not None:
+        leaves.append(bias.detach().clone().requires_grad_())
+    loss = fn(*leaves[:2], target, leaves[2] if bias is not None else None, **kw)
+    up = torch.rand(loss.shape, generator=torch.Generator().manual_seed(9)) + 0.5
+    return (loss.detach(), *torch.autograd.grad(loss, leaves, up.to(loss.dtype)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(class_weight="w", label_smoothing=0.1),
+    dict(z_loss=1e-3, softcap=4.0),
+])
+def test_matches_torch(reduction, with_bias, kw):
+    kw = dict(kw, reduction=reduction)
+    if kw.get("class_weight") == "w":
+        kw["class_weight"] = weights(c=V)
+    hidden, weight, bias, target = make()
+    target[::5] = -100
+    bias = bias if with_bias else None
+    got = losses_and_grads(xent_torch.linear_cross_entropy, hidden, weight, target, bias, **kw)
+    want = losses_and_grads(torch_linear_ce, hidden, weight, target, bias, **kw)
+    assert len(got) == len(want) == (4 if with_bias else 3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    # Inputs rounded to dtype; torch's reference runs in float32 on the same values.
+    hidden, weight, bias, target = make(dtype=dtype)
+    got = losses_and_grads(xent_torch.linear_cross_entropy, hidden, weight, target, bias)
+    want = losses_and_grads(torch_linear_ce, hidden, weight, target, bias)
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        w = w.float()
+        torch.testing.assert_close(g.float(), w, rtol=tol, atol=tol * w.abs().max().item())
+
+
+def test_three_d_hidden_and_int32_targets():
+    hidden, weight, bias, target = make(n=4 * 6)
+    h3, t3 = hidden.reshape(4, 6, D), target.reshape(4, 6).to(torch.int32)
+    loss = xent_torch.linear_cross_entropy(h3, weight, t3, bias, reduction="none")
+    assert loss.shape == (4, 6)
+    want = torch_linear_ce(hidden, weight, target, bias, reduction="none").reshape(4, 6)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gradcheck_float32():
+    # float32 for the reason test_cross_entropy.py gives (xent has no float64 kernels).
+    hidden, weight, bias, target = make(n=5, d=4, v=7)
+    target[1] = -100
+    args = tuple(a.clone().requires_grad_() for a in (hidden, weight, bias))
+    fn = lambda h, w, b: xent_torch.linear_cross_entropy(  # noqa: E731
+        h, w, target, b, label_smoothing=0.1, z_loss=0.01)
+    with pytest.warns(UserWarning, match="double precision"):
+        assert torch.autograd.gradcheck(fn, args, eps=1e-2, atol=2e-4, rtol=2e-3)
+
+
+def test_opcheck_registrations():
+    hidden, weight, bias, target = make(n=6, d=4, v=9)
+    for reduction in (0, 1, 2):
+        for b in (None, bias):
+            torch.library.opcheck(
+                torch.ops.xent.linear_cross_entropy_fwd.default,
+                (hidden.clone().requires_grad_(), weight.clone().requires_grad_(),
+                 None if b is None else b.clone().requires_grad_(), target, None, -100,
+                 reduction, 0.0, 0.0, 0.0))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+    hidden, weight, bias, target = make()
+    target[2] = -100
+
+    def step(x, w, b):
+        return xent_torch.linear_cross_entropy(torch.relu(x), w, target, b, z_loss=1e-3) * 3.0
+
+    def reference(x, w, b):
+        return torch_linear_ce(torch.relu(x), w, target, b, z_loss=1e-3) * 3.0
+
+    results = []
+    for fn in (torch.compile(step, fullgraph=True), reference):
+        leaves = [a.clone().requires_grad_() for a in (hidden, weight, bias)]
+        loss = fn(*leaves)
+        loss.backward()
+        results.append((loss.detach(), *(a.grad for a in leaves)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_module_wrapper():
+    hidden, weight, bias, target = make()
+    loss_fn = xent_torch.LinearCrossEntropyLoss(label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(
+        loss_fn(hidden, weight, target, bias),
+        F.cross_entropy(F.linear(hidden, weight, bias), target, label_smoothing=0.1,
+                        reduction="sum"), rtol=1e-5, atol=1e-4)
+
+
+def test_bad_arguments():
+    hidden, weight, bias, target = make()
+    with pytest.raises(ValueError, match="last dimensions must agree"):
+        xent_torch.linear_cross_entropy(hidden, weight[:, :-1], target)
+    with pytest.raises(TypeError, match="weight must have hidden's dtype"):
+        xent_torch.linear_cross_entropy(hidden, weight.to(torch.bfloat16), target)
+    with pytest.raises(ValueError, match="bias must be"):
+        xent_torch.linear_cross_entropy(hidden, weight, target, bias[:-1])
