@@ -208,7 +208,7 @@ inline void require_workspace(const char* fn, const cuda& exec, std::int64_t row
   if (exec.workspace == nullptr || exec.workspace_bytes < cuda_workspace_size(rows))
     throw error(fn, "exec.workspace",
                 "needs " + std::to_string(cuda_workspace_size(rows)) +
-                    " bytes of device memory (cuda_workspace_size(rows)), got " +
+                    " bytes of zero-filled device memory (cuda_workspace_size(rows)), got " +
                     std::to_string(exec.workspace ? exec.workspace_bytes : 0));
 }
 
