@@ -149,10 +149,13 @@ XENT_HOST_DEVICE inline float class_target_gradient(float z_y, float w_y, float 
   return g * (alpha * p - (k.keep + k.smooth) * w_y) * softcap_slope(z_y, k);
 }
 
-/// The mean reduction's normalizer contribution and the ignore test for a class-id row.
-template <class I>
-XENT_HOST_DEVICE inline bool is_ignored(I target, std::int64_t ignore_index) {
-  return static_cast<std::int64_t>(target) == ignore_index;
+/// Row weight in the mean's normaliser W = sum_n w[y_n]: w[y] (1 without class weights), 0 for
+/// an ignored row or a class id outside [0, cols) (the CUDA backend's NaN rows; the CPU throws
+/// on those first).
+XENT_HOST_DEVICE inline double normalizer_weight(std::int64_t y, std::int64_t ignore_index,
+                                                 std::int64_t cols, const float* weights) {
+  if (y == ignore_index || y < 0 || y >= cols) return 0.0;
+  return weights ? static_cast<double>(weights[y]) : 1.0;
 }
 
 }  // namespace xent

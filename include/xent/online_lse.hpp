@@ -33,6 +33,10 @@ struct online_lse {
   /// pieces) take no exponential, so an all -inf piece never produces inf - inf. A NaN anywhere
   /// in either piece's sum survives the merge.
   XENT_HOST_DEVICE void merge(const online_lse& other) {
+    if (max == -HUGE_VALF && sum == 0.0f) {  // empty: the other piece as it is, no exponential
+      *this = other;
+      return;
+    }
     const float m = other.max > max ? other.max : max;
     sum = rescale(sum, max, m) + rescale(other.sum, other.max, m);
     max = m;

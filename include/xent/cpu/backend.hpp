@@ -75,7 +75,6 @@ template <class I>
 double check_targets_and_weigh(const char* fn, vector_view<const I> targets, std::int64_t cols,
                                const options& opts) {
   double total = 0.0;
-  const float* w = opts.class_weights.data;
   for (std::int64_t n = 0; n < targets.size; ++n) {
     const std::int64_t y = static_cast<std::int64_t>(targets[n]);
     if (y == opts.ignore_index) continue;
@@ -84,7 +83,7 @@ double check_targets_and_weigh(const char* fn, vector_view<const I> targets, std
                   "row " + std::to_string(n) + " has target " + std::to_string(y) +
                       " outside [0, " + std::to_string(cols) + ") and not ignore_index (" +
                       std::to_string(opts.ignore_index) + ")");
-    total += w ? static_cast<double>(w[y]) : 1.0;
+    total += normalizer_weight(y, opts.ignore_index, cols, opts.class_weights.data);
   }
   return total;
 }

@@ -105,14 +105,6 @@ __device__ __forceinline__ const row_partial& stats_of(const slice_partial& p) {
 __device__ __forceinline__ std::int64_t best_of(const row_partial&) { return -1; }
 __device__ __forceinline__ std::int64_t best_of(const slice_partial& p) { return p.argmax.index; }
 
-/// Folds a tile's (max, sum) into a running state; the first tile of a row takes no exponential.
-__device__ __forceinline__ void fold_lse(online_lse& acc, float m, float s) {
-  if (acc.max == -HUGE_VALF && acc.sum == 0.0f)
-    acc = online_lse::of_block(m, s);
-  else
-    acc.merge(online_lse::of_block(m, s));
-}
-
 /// Statistics of row n's chunk of `count` elements staged at `chunk` (classes from `base`),
 /// folded into this thread's partial. The sweeps read shared memory, so a chunk's statistics
 /// can be taken while the registers still hold the previous row for its gradient. The max is the
@@ -167,7 +159,7 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
       }
     }
   }
-  fold_lse(stats_of(acc).lse, m, s0 + s1);
+  stats_of(acc).lse.merge(online_lse::of_block(m, s0 + s1));
   if constexpr (!Plain) {
     if (Tgt::soft || a.k.smooth != 0.0f) {
       float dot = 0.0f, mass = 0.0f;
@@ -545,12 +537,13 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
   // per call, where a separate kernel cost a launch (17 us for 32 x 32000).
   if (a.weights && a.k.smooth != 0.0f)
     a.k.weight_sum = static_cast<float>(class_weight_sum<Block>(a.weights, a.cols));
+  // The mean's normaliser, once per CTA for the gradient's scale and the reduced loss alike.
+  const double normalizer =
+      a.reduce == reduction::mean && (P != pass::forward || need_reduce)
+          ? mean_normalizer<Block>(a.targets, a.rows, a.cols, a.ignore_index, a.weights)
+          : 1.0;
   if (a.reduce != reduction::none && P != pass::forward)
-    scalar = scalar_upstream(
-        a.scale, a.scale_ptr, a.reduce,
-        a.reduce == reduction::mean
-            ? mean_normalizer<Block>(a.targets, a.rows, a.cols, a.ignore_index, a.weights)
-            : 1.0);
+    scalar = scalar_upstream(a.scale, a.scale_ptr, a.reduce, normalizer);
 
   int sent = 0, received = 0;  // rows whose partials crossed the cluster, each way
   if (resident) {
@@ -693,9 +686,8 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
   }
   if constexpr (!bulk) __pipeline_wait_prior(0);  // no copy is left in flight at exit
   if (need_reduce && rank == 0) {
-    const reduced_outputs<Tgt> out{a.loss, a.num_correct,  a.reduce, a.targets,
-                                   a.cols, a.ignore_index, a.weights};
-    finish_reduction<Block>(a.workspace, a.rows, static_cast<unsigned>(my_rows), out);
+    finish_reduction<Block>(a.workspace, a.rows, static_cast<unsigned>(my_rows), a.loss,
+                            a.num_correct, normalizer);
   }
 }
 

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
-#include "../options.hpp"
+#include "../loss_math.hpp"
 #include "cuda.cuh"
 
 namespace xent {
@@ -53,10 +53,9 @@ __device__ double mean_normalizer(const Tgt& targets, std::int64_t rows, std::in
   } else {
     double w = 0.0;
 #pragma unroll 4
-    for (std::int64_t n = threadIdx.x; n < rows; n += Block) {
-      const std::int64_t y = static_cast<std::int64_t>(targets.ids[n]);
-      if (y != ignore_index && y >= 0 && y < cols) w += weights ? weights[y] : 1.0;
-    }
+    for (std::int64_t n = threadIdx.x; n < rows; n += Block)
+      w +=
+          normalizer_weight(static_cast<std::int64_t>(targets.ids[n]), ignore_index, cols, weights);
     return block_sum<Block>(w);
   }
 }
@@ -84,24 +83,13 @@ __device__ inline void record_row(void* workspace, std::int64_t rows, std::int64
   reinterpret_cast<unsigned char*>(ws + layout.correct)[n] = correct ? 1 : 0;
 }
 
-/// What the reduction of the per-row losses writes.
-template <class Tgt>
-struct reduced_outputs {
-  float* loss;                ///< null: not asked for
-  std::int64_t* num_correct;  ///< null: not asked for
-  reduction reduce;
-  Tgt targets;
-  std::int64_t cols, ignore_index;
-  const float* weights;
-};
-
 /// Once per CTA, after its last row: adds its row count to the counter; the CTA that completes it
 /// sums every row's entries in a fixed order (deterministic), writes the reduced loss and
 /// num_correct, and resets the counter to 0 for the next call. One fence and one atomic per CTA,
-/// not per row.
-template <int Block, class Tgt>
-__device__ void finish_reduction(void* workspace, std::int64_t rows, unsigned my_rows,
-                                 const reduced_outputs<Tgt>& out) {
+/// not per row. `normalizer` is the mean's W (1 for a sum).
+template <int Block>
+__device__ void finish_reduction(void* workspace, std::int64_t rows, unsigned my_rows, float* loss,
+                                 std::int64_t* num_correct, double normalizer) {
   __shared__ bool last;
   __syncthreads();  // every record_row of this CTA is issued
   if (threadIdx.x == 0) {
@@ -123,13 +111,9 @@ __device__ void finish_reduction(void* workspace, std::int64_t rows, unsigned my
   }
   const double total = block_sum<Block>(sum);
   const double total_hits = block_sum<Block>(hits);  // exact: integers below 2^53
-  const double w =
-      out.loss && out.reduce == reduction::mean
-          ? mean_normalizer<Block>(out.targets, rows, out.cols, out.ignore_index, out.weights)
-          : 1.0;
   if (threadIdx.x == 0) {
-    if (out.loss) *out.loss = static_cast<float>(total / w);
-    if (out.num_correct) *out.num_correct = static_cast<std::int64_t>(total_hits);
+    if (loss) *loss = static_cast<float>(total / normalizer);
+    if (num_correct) *num_correct = static_cast<std::int64_t>(total_hits);
     header(workspace)->rows_done = 0;
   }
 }
