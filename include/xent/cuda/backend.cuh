@@ -128,8 +128,11 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   auto kernel =
       row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
   const bool clusters = prepare_kernel_attributes<Aligned, Plain, P, T, G, Tgt>() && dev.major >= 9;
+  const bool whole_rows =
+      P == pass::forward && policy::whole_rows > 0 &&
+      args.rows >= std::int64_t{policy::whole_rows} * dev.sms * policy::min_blocks<T, false>();
   const launch_plan plan = make_launch_plan(args.rows, args.cols, sizeof(T), dev.sms,
-                                            clusters ? policy::cluster_max : 1);
+                                            clusters && !whole_rows ? policy::cluster_max : 1);
   args.cluster = plan.cluster;
   args.slice = plan.slice;
   args.chunk = plan.chunk;

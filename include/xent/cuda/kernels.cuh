@@ -546,6 +546,19 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
     scalar = scalar_upstream(a.scale, a.scale_ptr, a.reduce, normalizer);
 
   int sent = 0, received = 0;  // rows whose partials crossed the cluster, each way
+  const bool warp0 = threadIdx.x < 32;
+  // Row i's warp partials, published, handed to warp 0 (the consumer) by named barrier 1 + i % 2:
+  // the other warps arrive and move on. Without split barriers (policy::split_barriers) it is a
+  // full CTA barrier.
+  constexpr bool split = policy::split_barriers;
+  auto partials_handoff = [](std::int64_t i, bool consumer) {
+    if (!split)
+      __syncthreads();
+    else if (consumer)
+      i & 1 ? named_barrier_sync<2>(Block) : named_barrier_sync<1>(Block);
+    else
+      i & 1 ? named_barrier_arrive<2>(Block) : named_barrier_arrive<1>(Block);
+  };
   if (resident) {
     // Iteration i takes row i's statistics and finishes row i - 1 (prev), whose values wait in
     // registers (tile) while its partial crosses the cluster. Only warp 0 waits for the cluster:
@@ -553,18 +566,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
     // barriers, one pair per row parity, hand over the rest: warps 1.. arrive with row i's
     // partials and move on, warp 0 waits for them to send; warp 0 arrives with row i - 1's result,
     // which the other warps wait for only when its gradient is due.
-    // Barrier ids: 1 + parity for row partials, 3 + parity for row results. Without split
-    // barriers (policy::split_barriers) both hand-offs are full CTA barriers at the consumer's
-    // point.
-    constexpr bool split = policy::split_barriers;
-    auto partials_handoff = [](std::int64_t i, bool consumer) {
-      if (!split)
-        __syncthreads();
-      else if (consumer)
-        i & 1 ? named_barrier_sync<2>(Block) : named_barrier_sync<1>(Block);
-      else
-        i & 1 ? named_barrier_arrive<2>(Block) : named_barrier_arrive<1>(Block);
-    };
+    // Barrier ids: 1 + parity for row partials (partials_handoff), 3 + parity for row results.
     auto result_ready = [](std::int64_t i) {  // warp 0, once result(i) is written
       if (split) i & 1 ? named_barrier_arrive<4>(Block) : named_barrier_arrive<3>(Block);
     };
@@ -574,7 +576,6 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
       else if (!producer)
         i & 1 ? named_barrier_sync<4>(Block) : named_barrier_sync<3>(Block);
     };
-    const bool warp0 = threadIdx.x < 32;
     // Row i - 1 is finished after row i's statistics (its cluster round trip hidden behind them,
     // its tile held in registers meanwhile) or before them (the tile is then live only between
     // rows: see policy::overlap_rows).
@@ -661,7 +662,18 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
         if (j == 0) finish_skipped(cur);
         continue;
       }
-      if (want_stats ? j == stat_items - 1 : j == 0) {
+      if (!want_grad && !use_cluster && j == stat_items - 1) {
+        // A forward CTA streaming whole rows: warp 0 alone finishes the row while the other
+        // warps go on to the next row's chunks. A partial slot is published into again two rows
+        // later, which needs a chunk that thread 0 stages only after warp 0 has taken this one.
+        ex.publish(warp_total(part), sent & 1);
+        partials_handoff(sent, warp0);
+        if (warp0) {
+          ex.send(sent & 1, sent);
+          finish_stats(cur, ex.result(sent & 1));
+        }
+        ++sent;
+      } else if (want_stats ? j == stat_items - 1 : j == 0) {
         part_t row{};
         if (want_stats) {
           ex.publish(warp_total(part), sent & 1);

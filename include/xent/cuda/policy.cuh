@@ -21,6 +21,9 @@
 #ifndef XENT_CUDA_CHUNK_KIB
 #define XENT_CUDA_CHUNK_KIB 32
 #endif
+#ifndef XENT_CUDA_WHOLE_ROWS  // forward: rows per CTA in flight from which a CTA streams whole rows
+#define XENT_CUDA_WHOLE_ROWS 1
+#endif
 
 namespace xent {
 namespace cuda_detail {
@@ -72,6 +75,11 @@ struct policy {
 #else
       sizeof(T) == 4 || !Fused;
 #endif
+  /// A forward pass over at least this many rows per CTA in flight gives each CTA whole rows,
+  /// streamed through its stages chunk by chunk with an online LSE (0: never). No CTA then waits
+  /// for another: a row cut over a cluster makes its CTAs meet once per row, and the forward has
+  /// no gradient sweep to hide that round trip behind.
+  static constexpr int whole_rows = XENT_CUDA_WHOLE_ROWS;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
@@ -89,8 +97,8 @@ struct launch_plan {
 };
 
 /// Cuts rows of `cols` elements of `elem_bytes` over a cluster: `sms` multiprocessors,
-/// `max_cluster` 1 without clusters. Slices and chunks are whole 16-byte vectors (the register
-/// tiles' unit).
+/// `max_cluster` 1 without clusters or when each CTA streams whole rows. Slices and chunks are
+/// whole 16-byte vectors (the register tiles' unit).
 inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms,
                                     int max_cluster) {
   const int vec = 16 / elem_bytes;
