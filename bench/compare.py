@@ -249,6 +249,32 @@ def measure(bench, fn, leaves, args, reference):
     return result, (loss.float().item(), grads)
 
 
+def run_impls(bench, log, impls, compiled, leaves, args, pct, shape):
+    """One row per implementation on the same tensors; torch eager (first) is the reference.
+    pct(result) -> (fwd %, fwd+bwd %) of the roof; shape: the rows' common fields."""
+    rows, reference = [], None
+    for name, fn, why in impls:
+        row = dict(shape, impl=name)
+        if fn == "compile":
+            fn = fresh_compile(compiled)
+        if fn is None:
+            row["na"] = why
+        else:
+            try:
+                res, ref = measure(bench, fn, leaves, args, reference)
+                if name == "torch":
+                    reference = ref
+                res["fwd_roof_pct"], res["fwdbwd_roof_pct"] = pct(res)
+                row.update(res)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                row["na"] = short(e)
+        emit(log, **row)
+        rows.append(row)
+        free()
+    return rows
+
+
 def run_ce(bench, libs, roof, log, shapes):
     rows = []
     for n, v, dt in shapes:
@@ -256,29 +282,14 @@ def run_ce(bench, libs, roof, log, shapes):
         logits = (torch.randn(n, v, device="cuda", generator=g) * 2).to(dt)
         target = torch.randint(0, v, (n,), device="cuda", generator=g)
         nbytes = logits.numel() * logits.element_size()
-        reference = None
-        for name, fn, why in ce_impls(libs):
-            row = dict(kind="ce", impl=name, n=n, v=v, dtype=str(dt).split(".")[-1])
-            if fn is None:
-                emit(log, **row, na=why)
-                rows.append(dict(row, na=why))
-                continue
-            if fn == "compile":
-                fn = fresh_compile(lambda x, t: F.cross_entropy(x, t))
-            try:
-                res, ref = measure(bench, fn, [logits], (target,), reference)
-                if name == "torch":
-                    reference = (ref[0], ref[1])
-                res["fwd_roof_pct"] = 100 * nbytes / res["fwd_ms"] / 1e6 / roof
-                res["fwdbwd_roof_pct"] = 100 * 2 * nbytes / res["fwdbwd_ms"] / 1e6 / roof
-                row.update(res)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row["na"] = short(e)
-            emit(log, **row)
-            rows.append(row)
-            free()
-        del logits, target, reference
+        compiled = lambda x, t: F.cross_entropy(x, t)  # noqa: E731
+
+        def pct(res):  # the fewest bytes per second over the copy roof's
+            return (100 * nbytes / res["fwd_ms"] / 1e6 / roof,
+                    100 * 2 * nbytes / res["fwdbwd_ms"] / 1e6 / roof)
+        rows += run_impls(bench, log, ce_impls(libs), compiled, [logits], (target,), pct,
+                          dict(kind="ce", n=n, v=v, dtype=str(dt).split(".")[-1]))
+        del logits, target
         free()
     return rows
 
@@ -302,29 +313,14 @@ def run_lce(bench, libs, log, shapes):
         free()
         emit(log, kind="lce_floor", n=n, d=d, v=v, **floor)
         rows.append(dict(kind="lce", impl="GEMM floor", n=n, d=d, v=v, **floor))
-        reference = None
-        for name, fn, why in lce_impls(libs):
-            row = dict(kind="lce", impl=name, n=n, d=d, v=v, dtype="bfloat16")
-            if fn is None:
-                emit(log, **row, na=why)
-                rows.append(dict(row, na=why))
-                continue
-            if fn == "compile":
-                fn = fresh_compile(lambda a, b, c: F.cross_entropy(a @ b.T, c))
-            try:
-                res, ref = measure(bench, fn, [x, w], (t,), reference)
-                if name == "torch":
-                    reference = ref
-                res["fwd_roof_pct"] = 100 * floor["fwd_ms"] / res["fwd_ms"]
-                res["fwdbwd_roof_pct"] = 100 * floor["fwdbwd_ms"] / res["fwdbwd_ms"]
-                row.update(res)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row["na"] = short(e)
-            emit(log, **row)
-            rows.append(row)
-            free()
-        del x, w, t, reference
+        compiled = lambda a, b, c: F.cross_entropy(a @ b.T, c)  # noqa: E731
+
+        def pct(res):  # the GEMMs' time over the row's
+            return (100 * floor["fwd_ms"] / res["fwd_ms"],
+                    100 * floor["fwdbwd_ms"] / res["fwdbwd_ms"])
+        rows += run_impls(bench, log, lce_impls(libs), compiled, [x, w], (t,), pct,
+                          dict(kind="lce", n=n, d=d, v=v, dtype="bfloat16"))
+        del x, w, t
         free()
     return rows
 

@@ -1,8 +1,9 @@
-// PyTorch custom ops over xent's cross-entropy: the schemas (TORCH_LIBRARY), the CPU backend of
-// the op bodies in xent_ops.h, and the fused linear cross-entropy on the CPU. Autograd and the fake
-// (meta) kernels that torch.compile traces with are registered in Python (xent_torch/ops.py), so
-// the C++ side stays a thin tensor-to-view adapter. The CUDA kernels are registered by
-// xent_ops_cuda.cu, built beside this file when torch has CUDA and nvcc is found.
+// PyTorch custom ops over xent's cross-entropy: the schemas (TORCH_LIBRARY) and the CPU kernels,
+// the op bodies of xent_ops.h (cross-entropy and fused linear cross-entropy) instantiated for
+// xent::cpu. Autograd and the fake (meta) kernels that torch.compile traces with are registered in
+// Python (xent_torch/ops.py), so the C++ side stays a thin tensor-to-view adapter. The CUDA
+// kernels are registered by xent_ops_cuda.cu, built beside this file when torch has CUDA and nvcc
+// is found.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
