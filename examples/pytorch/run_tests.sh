@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the xent_torch extension (CPU) and runs its pytest suite.
+# Builds the xent_torch extension (CPU kernels; CUDA kernels too when torch has CUDA and nvcc is
+# found, see xent_torch/_build.py) and runs its pytest suite (CUDA cases skip without a GPU).
 # Skips, exiting 0 with a message, when PyTorch is not importable, or when pytest is missing and
 # cannot be installed from the package registry. A build failure or a failing test exits non-zero.
 # Usage: examples/pytorch/run_tests.sh [pytest args...]

@@ -1,10 +1,14 @@
 """xent_torch.cross_entropy against torch.nn.functional.cross_entropy (values and gradients), the
 extensions (softcap, z_loss) against a plain torch formula, the in-place contract, gradcheck,
-torch.library.opcheck and torch.compile(fullgraph=True).
+torch.library.opcheck and torch.compile(fullgraph=True), on the CPU and, when a GPU is visible and
+the extension has its CUDA kernels, on CUDA (those cases skip, saying why, otherwise). The
+reference is always torch on the CPU in float32, on the same input values.
 
-Importing xent_torch builds the extension (about 25 s on 2 cores the first time).
+Importing xent_torch builds the extension (about 25 s on 2 cores the first time; about 2 minutes
+with the CUDA kernels).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +20,19 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import xent_torch  # noqa: E402
+
+
+def _cuda_skip_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    if not xent_torch.cuda_built():
+        return "xent_torch was built without its CUDA kernels (see xent_torch/_build.py)"
+    return None
+
+
+CUDA_SKIP = _cuda_skip_reason()
+requires_cuda = pytest.mark.skipif(CUDA_SKIP is not None, reason=f"CUDA: {CUDA_SKIP}")
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 C = 37  # classes: not a multiple of any vector width
 N = 19  # rows
@@ -40,11 +57,20 @@ def upstream_for(loss, seed=1):
     return (torch.rand(loss.shape, generator=g) + 0.5).to(loss.dtype)
 
 
-def loss_and_grad(fn, x, *args, **kwargs):
+def on(device, kw):
+    """kw with its tensors (weight) moved to device."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+def loss_and_grad(fn, x, *args, device=None, **kwargs):
+    """fn's loss and d loss / d x (under upstream_for) as CPU tensors; with device, x, the
+    tensor arguments and tensor options go there first."""
+    if device is not None:
+        x, args, kwargs = x.to(device), [a.to(device) for a in args], on(device, kwargs)
     x = x.detach().clone().requires_grad_()
     loss = fn(x, *args, **kwargs)
-    (grad,) = torch.autograd.grad(loss, x, upstream_for(loss))
-    return loss.detach(), grad
+    (grad,) = torch.autograd.grad(loss, x, upstream_for(loss.cpu()).to(loss.device))
+    return loss.detach().cpu(), grad.cpu()
 
 
 def plain_grad(fn, x, *args, **kwargs):
@@ -54,11 +80,12 @@ def plain_grad(fn, x, *args, **kwargs):
     return x.grad
 
 
-def assert_matches_torch(x, t, dtype=torch.float32, **kw):
-    """xent on x (any dtype) vs torch's float32 cross_entropy on the same values."""
+def assert_matches_torch(x, t, dtype=torch.float32, device="cpu", **kw):
+    """xent on x (any dtype) on device vs torch's float32 cross_entropy on the CPU, same values."""
     rtol, atol = TOL[dtype]
-    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, **kw)
-    ref_loss, ref_grad = loss_and_grad(F.cross_entropy, x.float(), t.long(), **kw)
+    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, device=device, **kw)
+    ref_t = t.float() if t.is_floating_point() else t.long()
+    ref_loss, ref_grad = loss_and_grad(F.cross_entropy, x.float(), ref_t, **kw)
     assert loss.dtype == x.dtype
     torch.testing.assert_close(loss.float(), ref_loss, rtol=rtol, atol=atol, equal_nan=True)
     torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=rtol, atol=atol,
@@ -73,73 +100,92 @@ def weights(c=C, seed=3):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1, 1.0])
 @pytest.mark.parametrize("ignore", [False, True])
-def test_matches_torch_every_option(reduction, weighted, label_smoothing, ignore):
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_torch_every_option(reduction, weighted, label_smoothing, ignore, device):
     x, t = make()
     if ignore:
         t[::3] = -100
-    assert_matches_torch(x, t, reduction=reduction, weight=weights() if weighted else None,
-                         label_smoothing=label_smoothing)
+    assert_matches_torch(x, t, device=device, reduction=reduction,
+                         weight=weights() if weighted else None, label_smoothing=label_smoothing)
 
 
 @pytest.mark.parametrize("target_dtype", [torch.int32, torch.int64])
-def test_int32_and_int64_targets(target_dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_int32_and_int64_targets(target_dtype, device):
     x, t = make()
     t[4] = 7
-    assert_matches_torch(x, t.to(target_dtype), weight=weights(), ignore_index=7,
+    assert_matches_torch(x, t.to(target_dtype), device=device, weight=weights(), ignore_index=7,
                          label_smoothing=0.05)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_half_precision_inputs(dtype, reduction):
+@pytest.mark.parametrize("device", DEVICES)
+def test_half_precision_inputs(dtype, reduction, device):
     x, t = make(dtype=dtype)
     t[1] = -100
-    assert_matches_torch(x, t, dtype=dtype, reduction=reduction, label_smoothing=0.1)
+    assert_matches_torch(x, t, dtype=dtype, device=device, reduction=reduction,
+                         label_smoothing=0.1)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_every_row_ignored(reduction):
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_row_ignored(reduction, device):
     # mean: NaN loss (PyTorch's choice); sum: 0; gradient zero in both.
     x, _ = make()
     t = torch.full((N,), -100)
-    assert_matches_torch(x, t, reduction=reduction)
-    loss = xent_torch.cross_entropy(x, t, reduction=reduction)
+    assert_matches_torch(x, t, device=device, reduction=reduction)
+    loss = xent_torch.cross_entropy(x.to(device), t.to(device), reduction=reduction).cpu()
     if reduction == "mean":
         assert torch.isnan(loss)
     else:
         assert (loss == 0).all()
 
 
-def test_ignore_index_that_is_a_valid_class():
+@pytest.mark.parametrize("device", DEVICES)
+def test_ignore_index_that_is_a_valid_class(device):
     x, t = make()
     t[:5] = 2
-    assert_matches_torch(x, t, ignore_index=2, weight=weights())
+    assert_matches_torch(x, t, device=device, ignore_index=2, weight=weights())
 
 
-def test_empty_batch():
-    x = torch.randn(0, C)
-    t = torch.zeros(0, dtype=torch.long)
-    assert torch.isnan(xent_torch.cross_entropy(x, t))
-    assert xent_torch.cross_entropy(x, t, reduction="sum") == 0
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    x = torch.randn(0, C, device=device)
+    t = torch.zeros(0, dtype=torch.long, device=device)
+    assert torch.isnan(xent_torch.cross_entropy(x, t).cpu())
+    assert xent_torch.cross_entropy(x, t, reduction="sum").cpu() == 0
     assert xent_torch.cross_entropy(x, t, reduction="none").shape == (0,)
 
 
-def test_row_stride_larger_than_classes():
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_stride_larger_than_classes(device):
     # The last dimension is contiguous: xent reads the rows in place with ld = 50.
     wide, t = make(c=50)
+    wide = wide.to(device)
     x = wide[:, :C]
     t = t % C
     assert x.stride() == (50, 1)
-    assert_matches_torch(x, t, label_smoothing=0.1)
+    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t.to(device), label_smoothing=0.1)
+    ref_loss, ref_grad = loss_and_grad(F.cross_entropy, x.cpu(), t, label_smoothing=0.1)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad, ref_grad)
 
 
-def test_transposed_input():
+@pytest.mark.parametrize("device", DEVICES)
+def test_transposed_input(device):
     # The last dimension is strided: the binding makes a contiguous copy.
     xt, t = make(n=C, c=N)
+    xt = xt.to(device)
     x = xt.t()
     t = torch.randint(0, C, (N,))
     assert x.stride(1) != 1
-    assert_matches_torch(x, t, reduction="none", weight=weights())
+    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t.to(device), reduction="none",
+                               weight=weights().to(device))
+    ref_loss, ref_grad = loss_and_grad(F.cross_entropy, x.cpu(), t, reduction="none",
+                                       weight=weights())
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad, ref_grad)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -157,9 +203,10 @@ def test_three_d_input_class_dimension_last(reduction):
     torch.testing.assert_close(grad, ref_grad)
 
 
-def test_unbatched_input():
+@pytest.mark.parametrize("device", DEVICES)
+def test_unbatched_input(device):
     x, t = make(n=1)
-    assert_matches_torch(x[0], t[0], label_smoothing=0.2)
+    assert_matches_torch(x[0], t[0], device=device, label_smoothing=0.2)
 
 
 def reference_extended(x, t, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
@@ -177,31 +224,35 @@ def reference_extended(x, t, weight=None, ignore_index=-100, reduction="mean", l
         return rows
     if reduction == "sum":
         return rows.sum()
-    w = weight[t.clamp(min=0)] if weight is not None else torch.ones(t.shape)
+    w = weight[t.clamp(min=0)] if weight is not None else torch.ones(t.shape, device=t.device)
     return rows.sum() / (w * keep).sum()
+
+
+def assert_matches_formula(formula, x, t, device, **kw):
+    """xent on device vs `formula` (torch ops, float32, CPU) on the same values."""
+    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, device=device, **kw)
+    ref_loss, ref_grad = loss_and_grad(formula, x, t, **kw)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("z_loss,softcap", [(1e-2, None), (0.0, 5.0), (1e-3, 2.5)])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_softcap_and_z_loss_match_torch_formula(reduction, z_loss, softcap, weighted):
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_and_z_loss_match_torch_formula(reduction, z_loss, softcap, weighted, device):
     x, t = make(scale=6.0)
     t[::4] = -100
     kw = dict(reduction=reduction, z_loss=z_loss, softcap=softcap,
               weight=weights() if weighted else None)
-    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, **kw)
-    ref_loss, ref_grad = loss_and_grad(reference_extended, x, t, **kw)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert_matches_formula(reference_extended, x, t, device, **kw)
 
 
-def test_softcap_with_label_smoothing():
+@pytest.mark.parametrize("device", DEVICES)
+def test_softcap_with_label_smoothing(device):
     x, t = make(scale=6.0)
     kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=3.0)
-    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, **kw)
-    ref_loss, ref_grad = loss_and_grad(reference_extended, x, t, **kw)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert_matches_formula(reference_extended, x, t, device, **kw)
 
 
 # --- the in-place contract (Liger #272): the logits are overwritten only when asked ---------------
@@ -316,11 +367,13 @@ def test_opcheck_registrations():
 
 
 @pytest.mark.parametrize("inplace_backward", [False, True])
-def test_torch_compile_fullgraph_forward_and_backward(inplace_backward):
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph_forward_and_backward(inplace_backward, device):
     torch._dynamo.reset()
     x, t = make(n=8, c=16)
-    w = weights(c=16)
+    w = weights(c=16).to(device)
     t[3] = -100
+    x, t = x.to(device), t.to(device)
 
     def step(h, proj):
         logits = torch.tanh(h) @ proj  # an LM head in miniature
@@ -334,7 +387,7 @@ def test_torch_compile_fullgraph_forward_and_backward(inplace_backward):
 
     compiled = torch.compile(step, fullgraph=True)
     g = torch.Generator().manual_seed(5)
-    h0, p0 = x, torch.randn(16, 16, generator=g)
+    h0, p0 = x, torch.randn(16, 16, generator=g).to(device)
     results = []
     for fn in (compiled, reference):
         h, p = h0.clone().requires_grad_(), p0.clone().requires_grad_()
@@ -373,6 +426,8 @@ def test_bad_arguments_raise_torch_errors():
     with pytest.raises(IndexError, match="row 5 has target"):
         xent_torch.cross_entropy(x, bad)
     with pytest.raises(TypeError, match="int64 or int32"):
+        xent_torch.cross_entropy(x, t.to(torch.int16))
+    with pytest.raises(ValueError, match="soft targets"):
         xent_torch.cross_entropy(x, t.float())
     with pytest.raises(ValueError, match="target shape"):
         xent_torch.cross_entropy(x, t[:-1])
@@ -382,3 +437,240 @@ def test_bad_arguments_raise_torch_errors():
         xent_torch.cross_entropy(x, t, label_smoothing=1.5)
     with pytest.raises(ValueError, match="weight"):
         xent_torch.cross_entropy(x, t, weight=torch.ones(C + 1))
+
+
+# --- soft targets (class probabilities, torch's semantics) ----------------------------------------
+
+
+def soft_targets(n=N, c=C, seed=7, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(n, c, generator=g) * 2, dim=-1).to(dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("device", DEVICES)
+def test_soft_targets_match_torch(reduction, weighted, label_smoothing, device):
+    x, _ = make()
+    assert_matches_torch(x, soft_targets(), device=device, reduction=reduction,
+                         weight=weights() if weighted else None, label_smoothing=label_smoothing)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_soft_targets_half_precision(dtype, device):
+    # The targets are held in the input's dtype; the reference gets the same rounded values.
+    x, _ = make(dtype=dtype)
+    assert_matches_torch(x, soft_targets(dtype=dtype), dtype=dtype, device=device,
+                         label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_soft_targets_with_softcap_z_loss_and_3d_input(device):
+    # reference: softcap then torch's soft-target cross-entropy, plus z * lse^2 on every row.
+    x, _ = make(n=12, scale=5.0)
+    p = soft_targets(n=12)
+    kw = dict(softcap=4.0, z_loss=1e-2, label_smoothing=0.1)
+
+    def reference(a, q, softcap, z_loss, label_smoothing):
+        z = softcap * torch.tanh(a.float() / softcap)
+        rows = F.cross_entropy(z.reshape(-1, C), q.reshape(-1, C), reduction="none",
+                               label_smoothing=label_smoothing)
+        return (rows + z_loss * torch.logsumexp(z.reshape(-1, C), -1) ** 2).mean()
+
+    assert_matches_formula(reference, x.reshape(3, 4, C), p.reshape(3, 4, C), device, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_soft_targets_inplace_backward(device):
+    x, _ = make()
+    p = soft_targets().to(device)
+    leaf = x.to(device).requires_grad_()
+    logits = leaf * 1.0
+    xent_torch.cross_entropy(logits, p, reduction="sum", inplace_backward=True).backward()
+    assert torch.equal(logits.detach(), leaf.grad)
+    ref = plain_grad(F.cross_entropy, x, p.cpu(), reduction="sum")
+    torch.testing.assert_close(leaf.grad.cpu(), ref)
+
+
+def test_soft_targets_get_no_gradient():
+    x, _ = make()
+    p = soft_targets().requires_grad_()
+    with pytest.raises(ValueError, match="no gradient"):
+        xent_torch.cross_entropy(x, p)
+    with torch.no_grad():
+        torch.testing.assert_close(xent_torch.cross_entropy(x, p), F.cross_entropy(x, p))
+
+
+# --- CUDA: sizes the kernels vectorise, streams, graphs, devices ----------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize("n,c,dtype", [
+    (64, 32000, torch.float32), (33, 50257, torch.bfloat16), (7, 65537, torch.float16),
+    (257, 4096, torch.bfloat16), (3, 1, torch.float32), (5, 3, torch.bfloat16),
+])
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(reduction="none", label_smoothing=0.1, z_loss=1e-4),
+    dict(reduction="sum", softcap=30.0, weight="w"),
+])
+def test_cuda_language_model_sizes(n, c, dtype, kw):
+    kw = dict(kw)
+    if kw.get("weight") == "w":
+        kw["weight"] = weights(c=c)
+    x, t = make(n=n, c=c, dtype=dtype, scale=2.0)
+    t[::5] = -100
+    rtol, atol = TOL[dtype]
+    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, device="cuda", **kw)
+    ref_loss, ref_grad = loss_and_grad(reference_extended, x.float(), t, **kw)
+    torch.testing.assert_close(loss.float(), ref_loss, rtol=max(rtol, 1e-4), atol=atol)
+    torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=rtol,
+                               atol=max(atol, 1e-7))
+
+
+@requires_cuda
+def test_cuda_inplace_backward_and_default_leaves_logits_alone():
+    x, t = make(n=64, c=1000)
+    x, t = x.cuda(), t.cuda()
+    for inplace in (False, True):
+        leaf = x.clone().requires_grad_()
+        logits = leaf * 1.0
+        before = logits.detach().clone()
+        xent_torch.cross_entropy(logits, t, inplace_backward=inplace).backward()
+        assert torch.equal(logits.detach(), leaf.grad) == inplace
+        if not inplace:
+            assert torch.equal(logits.detach(), before)
+        torch.testing.assert_close(leaf.grad.cpu(), plain_grad(F.cross_entropy, x.cpu(), t.cpu()))
+
+
+@requires_cuda
+def test_cuda_out_of_range_target_is_nan_and_counted():
+    counter = xent_torch.cuda_target_errors()
+    counter.zero_()
+    x, t = make()
+    t[5] = C + 3
+    t[6] = -7
+    x, t = x.cuda(), t.cuda()
+    rows = xent_torch.cross_entropy(x, t, reduction="none")
+    assert torch.isnan(rows[5]) and torch.isnan(rows[6])
+    assert torch.isfinite(rows[:5]).all() and torch.isfinite(rows[7:]).all()
+    assert torch.isnan(xent_torch.cross_entropy(x, t))
+    assert int(counter) == 4  # two rows, two calls
+    counter.zero_()
+    xent_torch.cross_entropy(x, t.clamp(0, C - 1))
+    assert int(counter) == 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_cuda_graph_capture_and_replay(reduction, inplace_backward):
+    # forward and backward captured in one graph; replays on new data match eager calls, also when
+    # eager calls on the same stream run between replays (the cached workspace is never captured).
+    n, c = 96, 3001
+    w = weights(c=c).cuda()
+    static_x = torch.zeros(n, c, device="cuda")
+    static_t = torch.zeros(n, dtype=torch.long, device="cuda")
+    up = torch.rand(n if reduction == "none" else (), device="cuda") + 0.5
+
+    def step(x, t):
+        leaf = x.detach().requires_grad_()
+        logits = leaf * 1.0
+        loss = xent_torch.cross_entropy(logits, t, weight=w, reduction=reduction,
+                                        label_smoothing=0.1, inplace_backward=inplace_backward)
+        loss.backward(up)
+        return loss.detach(), leaf.grad
+
+    xent_torch.cuda_target_errors()  # the counter exists before the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graphs asks
+        for _ in range(2):
+            step(static_x, static_t)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss, static_grad = step(static_x, static_t)
+    for seed in range(3):
+        x, t = make(n=n, c=c, seed=seed)
+        t[::7] = -100
+        static_x.copy_(x)
+        static_t.copy_(t)
+        graph.replay()
+        eager_loss, eager_grad = step(x.cuda(), t.cuda())  # eager, between replays
+        torch.testing.assert_close(static_loss, eager_loss, rtol=0, atol=0)
+        torch.testing.assert_close(static_grad, eager_grad, rtol=0, atol=0)
+        xr = x.clone().requires_grad_()
+        ref = F.cross_entropy(xr, t, weight=w.cpu(), reduction=reduction, label_smoothing=0.1)
+        ref.backward(up.cpu())
+        torch.testing.assert_close(static_loss.cpu(), ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(static_grad.cpu(), xr.grad, rtol=1e-5, atol=1e-7)
+
+
+@requires_cuda
+def test_cuda_concurrent_streams_each_get_their_own_workspace():
+    # Reduced losses on two streams at once (one workspace per stream), checked against torch.
+    inputs = [make(n=2048, c=4096, seed=s) for s in range(4)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    cuda_inputs = [(x.cuda(), t.cuda()) for x, t in inputs]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    results = []
+    for rep in range(3):
+        for i, (x, t) in enumerate(cuda_inputs):
+            with torch.cuda.stream(streams[i % 2]):
+                results.append((i, xent_torch.cross_entropy(x, t, reduction="sum")))
+    torch.cuda.synchronize()
+    for i, loss in results:
+        x, t = inputs[i]
+        torch.testing.assert_close(loss.cpu(), F.cross_entropy(x, t, reduction="sum"),
+                                   rtol=1e-5, atol=1e-2)
+
+
+@requires_cuda
+def test_cuda_mixed_devices_are_refused():
+    x, t = make()
+    with pytest.raises(ValueError, match="one device"):
+        xent_torch.cross_entropy(x.cuda(), t.cuda(), weight=weights())
+
+
+@requires_cuda
+@pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double precision")
+def test_cuda_gradcheck_float32():
+    x, t = make(n=5, c=7, scale=1.0, seed=11)
+    t[2] = -100
+    x = x.cuda().requires_grad_()
+    t, w = t.cuda(), weights(c=7).cuda()
+    fn = lambda a: xent_torch.cross_entropy(a, t, weight=w, label_smoothing=0.1,  # noqa: E731
+                                            z_loss=0.01, softcap=2.0)
+    assert torch.autograd.gradcheck(fn, (x,), eps=1e-2, atol=2e-4, rtol=2e-3)
+
+
+@requires_cuda
+def test_cuda_opcheck_registrations():
+    x, t = make(n=6, c=9)
+    x, t = x.cuda(), t.cuda()
+    lse = torch.logsumexp(x, dim=-1)
+    for reduction in (0, 1, 2):
+        torch.library.opcheck(torch.ops.xent.cross_entropy_fwd.default,
+                              (x.clone().requires_grad_(), t, weights(c=9).cuda(), -100,
+                               reduction, 0.1, 1e-3, 0.0, False))
+        g = torch.rand(6, device="cuda") if reduction == 0 else torch.tensor(0.5, device="cuda")
+        torch.library.opcheck(torch.ops.xent.cross_entropy_bwd.default,
+                              (g, x, t, None, lse, -100, reduction, 0.0, 0.0, 0.0))
+        torch.library.opcheck(torch.ops.xent.cross_entropy_bwd_.default,
+                              (g, x.clone(), t, None, lse, -100, reduction, 0.0, 0.0, 0.0))
+
+
+def test_cuda_kernels_are_built_when_torch_and_nvcc_allow():
+    # Where torch has CUDA and nvcc is found, the default build has the CUDA kernels (no GPU needed).
+    from torch.utils import cpp_extension
+    from xent_torch import _build
+    if os.environ.get("XENT_TORCH_CUDA", "auto") == "0":
+        pytest.skip("XENT_TORCH_CUDA=0")
+    if torch.version.cuda is None or cpp_extension.CUDA_HOME is None:
+        pytest.skip("torch without CUDA, or no nvcc")
+    assert _build.with_cuda
+    assert hasattr(torch.ops.xent, "cuda_target_errors")

@@ -8,7 +8,7 @@ torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed: the xent_torch binding tests need it")
 import torch.nn.functional as F  # noqa: E402
 
-from test_cross_entropy import reference_extended, weights  # noqa: E402  (also loads xent_torch)
+from test_cross_entropy import reference_extended, requires_cuda, weights  # noqa: E402,E501 (loads xent_torch)
 import xent_torch  # noqa: E402
 
 N, D, V = 23, 16, 41
@@ -140,3 +140,25 @@ def test_bad_arguments():
         xent_torch.linear_cross_entropy(hidden, weight.to(torch.bfloat16), target)
     with pytest.raises(ValueError, match="bias must be"):
         xent_torch.linear_cross_entropy(hidden, weight, target, bias[:-1])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_soft_targets(reduction):
+    hidden, weight, bias, _ = make()
+    probs = torch.softmax(torch.randn(N, V, generator=torch.Generator().manual_seed(4)), -1)
+    kw = dict(reduction=reduction, label_smoothing=0.1)
+    got = losses_and_grads(
+        lambda h, w, t, b, **k: xent_torch.linear_cross_entropy(h, w, t, b, **k),
+        hidden, weight, probs, bias, **kw)
+    want = losses_and_grads(
+        lambda h, w, t, b, **k: F.cross_entropy(F.linear(h, w, b), t, **k),
+        hidden, weight, probs, bias, **kw)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@requires_cuda
+def test_cuda_says_it_has_no_linear_backend_yet():
+    hidden, weight, bias, target = (a.cuda() for a in make())
+    with pytest.raises(NotImplementedError, match="no CUDA backend yet"):
+        xent_torch.linear_cross_entropy(hidden, weight, target, bias)

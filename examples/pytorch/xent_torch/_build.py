@@ -1,11 +1,19 @@
-"""Builds and loads the C++ ops (csrc/xent_ops.cpp) with torch.utils.cpp_extension.
+"""Builds and loads the C++ ops with torch.utils.cpp_extension.
 
-The first import compiles the library into examples/pytorch/build/ (or $XENT_TORCH_BUILD_DIR);
-later imports reuse it while the source is unchanged. The ops are registered with TORCH_LIBRARY,
-so the library is loaded with torch.ops.load_library (no Python module, no pybind11).
+csrc/xent_ops.cpp (schemas + CPU kernels) is always built; csrc/xent_ops_cuda.cu (CUDA kernels)
+is added when torch was built with CUDA and nvcc is found (no GPU is needed to build it). The
+first import compiles the library into examples/pytorch/build/ (or $XENT_TORCH_BUILD_DIR), one
+folder per variant; later imports reuse it while the sources are unchanged. The ops are
+registered with TORCH_LIBRARY, so the library is loaded with torch.ops.load_library (no Python
+module, no pybind11).
 
 Environment:
   XENT_TORCH_BUILD_DIR   where the build goes (default: examples/pytorch/build)
+  XENT_TORCH_CUDA        auto (default): CUDA kernels when torch has CUDA and nvcc is found;
+                         1: require them (an error otherwise); 0: CPU only
+  TORCH_CUDA_ARCH_LIST   GPU architectures (torch's variable); when unset and no GPU is visible,
+                         9.0 (the kernels use sm_90 thread-block clusters; older GPUs need their
+                         own entry, e.g. "8.0;9.0")
   XENT_TORCH_EIGEN       Eigen's include directory (default: /usr/include/eigen3)
   XENT_TORCH_NATIVE=0    build without -march=native (portable, slower Eigen packet math)
   XENT_TORCH_VERBOSE=1   print the compiler commands
@@ -18,30 +26,65 @@ _HERE = Path(__file__).resolve().parent
 _PACKAGE_ROOT = _HERE.parent  # examples/pytorch
 _REPO = _PACKAGE_ROOT.parents[1]
 _loaded = False
+with_cuda = False  # whether the loaded library has the CUDA kernels
+
+
+def _cuda_wanted():
+    """Whether to build the CUDA kernels; raises when XENT_TORCH_CUDA=1 cannot be honoured."""
+    import torch
+    from torch.utils import cpp_extension
+
+    mode = os.environ.get("XENT_TORCH_CUDA", "auto")
+    if mode == "0":
+        return False
+    missing = None
+    if torch.version.cuda is None:
+        missing = f"torch {torch.__version__} was built without CUDA"
+    elif cpp_extension.CUDA_HOME is None:
+        missing = "nvcc was not found (set CUDA_HOME or put nvcc on PATH)"
+    if missing and mode == "1":
+        raise RuntimeError(f"XENT_TORCH_CUDA=1 but {missing}")
+    return missing is None
 
 
 def load(verbose=None):
     """Compiles the extension if needed and registers the xent:: ops with the dispatcher."""
-    global _loaded
+    global _loaded, with_cuda
     if _loaded:
         return
+    import torch
     from torch.utils.cpp_extension import load as cpp_load
 
     if verbose is None:
         verbose = os.environ.get("XENT_TORCH_VERBOSE", "0") == "1"
+    cuda = _cuda_wanted()
     build_dir = Path(os.environ.get("XENT_TORCH_BUILD_DIR", _PACKAGE_ROOT / "build"))
+    build_dir = build_dir / ("cuda" if cuda else "cpu")
     build_dir.mkdir(parents=True, exist_ok=True)
     eigen = os.environ.get("XENT_TORCH_EIGEN", "/usr/include/eigen3")
     cflags = ["-O3", "-DNDEBUG", "-isystem", eigen]
     if os.environ.get("XENT_TORCH_NATIVE", "1") != "0":
         cflags.append("-march=native")
+    sources = [str(_PACKAGE_ROOT / "csrc" / "xent_ops.cpp")]
+    cuda_flags = []
+    if cuda:
+        sources.append(str(_PACKAGE_ROOT / "csrc" / "xent_ops_cuda.cu"))
+        if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        # Eigen is a system include, as in xent's CMake build, and its two nvcc diagnostics
+        # (20012: annotations on defaulted functions, 20015: constexpr host calls) are off.
+        cuda_flags = ["-O3", "-DNDEBUG", "-isystem", eigen, "-diag-suppress=20012,20015",
+                      "-Xcompiler=-fvisibility=hidden"]
     cpp_load(
-        name="xent_torch_ops",
-        sources=[str(_PACKAGE_ROOT / "csrc" / "xent_ops.cpp")],
+        name="xent_torch_ops_cuda" if cuda else "xent_torch_ops",
+        sources=sources,
         extra_include_paths=[str(_REPO / "include")],
         extra_cflags=cflags,
+        extra_cuda_cflags=cuda_flags,
         build_directory=str(build_dir),
         is_python_module=False,
+        with_cuda=cuda,
         verbose=verbose,
     )
+    with_cuda = cuda
     _loaded = True

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs bench/compare.py on a GPU machine: makes Liger-Kernel and Cut Cross-Entropy importable from
+# the wheels carried in .whl/ (downloaded elsewhere: the GPU machine has no network; a wheel that
+# fails to install leaves its library's column "n/a" with the reason), builds the xent_torch
+# extension with its CUDA kernels if needed, and writes compare.md, compare.png and
+# compare.jsonl to $OUT.
+#   bash bench/compare.sh [ce] [lce] [--quick]
+# Fetching the wheels, once, on a machine with network (pure-Python; --no-deps: torch and triton
+# come from the GPU machine's own environment):
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl liger-kernel cut-cross-entropy
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+python=${PYTHON:-python3}
+export OUT=${OUT:-$root/build/compare}
+mkdir -p "$OUT"
+
+shopt -s nullglob
+wheels=(.whl/*.whl)
+if ((${#wheels[@]})); then
+  site=${XENT_COMPARE_SITE:-/tmp/xent-compare-site}
+  for w in "${wheels[@]}"; do  # one at a time, so one failure does not stop the others
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "$w" >/dev/null 2>&1 || echo "could not install $w (its column will be n/a)"
+  done
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+else
+  echo "no wheels in .whl/: Liger-Kernel and Cut Cross-Entropy are used only if already installed"
+fi
+
+# The extension with its CUDA kernels (a build error is shown here, not buried in a traceback).
+XENT_TORCH_CUDA=1 "$python" -c "import sys; sys.path.insert(0, 'examples/pytorch'); import xent_torch" ||
+  echo "xent_torch did not build or load with CUDA: its column will be n/a"
+XENT_TORCH_CUDA=1 PYTHONUNBUFFERED=1 exec "$python" bench/compare.py "$@"

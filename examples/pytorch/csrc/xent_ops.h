@@ -1,0 +1,407 @@
+// The device-neutral half of the PyTorch ops: tensor-to-view adapters and the op bodies, written
+// once as templates over a backend (xent_ops.cpp instantiates them for the CPU, xent_ops_cuda.cu
+// for CUDA). A backend B provides
+//   B::guard        constructed from the input's device for the op's duration (a CUDA device
+//                   guard; nothing on the CPU)
+//   B::exec(x, ws)  the execution object of one call on tensors like x: {exec, hold}, where
+//                   `hold` keeps alive whatever the call borrows (a per-call workspace); ws says
+//                   whether the call needs xent's reduced-loss workspace
+//
+// The ops take 2-D logits (N x C, class dimension last, last dimension contiguous; any row stride
+// is passed to xent as the leading dimension); the Python wrappers flatten (..., C) inputs. Every
+// reduction and every per-row result is float32; the wrapper casts the loss to the input's dtype.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#include <xent/xent.hpp>
+
+namespace xent_torch {
+
+// The Python side passes reduction as an int with these values (torch's own enum order:
+// at::Reduction::None = 0, Mean = 1, Sum = 2).
+inline xent::reduction to_reduction(std::int64_t r) {
+  TORCH_CHECK_VALUE(r >= 0 && r <= 2, "xent: reduction must be 0 (none), 1 (mean) or 2 (sum), got ",
+                    r);
+  return r == 0 ? xent::reduction::none : (r == 1 ? xent::reduction::mean : xent::reduction::sum);
+}
+
+// Logits as a 2-D tensor whose last dimension is contiguous (a copy only when it is not), so the
+// row stride can be xent's leading dimension.
+inline at::Tensor rows_view(const at::Tensor& input) {
+  TORCH_CHECK_VALUE(input.dim() == 2, "xent: input must be 2-D (N, C), got ", input.dim(), "-D");
+  const bool usable = input.size(1) <= 1 || input.stride(1) == 1;
+  const bool ld_ok = input.size(0) <= 1 || input.stride(0) >= input.size(1);
+  return usable && ld_ok ? input : input.contiguous();
+}
+
+// torch's element type -> xent's (same 16-bit layouts: Eigen's bfloat16 / half and c10's are both
+// the plain IEEE / brain-float bit patterns; the CUDA backend reads them as __nv_bfloat16 /
+// __half).
+template <class T>
+xent::matrix_view<T> matrix_of(const at::Tensor& t) {
+  using X = std::remove_const_t<T>;
+  static_assert(sizeof(X) == 2 || sizeof(X) == 4, "xent: 16- or 32-bit elements");
+  auto* data = reinterpret_cast<T*>(t.data_ptr());
+  const std::int64_t ld = t.size(0) <= 1 ? t.size(1) : t.stride(0);
+  return {data, t.size(0), t.size(1), ld};
+}
+
+template <class T>
+xent::vector_view<T> vector_of(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  return {reinterpret_cast<T*>(t.data_ptr()), t.numel()};
+}
+
+inline void check_input_dtype(const at::Tensor& input) {
+  const auto st = input.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+                   "xent: input must be float32, bfloat16 or float16, got ", st,
+                   " (float64 is not supported: xent accumulates in float32)");
+}
+
+inline void check_same_device(const at::Tensor& input, const at::Tensor& other, const char* name) {
+  TORCH_CHECK_VALUE(other.device() == input.device(), "xent: ", name, " is on ", other.device(),
+                    ", the input on ", input.device(), ": every tensor must be on one device");
+}
+
+// The targets of a call over N rows of C classes: class ids (N,), int64 or int32, contiguous; or
+// soft targets (class probabilities, N x C), floating point as torch's are, held in the dtype of
+// x (the logits, or the hidden states of the fused linear op) with a contiguous last dimension.
+struct targets {
+  at::Tensor t;
+  bool soft = false;
+};
+
+inline targets targets_of(const at::Tensor& target, const at::Tensor& x, std::int64_t classes) {
+  const std::int64_t rows = x.size(0);
+  check_same_device(x, target, "target");
+  if (at::isFloatingType(target.scalar_type())) {
+    TORCH_CHECK_VALUE(target.dim() == 2 && target.size(0) == rows && target.size(1) == classes,
+                      "xent: soft targets (class probabilities) must be (N, C) with N = ", rows,
+                      ", C = ", classes, ", got ", target.sizes());
+    return {rows_view(target.to(x.scalar_type())), true};
+  }
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
+                   "xent: target must hold class ids as int64 or int32 (or class probabilities "
+                   "of the input's shape), got ",
+                   target.scalar_type());
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == rows,
+                    "xent: target must be (N,) with N = ", rows, ", got ", target.sizes());
+  return {target.contiguous(), false};
+}
+
+// Class weights as C float32 values (empty when absent).
+inline at::Tensor weights_of(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                             std::int64_t cols) {
+  if (!weight.has_value() || !weight->defined()) return {};
+  check_same_device(input, *weight, "weight");
+  TORCH_CHECK_VALUE(weight->dim() == 1 && weight->size(0) == cols,
+                    "xent: weight must be (C,) with C = ", cols, ", got ", weight->sizes());
+  return weight->to(at::kFloat).contiguous();
+}
+
+inline xent::options options_of(const at::Tensor& weights, std::int64_t ignore_index,
+                                std::int64_t reduction, double label_smoothing, double z_loss,
+                                double softcap) {
+  xent::options opts;
+  opts.reduce = to_reduction(reduction);
+  opts.ignore_index = ignore_index;
+  opts.label_smoothing = static_cast<float>(label_smoothing);
+  opts.z_loss = static_cast<float>(z_loss);
+  opts.softcap = static_cast<float>(softcap);
+  if (weights.defined()) opts.class_weights = {weights.data_ptr<float>(), weights.numel()};
+  return opts;
+}
+
+// Calls f(element tag, targets view) with xent's element type for the input's dtype and xent's
+// view of the targets (vector_view<const int64/int32> or soft_targets<element>): nine
+// instantiations per op (3 dtypes x 3 kinds of target).
+template <class F>
+void dispatch(const at::Tensor& input, const targets& tg, F&& f) {
+  auto with_targets = [&](auto tag) {
+    using T = decltype(tag);
+    const std::int64_t n = input.size(0);
+    if (tg.soft)
+      f(tag, xent::soft_targets<T>{matrix_of<const T>(tg.t)});
+    else if (tg.t.scalar_type() == at::kLong)
+      f(tag, xent::vector_view<const std::int64_t>(tg.t.data_ptr<std::int64_t>(), n));
+    else
+      f(tag, xent::vector_view<const std::int32_t>(tg.t.data_ptr<std::int32_t>(), n));
+  };
+  switch (input.scalar_type()) {
+    case at::kFloat:
+      with_targets(float{});
+      break;
+    case at::kBFloat16:
+      with_targets(Eigen::bfloat16{});
+      break;
+    case at::kHalf:
+      with_targets(Eigen::half{});
+      break;
+    default:
+      check_input_dtype(input);
+  }
+}
+
+// xent::error names the argument; an out-of-range class id becomes torch's IndexError, anything
+// else a ValueError. (CUDA cannot see class ids on the host: there a bad id gives a NaN loss and
+// is counted on the device; see xent_ops_cuda.cu.)
+template <class F>
+void call_xent(F&& f) {
+  try {
+    f();
+  } catch (const xent::error& e) {
+    TORCH_CHECK_INDEX(e.argument() != "targets", e.what());
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+// Forward: loss (a 0-d float32 tensor for mean / sum, (N,) for none) and the per-row LSE saved for
+// backward. inplace_backward is not read here; it rides along so the autograd formula sees it.
+template <class B>
+std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd(
+    const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap, bool /*inplace_backward*/) {
+  check_input_dtype(input);
+  const typename B::guard device_guard(input.device());
+  const at::Tensor x = rows_view(input);
+  const std::int64_t n = x.size(0);
+  const targets tg = targets_of(target, x, x.size(1));
+  const at::Tensor w = weights_of(x, weight, x.size(1));
+  const xent::options opts =
+      options_of(w, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  const bool reduced = opts.reduce != xent::reduction::none;
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor loss = reduced ? at::empty({}, f32) : at::empty({n}, f32);
+  at::Tensor lse = at::empty({n}, f32);
+
+  dispatch(x, tg, [&](auto tag, auto tv) {
+    using T = decltype(tag);
+    xent::forward_outputs out;
+    if (reduced)
+      out.loss = loss.data_ptr<float>();
+    else
+      out.row_loss = {loss.data_ptr<float>(), n};
+    out.lse = {lse.data_ptr<float>(), n};
+    const auto call = B::exec(x, reduced);
+    call_xent([&] { xent::forward(call.exec, matrix_of<const T>(x), tv, opts, out); });
+  });
+  return {loss, lse};
+}
+
+// The per-row LSE a forward saved, as N float32 values.
+inline at::Tensor saved_lse(const at::Tensor& x, const at::Tensor& lse, std::int64_t n) {
+  check_same_device(x, lse, "lse");
+  at::Tensor saved = lse.to(at::kFloat).contiguous();
+  TORCH_CHECK_VALUE(saved.dim() == 1 && saved.size(0) == n, "xent: lse must be (N,)");
+  return saved;
+}
+
+// The loss's gradient as xent's upstream: g_out (float32, contiguous) is 0-d for mean / sum, read
+// through upstream.scale_ptr (never .item(): on CUDA it stays on the device), and (N,) for none,
+// applied per row. g_out must outlive the call that uses the result.
+inline xent::upstream upstream_of(const at::Tensor& g_out, xent::reduction reduce, std::int64_t n) {
+  xent::upstream up;
+  if (reduce == xent::reduction::none) {
+    TORCH_CHECK_VALUE(g_out.numel() == n, "xent: grad_output of reduction none must have N = ", n,
+                      " entries, got ", g_out.numel());
+    up.rows = {g_out.data_ptr<float>(), n};
+  } else {
+    TORCH_CHECK_VALUE(g_out.numel() == 1, "xent: grad_output of a reduced loss must be a scalar");
+    up.scale_ptr = g_out.data_ptr<float>();
+  }
+  return up;
+}
+
+// The gradient of the loss with respect to the logits into `grad` (the logits themselves, or a
+// fresh tensor), scaled by grad_output (see upstream_of).
+template <class B>
+void backward_into(const at::Tensor& grad_output, const at::Tensor& x, const at::Tensor& target,
+                   const std::optional<at::Tensor>& weight, const at::Tensor& lse,
+                   std::int64_t ignore_index, std::int64_t reduction, double label_smoothing,
+                   double z_loss, double softcap, const at::Tensor& grad) {
+  const typename B::guard device_guard(x.device());
+  const std::int64_t n = x.size(0);
+  const targets tg = targets_of(target, x, x.size(1));
+  const at::Tensor w = weights_of(x, weight, x.size(1));
+  const xent::options opts =
+      options_of(w, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  check_same_device(x, grad_output, "grad_output");
+  const at::Tensor g_out = grad_output.to(at::kFloat).contiguous();
+  const at::Tensor saved = saved_lse(x, lse, n);
+  const xent::upstream up = upstream_of(g_out, opts.reduce, n);
+
+  dispatch(x, tg, [&](auto tag, auto tv) {
+    using T = decltype(tag);
+    const xent::vector_view<const float> lv(saved.data_ptr<float>(), n);
+    const auto call = B::exec(x, false);
+    call_xent([&] {
+      xent::backward(call.exec, matrix_of<const T>(x), tv, opts, lv, up, matrix_of<T>(grad));
+    });
+  });
+}
+
+// Out of place: a new contiguous gradient; the input is only read.
+template <class B>
+at::Tensor cross_entropy_bwd(const at::Tensor& grad_output, const at::Tensor& input,
+                             const at::Tensor& target, const std::optional<at::Tensor>& weight,
+                             const at::Tensor& lse, std::int64_t ignore_index,
+                             std::int64_t reduction, double label_smoothing, double z_loss,
+                             double softcap) {
+  check_input_dtype(input);
+  const at::Tensor x = rows_view(input);
+  at::Tensor grad = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  backward_into<B>(grad_output, x, target, weight, lse, ignore_index, reduction, label_smoothing,
+                   z_loss, softcap, grad);
+  return grad;
+}
+
+// In place: the gradient overwrites `input` (Liger #272: only when the caller asks). An input whose
+// last dimension is not contiguous cannot be written row by row; it is refused rather than
+// silently copied, so the caller's buffer is never left half-updated.
+template <class B>
+void cross_entropy_bwd_inplace(const at::Tensor& grad_output, const at::Tensor& input,
+                               const at::Tensor& target, const std::optional<at::Tensor>& weight,
+                               const at::Tensor& lse, std::int64_t ignore_index,
+                               std::int64_t reduction, double label_smoothing, double z_loss,
+                               double softcap) {
+  check_input_dtype(input);
+  TORCH_CHECK_VALUE(input.dim() == 2 && rows_view(input).is_same(input),
+                    "xent: an in-place backward needs 2-D logits whose last dimension is "
+                    "contiguous");
+  backward_into<B>(grad_output, input, target, weight, lse, ignore_index, reduction,
+                   label_smoothing, z_loss, softcap, input);
+}
+
+// --- fused linear cross-entropy: logits = hidden weight^T (+ bias), never materialised ----------
+
+struct linear_inputs {
+  at::Tensor hidden, weight, bias, class_weights;
+  targets tg;
+  xent::linear_options opts;
+};
+
+inline linear_inputs linear_inputs_of(const at::Tensor& hidden, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias,
+                                      const at::Tensor& target,
+                                      const std::optional<at::Tensor>& class_weight,
+                                      std::int64_t ignore_index, std::int64_t reduction,
+                                      double label_smoothing, double z_loss, double softcap) {
+  check_input_dtype(hidden);
+  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(),
+                   "xent: weight must have hidden's dtype ", hidden.scalar_type(), ", got ",
+                   weight.scalar_type());
+  linear_inputs in;
+  in.hidden = rows_view(hidden);
+  in.weight = rows_view(weight);
+  TORCH_CHECK_VALUE(in.weight.size(1) == in.hidden.size(1), "xent: weight is ", weight.sizes(),
+                    ", hidden is ", hidden.sizes(), ": their last dimensions must agree");
+  const std::int64_t vocab = in.weight.size(0);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_TYPE(bias->scalar_type() == hidden.scalar_type(),
+                     "xent: bias must have hidden's dtype");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == vocab,
+                      "xent: bias must be (V,) with V = ", vocab, ", got ", bias->sizes());
+    check_same_device(hidden, *bias, "bias");
+    in.bias = bias->contiguous();
+  }
+  check_same_device(hidden, weight, "weight");
+  in.tg = targets_of(target, in.hidden, vocab);
+  in.class_weights = weights_of(in.hidden, class_weight, vocab);
+  static_cast<xent::options&>(in.opts) =
+      options_of(in.class_weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  return in;
+}
+
+// A workspace of the size xent asks for with its default budget (256 MiB at most beyond the
+// minimum), allocated through torch's allocator for this call.
+template <class T, class Exec>
+at::Tensor linear_workspace_for(const Exec& exec, const linear_inputs& in, xent::linear_pass pass) {
+  const auto size = xent::linear_workspace_size<T>(
+      exec, {in.hidden.size(0), in.hidden.size(1), in.weight.size(0)}, pass, in.opts);
+  return at::empty({static_cast<std::int64_t>(size.bytes)}, in.hidden.options().dtype(at::kByte));
+}
+
+template <class B>
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap) {
+  const typename B::guard device_guard(hidden.device());
+  const linear_inputs in =
+      linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                       label_smoothing, z_loss, softcap);
+  const std::int64_t n = in.hidden.size(0);
+  const auto f32 = in.hidden.options().dtype(at::kFloat);
+  at::Tensor loss =
+      in.opts.reduce == xent::reduction::none ? at::empty({n}, f32) : at::empty({}, f32);
+  at::Tensor lse = at::empty({n}, f32);
+  dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
+    using T = decltype(tag);
+    const auto call = B::exec(in.hidden, false);
+    xent::forward_outputs out;
+    if (in.opts.reduce == xent::reduction::none)
+      out.row_loss = {loss.data_ptr<float>(), n};
+    else
+      out.loss = loss.data_ptr<float>();
+    out.lse = {lse.data_ptr<float>(), n};
+    at::Tensor ws = linear_workspace_for<T>(call.exec, in, xent::linear_pass::forward);
+    call_xent([&] {
+      xent::linear_forward(call.exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
+                           vector_of<const T>(in.bias), tv, in.opts, out,
+                           {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
+    });
+  });
+  return {loss, lse};
+}
+
+// d_hidden (N x D), d_weight (V x D) and d_bias (V, or an empty tensor without a bias), in the
+// hidden dtype, from the LSE the forward saved; each chunk's logits are recomputed.
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
+    const at::Tensor& grad_output, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& target,
+    const std::optional<at::Tensor>& class_weight, const at::Tensor& lse, std::int64_t ignore_index,
+    std::int64_t reduction, double label_smoothing, double z_loss, double softcap) {
+  const typename B::guard device_guard(hidden.device());
+  const linear_inputs in =
+      linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                       label_smoothing, z_loss, softcap);
+  const std::int64_t n = in.hidden.size(0);
+  check_same_device(in.hidden, grad_output, "grad_output");
+  const at::Tensor g_out = grad_output.to(at::kFloat).contiguous();
+  const at::Tensor saved = saved_lse(in.hidden, lse, n);
+  const xent::upstream up = upstream_of(g_out, in.opts.reduce, n);
+  const auto like = in.hidden.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor d_hidden = at::empty(in.hidden.sizes(), like);
+  at::Tensor d_weight = at::empty(in.weight.sizes(), like);
+  at::Tensor d_bias = at::empty({in.bias.defined() ? in.weight.size(0) : 0}, like);
+  dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
+    using T = decltype(tag);
+    const auto call = B::exec(in.hidden, false);
+    xent::linear_grads<T> grads{matrix_of<T>(d_hidden), matrix_of<T>(d_weight),
+                                in.bias.defined() ? vector_of<T>(d_bias) : xent::vector_view<T>{}};
+    at::Tensor ws = linear_workspace_for<T>(call.exec, in, xent::linear_pass::training);
+    call_xent([&] {
+      xent::linear_backward(call.exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
+                            vector_of<const T>(in.bias), tv, in.opts,
+                            xent::vector_view<const float>(saved.data_ptr<float>(), n), up, grads,
+                            {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
+    });
+  });
+  return {d_hidden, d_weight, d_bias};
+}
+
+}  // namespace xent_torch

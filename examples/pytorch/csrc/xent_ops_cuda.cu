@@ -1,0 +1,170 @@
+// The CUDA kernels of the xent ops: the op bodies of xent_ops.h instantiated for xent::cuda
+// (<xent/xent.hpp> brings in the CUDA backend when nvcc compiles it), registered under the CUDA
+// dispatch key. Built by xent_torch/_build.py only when torch has CUDA and nvcc is found.
+//
+// Every call runs on torch's current stream of the input's device and only enqueues work: no host
+// synchronisation, no .item(), no allocation outside torch's caching allocator, so each op can be
+// captured in a CUDA graph (torch.cuda.graph) and traced by torch.compile.
+//
+// The reduced-loss workspace (xent::cuda::workspace: zero-filled once, left zeroed by every call)
+// follows one rule: ONE WORKSPACE PER (DEVICE, STREAM), cached for the life of the process and
+// grown on demand (a new zero-filled tensor; the old one goes back to the caching allocator,
+// stream-ordered, after the calls already queued on that stream). Calls on one stream are ordered,
+// so they can share it; calls on two streams never do. Under stream capture the cache is not
+// used: the call takes a fresh zero-filled workspace from the graph's pool, whose memset is a node
+// of the graph, so every replay starts from zeros whatever ran eagerly in between. (A workspace
+// first zero-filled inside a capture would hold garbage for eager calls, since nothing captured
+// runs before a replay.)
+//
+// Out-of-range class ids (not ignore_index, outside [0, C)) cannot be checked on the host without
+// a synchronisation: such a row gets a NaN loss and LSE and a zero gradient row, and is added to a
+// per-device int32 counter (xent::cuda::error_count), which xent_torch.cuda_target_errors(device)
+// returns without synchronising. The counter is created by the first call on a device outside a
+// capture (or by cuda_target_errors); captured calls before that one do not count.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+
+#include "xent_ops.h"
+
+namespace xent_torch {
+namespace {
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// The per-(device, stream) workspaces and per-device error counters (see the top of the file).
+class cuda_state {
+ public:
+  static cuda_state& get() {
+    static cuda_state* s = new cuda_state;  // never destroyed: tensors outlive static teardown
+    return *s;
+  }
+
+  // A zero-filled workspace of at least `bytes` for calls on `stream` (the current stream).
+  at::Tensor workspace(const c10::cuda::CUDAStream& stream, std::size_t bytes) {
+    const auto n = static_cast<std::int64_t>(bytes);
+    const auto opts = at::TensorOptions().dtype(at::kByte).device(stream.device());
+    if (capturing(stream.stream())) return at::zeros({n}, opts);
+    const std::lock_guard<std::mutex> lock(mutex_);
+    at::Tensor& ws = workspaces_[stream.unwrap()];
+    if (!ws.defined() || ws.numel() < n) ws = at::zeros({n}, opts);  // on `stream`, in order
+    return ws;
+  }
+
+  // The device's error counter, created (zero) outside a capture; nullptr under a capture that
+  // finds none.
+  int* error_count(const c10::cuda::CUDAStream& stream) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    at::Tensor& counter = counters_[stream.device_index()];
+    if (!counter.defined()) {
+      if (capturing(stream.stream())) return nullptr;
+      counter = at::zeros({}, at::TensorOptions().dtype(at::kInt).device(stream.device()));
+    }
+    return counter.data_ptr<int>();
+  }
+
+  at::Tensor counter(c10::DeviceIndex device) {
+    const c10::cuda::CUDAGuard guard(device);
+    TORCH_CHECK(error_count(c10::cuda::getCurrentCUDAStream(device)) != nullptr,
+                "xent: cuda_target_errors creates the counter; call it before a graph capture");
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return counters_.at(device);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<c10::Stream, at::Tensor> workspaces_;
+  std::unordered_map<c10::DeviceIndex, at::Tensor> counters_;
+};
+
+// The CUDA backend of the op bodies in xent_ops.h.
+struct cuda_backend {
+  using guard = c10::cuda::CUDAGuard;
+  struct call {
+    xent::cuda exec;
+    at::Tensor hold;  // the workspace, alive until the call has been enqueued
+  };
+  // x is on the current device (the guard); `reduced`: the call writes a reduced loss.
+  static call exec(const at::Tensor& x, bool reduced) {
+    TORCH_CHECK_VALUE(x.is_cuda(), "xent: a CUDA kernel got a tensor on ", x.device());
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(x.get_device());
+    call c;
+    c.exec.stream = stream.stream();
+    c.exec.error_count = cuda_state::get().error_count(stream);
+    if (reduced) {
+      const std::size_t bytes = xent::cuda_workspace_size(x.size(0));
+      c.hold = cuda_state::get().workspace(stream, bytes);
+      c.exec.workspace = c.hold.data_ptr();
+      c.exec.workspace_bytes = bytes;
+    }
+    return c;
+  }
+};
+
+at::Tensor cuda_target_errors(std::int64_t device) {
+  TORCH_CHECK_VALUE(device >= 0 && device < c10::cuda::device_count(), "xent: no CUDA device ",
+                    device);
+  return cuda_state::get().counter(static_cast<c10::DeviceIndex>(device));
+}
+
+// The fused linear ops need linear_traits<xent::cuda>, which the headers do not have yet. When
+// they do, register linear_cross_entropy_fwd / _bwd<cuda_backend> as the CPU does (and give
+// cuda_backend::exec the cuBLAS handle the CUDA linear backend takes:
+// at::cuda::getCurrentCUDABlasHandle()); until then the CUDA kernels say so.
+[[noreturn]] void no_cuda_linear() {
+  TORCH_CHECK_NOT_IMPLEMENTED(false,
+                              "xent: linear_cross_entropy has no CUDA backend yet (xent has no "
+                              "linear_traits<xent::cuda>); use CPU tensors, or "
+                              "xent_torch.cross_entropy on logits computed by torch");
+  std::abort();  // not reached: TORCH_CHECK_NOT_IMPLEMENTED(false, ...) throws
+}
+template <class R, class... Args>
+R linear_unavailable(Args...) {
+  no_cuda_linear();
+}
+
+template <class Exec>
+void register_linear(torch::Library& m) {
+  if constexpr (xent::detail::has_linear_backend<Exec>::value) {
+    static_assert(!xent::detail::has_linear_backend<Exec>::value,
+                  "xent_torch: xent has a CUDA linear backend now: register it here (see above)");
+  } else {
+    m.impl("linear_cross_entropy_fwd",
+           &linear_unavailable<std::tuple<at::Tensor, at::Tensor>, const at::Tensor&,
+                               const at::Tensor&, const std::optional<at::Tensor>&,
+                               const at::Tensor&, const std::optional<at::Tensor>&, std::int64_t,
+                               std::int64_t, double, double, double>);
+    m.impl(
+        "linear_cross_entropy_bwd",
+        &linear_unavailable<std::tuple<at::Tensor, at::Tensor, at::Tensor>, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                            std::int64_t, std::int64_t, double, double, double>);
+  }
+}
+
+}  // namespace
+}  // namespace xent_torch
+
+TORCH_LIBRARY_FRAGMENT(xent, m) {
+  // The device's counter of out-of-range class ids (int32, 0-d, on that device); see above.
+  m.def("cuda_target_errors(int device) -> Tensor", &xent_torch::cuda_target_errors);
+}
+
+TORCH_LIBRARY_IMPL(xent, CUDA, m) {
+  using xent_torch::cuda_backend;
+  m.impl("cross_entropy_fwd", &xent_torch::cross_entropy_fwd<cuda_backend>);
+  m.impl("cross_entropy_bwd", &xent_torch::cross_entropy_bwd<cuda_backend>);
+  m.impl("cross_entropy_bwd_", &xent_torch::cross_entropy_bwd_inplace<cuda_backend>);
+  xent_torch::register_linear<xent::cuda>(m);
+}
