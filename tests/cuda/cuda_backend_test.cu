@@ -81,6 +81,7 @@ struct spec {
   std::int64_t rows = 7, cols = 1000, ld = 0;  // ld 0: cols
   xent::reduction reduce = xent::reduction::mean;
   float smoothing = 0.0f, z_loss = 0.0f, softcap = 0.0f;
+  float spike = 0.0f;  ///< nonzero: one logit of each row, in its last columns, set to this
   bool weights = false, soft = false, some_ignored = false, all_ignored = false;
   bool in_place = true, argmax = true;
   std::int64_t ignore_index = -100;
@@ -91,7 +92,8 @@ struct spec {
            std::to_string(smoothing) + " z " + std::to_string(z_loss) + " cap " +
            std::to_string(softcap) + (weights ? " weights" : "") + (soft ? " soft" : "") +
            (some_ignored ? " some-ign" : "") + (all_ignored ? " all-ign" : "") +
-           (in_place ? " in-place" : " out-of-place");
+           (in_place ? " in-place" : " out-of-place") + (argmax ? " argmax" : "") +
+           (spike != 0.0f ? " spike " + std::to_string(spike) : "");
   }
 };
 
@@ -110,7 +112,8 @@ void check_spec(const spec& s) {
   pb.logits.resize(N * V);
   for (std::int64_t n = 0; n < N; ++n)
     for (std::int64_t c = 0; c < V; ++c) {
-      logits[n * ld + c] = T(static_cast<float>(normal(rng)));
+      const bool spiked = s.spike != 0.0f && c == V - 1 - n % 7;
+      logits[n * ld + c] = T(spiked ? s.spike : static_cast<float>(normal(rng)));
       pb.logits[n * V + c] = dbl(logits[n * ld + c]);
     }
   std::vector<std::int64_t> targets(N);
@@ -284,6 +287,7 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleAcrossEdgeVocabularySizes) {
       s.rows = N;
       s.cols = V;
       s.seed = static_cast<std::uint64_t>(V * 31 + N);
+      s.argmax = N != 3;  // without argmax, class ids take the kernels without option paths
       check_spec<TypeParam>(s);
     }
 }
@@ -307,6 +311,7 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleForEveryOption) {
               s.soft = soft;
               s.some_ignored = !soft;
               s.in_place = (seed % 2) == 0;
+              s.argmax = (seed % 3) != 0;
               s.seed = seed++;
               check_spec<TypeParam>(s);
             }
@@ -335,6 +340,30 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleOnLargeRowsAndManyRows) {
     s.some_ignored = true;
     check_spec<TypeParam>(s);
   }
+}
+
+// A forward over at least one row per CTA in flight gives each CTA whole rows, streamed in
+// chunks, the chunks after a row's first summed relative to its running max (policy::whole_rows,
+// policy::running_max). A spike in a row's last chunk lies far above that max: 60 leaves every
+// exponential finite (the sum grows to ~2^80), 200 overflows them and the warp takes the max-first
+// sweeps.
+TYPED_TEST(CudaBackend, MatchesFloat64OracleWhenCtasStreamWholeRows) {
+  int device = 0, sms = 0;
+  ok(cudaGetDevice(&device));
+  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  std::uint64_t seed = 7;
+  for (float spike : {0.0f, 60.0f, 200.0f})
+    for (bool options : {false, true}) {
+      spec s;
+      s.rows = 4 * std::int64_t{sms} + 5;  // more than a row per CTA at up to four CTAs per SM
+      s.cols = 50000;                      // four or seven 32 KiB chunks
+      s.spike = spike;
+      s.argmax = options;
+      s.smoothing = options ? 0.1f : 0.0f;
+      s.some_ignored = true;
+      s.seed = seed++;
+      check_spec<TypeParam>(s);
+    }
 }
 
 TEST(CudaBackendSemantics, AllIgnoredGivesNanMeanZeroSumAndZeroGradient) {

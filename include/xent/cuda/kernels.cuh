@@ -116,6 +116,41 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
                                             std::int64_t n, std::int64_t base, Part& acc) {
   using shape = tile_shape<T, Regs, Block>;
   constexpr int vec = shape::vec;
+  // The chunk's sum of exponentials relative to `shift` (log2 units), two chains of additions.
+  auto exp_sum = [&](float shift) {
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll(policy::stats_unroll)
+    for (int r = 0; r < Regs; ++r) {
+      if (!shape::has(r, count)) continue;
+      const vec_t<T, vec> v = shape::template fetch<Plain>(chunk, count, r);
+#pragma unroll
+      for (int e = 0; e < vec; ++e) {
+        if (Plain || e < shape::valid(r, count)) {
+          const float p = fast_exp2(fmaf(capped<Plain>(v.v[e], a.k), log2e, -shift));
+          if (e % 2)
+            s1 += p;
+          else
+            s0 += p;
+        }
+      }
+    }
+    return s0 + s1;
+  };
+  if constexpr (Plain && policy::running_max) {
+    // A chunk after its row's first (a streamed row): one sweep, relative to the row's running
+    // max, which the first chunk set (lanes share it). Elements above that max give
+    // exponentials above 1, harmless unless one or the sum overflows; then (or on a NaN) the
+    // warp takes the max-first sweeps below. The max sweep skipped is an eighth of the
+    // instructions of a bf16 chunk's statistics.
+    const float running = stats_of(acc).lse.max;
+    if (running != -HUGE_VALF) {
+      const float s = exp_sum(running * log2e);
+      if (!__any_sync(0xffffffffu, !(s <= 3.402823466e38f))) {
+        stats_of(acc).lse.sum += s;
+        return;
+      }
+    }
+  }
   float m;
   if constexpr (Plain) {  // packed max over the raw values, the tail masked to -inf
     vec_t<T, 2> acc2[2];
@@ -142,24 +177,7 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
     }
   }
   m = warp_max(m);
-  const float shift = m == -HUGE_VALF ? 0.0f : m * log2e;
-  float s0 = 0.0f, s1 = 0.0f;  // two chains of additions, for latency
-#pragma unroll(policy::stats_unroll)
-  for (int r = 0; r < Regs; ++r) {
-    if (!shape::has(r, count)) continue;
-    const vec_t<T, vec> v = shape::template fetch<Plain>(chunk, count, r);
-#pragma unroll
-    for (int e = 0; e < vec; ++e) {
-      if (Plain || e < shape::valid(r, count)) {
-        const float p = fast_exp2(fmaf(capped<Plain>(v.v[e], a.k), log2e, -shift));
-        if (e % 2)
-          s1 += p;
-        else
-          s0 += p;
-      }
-    }
-  }
-  stats_of(acc).lse.merge(online_lse::of_block(m, s0 + s1));
+  stats_of(acc).lse.merge(online_lse::of_block(m, exp_sum(m == -HUGE_VALF ? 0.0f : m * log2e)));
   if constexpr (!Plain) {
     if (Tgt::soft || a.k.smooth != 0.0f) {
       float dot = 0.0f, mass = 0.0f;

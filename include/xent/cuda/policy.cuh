@@ -21,6 +21,9 @@
 #ifndef XENT_CUDA_CHUNK_KIB
 #define XENT_CUDA_CHUNK_KIB 32
 #endif
+#ifndef XENT_CUDA_RUNNING_MAX  // 0: every chunk takes a max sweep before its exponentials
+#define XENT_CUDA_RUNNING_MAX 1
+#endif
 #ifndef XENT_CUDA_WHOLE_ROWS  // forward: rows per CTA in flight from which a CTA streams whole rows
 #define XENT_CUDA_WHOLE_ROWS 1
 #endif
@@ -80,6 +83,9 @@ struct policy {
   /// for another: a row cut over a cluster makes its CTAs meet once per row, and the forward has
   /// no gradient sweep to hide that round trip behind.
   static constexpr int whole_rows = XENT_CUDA_WHOLE_ROWS;
+  /// Whether a streamed row's chunks after its first take their exponentials relative to the
+  /// row's running max in one sweep (no max sweep; see chunk_stats).
+  static constexpr bool running_max = XENT_CUDA_RUNNING_MAX != 0;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
