@@ -228,8 +228,8 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
         const std::int64_t nb = std::min(c.plan.dw_block, V - v0);
         gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, nb, n, x, c.hidden.ld, grad + v0, ld, 0.0f,
              acc, CUDA_R_32F, sizeof(float), D);
-        launch_rows_kernel(add_rounded_op<DG>{acc, D, c.d_weight.row(v0), c.d_weight.ld, first},
-                           nb, D, s);
+        launch_rows_kernel(add_rounded_op<DG>{acc, D, c.d_weight.row(v0), c.d_weight.ld, first}, nb,
+                           D, s);
       }
     }
   }
@@ -240,14 +240,14 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
   }
   if (c.d_hidden.data) {
     if constexpr (linear_call<T, G>::float_grads) {
-      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld,
-           0.0f, c.d_hidden.row(r0), CUDA_R_32F, sizeof(float), c.d_hidden.ld);
+      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld, 0.0f,
+           c.d_hidden.row(r0), CUDA_R_32F, sizeof(float), c.d_hidden.ld);
     } else {
       // A float C, rounded once into d_hidden: cuBLAS may reduce split-K partial sums (K = V
       // here) in C's dtype when C is bf16 / fp16.
       float* dx = c.template buffer<float>(c.plan.dx);
-      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld,
-           0.0f, dx, CUDA_R_32F, sizeof(float), D);
+      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld, 0.0f,
+           dx, CUDA_R_32F, sizeof(float), D);
       launch_rows_kernel(round_op<DG>{dx, D, c.d_hidden.row(r0), c.d_hidden.ld}, n, D, s);
     }
   }
@@ -268,8 +268,8 @@ void finish_grads(const linear_call<T, G>& c) {
   }
   if constexpr (!linear_call<T, G>::float_grads) {
     if (c.d_weight.data && c.plan.dw_block == 0 && c.dw_accumulator())
-      launch_rows_kernel(round_op<DG>{c.dw_accumulator(), D, c.d_weight.data, c.d_weight.ld}, V,
-                         D, s);
+      launch_rows_kernel(round_op<DG>{c.dw_accumulator(), D, c.d_weight.data, c.d_weight.ld}, V, D,
+                         s);
     if (c.d_bias) launch_rows_kernel(round_op<DG>{c.db_sum(), V, c.d_bias, V}, 1, V, s);
   }
   check_cuda(c.blas.fn(), cudaGetLastError());
@@ -278,8 +278,9 @@ void finish_grads(const linear_call<T, G>& c) {
 /// Sizes cuBLAS takes as int.
 inline void require_int(const char* fn, const char* arg, std::int64_t v) {
   if (v > INT_MAX)
-    throw error(fn, arg, "has a size or leading dimension of " + std::to_string(v) +
-                             ", more than cuBLAS's int (" + std::to_string(INT_MAX) + ")");
+    throw error(fn, arg,
+                "has a size or leading dimension of " + std::to_string(v) +
+                    ", more than cuBLAS's int (" + std::to_string(INT_MAX) + ")");
 }
 
 template <linear_mode Mode, class T, class G, class Tgt>
@@ -307,20 +308,19 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
   const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(ws.data);
   const std::uintptr_t aligned =
       (address + linear_alignment - 1) / linear_alignment * linear_alignment;
-  const linear_call<T, G> c{
-      exec,
-      blas,
-      {reinterpret_cast<const DT*>(hidden.data), N, D, hidden.ld},
-      {reinterpret_cast<const DT*>(weight.data), V, D, weight.ld},
-      reinterpret_cast<const DT*>(bias.data),
-      {reinterpret_cast<DG*>(grads.d_hidden.data), grads.d_hidden.rows, grads.d_hidden.cols,
-       grads.d_hidden.ld},
-      {reinterpret_cast<DG*>(grads.d_weight.data), grads.d_weight.rows, grads.d_weight.cols,
-       grads.d_weight.ld},
-      reinterpret_cast<DG*>(grads.d_bias.data),
-      opts.accumulate,
-      plan,
-      static_cast<char*>(ws.data) + (aligned - address)};
+  const linear_call<T, G> c{exec,
+                            blas,
+                            {reinterpret_cast<const DT*>(hidden.data), N, D, hidden.ld},
+                            {reinterpret_cast<const DT*>(weight.data), V, D, weight.ld},
+                            reinterpret_cast<const DT*>(bias.data),
+                            {reinterpret_cast<DG*>(grads.d_hidden.data), grads.d_hidden.rows,
+                             grads.d_hidden.cols, grads.d_hidden.ld},
+                            {reinterpret_cast<DG*>(grads.d_weight.data), grads.d_weight.rows,
+                             grads.d_weight.cols, grads.d_weight.ld},
+                            reinterpret_cast<DG*>(grads.d_bias.data),
+                            opts.accumulate,
+                            plan,
+                            static_cast<char*>(ws.data) + (aligned - address)};
   const cudaStream_t stream = exec.stream;
   const auto dt = device_targets(targets);
 
@@ -339,15 +339,15 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
   options core = opts;
   core.reduce = reduction::none;
   const cuda core_exec{stream, nullptr, 0, exec.error_count, nullptr};
-  const bool want_loss = Mode != linear_mode::backward && out.loss && opts.reduce != reduction::none;
+  const bool want_loss =
+      Mode != linear_mode::backward && out.loss && opts.reduce != reduction::none;
   const bool want_correct = Mode != linear_mode::backward && out.num_correct;
-  float* row_loss = out.row_loss.data ? out.row_loss.data
-                                      : (want_loss ? c.template buffer<float>(plan.row_loss)
-                                                   : nullptr);
-  std::int64_t* argmax = out.argmax.data
-                             ? out.argmax.data
-                             : (want_correct ? c.template buffer<std::int64_t>(plan.argmax)
-                                             : nullptr);
+  float* row_loss = out.row_loss.data
+                        ? out.row_loss.data
+                        : (want_loss ? c.template buffer<float>(plan.row_loss) : nullptr);
+  std::int64_t* argmax =
+      out.argmax.data ? out.argmax.data
+                      : (want_correct ? c.template buffer<std::int64_t>(plan.argmax) : nullptr);
 
   for (std::int64_t r0 = 0; r0 < N; r0 += plan.chunk_rows) {
     const std::int64_t n = std::min(plan.chunk_rows, N - r0);
@@ -411,9 +411,9 @@ struct linear_traits<cuda> {
   static void forward(const cuda& exec, matrix_view<const T> hidden, matrix_view<const T> weight,
                       vector_view<const T> bias, const Tgt& targets, const linear_options& opts,
                       const forward_outputs& out, const linear_workspace& ws) {
-    cuda_detail::run_linear<cuda_detail::linear_mode::forward>(
-        "xent::linear_forward", exec, hidden, weight, bias, targets, opts, nullptr, {}, out,
-        linear_grads<T>{}, ws);
+    cuda_detail::run_linear<cuda_detail::linear_mode::forward>("xent::linear_forward", exec, hidden,
+                                                               weight, bias, targets, opts, nullptr,
+                                                               {}, out, linear_grads<T>{}, ws);
   }
 
   template <class T, class Tgt, class G>
@@ -422,9 +422,9 @@ struct linear_traits<cuda> {
                                const Tgt& targets, const linear_options& opts, const upstream& up,
                                const forward_outputs& out, const linear_grads<G>& grads,
                                const linear_workspace& ws) {
-    cuda_detail::run_linear<cuda_detail::linear_mode::fused>("xent::linear_forward_backward",
-                                                             exec, hidden, weight, bias, targets,
-                                                             opts, &up, {}, out, grads, ws);
+    cuda_detail::run_linear<cuda_detail::linear_mode::fused>("xent::linear_forward_backward", exec,
+                                                             hidden, weight, bias, targets, opts,
+                                                             &up, {}, out, grads, ws);
   }
 
   template <class T, class Tgt, class G>
@@ -432,10 +432,9 @@ struct linear_traits<cuda> {
                        vector_view<const T> bias, const Tgt& targets, const linear_options& opts,
                        vector_view<const float> lse, const upstream& up,
                        const linear_grads<G>& grads, const linear_workspace& ws) {
-    cuda_detail::run_linear<cuda_detail::linear_mode::backward>("xent::linear_backward", exec,
-                                                                hidden, weight, bias, targets,
-                                                                opts, &up, lse, forward_outputs{},
-                                                                grads, ws);
+    cuda_detail::run_linear<cuda_detail::linear_mode::backward>(
+        "xent::linear_backward", exec, hidden, weight, bias, targets, opts, &up, lse,
+        forward_outputs{}, grads, ws);
   }
 };
 
