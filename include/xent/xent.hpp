@@ -18,7 +18,8 @@
 //   xent::vocab_parallel_forward_backward(exec, group, logits_shard, shard, targets, opts,
 //                                         upstream, outputs, grad_shard);
 //
-// exec is xent::cpu{threads} (always available) or, when compiled by nvcc, xent::cuda{stream}.
+// exec is xent::cpu{threads} (always available) or, when compiled by nvcc, xent::cuda{stream}
+// (with a cuBLAS handle, xent::cuda::cublas, for the linear calls).
 #pragma once
 
 #include "backend.hpp"
@@ -43,4 +44,8 @@
 
 #if defined(__CUDACC__)
 #include "cuda/backend.cuh"
+// Fused linear cross-entropy on CUDA needs cuBLAS's header (and, when called, its library).
+#if __has_include(<cublas_v2.h>)
+#include "cuda/linear.cuh"
+#endif
 #endif

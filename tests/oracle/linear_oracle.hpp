@@ -22,7 +22,8 @@ struct linear_problem {
 };
 
 struct linear_result {
-  result ce;  ///< the cross-entropy oracle on the logits
+  result ce;                   ///< the cross-entropy oracle on the logits
+  std::vector<double> logits;  ///< N x V: x · wᵀ + b, before any softcap
   /// N x V: sum_d |x_nd w_vd| + |b_v|, the size of the terms each logit sums (a float GEMM errs
   /// by a few ulps of it per term).
   std::vector<double> logit_magnitude;
@@ -45,6 +46,7 @@ inline linear_result evaluate_linear(linear_problem pb, const upstream* up = nul
       pb.ce.logits[n * V + v] = z;
       r.logit_magnitude[n * V + v] = m;
     }
+  r.logits = pb.ce.logits;
   r.ce = evaluate(pb.ce, up);
   if (!up) return r;
   r.dx.assign(N * D, 0.0);

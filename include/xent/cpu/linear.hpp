@@ -22,6 +22,7 @@
 #include "../backend.hpp"
 #include "../linear/backend.hpp"
 #include "../linear/options.hpp"
+#include "../linear/plan.hpp"
 #include "../loss_math.hpp"
 #include "../options.hpp"
 #include "../targets.hpp"
@@ -44,22 +45,6 @@ using const_row_vector_map = Eigen::Map<const Eigen::RowVectorXf>;
 /// Below this many multiply-adds per GEMM phase one thread does it: starting threads costs tens
 /// of microseconds.
 constexpr std::int64_t linear_min_parallel_flops = std::int64_t{1} << 20;
-
-template <class U>
-vector_view<U> rows_slice(const vector_view<U>& v, std::int64_t r0, std::int64_t n) {
-  return v.data ? vector_view<U>(v.data + r0, n) : vector_view<U>{};
-}
-
-template <class I>
-vector_view<const I> target_rows(const vector_view<const I>& targets, std::int64_t r0,
-                                 std::int64_t n) {
-  return {targets.data + r0, n};
-}
-
-template <class S>
-soft_targets<S> target_rows(const soft_targets<S>& targets, std::int64_t r0, std::int64_t n) {
-  return {matrix_view<const S>(targets.probs.row(r0), n, targets.probs.cols, targets.probs.ld)};
-}
 
 /// One call: its operands, its plan and the workspace's buffers.
 template <class T, class G>
@@ -284,18 +269,18 @@ void run_linear(const char* fn, const cpu& exec, matrix_view<const T> hidden,
     rows_map logits(chunk.data, n, V, Eigen::OuterStride<>(V));
     chunk_logits(c, x, logits, bias_f);
 
-    const auto chunk_targets = target_rows(targets, r0, n);
+    const auto chunk_targets = detail::target_rows(targets, r0, n);
     upstream chunk_up = row_up;
-    if (up) chunk_up.rows = rows_slice(up->rows, r0, n);
+    if (up) chunk_up.rows = detail::rows_slice(up->rows, r0, n);
     if constexpr (Mode == linear_mode::backward) {
       backend_traits<cpu>::backward(exec, matrix_view<const float>(chunk), chunk_targets, core,
-                                    rows_slice(lse, r0, n), chunk_up, chunk);
+                                    detail::rows_slice(lse, r0, n), chunk_up, chunk);
     } else {
       forward_outputs o;
-      o.row_loss = out.row_loss.data ? rows_slice(out.row_loss, r0, n)
+      o.row_loss = out.row_loss.data ? detail::rows_slice(out.row_loss, r0, n)
                                      : vector_view<float>(c.buffer(c.plan.row_loss), n);
-      o.lse = rows_slice(out.lse, r0, n);
-      o.argmax = rows_slice(out.argmax, r0, n);
+      o.lse = detail::rows_slice(out.lse, r0, n);
+      o.argmax = detail::rows_slice(out.argmax, r0, n);
       std::int64_t chunk_correct = 0;
       if (out.num_correct) o.num_correct = &chunk_correct;
       if constexpr (Mode == linear_mode::fused)

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "../linear/options.hpp"
+#include "../linear/plan.hpp"
 #include "cpu.hpp"
 #include "parallel.hpp"
 
@@ -83,15 +84,9 @@ linear_plan make_linear_plan(const cpu& exec, const linear_shape& s, linear_pass
 template <class T, class G>
 linear_plan plan_linear(const cpu& exec, const linear_shape& s, linear_pass pass,
                         dw_accumulation accumulate, std::size_t budget) {
-  std::int64_t lo = 1, hi = std::max<std::int64_t>(s.rows, 1);
-  while (lo < hi) {  // the largest chunk whose plan fits; bytes grow with the chunk
-    const std::int64_t mid = lo + (hi - lo + 1) / 2;
-    if (make_linear_plan<T, G>(exec, s, pass, accumulate, mid).bytes <= budget)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return make_linear_plan<T, G>(exec, s, pass, accumulate, lo);
+  return detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t rows) {
+    return make_linear_plan<T, G>(exec, s, pass, accumulate, rows);
+  });
 }
 
 }  // namespace cpu_detail

@@ -6,6 +6,10 @@
 #include <cstddef>
 #include <cstdint>
 
+// cuBLAS's handle type (cublasHandle_t is `cublasContext*`), declared here so that the execution
+// object carries one without every user of the cross-entropy core including cuBLAS.
+struct cublasContext;
+
 namespace xent {
 
 /// Runs on the GPU of the current device, in `stream`. Every call only enqueues work: nothing
@@ -19,11 +23,19 @@ namespace xent {
 /// `error_count`, when given, is a device int that every call adds the number of rows whose class
 /// id is outside [0, V) and not ignore_index to. Such a row never reads or writes out of bounds:
 /// its loss and LSE are NaN, its gradient row zero, and it is left out of the mean's normaliser.
+///
+/// `cublas` is the caller's cuBLAS handle, which fused linear cross-entropy (linear.hpp,
+/// cuda/linear.cuh) needs for its GEMMs and nothing else uses; xent never creates one. Bind it to
+/// `stream` (cublasSetStream) before the call: a handle bound to another stream is switched to
+/// `stream` for the call and back afterwards, and cuBLAS resets a handle's workspace to its default
+/// pool whenever its stream is set. The GEMMs use the handle's own workspace (cublasSetWorkspace;
+/// set one for CUDA graph capture, as cuBLAS advises).
 struct cuda {
   cudaStream_t stream = nullptr;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   int* error_count = nullptr;
+  cublasContext* cublas = nullptr;
 };
 
 namespace cuda_detail {

@@ -1,0 +1,268 @@
+// xent_bench_cuda_linear: fused linear cross-entropy on CUDA (xent::linear_forward,
+// xent::linear_forward_backward) against the GEMM floor measured by this binary in this run.
+//
+// Lines (manual time from CUDA events; bf16 hidden, weight and gradients; class ids, mean):
+//   gemm_floor_forward/NxDxV    X · Wᵀ alone (cublasGemmEx, bf16 in and out, float accumulation)
+//   gemm_floor_training/NxDxV   X · Wᵀ, then G · W and Gᵀ · X on that output as G: the three GEMMs
+//                               of a training step, nothing else, each over all N rows at once
+//   linear_forward/NxDxV        loss + LSE
+//   linear_forward_backward/NxDxV   loss, d_hidden, d_weight (dw_accumulation::fp32)
+// Counters:
+//   floor_ratio     this line's time / its floor line's time (the issue's targets: <= 1.03 for
+//                   forward, <= 1.05 for forward_backward)
+//   TFLOPs          2 N V D (forward) or 6 N V D (training) per second
+//   chunk_rows      rows per chunk of the workspace used
+//   extra_MiB       device memory a call needs beyond its inputs: workspace + gradients (+ the
+//                   outputs' O(N) floats)
+// The workspace is the one-row minimum plus 256 MiB of chunk room (the default budget is spent on
+// chunk room only once the fixed buffers, e.g. the V x D float d_weight accumulator, are paid).
+#include <benchmark/benchmark.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <xent/xent.hpp>
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+void check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "%s: %s\n", what, cublasGetStatusString(s));
+    std::exit(1);
+  }
+}
+
+using bf16 = __nv_bfloat16;
+
+/// Values from a hash of the index, scaled: hidden ~ U(-1, 1), weight ~ U(-1, 1) / sqrt(D), so
+/// the logits have a spread like a trained head's.
+__global__ void fill_kernel(bf16* out, std::int64_t n, std::uint64_t seed, float scale) {
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::int64_t{gridDim.x} * blockDim.x) {
+    std::uint64_t h = (static_cast<std::uint64_t>(i) + seed) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    out[i] =
+        __float2bfloat16_rn((static_cast<float>(h >> 40) * (2.0f / 16777216.0f) - 1.0f) * scale);
+  }
+}
+
+__global__ void targets_kernel(std::int64_t* out, std::int64_t n, std::int64_t classes) {
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::int64_t{gridDim.x} * blockDim.x)
+    out[i] = static_cast<std::int64_t>((static_cast<std::uint64_t>(i) * 2654435761ull) % classes);
+}
+
+struct shape {
+  std::int64_t n, d, v;
+};
+
+/// One shape's device buffers, its events and the process's cuBLAS handle.
+struct problem {
+  shape s;
+  bf16 *x = nullptr, *w = nullptr, *dx = nullptr, *dw = nullptr, *logits = nullptr;
+  std::int64_t* targets = nullptr;
+  float *loss = nullptr, *lse = nullptr;
+  void* ws = nullptr;
+  std::size_t ws_bytes = 0;
+  std::int64_t chunk_rows = 0;
+  cudaEvent_t start{}, stop{};
+  cublasHandle_t handle{};
+
+  problem(const shape& s_, bool training, bool floor) : s(s_) {
+    const auto N = static_cast<std::size_t>(s.n), D = static_cast<std::size_t>(s.d),
+               V = static_cast<std::size_t>(s.v);
+    check(cudaMalloc(&x, sizeof(bf16) * N * D), "malloc x");
+    check(cudaMalloc(&w, sizeof(bf16) * V * D), "malloc w");
+    fill_kernel<<<4096, 256>>>(x, s.n * s.d, 1, 1.0f);
+    fill_kernel<<<4096, 256>>>(w, s.v * s.d, 2, 1.0f / std::sqrt(static_cast<float>(s.d)));
+    check(cudaMalloc(&targets, sizeof(std::int64_t) * N), "malloc targets");
+    targets_kernel<<<1024, 256>>>(targets, s.n, s.v);
+    check(cudaMalloc(&loss, sizeof(float)), "malloc loss");
+    check(cudaMalloc(&lse, sizeof(float) * N), "malloc lse");
+    if (training) {
+      check(cudaMalloc(&dx, sizeof(bf16) * N * D), "malloc dx");
+      check(cudaMalloc(&dw, sizeof(bf16) * V * D), "malloc dw");
+    }
+    if (floor) {
+      check(cudaMalloc(&logits, sizeof(bf16) * N * V), "malloc logits");
+    } else {
+      const xent::cuda exec;
+      const auto pass = training ? xent::linear_pass::training : xent::linear_pass::forward;
+      const auto least = xent::linear_workspace_size<bf16>(exec, {s.n, s.d, s.v}, pass, {}, 0);
+      const auto plan = xent::linear_workspace_size<bf16>(exec, {s.n, s.d, s.v}, pass, {},
+                                                          least.minimal + (std::size_t{256} << 20));
+      ws_bytes = plan.bytes;
+      chunk_rows = plan.chunk_rows;
+      check(cudaMalloc(&ws, ws_bytes), "malloc workspace");
+    }
+    check(cudaEventCreate(&start), "event");
+    check(cudaEventCreate(&stop), "event");
+    check(cublasCreate(&handle), "cublasCreate");
+    check(cudaDeviceSynchronize(), "fill");
+  }
+  ~problem() {
+    for (void* p : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(dx),
+                    static_cast<void*>(dw), static_cast<void*>(logits), static_cast<void*>(targets),
+                    static_cast<void*>(loss), static_cast<void*>(lse), ws})
+      cudaFree(p);
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    cublasDestroy(handle);
+  }
+  problem(const problem&) = delete;
+  problem& operator=(const problem&) = delete;
+
+  /// Device seconds of `work`, between two events.
+  template <class Work>
+  double timed(Work&& work) {
+    check(cudaEventRecord(start), "record");
+    work();
+    check(cudaEventRecord(stop), "record");
+    check(cudaEventSynchronize(stop), "sync");
+    float ms = 0.0f;
+    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    return ms * 1e-3;
+  }
+
+  /// C (m x n, column-major) = op_a(A) op_b(B), bf16 in and out, float accumulation: the GEMMs a
+  /// framework would call.
+  void gemm(cublasOperation_t op_a, cublasOperation_t op_b, std::int64_t m, std::int64_t n,
+            std::int64_t k, const bf16* a, std::int64_t lda, const bf16* b, std::int64_t ldb,
+            bf16* c, std::int64_t ldc) {
+    const float alpha = 1.0f, beta = 0.0f;
+    check(cublasGemmEx(handle, op_a, op_b, static_cast<int>(m), static_cast<int>(n),
+                       static_cast<int>(k), &alpha, a, CUDA_R_16BF, static_cast<int>(lda), b,
+                       CUDA_R_16BF, static_cast<int>(ldb), &beta, c, CUDA_R_16BF,
+                       static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "cublasGemmEx");
+  }
+};
+
+std::string name(const shape& s) {
+  return std::to_string(s.n) + "x" + std::to_string(s.d) + "x" + std::to_string(s.v);
+}
+
+/// Best seconds per call of each floor line, for floor_ratio (keyed "forward/NxDxV" etc.).
+std::map<std::string, double>& floors() {
+  static std::map<std::string, double> table;
+  return table;
+}
+
+void report(benchmark::State& state, const std::string& key, double best, double flops) {
+  state.counters["TFLOPs"] = flops / best * 1e-12;
+  const auto it = floors().find(key);
+  if (it != floors().end()) state.counters["floor_ratio"] = best / it->second;
+}
+
+void floor_line(benchmark::State& state, shape s, bool training) {
+  problem p(s, training, true);
+  const std::int64_t N = s.n, D = s.d, V = s.v;
+  auto work = [&] {
+    // L (N x V) = X · Wᵀ; as G: dX = G · W, dW = Gᵀ · X (row-major, as cuda/linear.cuh maps them).
+    p.gemm(CUBLAS_OP_T, CUBLAS_OP_N, V, N, D, p.w, D, p.x, D, p.logits, V);
+    if (training) {
+      p.gemm(CUBLAS_OP_N, CUBLAS_OP_N, D, N, V, p.w, D, p.logits, V, p.dx, D);
+      p.gemm(CUBLAS_OP_N, CUBLAS_OP_T, D, V, N, p.x, D, p.logits, V, p.dw, D);
+    }
+  };
+  work();  // warm-up: cuBLAS's heuristics and module loads
+  double best = 1e30;
+  for (auto _ : state) {
+    const double t = p.timed(work);
+    best = std::min(best, t);
+    state.SetIterationTime(t);
+  }
+  floors()[std::string(training ? "training/" : "forward/") + name(s)] = best;
+  report(state, "", best, (training ? 6.0 : 2.0) * N * D * V);
+  state.counters["extra_MiB"] =
+      static_cast<double>(sizeof(bf16)) * (N * V + (training ? N * D + V * D : 0)) / (1 << 20);
+}
+
+void xent_line(benchmark::State& state, shape s, bool training) {
+  problem p(s, training, false);
+  const std::int64_t N = s.n, D = s.d, V = s.v;
+  xent::cuda exec;
+  exec.cublas = p.handle;
+  xent::linear_options opts;
+  xent::forward_outputs out;
+  out.loss = p.loss;
+  out.lse = {p.lse, N};
+  const xent::matrix_view<const bf16> X(p.x, N, D), W(p.w, V, D);
+  const xent::vector_view<const std::int64_t> y(p.targets, N);
+  xent::linear_grads<bf16> grads;
+  grads.d_hidden = {p.dx, N, D};
+  grads.d_weight = {p.dw, V, D};
+  const xent::linear_workspace ws{p.ws, p.ws_bytes};
+  auto work = [&] {
+    if (training)
+      xent::linear_forward_backward(exec, X, W, xent::vector_view<const bf16>{}, y, opts,
+                                    xent::upstream{}, out, grads, ws);
+    else
+      xent::linear_forward(exec, X, W, xent::vector_view<const bf16>{}, y, opts, out, ws);
+  };
+  work();  // warm-up
+  check(cudaDeviceSynchronize(), "warm-up");
+  double best = 1e30;
+  for (auto _ : state) {
+    const double t = p.timed(work);
+    best = std::min(best, t);
+    state.SetIterationTime(t);
+  }
+  float loss = 0.0f;
+  check(cudaMemcpy(&loss, p.loss, sizeof(float), cudaMemcpyDeviceToHost), "loss");
+  if (!std::isfinite(loss)) state.SkipWithError("loss is not finite");
+  report(state, std::string(training ? "training/" : "forward/") + name(s), best,
+         (training ? 6.0 : 2.0) * N * D * V);
+  state.counters["chunk_rows"] = static_cast<double>(p.chunk_rows);
+  state.counters["extra_MiB"] =
+      (static_cast<double>(p.ws_bytes) +
+       (training ? static_cast<double>(sizeof(bf16)) * (N * D + V * D) : 0.0) + 4.0 * (N + 1)) /
+      (1 << 20);
+}
+
+const shape shapes[] = {{1024, 1024, 32000}, {8192, 4096, 128256}, {16384, 2304, 256000}};
+
+void register_all() {
+  for (const shape& s : shapes)
+    for (bool training : {false, true}) {
+      const std::string suffix = name(s);
+      // Floors first: each xent line's ratio reads its floor's best time.
+      benchmark::RegisterBenchmark(
+          (std::string(training ? "gemm_floor_training/" : "gemm_floor_forward/") + suffix).c_str(),
+          [s, training](benchmark::State& st) { floor_line(st, s, training); })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(10);
+      benchmark::RegisterBenchmark(
+          (std::string(training ? "linear_forward_backward/" : "linear_forward/") + suffix).c_str(),
+          [s, training](benchmark::State& st) { xent_line(st, s, training); })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(10);
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

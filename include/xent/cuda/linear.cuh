@@ -1,0 +1,441 @@
+// linear_traits<cuda>: fused linear cross-entropy on the GPU, with the caller's cuBLAS handle.
+//
+// Rows are taken a chunk at a time (as many as the workspace holds, linear_plan.cuh). Before the
+// chunks one small kernel sums the mean's normaliser W over the whole call and writes each row's
+// upstream gradient (scale / W for mean, scale for sum) on the device, so nothing waits on the
+// host. For a chunk X_c of hidden rows, every step on exec.stream:
+//   1. L = X_c · Wᵀ (+ b) by cublasGemmEx into the workspace, in the inputs' dtype T with float
+//      accumulation (tensor cores for bf16 / fp16). Logits in T, as PyTorch eager keeps them:
+//      half the bytes of float logits for the core to read and write and for chunk room, and the
+//      gradient GEMMs take their tensor-core inputs in T anyway. The cost is one rounding of each
+//      logit to T; the core then works in float on those values. The bias, when given, is
+//      broadcast into L first and the GEMM adds to it (beta = 1): one rounding of the sum;
+//   2. the cross-entropy core (backend_traits<cuda>) on L as reduction none with the rows'
+//      upstream gradients, writing the logit gradient G over L in place (rounded once to T); the
+//      loss math lives there only;
+//   3. d_weight += Gᵀ · X_c with a float C (the caller's float d_weight, or the float accumulator
+//      of dw_accumulation::fp32), or in d_weight's own dtype (dw_accumulation::output: rounded once
+//      per chunk); d_bias += column sums of G in float; d_hidden rows = G · W with a float C,
+//      rounded once into d_hidden when it is not float.
+// The first chunk's GEMMs write (beta = 0) and later ones add (beta = 1), so nothing is zeroed
+// first. After the chunks: the float accumulators are rounded into d_weight / d_bias, and one CTA
+// sums the row losses (a fixed order: deterministic) into the reduced loss and counts num_correct.
+//
+// GEMMs: bf16 / fp16 inputs with CUBLAS_COMPUTE_32F; float inputs with CUBLAS_COMPUTE_32F_PEDANTIC,
+// so a handle whose math mode allows TF32 still computes float GEMMs in float (TF32 is not
+// offered). Split-K partial sums of a logits GEMM whose C is bf16 / fp16 may be reduced in that
+// dtype when the handle allows reduced-precision reductions (cuBLAS's default); at the shapes of a
+// language-model head (M = V in the hundred thousands) cuBLAS has tiles enough not to split K.
+//
+// Overlap: the issue asks that one chunk's cross-entropy pass overlap the next chunk's GEMMs.
+// With the one stream of the execution object every launch waits for the previous one; a second
+// stream would need the caller to lend it and a pair of events (xent creates neither in a call),
+// and two logits buffers in the workspace. Not done yet: each chunk's steps run back to back.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "../backend.hpp"
+#include "../error.hpp"
+#include "../linear/backend.hpp"
+#include "../linear/options.hpp"
+#include "../linear/plan.hpp"
+#include "../options.hpp"
+#include "../targets.hpp"
+#include "../views.hpp"
+#include "backend.cuh"
+#include "cuda.cuh"
+#include "dtype.cuh"
+#include "linear_kernels.cuh"
+#include "linear_plan.cuh"
+
+namespace xent {
+
+/// A cuBLAS call failed while enqueueing work.
+class cublas_error : public std::runtime_error {
+ public:
+  cublas_error(const char* fn, cublasStatus_t s)
+      : std::runtime_error(std::string(fn) + ": cuBLAS error: " + cublasGetStatusString(s)),
+        code_(s) {}
+  cublasStatus_t code() const noexcept { return code_; }
+
+ private:
+  cublasStatus_t code_;
+};
+
+namespace cuda_detail {
+
+inline void check_cublas(const char* fn, cublasStatus_t s) {
+  if (s != CUBLAS_STATUS_SUCCESS) throw cublas_error(fn, s);
+}
+
+template <class T>
+constexpr cudaDataType_t cublas_type() {
+  if constexpr (std::is_same<T, float>::value)
+    return CUDA_R_32F;
+  else if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    return CUDA_R_16BF;
+  else
+    return CUDA_R_16F;
+}
+
+/// The handle set up for a call: bound to exec.stream with host-side alpha / beta, the caller's
+/// stream and pointer mode restored when the call ends (also by an exception).
+class cublas_scope {
+ public:
+  cublas_scope(const char* fn, const cuda& exec) : fn_(fn), handle_(exec.cublas) {
+    check_cublas(fn, cublasGetStream(handle_, &stream_));
+    check_cublas(fn, cublasGetPointerMode(handle_, &mode_));
+    if (stream_ != exec.stream) check_cublas(fn, cublasSetStream(handle_, exec.stream));
+    restore_stream_ = stream_ != exec.stream;
+    if (mode_ != CUBLAS_POINTER_MODE_HOST)
+      check_cublas(fn, cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST));
+  }
+  ~cublas_scope() {  // no throwing from here: a failure to restore leaves the handle as it is
+    if (restore_stream_) cublasSetStream(handle_, stream_);
+    if (mode_ != CUBLAS_POINTER_MODE_HOST) cublasSetPointerMode(handle_, mode_);
+  }
+  cublas_scope(const cublas_scope&) = delete;
+  cublas_scope& operator=(const cublas_scope&) = delete;
+
+  cublasHandle_t handle() const { return handle_; }
+  const char* fn() const { return fn_; }
+
+ private:
+  const char* fn_;
+  cublasHandle_t handle_;
+  cudaStream_t stream_ = nullptr;
+  cublasPointerMode_t mode_ = CUBLAS_POINTER_MODE_HOST;
+  bool restore_stream_ = false;
+};
+
+/// C (m x n, column-major, ldc) = op_a(A) · op_b(B) + beta C with A and B of dtype AB and C of
+/// dtype `c_type`, accumulated in float. Row-major views are column-major transposes, so the
+/// callers below pass row-major operands with their roles swapped.
+template <class AB>
+void gemm(const cublas_scope& blas, cudaStream_t stream, cublasOperation_t op_a,
+          cublasOperation_t op_b, std::int64_t m, std::int64_t n, std::int64_t k, const AB* a,
+          std::int64_t lda, const AB* b, std::int64_t ldb, float beta, void* c,
+          cudaDataType_t c_type, std::size_t c_size, std::int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // no products (D = 0): C = beta C; cuBLAS is not asked about empty inner sums
+    if (beta == 0.0f)
+      check_cuda(blas.fn(), cudaMemset2DAsync(c, static_cast<std::size_t>(ldc) * c_size, 0,
+                                              static_cast<std::size_t>(m) * c_size,
+                                              static_cast<std::size_t>(n), stream));
+    return;
+  }
+  const float alpha = 1.0f;
+  const cublasComputeType_t compute =
+      std::is_same<AB, float>::value ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+  auto i = [](std::int64_t v) { return static_cast<int>(std::max<std::int64_t>(v, 1)); };
+  check_cublas(blas.fn(), cublasGemmEx(blas.handle(), op_a, op_b, i(m), i(n), i(k), &alpha, a,
+                                       cublas_type<AB>(), i(lda), b, cublas_type<AB>(), i(ldb),
+                                       &beta, c, c_type, i(ldc), compute, CUBLAS_GEMM_DEFAULT));
+}
+
+/// Zeroes a rows x cols matrix of G with leading dimension ld (0 bits are 0 in every dtype).
+template <class G>
+void zero_matrix(const char* fn, G* data, std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                 cudaStream_t stream) {
+  if (!data || rows == 0 || cols == 0) return;
+  check_cuda(fn, cudaMemset2DAsync(data, sizeof(G) * static_cast<std::size_t>(ld), 0,
+                                   sizeof(G) * static_cast<std::size_t>(cols),
+                                   static_cast<std::size_t>(rows), stream));
+}
+
+enum class linear_mode { forward, fused, backward };
+
+/// One call: its operands (as device dtypes), its plan and the workspace's buffers.
+template <class T, class G>
+struct linear_call {
+  using DT = device_t<T>;
+  using DG = device_t<G>;
+  static constexpr bool float_grads = std::is_same<DG, float>::value;
+
+  const cuda& exec;
+  const cublas_scope& blas;
+  matrix_view<const DT> hidden, weight;
+  const DT* bias;
+  matrix_view<DG> d_hidden, d_weight;
+  DG* d_bias;
+  dw_accumulation accumulate;
+  linear_plan plan;
+  char* base;  ///< the workspace's first 256-byte-aligned address
+
+  std::int64_t rows() const { return hidden.rows; }
+  std::int64_t dim() const { return hidden.cols; }
+  std::int64_t vocab() const { return weight.rows; }
+  template <class U>
+  U* buffer(std::size_t offset) const {
+    return offset == linear_absent ? nullptr : reinterpret_cast<U*>(base + offset);
+  }
+  DT* logits() const { return buffer<DT>(plan.logits); }
+  float* dw_accumulator() const { return buffer<float>(plan.dw); }
+  /// d_bias's float accumulator: the caller's d_bias when G is float.
+  float* db_sum() const {
+    if (!d_bias) return nullptr;
+    if constexpr (float_grads) {
+      return d_bias;
+    } else {
+      return buffer<float>(plan.db);
+    }
+  }
+};
+
+/// L = X_c · Wᵀ (+ b) for the chunk's n rows starting at r0.
+template <class T, class G>
+void chunk_logits(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n) {
+  using DT = typename linear_call<T, G>::DT;
+  const cudaStream_t s = c.exec.stream;
+  if (c.bias) launch_rows_kernel(fill_bias_op<DT>{c.logits(), c.plan.ld, c.bias}, n, c.vocab(), s);
+  gemm(c.blas, s, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab(), n, c.dim(), c.weight.data, c.weight.ld,
+       c.hidden.row(r0), c.hidden.ld, c.bias ? 1.0f : 0.0f, c.logits(), cublas_type<DT>(),
+       sizeof(DT), c.plan.ld);
+}
+
+/// d_weight += Gᵀ · X_c, d_bias += column sums of G, d_hidden rows = G · W.
+template <class T, class G>
+void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bool first) {
+  using DT = typename linear_call<T, G>::DT;
+  using DG = typename linear_call<T, G>::DG;
+  const cudaStream_t s = c.exec.stream;
+  const std::int64_t V = c.vocab(), D = c.dim(), ld = c.plan.ld;
+  const DT* grad = c.logits();
+  const DT* x = c.hidden.row(r0);
+  const float beta = first ? 0.0f : 1.0f;
+  if (c.d_weight.data) {
+    if (float* acc = c.dw_accumulator(); acc && c.plan.dw_block == 0) {
+      // dw_accumulation::fp32 with G not float: the float V x D accumulator.
+      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta, acc,
+           CUDA_R_32F, sizeof(float), D);
+    } else if (c.plan.dw_block == 0) {
+      // A float d_weight is its own accumulator; dw_accumulation::output with G == T adds in G.
+      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta,
+           c.d_weight.data, cublas_type<DG>(), sizeof(DG), c.d_weight.ld);
+    } else {
+      // dw_accumulation::output with G neither float nor T: a block of weight rows at a time.
+      for (std::int64_t v0 = 0; v0 < V; v0 += c.plan.dw_block) {
+        const std::int64_t nb = std::min(c.plan.dw_block, V - v0);
+        gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, nb, n, x, c.hidden.ld, grad + v0, ld, 0.0f,
+             acc, CUDA_R_32F, sizeof(float), D);
+        launch_rows_kernel(add_rounded_op<DG>{acc, D, c.d_weight.row(v0), c.d_weight.ld, first}, nb,
+                           D, s);
+      }
+    }
+  }
+  if (float* db = c.db_sum()) {
+    if (V > 0)
+      column_sums_kernel<<<static_cast<unsigned>((V + linear_threads - 1) / linear_threads),
+                           linear_threads, 0, s>>>(grad, ld, n, V, db, first);
+  }
+  if (c.d_hidden.data) {
+    if constexpr (linear_call<T, G>::float_grads) {
+      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld, 0.0f,
+           c.d_hidden.row(r0), CUDA_R_32F, sizeof(float), c.d_hidden.ld);
+    } else {
+      // A float C, rounded once into d_hidden: cuBLAS may reduce split-K partial sums (K = V
+      // here) in C's dtype when C is bf16 / fp16.
+      float* dx = c.template buffer<float>(c.plan.dx);
+      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld, 0.0f,
+           dx, CUDA_R_32F, sizeof(float), D);
+      launch_rows_kernel(round_op<DG>{dx, D, c.d_hidden.row(r0), c.d_hidden.ld}, n, D, s);
+    }
+  }
+  check_cuda(c.blas.fn(), cudaGetLastError());  // the small kernels' launches
+}
+
+/// After the chunks: the float accumulators rounded into d_weight and d_bias, or zeros when there
+/// were no chunks (N = 0).
+template <class T, class G>
+void finish_grads(const linear_call<T, G>& c) {
+  using DG = typename linear_call<T, G>::DG;
+  const cudaStream_t s = c.exec.stream;
+  const std::int64_t V = c.vocab(), D = c.dim();
+  if (c.rows() == 0) {
+    zero_matrix(c.blas.fn(), c.d_weight.data, V, D, c.d_weight.ld, s);
+    zero_matrix(c.blas.fn(), c.d_bias, 1, V, V, s);
+    return;
+  }
+  if constexpr (!linear_call<T, G>::float_grads) {
+    if (c.d_weight.data && c.plan.dw_block == 0 && c.dw_accumulator())
+      launch_rows_kernel(round_op<DG>{c.dw_accumulator(), D, c.d_weight.data, c.d_weight.ld}, V, D,
+                         s);
+    if (c.d_bias) launch_rows_kernel(round_op<DG>{c.db_sum(), V, c.d_bias, V}, 1, V, s);
+  }
+  check_cuda(c.blas.fn(), cudaGetLastError());
+}
+
+/// Sizes cuBLAS takes as int.
+inline void require_int(const char* fn, const char* arg, std::int64_t v) {
+  if (v > INT_MAX)
+    throw error(fn, arg,
+                "has a size or leading dimension of " + std::to_string(v) +
+                    ", more than cuBLAS's int (" + std::to_string(INT_MAX) + ")");
+}
+
+template <linear_mode Mode, class T, class G, class Tgt>
+void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
+                matrix_view<const T> weight, vector_view<const T> bias, const Tgt& targets,
+                const linear_options& opts, const upstream* up, vector_view<const float> lse,
+                const forward_outputs& out, const linear_grads<G>& grads,
+                const linear_workspace& ws) {
+  using DT = device_t<T>;
+  using DG = device_t<G>;
+  const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
+  if (exec.cublas == nullptr)
+    throw error(fn, "exec.cublas",
+                "fused linear cross-entropy needs the caller's cuBLAS handle (cublasCreate); "
+                "xent never creates one");
+  const linear_pass pass =
+      Mode == linear_mode::forward ? linear_pass::forward : linear_pass::training;
+  const linear_plan plan = plan_linear<T, G>({N, D, V}, pass, opts.accumulate, ws.bytes);
+  require_int(fn, "weight", std::max({V, D, weight.ld, plan.ld}));
+  require_int(fn, "hidden", std::max({hidden.ld, plan.chunk_rows}));
+  require_int(fn, "grads.d_weight", grads.d_weight.ld);
+  require_int(fn, "grads.d_hidden", grads.d_hidden.ld);
+
+  const cublas_scope blas(fn, exec);
+  const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(ws.data);
+  const std::uintptr_t aligned =
+      (address + linear_alignment - 1) / linear_alignment * linear_alignment;
+  const linear_call<T, G> c{exec,
+                            blas,
+                            {reinterpret_cast<const DT*>(hidden.data), N, D, hidden.ld},
+                            {reinterpret_cast<const DT*>(weight.data), V, D, weight.ld},
+                            reinterpret_cast<const DT*>(bias.data),
+                            {reinterpret_cast<DG*>(grads.d_hidden.data), grads.d_hidden.rows,
+                             grads.d_hidden.cols, grads.d_hidden.ld},
+                            {reinterpret_cast<DG*>(grads.d_weight.data), grads.d_weight.rows,
+                             grads.d_weight.cols, grads.d_weight.ld},
+                            reinterpret_cast<DG*>(grads.d_bias.data),
+                            opts.accumulate,
+                            plan,
+                            static_cast<char*>(ws.data) + (aligned - address)};
+  const cudaStream_t stream = exec.stream;
+  const auto dt = device_targets(targets);
+
+  // The whole call's W, and each row's upstream gradient for mean and sum, before any chunk.
+  const bool scalar_up = up && opts.reduce != reduction::none;
+  double* normalizer = c.template buffer<double>(plan.scalars);
+  float* row_up = scalar_up ? c.template buffer<float>(plan.row_up) : nullptr;
+  linear_prologue_kernel<<<1, linear_threads, 0, stream>>>(
+      dt, N, V, opts.ignore_index, opts.class_weights.data, opts.reduce, normalizer,
+      up ? up->scale : 1.0f, up ? up->scale_ptr : nullptr, row_up,
+      std::min(plan.chunk_rows, std::max<std::int64_t>(N, 1)));
+  check_cuda(fn, cudaGetLastError());
+
+  // The core sees each chunk as a problem of its own with reduction none; the reduced loss and
+  // num_correct are formed after the chunks from every row's loss and argmax.
+  options core = opts;
+  core.reduce = reduction::none;
+  const cuda core_exec{stream, nullptr, 0, exec.error_count, nullptr};
+  const bool want_loss =
+      Mode != linear_mode::backward && out.loss && opts.reduce != reduction::none;
+  const bool want_correct = Mode != linear_mode::backward && out.num_correct;
+  float* row_loss = out.row_loss.data
+                        ? out.row_loss.data
+                        : (want_loss ? c.template buffer<float>(plan.row_loss) : nullptr);
+  std::int64_t* argmax =
+      out.argmax.data ? out.argmax.data
+                      : (want_correct ? c.template buffer<std::int64_t>(plan.argmax) : nullptr);
+
+  for (std::int64_t r0 = 0; r0 < N; r0 += plan.chunk_rows) {
+    const std::int64_t n = std::min(plan.chunk_rows, N - r0);
+    chunk_logits(c, r0, n);
+    const matrix_view<T> chunk(reinterpret_cast<T*>(c.logits()), n, V, plan.ld);
+    const auto chunk_targets = detail::target_rows(targets, r0, n);
+    upstream chunk_up;
+    if (up && opts.reduce == reduction::none) {
+      chunk_up.scale = up->scale;
+      chunk_up.rows = detail::rows_slice(up->rows, r0, n);
+    } else if (up) {
+      chunk_up.rows = {row_up, n};
+    }
+    if constexpr (Mode == linear_mode::backward) {
+      backend_traits<cuda>::backward(core_exec, matrix_view<const T>(chunk), chunk_targets, core,
+                                     detail::rows_slice(lse, r0, n), chunk_up, chunk);
+    } else {
+      forward_outputs o;
+      if (row_loss) o.row_loss = {row_loss + r0, n};
+      o.lse = detail::rows_slice(out.lse, r0, n);
+      if (argmax) o.argmax = {argmax + r0, n};
+      if constexpr (Mode == linear_mode::fused)
+        backend_traits<cuda>::forward_backward(core_exec, matrix_view<const T>(chunk),
+                                               chunk_targets, core, chunk_up, o, chunk);
+      else
+        backend_traits<cuda>::forward(core_exec, matrix_view<const T>(chunk), chunk_targets, core,
+                                      o);
+    }
+    if constexpr (Mode != linear_mode::forward) chunk_grads(c, r0, n, r0 == 0);
+  }
+  if constexpr (Mode != linear_mode::forward) finish_grads(c);
+  if (want_loss || want_correct) {
+    linear_finish_kernel<<<1, linear_threads, 0, stream>>>(
+        dt, N, V, opts.ignore_index, row_loss, argmax, normalizer, opts.reduce,
+        want_loss ? out.loss : nullptr, want_correct ? out.num_correct : nullptr);
+    check_cuda(fn, cudaGetLastError());
+  }
+}
+
+}  // namespace cuda_detail
+
+template <>
+struct linear_traits<cuda> {
+  /// The workspace of a call (linear_plan.cuh has the layout). Per chunk row: V elements of T
+  /// (V rounded up to 16 bytes) of logits, plus for training a float of upstream gradient and,
+  /// with G not float, D floats of d_hidden. Once: 8 bytes, 12 bytes per row of hidden (row
+  /// losses and argmax kept for the reduced loss and num_correct when the caller keeps none),
+  /// and for training with G not float V floats of d_bias and either the V x D float d_weight
+  /// accumulator (dw_accumulation::fp32) or, with dw_accumulation::output and G not T, a block
+  /// of 1024 weight rows in float. Every buffer is 256-byte aligned.
+  template <class T, class G>
+  static linear_workspace_sizes workspace_size(const cuda&, const linear_shape& shape,
+                                               linear_pass pass, dw_accumulation accumulate,
+                                               std::size_t budget) {
+    const auto least = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 1);
+    const auto plan = cuda_detail::plan_linear<T, G>(shape, pass, accumulate, budget);
+    return {least.bytes, plan.bytes, std::min(plan.chunk_rows, shape.rows)};
+  }
+
+  template <class T, class Tgt>
+  static void forward(const cuda& exec, matrix_view<const T> hidden, matrix_view<const T> weight,
+                      vector_view<const T> bias, const Tgt& targets, const linear_options& opts,
+                      const forward_outputs& out, const linear_workspace& ws) {
+    cuda_detail::run_linear<cuda_detail::linear_mode::forward>("xent::linear_forward", exec, hidden,
+                                                               weight, bias, targets, opts, nullptr,
+                                                               {}, out, linear_grads<T>{}, ws);
+  }
+
+  template <class T, class Tgt, class G>
+  static void forward_backward(const cuda& exec, matrix_view<const T> hidden,
+                               matrix_view<const T> weight, vector_view<const T> bias,
+                               const Tgt& targets, const linear_options& opts, const upstream& up,
+                               const forward_outputs& out, const linear_grads<G>& grads,
+                               const linear_workspace& ws) {
+    cuda_detail::run_linear<cuda_detail::linear_mode::fused>("xent::linear_forward_backward", exec,
+                                                             hidden, weight, bias, targets, opts,
+                                                             &up, {}, out, grads, ws);
+  }
+
+  template <class T, class Tgt, class G>
+  static void backward(const cuda& exec, matrix_view<const T> hidden, matrix_view<const T> weight,
+                       vector_view<const T> bias, const Tgt& targets, const linear_options& opts,
+                       vector_view<const float> lse, const upstream& up,
+                       const linear_grads<G>& grads, const linear_workspace& ws) {
+    cuda_detail::run_linear<cuda_detail::linear_mode::backward>(
+        "xent::linear_backward", exec, hidden, weight, bias, targets, opts, &up, lse,
+        forward_outputs{}, grads, ws);
+  }
+};
+
+}  // namespace xent

@@ -1,0 +1,135 @@
+// The small kernels of fused linear cross-entropy on CUDA, around the cuBLAS GEMMs and the
+// cross-entropy core: the whole call's normaliser and per-row upstream gradient before the chunks,
+// the bias broadcast into a chunk's logits, d_bias's column sums, float-to-dtype rounding, and the
+// reduced loss after the chunks. Each is simple and memory-bound; none is on the GEMMs' scale.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../loss_math.hpp"
+#include "../options.hpp"
+#include "dtype.cuh"
+#include "kernels.cuh"  // XENT_KERNEL
+#include "row_sums.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+/// Threads of every linear kernel; the one-CTA kernels sum with block_sum<linear_threads>.
+constexpr int linear_threads = 256;
+
+/// One CTA, before the chunks: the mean's W over every row of the call into *normalizer (1 for
+/// sum and none), and, when `row_up` is given, the upstream gradient of every row of a mean or sum
+/// reduction, scale * *scale_ptr / W formed in double and rounded once as the core does, into
+/// row_up[0, count). The chunks then run the core as reduction none with these rows, so W is the
+/// whole call's, not a chunk's, and nothing waits on the host.
+template <class Tgt>
+XENT_KERNEL void linear_prologue_kernel(Tgt targets, std::int64_t rows, std::int64_t cols,
+                                        std::int64_t ignore_index, const float* weights,
+                                        reduction reduce, double* normalizer, float scale,
+                                        const float* scale_ptr, float* row_up, std::int64_t count) {
+  const double w = reduce == reduction::mean
+                       ? mean_normalizer<linear_threads>(targets, rows, cols, ignore_index, weights)
+                       : 1.0;
+  if (threadIdx.x == 0) *normalizer = w;
+  if (!row_up) return;
+  const float g = static_cast<float>(scalar_upstream(scale, scale_ptr, reduce, w));
+  for (std::int64_t i = threadIdx.x; i < count; i += linear_threads) row_up[i] = g;
+}
+
+/// One CTA, after the chunks: the reduced loss (sum of the row losses in a fixed order, divided
+/// by *normalizer for mean) and num_correct (rows not ignored whose argmax is their class id).
+template <class Tgt>
+XENT_KERNEL void linear_finish_kernel(Tgt targets, std::int64_t rows, std::int64_t cols,
+                                      std::int64_t ignore_index, const float* row_loss,
+                                      const std::int64_t* argmax, const double* normalizer,
+                                      reduction reduce, float* loss, std::int64_t* num_correct) {
+  double sum = 0.0, hits = 0.0;
+  for (std::int64_t n = threadIdx.x; n < rows; n += linear_threads) {
+    if (loss) sum += static_cast<double>(row_loss[n]);
+    if constexpr (!Tgt::soft) {
+      if (num_correct) {
+        const auto y = static_cast<std::int64_t>(targets.ids[n]);
+        // An ignored or out-of-range row's argmax is -1, which may equal its target: not counted.
+        if (y != ignore_index && y >= 0 && y < cols && argmax[n] == y) hits += 1.0;
+      }
+    }
+  }
+  const double total = block_sum<linear_threads>(sum);
+  const double total_hits = block_sum<linear_threads>(hits);  // exact: integers below 2^53
+  if (threadIdx.x == 0) {
+    if (loss) *loss = static_cast<float>(reduce == reduction::mean ? total / *normalizer : total);
+    if (num_correct) *num_correct = static_cast<std::int64_t>(total_hits);
+  }
+}
+
+/// op(r, c) for every element of a rows x cols matrix: a thread per column (consecutive threads,
+/// consecutive addresses), a CTA row per grid row, striding over rows past the grid's 65535.
+template <class Op>
+XENT_KERNEL void rows_kernel(Op op, std::int64_t rows, std::int64_t cols) {
+  const std::int64_t c = blockIdx.x * std::int64_t{linear_threads} + threadIdx.x;
+  if (c >= cols) return;
+  for (std::int64_t r = blockIdx.y; r < rows; r += gridDim.y) op(r, c);
+}
+
+template <class Op>
+void launch_rows_kernel(const Op& op, std::int64_t rows, std::int64_t cols, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  const dim3 grid(static_cast<unsigned>((cols + linear_threads - 1) / linear_threads),
+                  static_cast<unsigned>(rows < 65535 ? rows : 65535));
+  rows_kernel<<<grid, linear_threads, 0, stream>>>(op, rows, cols);
+}
+
+/// Every row of a chunk's logits set to the bias, which the X · Wᵀ GEMM then adds to (beta = 1),
+/// so the sum is rounded to the logits' dtype once.
+template <class T>
+struct fill_bias_op {
+  T* out;
+  std::int64_t ld;
+  const T* bias;
+  __device__ void operator()(std::int64_t r, std::int64_t c) const { out[r * ld + c] = bias[c]; }
+};
+
+/// dst = src rounded to dst's dtype.
+template <class G>
+struct round_op {
+  const float* src;
+  std::int64_t src_ld;
+  G* dst;
+  std::int64_t dst_ld;
+  __device__ void operator()(std::int64_t r, std::int64_t c) const {
+    dst[r * dst_ld + c] = from_float<G>(src[r * src_ld + c]);
+  }
+};
+
+/// dst = (dst + src) rounded to dst's dtype, or src rounded when `first` (dst holds no sum yet).
+template <class G>
+struct add_rounded_op {
+  const float* src;
+  std::int64_t src_ld;
+  G* dst;
+  std::int64_t dst_ld;
+  bool first;
+  __device__ void operator()(std::int64_t r, std::int64_t c) const {
+    G& d = dst[r * dst_ld + c];
+    const float s = src[r * src_ld + c];
+    d = from_float<G>(first ? s : to_float(d) + s);
+  }
+};
+
+/// sums[c] (+)= sum over rows of g[r, c], in float, rows in order: a thread per column, so the
+/// loads of a warp are consecutive and the result does not depend on the launch.
+template <class T>
+XENT_KERNEL void column_sums_kernel(const T* g, std::int64_t ld, std::int64_t rows,
+                                    std::int64_t cols, float* sums, bool first) {
+  const std::int64_t c = blockIdx.x * std::int64_t{linear_threads} + threadIdx.x;
+  if (c >= cols) return;
+  float s = 0.0f;
+  for (std::int64_t r = 0; r < rows; ++r) s += to_float(g[r * ld + c]);
+  sums[c] = first ? s : sums[c] + s;
+}
+
+}  // namespace cuda_detail
+}  // namespace xent

@@ -1,0 +1,113 @@
+// The CUDA workspace of fused linear cross-entropy: which buffers a call needs, where they sit in
+// the caller's device buffer, and how many rows a chunk can have in a given number of bytes.
+//
+// Layout (each buffer 256-byte aligned, measured from the first 256-byte-aligned address of the
+// caller's buffer, so the buffer itself may have any alignment):
+//   logits    chunk_rows x ld elements of T: the chunk's logits, then its logit gradient in place
+//   row_up    chunk_rows floats (training): each row's upstream gradient for mean / sum
+//   scalars   the mean's normaliser W (a double)
+//   row_loss  N floats: row losses for the reduced loss when the caller keeps none
+//   argmax    N int64: argmax for num_correct when the caller keeps none
+//   dx        chunk_rows x D floats (training, G not float): d_hidden rows before rounding
+//   dw        V x D floats (training, G not float, dw_accumulation::fp32): d_weight's accumulator;
+//             or dw_block x D floats (dw_accumulation::output with G neither float nor T): one
+//             weight block's contribution before it is added to d_weight
+//   db        V floats (training, G not float): d_bias's accumulator
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "../linear/options.hpp"
+#include "../linear/plan.hpp"
+#include "dtype.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+/// cudaMalloc's own alignment: every buffer starts as a fresh allocation would, which cuBLAS's
+/// tensor-core kernels and the core's 16-byte vector accesses need.
+constexpr std::size_t linear_alignment = 256;
+constexpr std::size_t linear_absent = ~std::size_t{0};
+
+/// Weight rows per block when d_weight is accumulated in its own dtype and that dtype is neither
+/// float nor the inputs' (cuBLAS's GemmEx writes C in the inputs' dtype or float only): each
+/// block's float contribution is staged here and added to d_weight by a kernel. 1024 rows keep
+/// the scratch at 4 KiB per hidden unit (16 MiB for D = 4096). Not tuned: a rare combination.
+constexpr std::int64_t linear_dw_block_rows = 1024;
+
+/// The logits' leading dimension: V rounded up to 16 bytes, so every row starts 16-byte aligned
+/// (the core's bulk copies and vector stores take the aligned path; cuBLAS's kernels want it too).
+template <class T>
+std::int64_t logits_ld(std::int64_t vocab) {
+  constexpr std::int64_t per = 16 / static_cast<std::int64_t>(sizeof(T));
+  return (vocab + per - 1) / per * per;
+}
+
+/// Byte offsets of a call's buffers from the aligned base (linear_absent when not needed).
+struct linear_plan {
+  std::int64_t chunk_rows = 1;  ///< rows of hidden per chunk
+  std::int64_t ld = 0;          ///< the logits' leading dimension, in elements
+  std::int64_t dw_block = 0;    ///< weight rows per staged block (0: none)
+  std::size_t logits = linear_absent;
+  std::size_t row_up = linear_absent;
+  std::size_t scalars = linear_absent;
+  std::size_t row_loss = linear_absent;
+  std::size_t argmax = linear_absent;
+  std::size_t dx = linear_absent;
+  std::size_t dw = linear_absent;
+  std::size_t db = linear_absent;
+  std::size_t bytes = 0;  ///< what the call needs, alignment slack included
+};
+
+template <class T, class G>
+linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumulation accumulate,
+                             std::int64_t chunk_rows) {
+  using DT = device_t<T>;
+  using DG = device_t<G>;
+  constexpr bool narrow_grads = !std::is_same<DG, float>::value;
+  constexpr bool grads_as_inputs = std::is_same<DG, DT>::value;
+  const bool training = pass == linear_pass::training;
+  linear_plan p;
+  p.chunk_rows = chunk_rows;
+  p.ld = logits_ld<DT>(s.vocab);
+  std::size_t at = 0;
+  auto take = [&](std::size_t bytes, bool needed) {
+    if (!needed) return linear_absent;
+    const std::size_t offset = at;
+    at += (bytes + linear_alignment - 1) / linear_alignment * linear_alignment;
+    return offset;
+  };
+  const auto R = static_cast<std::size_t>(chunk_rows), N = static_cast<std::size_t>(s.rows);
+  const auto V = static_cast<std::size_t>(s.vocab), D = static_cast<std::size_t>(s.hidden);
+  p.logits = take(sizeof(DT) * R * static_cast<std::size_t>(p.ld), true);
+  p.row_up = take(sizeof(float) * R, training);
+  p.scalars = take(sizeof(double), true);
+  p.row_loss = take(sizeof(float) * N, true);
+  p.argmax = take(sizeof(std::int64_t) * N, true);
+  p.dx = take(sizeof(float) * R * D, training && narrow_grads);
+  if (accumulate == dw_accumulation::fp32) {
+    p.dw = take(sizeof(float) * V * D, training && narrow_grads);
+  } else if (training && narrow_grads && !grads_as_inputs) {
+    p.dw_block = std::max<std::int64_t>(1, std::min(s.vocab, linear_dw_block_rows));
+    p.dw = take(sizeof(float) * static_cast<std::size_t>(p.dw_block) * D, true);
+  }
+  p.db = take(sizeof(float) * V, training && narrow_grads);
+  p.bytes = at + linear_alignment;  // room to align whatever address the caller's buffer has
+  return p;
+}
+
+/// The plan with the most rows per chunk (at most every row) that fits `budget` bytes; the
+/// one-row plan when none does.
+template <class T, class G>
+linear_plan plan_linear(const linear_shape& s, linear_pass pass, dw_accumulation accumulate,
+                        std::size_t budget) {
+  return detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t rows) {
+    return make_linear_plan<T, G>(s, pass, accumulate, rows);
+  });
+}
+
+}  // namespace cuda_detail
+}  // namespace xent

@@ -1,0 +1,559 @@
+// Fused linear cross-entropy on CUDA (cuda/linear.cuh), judged by the float64 linear oracle with
+// the CPU tests' cases and error bounds (tests/cpu/linear_harness.hpp): every loss option, bias or
+// not, ignored rows (some, all), per-row upstream gradients, odd V and D, float / bf16 / fp16 and
+// mixed gradient dtypes, both d_weight accumulations, workspaces from the minimal one to one chunk
+// and many chunks; CPU agreement; the workspace and handle errors; stream capture; determinism.
+// Without a GPU every test skips with the reason.
+//
+// The CUDA backend keeps a chunk's logits and their gradient in the inputs' dtype, so its bounds
+// add one rounding of each to the CPU's (xtl::stored_in<T>).
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+#include <xent/xent.hpp>
+
+#include "cpu/linear_harness.hpp"
+#include "cuda/device.hpp"
+
+namespace {
+
+using namespace xtl;  // NOLINT(google-build-using-namespace): the shared linear test vocabulary
+// CUDA declares a global `half`; the test names Eigen's fp16 type this way.
+using fp16 = xt::half;
+using xt_cuda::dbuf;
+using xt_cuda::ok;
+
+/// A cuBLAS handle per test (the caller's, as xent requires), bound to the default stream.
+class CudaLinearTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    REQUIRE_GPU();
+    ASSERT_EQ(cublasCreate(&handle_), CUBLAS_STATUS_SUCCESS);
+  }
+  void TearDown() override {
+    if (handle_) cublasDestroy(handle_);
+  }
+  xent::cuda exec(int* error_count = nullptr) const {
+    xent::cuda e;
+    e.error_count = error_count;
+    e.cublas = handle_;
+    return e;
+  }
+  cublasHandle_t handle_ = nullptr;
+};
+
+/// A case's inputs on the device: hidden, weight, bias, targets, class weights and the upstream
+/// gradient's device parts, with the options and upstream pointing at them.
+template <class T>
+struct device_inputs {
+  const ldata<T>& L;
+  dbuf<T> x, w, b, probs;
+  dbuf<std::int32_t> t32;
+  dbuf<std::int64_t> t64;
+  dbuf<float> weights, up_rows, scale;
+
+  explicit device_inputs(const ldata<T>& L_)
+      : L(L_),
+        x(L_.x),
+        w(L_.w),
+        b(L_.b),
+        probs(L_.d.probs),
+        t32(L_.d.t32),
+        t64(L_.d.t64),
+        weights(L_.d.weights),
+        up_rows(L_.d.up_rows),
+        scale(std::vector<float>{L_.d.scale_value}) {}
+
+  xent::matrix_view<const T> hidden() const { return {x.ptr, L.N(), L.D(), L.s.ld()}; }
+  xent::matrix_view<const T> weight() const { return {w.ptr, L.V(), L.D(), L.s.ld()}; }
+  xent::vector_view<const T> bias() const {
+    return L.s.bias ? xent::vector_view<const T>(b.ptr, L.V()) : xent::vector_view<const T>{};
+  }
+  xent::linear_options options() const {
+    xent::linear_options o = L.options();
+    if (L.s.ce.weights) o.class_weights = {weights.ptr, L.V()};
+    return o;
+  }
+  xent::upstream upstream() const {
+    xent::upstream u = L.d.upstream();
+    if (u.scale_ptr) u.scale_ptr = scale.ptr;
+    if (u.rows.data) u.rows = {up_rows.ptr, L.N()};
+    return u;
+  }
+  /// Calls f with the device targets in the form the case asks for.
+  template <class F>
+  void with_targets(F&& f) const {
+    switch (L.s.ce.kind) {
+      case target_kind::int32:
+        f(xent::vector_view<const std::int32_t>(t32.ptr, L.N()));
+        break;
+      case target_kind::int64:
+        f(xent::vector_view<const std::int64_t>(t64.ptr, L.N()));
+        break;
+      case target_kind::soft:
+        f(xent::soft_targets<T>{xent::matrix_view<const T>(probs.ptr, L.N(), L.V(), L.s.ld())});
+        break;
+    }
+  }
+};
+
+/// Forward outputs on the device, poisoned as xtl::outputs, copied back into one.
+struct device_outputs {
+  outputs host;
+  dbuf<float> row_loss, lse, loss;
+  dbuf<std::int64_t> argmax, correct;
+  explicit device_outputs(std::int64_t n)
+      : host(n),
+        row_loss(host.row_loss),
+        lse(host.lse),
+        loss(std::vector<float>{host.loss}),
+        argmax(host.argmax),
+        correct(std::vector<std::int64_t>{host.correct}) {}
+  xent::forward_outputs all(const xt::spec& s) {
+    xent::forward_outputs o;
+    const auto n = static_cast<std::int64_t>(host.row_loss.size());
+    if (s.reduce != reduction::none) o.loss = loss.ptr;
+    o.row_loss = {row_loss.ptr, n};
+    o.lse = {lse.ptr, n};
+    o.argmax = {argmax.ptr, n};
+    if (s.kind != target_kind::soft) o.num_correct = correct.ptr;
+    return o;
+  }
+  const outputs& fetch() {
+    host.row_loss = row_loss.download();
+    host.lse = lse.download();
+    host.argmax = argmax.download();
+    host.loss = loss.download()[0];
+    host.correct = correct.download()[0];
+    return host;
+  }
+};
+
+/// Gradients on the device, poisoned as xtl::gradients (padding included), copied back into one.
+template <class G>
+struct device_gradients {
+  gradients<G> host;
+  dbuf<G> dx, dw, db;
+  explicit device_gradients(const lspec& s) : host(s), dx(host.dx), dw(host.dw), db(host.db) {}
+  xent::linear_grads<G> views() const {
+    xent::linear_grads<G> g;
+    g.d_hidden = {dx.ptr, host.s.ce.rows, host.s.hidden, host.s.ld()};
+    g.d_weight = {dw.ptr, host.s.ce.cols, host.s.hidden, host.s.ld()};
+    if (host.s.bias) g.d_bias = {db.ptr, host.s.ce.cols};
+    return g;
+  }
+  const gradients<G>& fetch() {
+    host.dx = dx.download();
+    host.dw = dw.download();
+    host.db = db.download();
+    return host;
+  }
+};
+
+/// A device workspace of `bytes`, its start `offset` bytes past a 256-byte boundary, filled with
+/// NaN bytes: a call must write what it reads.
+struct device_workspace {
+  dbuf<unsigned char> raw;
+  xent::linear_workspace ws;
+  device_workspace(std::size_t bytes, std::size_t offset) : raw(bytes + 512) {
+    EXPECT_EQ(cudaMemset(raw.ptr, 0xFF, raw.n), cudaSuccess);
+    ws.data = raw.ptr + offset % 256;  // cudaMalloc returns 256-byte-aligned memory
+    ws.bytes = bytes;
+  }
+};
+
+/// Runs linear_forward, linear_forward_backward and linear_backward (from forward's LSE) on the
+/// device for one case and checks each against the oracle. Returns whether everything passed.
+template <class T, class G = T>
+bool run_case(const xent::cuda& base, const lspec& s) {
+  const ldata<T> L = make_data<T>(s);
+  const oracle::linear_problem pb = L.problem();
+  const oracle::upstream up = L.d.oracle_upstream();
+  const oracle::linear_result r = oracle::evaluate_linear(pb, &up);
+  const device_inputs<T> in(L);
+  dbuf<int> errors(std::vector<int>{0});
+  xent::cuda exec = base;
+  exec.error_count = errors.ptr;
+  const xent::linear_options opts = in.options();
+  const xent::linear_shape shape{L.N(), L.D(), L.V()};
+  const auto training = xent::linear_pass::training;
+  const std::size_t train_bytes = workspace_bytes<T, G>(exec, L, training);
+  double chunk_rounding = 0.0;
+  if (s.accumulate == xent::dw_accumulation::output && !std::is_same<G, float>::value) {
+    const auto rows =
+        xent::linear_workspace_size<T, G>(exec, shape, training, opts, train_bytes).chunk_rows;
+    chunk_rounding =
+        2.0 * xt::unit_roundoff<G>() * ((L.N() + rows - 1) / std::max<std::int64_t>(rows, 1));
+  }
+  const bounds e = error_bounds(L, pb, r, chunk_rounding, stored_in<T>());
+  std::string errs;
+  auto note = [&](const char* what, const std::string& m) {
+    if (!m.empty()) errs += std::string(what) + ":\n" + m;
+  };
+
+  device_outputs fwd(L.N());
+  {
+    device_workspace ws(workspace_bytes<T>(exec, L, xent::linear_pass::forward), s.ce.seed * 16);
+    in.with_targets([&](auto t) {
+      xent::linear_forward(exec, in.hidden(), in.weight(), in.bias(), t, opts, fwd.all(s.ce),
+                           ws.ws);
+    });
+    ok(cudaDeviceSynchronize());
+    note("linear_forward", check_outputs(L, r, e, fwd.fetch()));
+  }
+  {
+    device_workspace ws(train_bytes, s.ce.seed * 16 + 8);
+    device_outputs fb(L.N());
+    device_gradients<G> g(s);
+    in.with_targets([&](auto t) {
+      xent::linear_forward_backward(exec, in.hidden(), in.weight(), in.bias(), t, opts,
+                                    in.upstream(), fb.all(s.ce), g.views(), ws.ws);
+    });
+    ok(cudaDeviceSynchronize());
+    note("linear_forward_backward", check_outputs(L, r, e, fb.fetch()));
+    note("linear_forward_backward", check_gradients(L, r, e, g.fetch()));
+
+    device_gradients<G> gb(s);
+    in.with_targets([&](auto t) {
+      xent::linear_backward(exec, in.hidden(), in.weight(), in.bias(), t, opts,
+                            xent::vector_view<const float>(fwd.lse.ptr, L.N()), in.upstream(),
+                            gb.views(), ws.ws);
+    });
+    ok(cudaDeviceSynchronize());
+    note("linear_backward", check_gradients(L, r, e, gb.fetch()));
+  }
+  const int bad_rows = errors.download()[0];
+  if (bad_rows != 0) note("error_count", "  " + std::to_string(bad_rows) + " rows counted\n");
+  if (!errs.empty()) {
+    ADD_FAILURE() << "case " << xt::dtype_name<T>() << " -> " << xt::dtype_name<G>() << " grads, "
+                  << s.describe() << "\n"
+                  << errs;
+    return false;
+  }
+  return true;
+}
+
+TEST_F(CudaLinearTest, Float32MatchesFloat64OracleWithEveryOption) {
+  xt::case_budget b;
+  for (const lspec& s : every_option(19, 13, 37))
+    if (!b.record(run_case<float>(exec(), s))) return;
+  EXPECT_EQ(b.cases(), 288);
+}
+
+TEST_F(CudaLinearTest, Bfloat16AndHalfMatchFloat64OracleWithEveryOption) {
+  xt::case_budget b;
+  int i = 0;
+  for (const lspec& s : every_option(11, 13, 37)) {
+    // Every other case of the float32 set, alternating bf16 and fp16.
+    if (i++ % 2 != 0) continue;
+    if (!b.record(i % 4 == 1 ? run_case<bf16>(exec(), s) : run_case<fp16>(exec(), s))) return;
+  }
+  EXPECT_EQ(b.cases(), 144);
+}
+
+TEST_F(CudaLinearTest, GradientDtypeMayDifferFromTheInputs) {
+  // Float gradients of bf16 / fp16 inputs (d_weight its own accumulator), bf16 gradients of float
+  // inputs, and fp16 gradients of bf16 inputs (dw_accumulation::output stages weight blocks).
+  xt::case_budget b;
+  std::uint64_t seed = 700;
+  for (auto mode : {xent::dw_accumulation::fp32, xent::dw_accumulation::output})
+    for (budget space : {budget::minimal, budget::few_rows, budget::all_rows}) {
+      lspec s = make_spec(13, 9, 31);
+      s.ce.ignore = ignore_mode::some;
+      s.ce.reduce = reduction::none;
+      s.ce.up = upstream_mode::pointer_or_rows;
+      s.ce.z_loss = 1e-2f;
+      s.ce.seed = ++seed;
+      s.space = space;
+      s.accumulate = mode;
+      s.pad = 2;
+      if (!b.record(run_case<bf16, float>(exec(), s) && run_case<fp16, float>(exec(), s) &&
+                    run_case<float, bf16>(exec(), s) && run_case<bf16, fp16>(exec(), s)))
+        return;
+    }
+}
+
+TEST_F(CudaLinearTest, OddSizesAndManyChunksMatchOracle) {
+  // V around and past a 1024-row weight block (output mode stages blocks of 1024), D from 1 to a
+  // tensor-core-unfriendly 21 and 67, more rows than several small chunks.
+  xt::case_budget b;
+  std::uint64_t seed = 500;
+  for (std::int64_t vocab : {1, 2, 3, 255, 257, 1023, 1025})
+    for (std::int64_t hidden : {1, 8, 21, 67})
+      for (budget space : {budget::minimal, budget::few_rows}) {
+        lspec s = make_spec(23, hidden, vocab);
+        s.ce.ignore = ignore_mode::some;
+        s.ce.label_smoothing = 0.05f;
+        s.ce.seed = ++seed;
+        s.space = space;
+        s.pad = seed % 2;
+        s.accumulate = seed % 3 == 0 ? xent::dw_accumulation::output : xent::dw_accumulation::fp32;
+        if (!b.record(run_case<float>(exec(), s) && run_case<bf16>(exec(), s) &&
+                      run_case<bf16, fp16>(exec(), s)))
+          return;
+      }
+}
+
+TEST_F(CudaLinearTest, RealisticVocabularyMatchesOracle) {
+  // A vocabulary of the size of GPT-2's in a few chunks, bf16, mean with label smoothing.
+  lspec s = make_spec(40, 96, 50257);
+  s.ce.ignore = ignore_mode::some;
+  s.ce.label_smoothing = 0.1f;
+  s.space = budget::few_rows;
+  EXPECT_TRUE(run_case<bf16>(exec(), s));
+  s.ce.reduce = reduction::none;
+  s.ce.up = upstream_mode::pointer_or_rows;
+  s.space = budget::all_rows;
+  EXPECT_TRUE(run_case<float>(exec(), s));
+}
+
+TEST_F(CudaLinearTest, EveryRowIgnoredGivesPyTorchsResultsAndZeroGradients) {
+  for (reduction red : {reduction::none, reduction::mean, reduction::sum})
+    for (budget space : {budget::minimal, budget::all_rows}) {
+      lspec s = make_spec(7, 5, 9);
+      s.ce.reduce = red;
+      s.ce.ignore = ignore_mode::all;
+      s.ce.up = upstream_mode::pointer_or_rows;
+      s.space = space;
+      EXPECT_TRUE(run_case<float>(exec(), s));
+      EXPECT_TRUE(run_case<bf16>(exec(), s));
+    }
+}
+
+TEST_F(CudaLinearTest, NoRowsWritesZeroWeightAndBiasGradients) {
+  for (reduction red : {reduction::mean, reduction::sum}) {
+    lspec s = make_spec(0, 4, 6);
+    s.ce.reduce = red;
+    EXPECT_TRUE(run_case<float>(exec(), s));
+    EXPECT_TRUE(run_case<fp16>(exec(), s));
+    EXPECT_TRUE((run_case<bf16, float>(exec(), s)));
+  }
+}
+
+TEST_F(CudaLinearTest, ExactlyMinimalWorkspaceIsCorrectForEveryPass) {
+  // One row per chunk, the workspace not one byte larger, at an odd offset from 256 bytes.
+  std::uint64_t seed = 40;
+  for (auto mode : {xent::dw_accumulation::fp32, xent::dw_accumulation::output})
+    for (reduction red : {reduction::none, reduction::mean, reduction::sum}) {
+      lspec s = make_spec(9, 17, 45);
+      s.ce.reduce = red;
+      s.ce.ignore = ignore_mode::some;
+      s.ce.up = upstream_mode::pointer_or_rows;
+      s.ce.weights = true;
+      s.ce.seed = ++seed;
+      s.space = budget::minimal;
+      s.accumulate = mode;
+      EXPECT_TRUE(run_case<bf16>(exec(), s));
+      EXPECT_TRUE(run_case<float>(exec(), s));
+    }
+}
+
+TEST_F(CudaLinearTest, AgreesWithTheCpuBackend) {
+  // The same bf16 inputs on both backends: each within its bounds of the oracle (run_case and the
+  // CPU tests), and within the sum of both bounds of each other.
+  lspec s = make_spec(33, 40, 517);
+  s.ce.ignore = ignore_mode::some;
+  s.ce.label_smoothing = 0.1f;
+  s.ce.z_loss = 1e-3f;
+  s.ce.weights = true;
+  s.space = budget::few_rows;
+  const ldata<bf16> L = make_data<bf16>(s);
+  const oracle::linear_problem pb = L.problem();
+  const oracle::upstream up = L.d.oracle_upstream();
+  const oracle::linear_result r = oracle::evaluate_linear(pb, &up);
+  const bounds e_cpu = error_bounds(L, pb, r, 0.0);
+  const bounds e_cuda = error_bounds(L, pb, r, 0.0, stored_in<bf16>());
+
+  const xent::cpu cpu;
+  std::vector<unsigned char> host_ws(workspace_bytes<bf16>(cpu, L, xent::linear_pass::training));
+  outputs fc(L.N());
+  gradients<bf16> gc(s);
+  L.d.with_targets([&](auto t) {
+    xent::linear_forward_backward(cpu, L.hidden(), L.weight(), L.bias(), t, L.options(),
+                                  L.d.upstream(), fc.all(s.ce), gc.views(),
+                                  {host_ws.data(), host_ws.size()});
+  });
+
+  const device_inputs<bf16> in(L);
+  const xent::cuda gpu = exec();
+  device_workspace ws(workspace_bytes<bf16>(gpu, L, xent::linear_pass::training), 0);
+  device_outputs fg(L.N());
+  device_gradients<bf16> gg(s);
+  in.with_targets([&](auto t) {
+    xent::linear_forward_backward(gpu, in.hidden(), in.weight(), in.bias(), t, in.options(),
+                                  in.upstream(), fg.all(s.ce), gg.views(), ws.ws);
+  });
+  ok(cudaDeviceSynchronize());
+  const outputs& f = fg.fetch();
+  const gradients<bf16>& g = gg.fetch();
+  EXPECT_TRUE(xt::close(f.loss, fc.loss, e_cpu.loss + e_cuda.loss)) << f.loss << " vs " << fc.loss;
+  for (std::int64_t n = 0; n < L.N(); ++n)
+    EXPECT_TRUE(xt::close(f.row_loss[n], fc.row_loss[n], e_cpu.row_loss[n] + e_cuda.row_loss[n]))
+        << "row " << n;
+  // Each gradient against the CPU's, the bound the sum of both backends' bounds.
+  auto both = [](const std::vector<double>& a, const std::vector<double>& b) {
+    std::vector<double> t(a.size());
+    for (std::size_t i = 0; i < a.size(); ++i) t[i] = a[i] + b[i];
+    return t;
+  };
+  auto as_ref = [&](const std::vector<bf16>& v, std::int64_t rows, std::int64_t cols,
+                    std::int64_t ld) {
+    std::vector<double> d(rows * cols);
+    for (std::int64_t i = 0; i < rows; ++i)
+      for (std::int64_t j = 0; j < cols; ++j) d[i * cols + j] = xt::to_double(v[i * ld + j]);
+    return d;
+  };
+  EXPECT_EQ("", check_array("d_hidden", g.dx.data(), L.N(), L.D(), s.ld(),
+                            as_ref(gc.dx, L.N(), L.D(), s.ld()), both(e_cpu.dx, e_cuda.dx)));
+  EXPECT_EQ("", check_array("d_weight", g.dw.data(), L.V(), L.D(), s.ld(),
+                            as_ref(gc.dw, L.V(), L.D(), s.ld()), both(e_cpu.dw, e_cuda.dw)));
+  EXPECT_EQ("", check_array("d_bias", g.db.data(), 1, L.V(), L.V(), as_ref(gc.db, 1, L.V(), L.V()),
+                            both(e_cpu.db, e_cuda.db)));
+}
+
+TEST_F(CudaLinearTest, WorkspaceTooSmallThrowsNamingItBeforeWriting) {
+  lspec s = make_spec(8, 6, 10);
+  const ldata<bf16> L = make_data<bf16>(s);
+  const device_inputs<bf16> in(L);
+  const xent::cuda gpu = exec();
+  for (auto pass : {xent::linear_pass::forward, xent::linear_pass::training}) {
+    const auto need = xent::linear_workspace_size<bf16>(gpu, {8, 6, 10}, pass, in.options());
+    device_workspace ws(need.minimal - 1, 0);
+    device_outputs f(8);
+    device_gradients<bf16> g(s);
+    in.with_targets([&](auto t) {
+      expect_error("workspace", std::to_string(need.minimal), [&] {
+        if (pass == xent::linear_pass::forward)
+          xent::linear_forward(gpu, in.hidden(), in.weight(), in.bias(), t, in.options(),
+                               f.all(s.ce), ws.ws);
+        else
+          xent::linear_forward_backward(gpu, in.hidden(), in.weight(), in.bias(), t, in.options(),
+                                        in.upstream(), f.all(s.ce), g.views(), ws.ws);
+      });
+    });
+    ok(cudaDeviceSynchronize());
+    EXPECT_EQ(f.fetch().loss, 12345.0f);
+    EXPECT_EQ(f.host.lse[0], 12345.0f);
+    EXPECT_TRUE(xt::same_bits(g.fetch().dw[0], xt::sentinel<bf16>()));
+    EXPECT_EQ(ws.raw.download()[0], 0xFF);
+  }
+}
+
+TEST_F(CudaLinearTest, MissingCublasHandleThrowsNamingIt) {
+  lspec s = make_spec(4, 3, 5);
+  const ldata<float> L = make_data<float>(s);
+  const device_inputs<float> in(L);
+  xent::cuda gpu = exec();
+  gpu.cublas = nullptr;
+  device_workspace ws(workspace_bytes<float>(gpu, L, xent::linear_pass::training), 0);
+  device_outputs f(4);
+  device_gradients<float> g(s);
+  in.with_targets([&](auto t) {
+    expect_error("exec.cublas", "cuBLAS handle", [&] {
+      xent::linear_forward(gpu, in.hidden(), in.weight(), in.bias(), t, in.options(), f.all(s.ce),
+                           ws.ws);
+    });
+    expect_error("exec.cublas", "cuBLAS handle", [&] {
+      xent::linear_forward_backward(gpu, in.hidden(), in.weight(), in.bias(), t, in.options(),
+                                    in.upstream(), f.all(s.ce), g.views(), ws.ws);
+    });
+  });
+  ok(cudaDeviceSynchronize());
+  EXPECT_EQ(f.fetch().loss, 12345.0f);
+  EXPECT_TRUE(xt::same_bits(g.fetch().dw[0], xt::sentinel<float>()));
+}
+
+/// Runs linear_forward_backward on one bf16 case into fresh buffers; returns loss, d_hidden and
+/// d_weight as bytes. With `graph`, the call is captured on a stream and replayed twice.
+std::vector<unsigned char> fused_bytes(cublasHandle_t handle, const lspec& s, bool graph) {
+  const ldata<bf16> L = make_data<bf16>(s);
+  const device_inputs<bf16> in(L);
+  cudaStream_t stream;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  // cuBLAS allocates nothing during capture when the handle has a workspace of its own.
+  dbuf<unsigned char> blas_ws(std::size_t{32} << 20);
+  EXPECT_EQ(cublasSetStream(handle, stream), CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(cublasSetWorkspace(handle, blas_ws.ptr, blas_ws.n), CUBLAS_STATUS_SUCCESS);
+  xent::cuda gpu;
+  gpu.stream = stream;
+  gpu.cublas = handle;
+  device_workspace ws(workspace_bytes<bf16>(gpu, L, xent::linear_pass::training), 16);
+  device_outputs f(L.N());
+  device_gradients<bf16> g(s);
+  auto call = [&] {
+    in.with_targets([&](auto t) {
+      xent::linear_forward_backward(gpu, in.hidden(), in.weight(), in.bias(), t, in.options(),
+                                    in.upstream(), f.all(s.ce), g.views(), ws.ws);
+    });
+  };
+  if (graph) {
+    cudaGraph_t g_;
+    cudaGraphExec_t inst;
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    call();
+    EXPECT_EQ(cudaStreamEndCapture(stream, &g_), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&inst, g_, 0), cudaSuccess);
+    EXPECT_EQ(cudaGraphLaunch(inst, stream), cudaSuccess);
+    EXPECT_EQ(cudaGraphLaunch(inst, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    cudaGraphExecDestroy(inst);
+    cudaGraphDestroy(g_);
+  } else {
+    call();
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  }
+  cublasSetStream(handle, nullptr);  // also drops the workspace freed below
+  cudaStreamDestroy(stream);
+  const float loss = f.fetch().loss;
+  const gradients<bf16>& gr = g.fetch();
+  std::vector<unsigned char> out(sizeof(float));
+  std::memcpy(out.data(), &loss, sizeof(float));
+  for (const auto* v : {&gr.dx, &gr.dw, &gr.db}) {
+    const auto* p = reinterpret_cast<const unsigned char*>(v->data());
+    out.insert(out.end(), p, p + v->size() * sizeof(bf16));
+  }
+  return out;
+}
+
+TEST_F(CudaLinearTest, StreamCaptureMatchesTheDirectCallBitwise) {
+  lspec s = make_spec(37, 64, 3001);
+  s.ce.ignore = ignore_mode::some;
+  s.ce.label_smoothing = 0.1f;
+  s.space = budget::few_rows;
+  const auto direct = fused_bytes(handle_, s, false);
+  const auto captured = fused_bytes(handle_, s, true);
+  EXPECT_TRUE(direct == captured);
+}
+
+TEST_F(CudaLinearTest, SameInputsGiveBitwiseSameResults) {
+  lspec s = make_spec(50, 48, 2049);
+  s.ce.reduce = reduction::sum;
+  s.space = budget::few_rows;
+  EXPECT_TRUE(fused_bytes(handle_, s, false) == fused_bytes(handle_, s, false));
+}
+
+/// Small cases that compute-sanitizer memcheck / racecheck run (.ci/device).
+TEST_F(CudaLinearTest, SanitizerSmallCasesOfEveryPath) {
+  lspec s = make_spec(5, 7, 300);
+  s.ce.ignore = ignore_mode::some;
+  s.ce.label_smoothing = 0.1f;
+  s.space = budget::minimal;
+  s.pad = 1;
+  EXPECT_TRUE(run_case<bf16>(exec(), s));
+  s.ce.kind = target_kind::soft;
+  s.ce.ignore = ignore_mode::none;
+  s.accumulate = xent::dw_accumulation::output;
+  s.space = budget::few_rows;
+  EXPECT_TRUE((run_case<float, bf16>(exec(), s)));
+  EXPECT_TRUE((run_case<bf16, fp16>(exec(), s)));
+}
+
+}  // namespace
