@@ -29,7 +29,10 @@ namespace xent {
 
 /// Workspace bytes for calls of `shape` on `exec`, with hidden / weight / bias of dtype T and
 /// gradients of dtype G: the least any call accepts (one row per chunk), and what a call uses
-/// when given `budget` bytes (the largest row chunk that fits, at most every row). The CPU's
+/// when its row chunks are given `budget` bytes on top of the buffers every chunk size needs
+/// (the largest row chunk that fits, at most every row; those fixed buffers, such as the float
+/// d_weight accumulator, are counted outside the budget). A call plans its chunks from the
+/// workspace it is given, all of it counted. The CPU's
 /// figure is, per chunk row, V floats of logits and one float of row loss, plus D floats of
 /// converted hidden row (T not float) and of d_hidden row (training, G not float); and once a
 /// converted weight block per thread (T not float), V floats of bias (T not float) and, for

@@ -146,11 +146,11 @@ std::size_t workspace_bytes(const Exec& exec, const ldata<T>& L, xent::linear_pa
   if (L.s.space == budget::minimal) return least.minimal;
   if (L.s.space == budget::all_rows)
     return xent::linear_workspace_size<T, G>(exec, shape, pass, L.options()).bytes;
-  std::size_t b = least.minimal;
+  std::size_t b = 0;
   while (xent::linear_workspace_size<T, G>(exec, shape, pass, L.options(), b).chunk_rows <
          std::min<std::int64_t>(4, L.N()))
     b += 16;
-  return b;
+  return xent::linear_workspace_size<T, G>(exec, shape, pass, L.options(), b).bytes;
 }
 
 /// Per-element error bounds of xent's results, from the tolerance model at the top of the file.
@@ -321,7 +321,11 @@ std::string check_outputs(const ldata<T>& L, const oracle::linear_result& r, con
     if (got != want &&
         !(got >= 0 && got < V &&
           r.ce.z[n * V + want] - r.ce.z[n * V + got] <= e.dz[n * V + want] + e.dz[n * V + got]))
-      fail(n, "argmax " + std::to_string(got) + " vs oracle " + std::to_string(want));
+      fail(n, "argmax " + std::to_string(got) + " vs oracle " + std::to_string(want) +
+                  (got >= 0 && got < V ? " (z " + xt::num(r.ce.z[n * V + got]) + " vs " +
+                                             xt::num(r.ce.z[n * V + want]) + ", tol " +
+                                             xt::num(e.dz[n * V + want] + e.dz[n * V + got]) + ")"
+                                       : std::string()));
     if (s.kind != target_kind::soft && got == L.d.target(n)) ++correct;
   }
   if (s.kind != target_kind::soft && f.correct != correct)

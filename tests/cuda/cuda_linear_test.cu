@@ -99,7 +99,7 @@ struct device_inputs {
         f(xent::vector_view<const std::int64_t>(t64.ptr, L.N()));
         break;
       case target_kind::soft:
-        f(xent::soft_targets<T>{xent::matrix_view<const T>(probs.ptr, L.N(), L.V(), L.s.ld())});
+        f(xent::soft_targets<T>{xent::matrix_view<const T>(probs.ptr, L.N(), L.V(), L.s.ce.ld())});
         break;
     }
   }
@@ -188,8 +188,10 @@ bool run_case(const xent::cuda& base, const lspec& s) {
   const std::size_t train_bytes = workspace_bytes<T, G>(exec, L, training);
   double chunk_rounding = 0.0;
   if (s.accumulate == xent::dw_accumulation::output && !std::is_same<G, float>::value) {
+    // The chunks a call makes in train_bytes (the size query's budget leaves out fixed buffers).
     const auto rows =
-        xent::linear_workspace_size<T, G>(exec, shape, training, opts, train_bytes).chunk_rows;
+        xent::cuda_detail::plan_linear<T, G>(shape, training, opts.accumulate, train_bytes)
+            .chunk_rows;
     chunk_rounding =
         2.0 * xt::unit_roundoff<G>() * ((L.N() + rows - 1) / std::max<std::int64_t>(rows, 1));
   }

@@ -311,7 +311,9 @@ struct linear_traits<cpu> {
                                                linear_pass pass, dw_accumulation accumulate,
                                                std::size_t budget) {
     const auto least = cpu_detail::make_linear_plan<T, G>(exec, shape, pass, accumulate, 1);
-    const auto plan = cpu_detail::plan_linear<T, G>(exec, shape, pass, accumulate, budget);
+    const auto fixed = cpu_detail::make_linear_plan<T, G>(exec, shape, pass, accumulate, 0);
+    const auto plan = cpu_detail::plan_linear<T, G>(exec, shape, pass, accumulate,
+                                                    detail::chunk_budget(fixed.bytes, budget));
     return {least.bytes, plan.bytes, std::min(plan.chunk_rows, shape.rows)};
   }
 

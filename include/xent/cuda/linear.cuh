@@ -403,7 +403,9 @@ struct linear_traits<cuda> {
                                                linear_pass pass, dw_accumulation accumulate,
                                                std::size_t budget) {
     const auto least = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 1);
-    const auto plan = cuda_detail::plan_linear<T, G>(shape, pass, accumulate, budget);
+    const auto fixed = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 0);
+    const auto plan = cuda_detail::plan_linear<T, G>(shape, pass, accumulate,
+                                                     detail::chunk_budget(fixed.bytes, budget));
     return {least.bytes, plan.bytes, std::min(plan.chunk_rows, shape.rows)};
   }
 

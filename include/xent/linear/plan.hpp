@@ -29,6 +29,14 @@ auto largest_chunk_plan(std::int64_t rows, std::size_t budget, PlanOf&& plan_of)
   return plan_of(lo);
 }
 
+/// The bytes a size query plans within: the budget is for the buffers that grow with the row
+/// chunk, on top of the `fixed` ones (float accumulators of d_weight and d_bias, per-row outputs),
+/// which a call needs whatever its chunk. A V x D float accumulator alone is 2 GiB for an LM head
+/// of 128256 x 4096: counted against a 256 MiB budget it would leave one-row chunks.
+inline std::size_t chunk_budget(std::size_t fixed, std::size_t budget) {
+  return budget > SIZE_MAX - fixed ? SIZE_MAX : fixed + budget;
+}
+
 /// Entries [r0, r0 + n) of an optional per-row vector (absent stays absent).
 template <class U>
 vector_view<U> rows_slice(const vector_view<U>& v, std::int64_t r0, std::int64_t n) {
