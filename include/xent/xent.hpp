@@ -19,6 +19,8 @@
 //                                         upstream, outputs, grad_shard);
 //
 // exec is xent::cpu{threads} (always available) or, when compiled by nvcc, xent::cuda{stream}.
+// Vocab-parallel calls take a communicator: xent::inprocess_group's on the CPU, xent::nccl_group
+// (parallel/nccl_group.cuh, included here when XENT_HAS_NCCL is defined) on CUDA.
 #pragma once
 
 #include "backend.hpp"
@@ -43,4 +45,8 @@
 
 #if defined(__CUDACC__)
 #include "cuda/backend.cuh"
+#include "cuda/vocab_parallel.cuh"
+#if defined(XENT_HAS_NCCL)
+#include "parallel/nccl_group.cuh"  // needs nccl.h; link with -lnccl
+#endif
 #endif

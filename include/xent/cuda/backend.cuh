@@ -199,6 +199,8 @@ row_args<device_t<T>, device_t<G>, Tgt> make_args(const cuda& exec, matrix_view<
   a.weights = opts.class_weights.data;
   // With class weights, sum_c w_c is summed on the device (where the weights live) by the kernel.
   a.k = make_loss_constants(opts, logits.cols, static_cast<float>(logits.cols));
+  a.first = 0;
+  a.vocab = logits.cols;
   a.ignore_index = opts.ignore_index;
   a.reduce = opts.reduce;
   a.workspace = exec.workspace;
