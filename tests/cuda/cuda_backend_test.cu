@@ -13,69 +13,14 @@
 #include <vector>
 #include <xent/xent.hpp>
 
+#include "cuda/device_util.cuh"
 #include "oracle/oracle.hpp"
 
 namespace {
 
-std::string no_gpu_reason() {
-  int count = 0;
-  const cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) return std::string("no CUDA device: ") + cudaGetErrorString(e);
-  if (count == 0) return "no CUDA device";
-  return {};
-}
-
-#define REQUIRE_GPU()                                              \
-  do {                                                             \
-    const std::string why = no_gpu_reason();                       \
-    if (!why.empty()) GTEST_SKIP() << why << " (CUDA tests skip)"; \
-  } while (0)
-
-void ok(cudaError_t e) { ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e); }
-
-/// A device buffer with host mirror helpers.
-template <class T>
-struct dbuf {
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit dbuf(std::size_t count = 0) : n(count) {
-    if (n) {  // zero-filled: a workspace must be (see xent::cuda)
-      EXPECT_EQ(cudaMalloc(&ptr, n * sizeof(T)), cudaSuccess);
-      EXPECT_EQ(cudaMemset(ptr, 0, n * sizeof(T)), cudaSuccess);
-    }
-  }
-  dbuf(const std::vector<T>& h) : dbuf(h.size()) { upload(h); }
-  ~dbuf() { cudaFree(ptr); }
-  dbuf(const dbuf&) = delete;
-  void upload(const std::vector<T>& h) {
-    EXPECT_EQ(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  std::vector<T> download() const {
-    std::vector<T> h(n);
-    EXPECT_EQ(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-};
-
-template <class T>
-double dbl(T v) {
-  return static_cast<double>(static_cast<float>(v));
-}
-
-/// Half the spacing of the dtype's subnormals: the absolute rounding error of a tiny gradient.
-template <class T>
-double subnormal_half_step() {
-  if (std::is_same<T, Eigen::half>::value) return std::ldexp(1.0, -25);
-  if (std::is_same<T, Eigen::bfloat16>::value) return std::ldexp(1.0, -134);
-  return std::ldexp(1.0, -150);
-}
-
-template <class T>
-double unit_roundoff() {
-  if (std::is_same<T, float>::value) return std::ldexp(1.0, -24);
-  if (std::is_same<T, Eigen::bfloat16>::value) return std::ldexp(1.0, -8);
-  return std::ldexp(1.0, -11);
-}
+using xent_test::dbl;
+using xent_test::dbuf;
+using xent_test::ok;
 
 struct spec {
   std::int64_t rows = 7, cols = 1000, ld = 0;  // ld 0: cols
@@ -224,14 +169,12 @@ void check_spec(const spec& s) {
     if (s.argmax && !s.soft) EXPECT_EQ(d_correct.download()[0], ref.num_correct);
 
     auto check_grad = [&](const std::vector<T>& g, const char* what) {
-      const double u = unit_roundoff<T>();
       double worst = 0.0;
       for (std::int64_t n = 0; n < N; ++n) {
         for (std::int64_t c = 0; c < V; ++c) {
           const double got = dbl(g[n * ld + c]), want = ref.grad[n * V + c];
-          const double tol = 2 * u * std::fabs(want) +
-                             64 * std::ldexp(1.0, -24) * (ref.grad_magnitude[n * V + c] + 1e-30);
-          if (!(std::fabs(got - want) <= tol + subnormal_half_step<T>() + 1e-37)) {
+          const double tol = xent_test::gradient_tolerance<T>(want, ref.grad_magnitude[n * V + c]);
+          if (!(std::fabs(got - want) <= tol)) {
             ADD_FAILURE() << what << ": grad[" << n << "," << c << "] = " << got << ", want "
                           << want << " (tol " << tol << ")";
             return;
