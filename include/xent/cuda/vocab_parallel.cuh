@@ -121,44 +121,31 @@ XENT_KERNEL void __launch_bounds__(Block)
     records[n] = slice_partial{};
 }
 
-/// What the merge kernel reads and writes; outputs are optional (soft-target backward asks only
-/// for the rows' mass).
-template <class Tgt>
-struct vp_merge_args {
+/// The gathered blocks, and where the merge leaves what the gradient pass needs.
+struct vp_gathered {
   const unsigned char* recv;
   std::size_t block;
   int ranks;
-  std::int64_t rows, vocab;
-  Tgt targets;
-  const float* weights;  ///< the whole vector (vocab entries), or null
-  loss_constants k;
-  std::int64_t ignore_index;
-  reduction reduce;
-  float* loss;
-  float* row_loss;
-  float* lse_out;
-  std::int64_t* argmax;
-  std::int64_t* num_correct;
-  void* workspace;   ///< xent::cuda's workspace for the reduction; null when nothing is reduced
-  float* lse_rows;   ///< each row's merged LSE, for the gradient pass
-  float* mass_rows;  ///< each row's merged target mass (soft targets), for the gradient pass
-  int* error_count;
+  float* lse_rows;   ///< each row's merged LSE
+  float* mass_rows;  ///< each row's merged target mass (soft targets)
 };
 
-/// Step 4, one thread per row. Every CTA holds at least one row (the grid is sized so), which
-/// finish_reduction's last-CTA count relies on.
-template <int Block, class Tgt>
-XENT_KERNEL void __launch_bounds__(Block) vp_merge_kernel(vp_merge_args<Tgt> a) {
+/// Step 4, one thread per row, with the row kernel's arguments of the call (its outputs, targets,
+/// options; `workspace` set when something is reduced). Every CTA holds at least one row (the grid
+/// is sized so), which finish_reduction's last-CTA count relies on.
+template <int Block, class T, class G, class Tgt>
+XENT_KERNEL void __launch_bounds__(Block) vp_merge_kernel(row_args<T, G, Tgt> a, vp_gathered x) {
+  const float* weights = full_weights(a);
   __shared__ bool tiled;
-  if (threadIdx.x == 0) tiled = shards_tile(a.recv, a.block, a.ranks, a.vocab, a.rows);
+  if (threadIdx.x == 0) tiled = shards_tile(x.recv, x.block, x.ranks, a.vocab, a.rows);
   __syncthreads();  // `tiled` is visible
   if (!tiled && blockIdx.x == 0 && threadIdx.x == 0 && a.error_count) atomicAdd(a.error_count, 1);
-  if (a.weights && a.k.smooth != 0.0f)
-    a.k.weight_sum = static_cast<float>(class_weight_sum<Block>(a.weights, a.vocab));
+  if (weights && a.k.smooth != 0.0f)
+    a.k.weight_sum = static_cast<float>(class_weight_sum<Block>(weights, a.vocab));
   const bool need_reduce = a.workspace && (a.loss || a.num_correct);
   const double normalizer =
       a.reduce == reduction::mean && need_reduce
-          ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, a.weights)
+          ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, weights)
           : 1.0;
   unsigned my_rows = 0;
   for (std::int64_t base = blockIdx.x * std::int64_t{Block}; base < a.rows;
@@ -176,7 +163,7 @@ XENT_KERNEL void __launch_bounds__(Block) vp_merge_kernel(vp_merge_args<Tgt> a) 
         if (tiled && a.error_count) atomicAdd(a.error_count, 1);
         invalid = true;
       }
-      if (!ignored && !invalid && a.weights) w_y = a.weights[y];
+      if (!ignored && !invalid && weights) w_y = weights[y];
     }
     float loss, lse, mass = 0.0f;
     std::int64_t best = -1;
@@ -184,8 +171,8 @@ XENT_KERNEL void __launch_bounds__(Block) vp_merge_kernel(vp_merge_args<Tgt> a) 
       loss = lse = invalid ? NAN : 0.0f;
     } else {
       // Rank order, on every rank: the same bits everywhere (parallel/communicator.hpp).
-      slice_partial p = gathered_records(a.recv, a.block, 0)[n];
-      for (int r = 1; r < a.ranks; ++r) p.merge(gathered_records(a.recv, a.block, r)[n]);
+      slice_partial p = gathered_records(x.recv, x.block, 0)[n];
+      for (int r = 1; r < x.ranks; ++r) p.merge(gathered_records(x.recv, x.block, r)[n]);
       lse = p.stats.lse.lse();
       if constexpr (Tgt::soft) {
         loss = soft_row_loss(p.stats, a.k);
@@ -198,8 +185,8 @@ XENT_KERNEL void __launch_bounds__(Block) vp_merge_kernel(vp_merge_args<Tgt> a) 
     if (a.row_loss) a.row_loss[n] = loss;
     if (a.lse_out) a.lse_out[n] = lse;
     if (a.argmax) a.argmax[n] = best;
-    if (a.lse_rows) a.lse_rows[n] = lse;
-    if (a.mass_rows) a.mass_rows[n] = mass;
+    x.lse_rows[n] = lse;
+    x.mass_rows[n] = mass;
     if (need_reduce) record_row(a.workspace, a.rows, n, loss, best >= 0 && best == y);
   }
   if (need_reduce)
@@ -283,43 +270,31 @@ vp_layout vp_exchange(const char* fn, const cuda& exec, const Group& group,
   vp_begin_kernel<256><<<begin_grid, 256, 0, exec.stream>>>(
       shard_header{shard.first, logits.cols, shard.vocab, rows}, send, empty);
   check_cuda(fn, cudaGetLastError());
+  // One set of row-kernel arguments serves both kernels: the statistics pass writes records
+  // (no outputs), the merge writes the outputs.
+  auto a = shard_args<T, float>(exec, logits, shard, targets, opts);
+  if (out) set_outputs(a, opts, *out);
   if (!empty && rows > 0) {
-    auto a = shard_args<T, float>(exec, logits, shard, targets, opts);
-    a.partials = reinterpret_cast<slice_partial*>(send + sizeof(shard_header));
-    a.want_argmax = out && (out->argmax.data || out->num_correct);
-    dispatch_rows<pass::forward>(fn, exec, a,
+    auto stats = a;
+    stats.loss = stats.row_loss = stats.lse_out = nullptr;
+    stats.argmax = stats.num_correct = nullptr;
+    stats.partials = reinterpret_cast<slice_partial*>(send + sizeof(shard_header));
+    dispatch_rows<pass::forward>(fn, exec, stats,
                                  aligned16(logits.data, logits.ld * std::int64_t{sizeof(T)}));
   }
   group.all_gather(send, ws + lay.recv, lay.block);
 
-  vp_merge_args<Tgt> m{};
-  m.recv = ws + lay.recv;
-  m.block = lay.block;
-  m.ranks = group.size();
-  m.rows = rows;
-  m.vocab = shard.vocab;
-  m.targets = targets;
-  m.weights = opts.class_weights.data;
-  m.k = make_loss_constants(opts, shard.vocab, static_cast<float>(shard.vocab));
-  m.ignore_index = opts.ignore_index;
-  m.reduce = opts.reduce;
-  if (out) {
-    m.loss = opts.reduce == reduction::none ? nullptr : out->loss;
-    m.row_loss = out->row_loss.data;
-    m.lse_out = out->lse.data;
-    m.argmax = out->argmax.data;
-    m.num_correct = out->num_correct;
-    if (m.loss || m.num_correct) m.workspace = exec.workspace;
-  }
-  m.lse_rows = reinterpret_cast<float*>(ws + lay.lse);
-  m.mass_rows = reinterpret_cast<float*>(ws + lay.mass);
-  m.error_count = exec.error_count;
+  if (a.loss || a.num_correct) a.workspace = exec.workspace;
+  a.error_count = exec.error_count;
+  const vp_gathered x{ws + lay.recv, lay.block, group.size(),
+                      reinterpret_cast<float*>(ws + lay.lse),
+                      reinterpret_cast<float*>(ws + lay.mass)};
   constexpr int block = 256;
   // At most 64 CTAs: each sums the mean's normaliser over every row's target (as the row
   // kernel's CTAs do), and one thread per row is plenty for a few floats per rank.
   const std::int64_t ctas = (rows + block - 1) / block;
   const unsigned grid = static_cast<unsigned>(ctas < 1 ? 1 : (ctas > 64 ? 64 : ctas));
-  vp_merge_kernel<block><<<grid, block, 0, exec.stream>>>(m);
+  vp_merge_kernel<block><<<grid, block, 0, exec.stream>>>(a, x);
   check_cuda(fn, cudaGetLastError());
   return lay;
 }
