@@ -13,6 +13,7 @@
 #include <vector>
 #include <xent/xent.hpp>
 
+#include "common/device_fill.cuh"
 #include "common/traffic.hpp"
 
 namespace {
@@ -24,28 +25,8 @@ void check(cudaError_t e, const char* what) {
   }
 }
 
-/// Normal-ish values from a hash of the index (sum of uniforms), so 4 GB fill in a millisecond.
-template <class T>
-__global__ void fill_kernel(T* out, std::int64_t n, std::uint64_t seed, float stddev) {
-  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += std::int64_t{gridDim.x} * blockDim.x) {
-    std::uint64_t h = (static_cast<std::uint64_t>(i) + seed) * 0x9E3779B97F4A7C15ull;
-    float s = 0.0f;
-    for (int k = 0; k < 4; ++k) {
-      h ^= h >> 31;
-      h *= 0xBF58476D1CE4E5B9ull;
-      h ^= h >> 29;
-      s += static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
-    }
-    out[i] = xent::cuda_detail::from_float<T>((s - 2.0f) * 1.7320508f * stddev);
-  }
-}
-
-__global__ void targets_kernel(std::int64_t* out, std::int64_t n, std::int64_t classes) {
-  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += std::int64_t{gridDim.x} * blockDim.x)
-    out[i] = static_cast<std::int64_t>((static_cast<std::uint64_t>(i) * 2654435761ull) % classes);
-}
+using xent_bench::fill_kernel;
+using xent_bench::targets_kernel;
 
 /// Device buffers reused across benchmarks (the largest shape sizes them).
 struct arena {

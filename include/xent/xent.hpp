@@ -20,6 +20,8 @@
 //
 // exec is xent::cpu{threads} (always available) or, when compiled by nvcc, xent::cuda{stream}
 // (with a cuBLAS handle, xent::cuda::cublas, for the linear calls).
+// Vocab-parallel calls take a communicator: xent::inprocess_group's on the CPU, xent::nccl_group
+// (parallel/nccl_group.cuh, included here when XENT_HAS_NCCL is defined) on CUDA.
 #pragma once
 
 #include "backend.hpp"
@@ -47,5 +49,9 @@
 // Fused linear cross-entropy on CUDA needs cuBLAS's header (and, when called, its library).
 #if __has_include(<cublas_v2.h>)
 #include "cuda/linear.cuh"
+#endif
+#include "cuda/vocab_parallel.cuh"
+#if defined(XENT_HAS_NCCL)
+#include "parallel/nccl_group.cuh"  // needs nccl.h; link with -lnccl
 #endif
 #endif

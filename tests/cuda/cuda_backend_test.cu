@@ -13,33 +13,14 @@
 #include <vector>
 #include <xent/xent.hpp>
 
-#include "cuda/device.hpp"
+#include "cuda/device_util.cuh"
 #include "oracle/oracle.hpp"
 
 namespace {
 
-using xt_cuda::dbuf;
-using xt_cuda::ok;
-
-template <class T>
-double dbl(T v) {
-  return static_cast<double>(static_cast<float>(v));
-}
-
-/// Half the spacing of the dtype's subnormals: the absolute rounding error of a tiny gradient.
-template <class T>
-double subnormal_half_step() {
-  if (std::is_same<T, Eigen::half>::value) return std::ldexp(1.0, -25);
-  if (std::is_same<T, Eigen::bfloat16>::value) return std::ldexp(1.0, -134);
-  return std::ldexp(1.0, -150);
-}
-
-template <class T>
-double unit_roundoff() {
-  if (std::is_same<T, float>::value) return std::ldexp(1.0, -24);
-  if (std::is_same<T, Eigen::bfloat16>::value) return std::ldexp(1.0, -8);
-  return std::ldexp(1.0, -11);
-}
+using xent_test::dbl;
+using xent_test::dbuf;
+using xent_test::ok;
 
 struct spec {
   std::int64_t rows = 7, cols = 1000, ld = 0;  // ld 0: cols
@@ -191,14 +172,12 @@ void check_spec(const spec& s) {
     if (s.argmax && !s.soft) EXPECT_EQ(d_correct.download()[0], ref.num_correct);
 
     auto check_grad = [&](const std::vector<T>& g, const char* what) {
-      const double u = unit_roundoff<T>();
       double worst = 0.0;
       for (std::int64_t n = 0; n < N; ++n) {
         for (std::int64_t c = 0; c < V; ++c) {
           const double got = dbl(g[n * ld + c]), want = ref.grad[n * V + c];
-          const double tol = 2 * u * std::fabs(want) +
-                             64 * std::ldexp(1.0, -24) * (ref.grad_magnitude[n * V + c] + 1e-30);
-          if (!(std::fabs(got - want) <= tol + subnormal_half_step<T>() + 1e-37)) {
+          const double tol = xent_test::gradient_tolerance<T>(want, ref.grad_magnitude[n * V + c]);
+          if (!(std::fabs(got - want) <= tol)) {
             ADD_FAILURE() << what << ": grad[" << n << "," << c << "] = " << got << ", want "
                           << want << " (tol " << tol << ")";
             return;

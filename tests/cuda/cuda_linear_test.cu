@@ -21,15 +21,15 @@
 #include <xent/xent.hpp>
 
 #include "cpu/linear_harness.hpp"
-#include "cuda/device.hpp"
+#include "cuda/device_util.cuh"
 
 namespace {
 
 using namespace xtl;  // NOLINT(google-build-using-namespace): the shared linear test vocabulary
 // CUDA declares a global `half`; the test names Eigen's fp16 type this way.
 using fp16 = xt::half;
-using xt_cuda::dbuf;
-using xt_cuda::ok;
+using xent_test::dbuf;
+using xent_test::ok;
 
 /// A cuBLAS handle per test (the caller's, as xent requires), bound to the default stream.
 class CudaLinearTest : public ::testing::Test {

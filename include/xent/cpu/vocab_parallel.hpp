@@ -32,15 +32,9 @@
 namespace xent {
 namespace cpu_detail {
 
-/// What each rank sends ahead of its records: its shard and row count. Every rank checks the
-/// gathered headers (check_tiling) after the exchange, on the same bytes, so a bad tiling makes
-/// every rank throw the same error and none is left waiting in a later collective.
-struct shard_header {
-  std::int64_t first = 0;
-  std::int64_t cols = 0;
-  std::int64_t vocab = 0;
-  std::int64_t rows = 0;
-};
+/// The header of a rank's block (parallel/shard.hpp). check_tiling makes every rank throw the
+/// same error on a bad tiling, so none is left waiting in a later collective.
+using detail::shard_header;
 
 /// The bytes one all-gather moves: per rank a header, then one slice_partial per row. Records are
 /// copied in and out with memcpy: the buffer is bytes, as the collective sees it.

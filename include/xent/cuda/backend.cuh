@@ -199,11 +199,24 @@ row_args<device_t<T>, device_t<G>, Tgt> make_args(const cuda& exec, matrix_view<
   a.weights = opts.class_weights.data;
   // With class weights, sum_c w_c is summed on the device (where the weights live) by the kernel.
   a.k = make_loss_constants(opts, logits.cols, static_cast<float>(logits.cols));
+  a.first = 0;
+  a.vocab = logits.cols;
   a.ignore_index = opts.ignore_index;
   a.reduce = opts.reduce;
   a.workspace = exec.workspace;
   a.error_count = exec.error_count;
   return a;
+}
+
+/// The forward outputs a kernel writes (row_args), from the public ones.
+template <class T, class G, class Tgt>
+void set_outputs(row_args<T, G, Tgt>& a, const options& opts, const forward_outputs& out) {
+  a.loss = opts.reduce == reduction::none ? nullptr : out.loss;
+  a.row_loss = out.row_loss.data;
+  a.lse_out = out.lse.data;
+  a.argmax = out.argmax.data;
+  a.num_correct = out.num_correct;
+  a.want_argmax = out.argmax.data || out.num_correct;
 }
 
 inline void require_workspace(const char* fn, const cuda& exec, std::int64_t rows, bool needed) {
@@ -225,14 +238,7 @@ void run(const char* fn, const cuda& exec, matrix_view<const T> logits, const Tg
   const bool needs_ws = P != pass::backward && reduced;
   require_workspace(fn, exec, logits.rows, needs_ws);
   if (!needs_ws) a.workspace = nullptr;
-  if (out) {
-    a.loss = opts.reduce == reduction::none ? nullptr : out->loss;
-    a.row_loss = out->row_loss.data;
-    a.lse_out = out->lse.data;
-    a.argmax = out->argmax.data;
-    a.num_correct = out->num_correct;
-    a.want_argmax = out->argmax.data || out->num_correct;
-  }
+  if (out) set_outputs(a, opts, *out);
   a.lse_in = lse.data;
   a.grad = reinterpret_cast<device_t<G>*>(grad.data);
   a.grad_ld = grad.ld;

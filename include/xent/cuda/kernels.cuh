@@ -75,7 +75,22 @@ struct row_args {
   std::int64_t chunks;      ///< stages per slice: 1 = the slice is resident
   std::size_t chunk_bytes;  ///< bytes per stage (16-byte multiple)
   bool want_argmax;
+  // Vocab-parallel calls (cuda/vocab_parallel.cuh); an unsharded call has first 0, vocab = cols
+  // and null pointers. The logits are classes [first, first + cols) of `vocab`: class ids stay
+  // global (valid in [0, vocab)), a row's target column is y - first (outside [0, cols) when
+  // another shard holds it), and `weights` points at the weight of column 0 (the caller's full
+  // vector + first), so local columns index logits, soft targets and weights alike.
+  std::int64_t first;
+  std::int64_t vocab;
+  slice_partial* partials;  ///< forward: each row's statistics go here instead of its outputs
+  const float* mass_in;     ///< backward, soft targets: the row's sum_c w_c t'_c over all shards
 };
+
+/// The caller's whole weight vector (vocab entries) from a shard's view of it.
+template <class T, class G, class Tgt>
+__device__ __forceinline__ const float* full_weights(const row_args<T, G, Tgt>& a) {
+  return a.weights ? a.weights - a.first : nullptr;
+}
 
 /// The soft-capped logit. `Plain` kernels (class ids; no softcap, smoothing or argmax) are
 /// compiled without the option paths, so their sweeps are the bare conversion, exponential and
@@ -104,6 +119,8 @@ __device__ __forceinline__ const row_partial& stats_of(const row_partial& p) { r
 __device__ __forceinline__ const row_partial& stats_of(const slice_partial& p) { return p.stats; }
 __device__ __forceinline__ std::int64_t best_of(const row_partial&) { return -1; }
 __device__ __forceinline__ std::int64_t best_of(const slice_partial& p) { return p.argmax.index; }
+__device__ __forceinline__ argmax_state argmax_of(const row_partial&) { return {}; }
+__device__ __forceinline__ argmax_state argmax_of(const slice_partial& p) { return p.argmax; }
 
 /// Statistics of row n's chunk of `count` elements staged at `chunk` (classes from `base`),
 /// folded into this thread's partial. The sweeps read shared memory, so a chunk's statistics
@@ -453,10 +470,10 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
     if constexpr (!Tgt::soft) {
       std::int64_t y = stage_target[k % Stages];
       if (sizeof(*a.targets.ids) == 4) y = static_cast<std::int32_t>(y & 0xffffffff);
-      r.skip = y == a.ignore_index || y < 0 || y >= a.cols;
+      r.skip = y == a.ignore_index || y < 0 || y >= a.vocab;
       r.invalid = r.skip && y != a.ignore_index;
-      r.rg.y = y;
-      if (!r.skip && a.weights) r.rg.w_y = a.weights[y];
+      r.rg.y = y - a.first;  // the target's column in this shard
+      if (!r.skip && a.weights) r.rg.w_y = full_weights(a)[y];
     }
     if constexpr (P == pass::backward) r.rg.lse = stage_lse[k % Stages];
     return r;
@@ -484,7 +501,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
     if constexpr (P != pass::backward) r.rg.lse = st.lse.lse();
     float mass;
     if constexpr (Tgt::soft) {
-      mass = st.mass;
+      mass = a.mass_in ? a.mass_in[r.n] : st.mass;
     } else {
       mass = class_target_mass(r.rg.w_y, a.k);
     }
@@ -495,7 +512,13 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
       } else {
         loss = class_row_loss(st, r.rg.w_y, a.k);
       }
-      if (rank == 0 && threadIdx.x == 0) {
+      if (rank == 0 && threadIdx.x == 0 && a.partials) {  // vocab-parallel: a shard's record
+        slice_partial rec;
+        rec.stats = st;
+        rec.argmax = argmax_of(row);
+        if (rec.argmax.index >= 0) rec.argmax.index += a.first;  // a global class id
+        a.partials[r.n] = rec;
+      } else if (rank == 0 && threadIdx.x == 0) {
         if (a.row_loss) a.row_loss[r.n] = loss;
         if (a.lse_out) a.lse_out[r.n] = r.rg.lse;
         if (a.argmax) a.argmax[r.n] = best_of(row);
@@ -554,11 +577,11 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
   // Per-launch constants, summed by every CTA while its first copies are in flight: one launch
   // per call, where a separate kernel cost a launch (17 us for 32 x 32000).
   if (a.weights && a.k.smooth != 0.0f)
-    a.k.weight_sum = static_cast<float>(class_weight_sum<Block>(a.weights, a.cols));
+    a.k.weight_sum = static_cast<float>(class_weight_sum<Block>(full_weights(a), a.vocab));
   // The mean's normaliser, once per CTA for the gradient's scale and the reduced loss alike.
   const double normalizer =
       a.reduce == reduction::mean && (P != pass::forward || need_reduce)
-          ? mean_normalizer<Block>(a.targets, a.rows, a.cols, a.ignore_index, a.weights)
+          ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, full_weights(a))
           : 1.0;
   if (a.reduce != reduction::none && P != pass::forward)
     scalar = scalar_upstream(a.scale, a.scale_ptr, a.reduce, normalizer);

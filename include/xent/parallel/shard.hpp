@@ -14,4 +14,18 @@ struct vocab_shard {
   std::int64_t vocab = 0;
 };
 
+namespace detail {
+
+/// What each rank sends ahead of its per-row records in a vocab-parallel exchange: its shard and
+/// row count (the same bytes on the CPU and CUDA backends). Every rank checks the gathered headers
+/// after the exchange, on the same bytes, so a bad tiling is found by every rank alike.
+struct shard_header {
+  std::int64_t first = 0;
+  std::int64_t cols = 0;
+  std::int64_t vocab = 0;
+  std::int64_t rows = 0;
+};
+
+}  // namespace detail
+
 }  // namespace xent

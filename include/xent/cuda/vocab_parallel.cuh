@@ -1,0 +1,379 @@
+// vocab_parallel_traits<cuda>: vocab-parallel cross-entropy on the CUDA backend, each rank a GPU
+// holding a device communicator (parallel/nccl_group.cuh, or any type whose all_gather enqueues on
+// the stream that its stream() names). Included only by nvcc (xent.hpp).
+//
+// A call is the CPU one (cpu/vocab_parallel.hpp) with every step enqueued on exec.stream, nothing
+// waiting for the host:
+//   1. vp_begin_kernel writes this rank's header (and, for an empty shard, empty records) into the
+//      send block;
+//   2. the row kernel's forward pass over the shard (row_args::first / vocab / partials) writes one
+//      slice_partial per row into the send block instead of the row's outputs;
+//   3. group.all_gather(send, recv, block bytes): every rank's block, in rank order;
+//   4. vp_merge_kernel checks the tiling, merges each row's R records in rank order with
+//      slice_partial::merge (the CPU's order, so every rank gets the same bits), and writes the
+//      loss, LSE, argmax and the deterministic reduction, and each row's LSE and target mass for
+//      step 5;
+//   5. the row kernel's backward pass from that LSE writes this rank's gradient shard.
+// Class-id backward runs step 5 alone (its row mass follows from the target's weight); soft-target
+// backward runs 1-4 for the rows' mass (the sum over all shards of w_c t'_c).
+//
+// Workspace. exec.workspace holds at least cuda_vocab_parallel_workspace_size(rows, ranks) bytes
+// of device memory, zero-filled once before its first use (as xent::cuda's workspace: its head is
+// that workspace, which every call leaves zeroed again). Class-id backward needs none.
+//
+// Errors found on the device. The host cannot learn, without a synchronisation, what the ranks'
+// headers say, so a bad tiling (the ranks' shards overlap, leave a gap, or the ranks declare
+// different V or N) cannot throw: every rank sees the same gathered headers, and every rank then
+// writes NaN for the loss, every row's loss and LSE (so every gradient row not ignored is NaN),
+// argmax -1, num_correct 0, and adds 1 to *exec.error_count. A class id outside [0, V) that is not
+// ignore_index makes its row NaN with a zero gradient and adds 1 to exec.error_count (once per row
+// and call), as in the unsharded calls. Ranks whose calls pass different row counts move different
+// byte counts through the collective, which NCCL does not detect: that is the caller's contract.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "../backend.hpp"
+#include "../detail/validate.hpp"
+#include "../loss_math.hpp"
+#include "../options.hpp"
+#include "../parallel/communicator.hpp"
+#include "../parallel/shard.hpp"
+#include "../targets.hpp"
+#include "../views.hpp"
+#include "backend.cuh"
+#include "cuda.cuh"
+#include "kernels.cuh"
+#include "row_sums.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+using detail::shard_header;
+static_assert(sizeof(shard_header) % alignof(slice_partial) == 0,
+              "records after the header stay aligned");
+
+/// Where a vocab-parallel call keeps its bookkeeping in exec.workspace: xent::cuda's workspace
+/// (the reduction's per-row losses and counter), the send block (header + N records), the receive
+/// blocks (R of them, in rank order), and per row the merged LSE and target mass.
+struct vp_layout {
+  std::size_t block = 0;  ///< bytes of one rank's block: what all_gather moves per rank
+  std::size_t send = 0, recv = 0, lse = 0, mass = 0, total = 0;
+  vp_layout(std::int64_t rows, int ranks) {
+    const std::size_t n = static_cast<std::size_t>(rows < 0 ? 0 : rows);
+    block = sizeof(shard_header) + n * sizeof(slice_partial);
+    send = align_up(cuda_workspace_size(rows), 256);
+    recv = align_up(send + block, 256);
+    lse = align_up(recv + block * static_cast<std::size_t>(ranks < 1 ? 1 : ranks), 256);
+    mass = align_up(lse + sizeof(float) * n, 256);
+    total = align_up(mass + sizeof(float) * n, 256);
+  }
+};
+
+/// Rank r's header and records in the gathered blocks.
+__device__ __forceinline__ const shard_header& gathered_header(const unsigned char* recv,
+                                                               std::size_t block, int r) {
+  return *reinterpret_cast<const shard_header*>(recv + static_cast<std::size_t>(r) * block);
+}
+__device__ __forceinline__ const slice_partial* gathered_records(const unsigned char* recv,
+                                                                 std::size_t block, int r) {
+  return reinterpret_cast<const slice_partial*>(recv + static_cast<std::size_t>(r) * block +
+                                                sizeof(shard_header));
+}
+
+/// Whether the gathered shards tile [0, vocab) and every rank declared `vocab` classes and `rows`
+/// rows: non-empty shards pairwise disjoint, inside [0, vocab), their sizes adding up to vocab.
+/// The same test as the CPU's check_tiling without its sort (R is small) or its messages.
+__device__ inline bool shards_tile(const unsigned char* recv, std::size_t block, int ranks,
+                                   std::int64_t vocab, std::int64_t rows) {
+  std::int64_t covered = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const shard_header h = gathered_header(recv, block, r);
+    if (h.vocab != vocab || h.rows != rows || h.cols < 0 || h.first < 0 ||
+        h.first > h.vocab - h.cols)
+      return false;
+    covered += h.cols;
+    for (int q = 0; q < r && h.cols > 0; ++q) {
+      const shard_header o = gathered_header(recv, block, q);
+      if (o.cols > 0 && h.first < o.first + o.cols && o.first < h.first + h.cols) return false;
+    }
+  }
+  return covered == vocab;
+}
+
+/// Step 1: this rank's header, and empty records when the shard has no classes (the row kernel
+/// then does not run, and the records must still merge as "nothing here").
+/// (A template, as every kernel in a header: one definition however many units include it.)
+template <int Block>
+XENT_KERNEL void __launch_bounds__(Block)
+    vp_begin_kernel(shard_header header, unsigned char* send, bool empty_shard) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<shard_header*>(send) = header;
+  if (!empty_shard) return;
+  slice_partial* records = reinterpret_cast<slice_partial*>(send + sizeof(shard_header));
+  for (std::int64_t n = blockIdx.x * std::int64_t{Block} + threadIdx.x; n < header.rows;
+       n += std::int64_t{gridDim.x} * Block)
+    records[n] = slice_partial{};
+}
+
+/// The gathered blocks, and where the merge leaves what the gradient pass needs.
+struct vp_gathered {
+  const unsigned char* recv;
+  std::size_t block;
+  int ranks;
+  float* lse_rows;   ///< each row's merged LSE
+  float* mass_rows;  ///< each row's merged target mass (soft targets)
+};
+
+/// Step 4, one thread per row, with the row kernel's arguments of the call (its outputs, targets,
+/// options; `workspace` set when something is reduced). Every CTA holds at least one row (the grid
+/// is sized so), which finish_reduction's last-CTA count relies on.
+template <int Block, class T, class G, class Tgt>
+XENT_KERNEL void __launch_bounds__(Block) vp_merge_kernel(row_args<T, G, Tgt> a, vp_gathered x) {
+  const float* weights = full_weights(a);
+  __shared__ bool tiled;
+  if (threadIdx.x == 0) tiled = shards_tile(x.recv, x.block, x.ranks, a.vocab, a.rows);
+  __syncthreads();  // `tiled` is visible
+  if (!tiled && blockIdx.x == 0 && threadIdx.x == 0 && a.error_count) atomicAdd(a.error_count, 1);
+  if (weights && a.k.smooth != 0.0f)
+    a.k.weight_sum = static_cast<float>(class_weight_sum<Block>(weights, a.vocab));
+  const bool need_reduce = a.workspace && (a.loss || a.num_correct);
+  const double normalizer =
+      a.reduce == reduction::mean && need_reduce
+          ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, weights)
+          : 1.0;
+  unsigned my_rows = 0;
+  for (std::int64_t base = blockIdx.x * std::int64_t{Block}; base < a.rows;
+       base += std::int64_t{gridDim.x} * Block) {
+    my_rows += static_cast<unsigned>(a.rows - base < Block ? a.rows - base : Block);
+    const std::int64_t n = base + threadIdx.x;
+    if (n >= a.rows) continue;
+    std::int64_t y = -1;
+    bool ignored = false, invalid = !tiled;
+    float w_y = 1.0f;
+    if constexpr (!Tgt::soft) {
+      y = static_cast<std::int64_t>(a.targets.ids[n]);
+      ignored = y == a.ignore_index && tiled;
+      if (!ignored && (y < 0 || y >= a.vocab)) {
+        if (tiled && a.error_count) atomicAdd(a.error_count, 1);
+        invalid = true;
+      }
+      if (!ignored && !invalid && weights) w_y = weights[y];
+    }
+    float loss, lse, mass = 0.0f;
+    std::int64_t best = -1;
+    if (ignored || invalid) {  // as finish_skipped in the row kernel
+      loss = lse = invalid ? NAN : 0.0f;
+    } else {
+      // Rank order, on every rank: the same bits everywhere (parallel/communicator.hpp).
+      slice_partial p = gathered_records(x.recv, x.block, 0)[n];
+      for (int r = 1; r < x.ranks; ++r) p.merge(gathered_records(x.recv, x.block, r)[n]);
+      lse = p.stats.lse.lse();
+      if constexpr (Tgt::soft) {
+        loss = soft_row_loss(p.stats, a.k);
+      } else {
+        loss = class_row_loss(p.stats, w_y, a.k);
+      }
+      mass = p.stats.mass;
+      best = p.argmax.index;
+    }
+    if (a.row_loss) a.row_loss[n] = loss;
+    if (a.lse_out) a.lse_out[n] = lse;
+    if (a.argmax) a.argmax[n] = best;
+    x.lse_rows[n] = lse;
+    x.mass_rows[n] = mass;
+    if (need_reduce) record_row(a.workspace, a.rows, n, loss, best >= 0 && best == y);
+  }
+  if (need_reduce)
+    finish_reduction<Block>(a.workspace, a.rows, my_rows, a.loss, a.num_correct, normalizer);
+}
+
+template <class G, class = void>
+struct has_stream : std::false_type {};
+template <class G>
+struct has_stream<G, std::void_t<decltype(cudaStream_t{std::declval<const G&>().stream()})>>
+    : std::true_type {};
+
+/// The group enqueues on the call's stream, so the collective is ordered between the kernels.
+template <class Group>
+void check_device_group(const char* fn, const cuda& exec, const Group& group) {
+  static_assert(has_stream<Group>::value,
+                "xent: a CUDA vocab-parallel call needs a device communicator: one whose stream() "
+                "names the CUDA stream its all_gather enqueues on (xent::nccl_group)");
+  detail::require(group.stream() == exec.stream, fn, "group",
+                  "its stream differs from exec.stream; the collective must be enqueued on the "
+                  "stream of the call's kernels");
+}
+
+inline void require_vp_workspace(const char* fn, const cuda& exec, std::int64_t rows, int ranks) {
+  const std::size_t need = vp_layout(rows, ranks).total;
+  detail::require(exec.workspace != nullptr && exec.workspace_bytes >= need, fn, "exec.workspace",
+                  "needs " + std::to_string(need) +
+                      " bytes of zero-filled device memory "
+                      "(cuda_vocab_parallel_workspace_size(rows, ranks)), got " +
+                      std::to_string(exec.workspace ? exec.workspace_bytes : 0));
+}
+
+/// The row kernel's arguments for this rank's shard (see row_args::first).
+template <class T, class G, class Tgt>
+row_args<device_t<T>, device_t<G>, Tgt> shard_args(const cuda& exec, matrix_view<const T> logits,
+                                                   vocab_shard shard, Tgt targets,
+                                                   const options& opts) {
+  auto a = make_args<T, G>(exec, logits, targets, opts);
+  a.first = shard.first;
+  a.vocab = shard.vocab;
+  a.weights = opts.class_weights.data ? opts.class_weights.data + shard.first : nullptr;
+  a.k = make_loss_constants(opts, shard.vocab, static_cast<float>(shard.vocab));
+  a.workspace = nullptr;    // nothing is reduced by the row kernel here
+  a.error_count = nullptr;  // counted once, by the merge (or by the caller of this, backward)
+  return a;
+}
+
+/// Step 5: this rank's gradient shard from each row's LSE (and, soft targets, mass).
+template <class T, class Tgt, class G>
+void vp_gradient(const char* fn, const cuda& exec, matrix_view<const T> logits, vocab_shard shard,
+                 Tgt targets, const options& opts, const float* lse, const float* mass,
+                 const upstream& up, matrix_view<G> grad, int* error_count) {
+  if (logits.rows == 0 || logits.cols == 0) return;
+  auto a = shard_args<T, G>(exec, logits, shard, targets, opts);
+  a.lse_in = lse;
+  a.mass_in = mass;
+  a.grad = reinterpret_cast<device_t<G>*>(grad.data);
+  a.grad_ld = grad.ld;
+  a.scale = up.scale;
+  a.scale_ptr = up.scale_ptr;
+  a.up_rows = up.rows.data;
+  a.error_count = error_count;
+  const bool aligned = aligned16(logits.data, logits.ld * std::int64_t{sizeof(T)}) &&
+                       aligned16(grad.data, grad.ld * std::int64_t{sizeof(G)});
+  dispatch_rows<pass::backward>(fn, exec, a, aligned);
+}
+
+/// Steps 1-4. `out` may be null (soft-target backward: only the rows' mass is wanted). Returns
+/// the layout, whose lse / mass arrays then hold each row's merged values.
+template <class Group, class T, class Tgt>
+vp_layout vp_exchange(const char* fn, const cuda& exec, const Group& group,
+                      matrix_view<const T> logits, vocab_shard shard, Tgt targets,
+                      const options& opts, const forward_outputs* out) {
+  const std::int64_t rows = logits.rows;
+  const vp_layout lay(rows, group.size());
+  unsigned char* ws = static_cast<unsigned char*>(exec.workspace);
+  unsigned char* send = ws + lay.send;
+  const bool empty = logits.cols == 0;
+  const unsigned begin_grid =
+      empty ? static_cast<unsigned>(rows / 256 + 1 < 1024 ? rows / 256 + 1 : 1024) : 1u;
+  vp_begin_kernel<256><<<begin_grid, 256, 0, exec.stream>>>(
+      shard_header{shard.first, logits.cols, shard.vocab, rows}, send, empty);
+  check_cuda(fn, cudaGetLastError());
+  // One set of row-kernel arguments serves both kernels: the statistics pass writes records
+  // (no outputs), the merge writes the outputs.
+  auto a = shard_args<T, float>(exec, logits, shard, targets, opts);
+  if (out) set_outputs(a, opts, *out);
+  if (!empty && rows > 0) {
+    auto stats = a;
+    stats.loss = stats.row_loss = stats.lse_out = nullptr;
+    stats.argmax = stats.num_correct = nullptr;
+    stats.partials = reinterpret_cast<slice_partial*>(send + sizeof(shard_header));
+    dispatch_rows<pass::forward>(fn, exec, stats,
+                                 aligned16(logits.data, logits.ld * std::int64_t{sizeof(T)}));
+  }
+  group.all_gather(send, ws + lay.recv, lay.block);
+
+  if (a.loss || a.num_correct) a.workspace = exec.workspace;
+  a.error_count = exec.error_count;
+  const vp_gathered x{ws + lay.recv, lay.block, group.size(),
+                      reinterpret_cast<float*>(ws + lay.lse),
+                      reinterpret_cast<float*>(ws + lay.mass)};
+  constexpr int block = 256;
+  // At most 64 CTAs: each sums the mean's normaliser over every row's target (as the row
+  // kernel's CTAs do), and one thread per row is plenty for a few floats per rank.
+  const std::int64_t ctas = (rows + block - 1) / block;
+  const unsigned grid = static_cast<unsigned>(ctas < 1 ? 1 : (ctas > 64 ? 64 : ctas));
+  vp_merge_kernel<block><<<grid, block, 0, exec.stream>>>(a, x);
+  check_cuda(fn, cudaGetLastError());
+  return lay;
+}
+
+template <class Group, class T, class Tgt, class G>
+void vp_run(const char* fn, const cuda& exec, const Group& group, matrix_view<const T> logits,
+            vocab_shard shard, const Tgt& targets, const options& opts, const upstream* up,
+            const forward_outputs& out, matrix_view<G> grad) {
+  check_device_group(fn, exec, group);
+  require_vp_workspace(fn, exec, logits.rows, group.size());
+  const auto dt = device_targets(targets);
+  using device_targets_t = std::decay_t<decltype(dt)>;
+  const vp_layout lay = vp_exchange(fn, exec, group, logits, shard, dt, opts, &out);
+  if (!grad.data) return;
+  unsigned char* ws = static_cast<unsigned char*>(exec.workspace);
+  vp_gradient(fn, exec, logits, shard, dt, opts, reinterpret_cast<const float*>(ws + lay.lse),
+              device_targets_t::soft ? reinterpret_cast<const float*>(ws + lay.mass) : nullptr, *up,
+              grad, nullptr);
+}
+
+template <class Group, class T, class Tgt, class G>
+void vp_backward(const cuda& exec, const Group& group, matrix_view<const T> logits,
+                 vocab_shard shard, const Tgt& targets, const options& opts,
+                 vector_view<const float> lse, const upstream& up, matrix_view<G> grad) {
+  constexpr const char* fn = "xent::vocab_parallel_backward";
+  check_device_group(fn, exec, group);
+  const auto dt = device_targets(targets);
+  if constexpr (std::decay_t<decltype(dt)>::soft) {
+    // sum_c w_c t'_c spans every shard: exchange each shard's statistics for it.
+    require_vp_workspace(fn, exec, logits.rows, group.size());
+    const vp_layout lay = vp_exchange(fn, exec, group, logits, shard, dt, opts, nullptr);
+    vp_gradient(
+        fn, exec, logits, shard, dt, opts, lse.data,
+        reinterpret_cast<const float*>(static_cast<unsigned char*>(exec.workspace) + lay.mass), up,
+        grad, nullptr);
+  } else {
+    // No collective: each rank counts its own rows with out-of-range class ids.
+    vp_gradient(fn, exec, logits, shard, dt, opts, lse.data, nullptr, up, grad, exec.error_count);
+  }
+}
+
+}  // namespace cuda_detail
+
+/// Bytes of exec.workspace a CUDA vocab-parallel call over `rows` rows on `ranks` ranks needs
+/// (zero-filled once before its first use; see cuda/vocab_parallel.cuh).
+inline std::size_t cuda_vocab_parallel_workspace_size(std::int64_t rows, int ranks) {
+  return cuda_detail::vp_layout(rows, ranks).total;
+}
+
+/// Bytes each rank sends through the collective per call: a 32-byte header and one record per row.
+inline std::size_t cuda_vocab_parallel_exchange_bytes(std::int64_t rows) {
+  return cuda_detail::vp_layout(rows, 1).block;
+}
+
+template <>
+struct vocab_parallel_traits<cuda> {
+  template <class Group, class T, class Tgt>
+  static void forward(const cuda& exec, const Group& group, matrix_view<const T> logits,
+                      vocab_shard shard, const Tgt& targets, const options& opts,
+                      const forward_outputs& out) {
+    cuda_detail::vp_run("xent::vocab_parallel_forward", exec, group, logits, shard, targets, opts,
+                        nullptr, out, matrix_view<float>{});
+  }
+
+  template <class Group, class T, class Tgt, class G>
+  static void backward(const cuda& exec, const Group& group, matrix_view<const T> logits,
+                       vocab_shard shard, const Tgt& targets, const options& opts,
+                       vector_view<const float> lse, const upstream& up, matrix_view<G> grad) {
+    cuda_detail::vp_backward(exec, group, logits, shard, targets, opts, lse, up, grad);
+  }
+
+  template <class Group, class T, class Tgt, class G>
+  static void forward_backward(const cuda& exec, const Group& group, matrix_view<const T> logits,
+                               vocab_shard shard, const Tgt& targets, const options& opts,
+                               const upstream& up, const forward_outputs& out,
+                               matrix_view<G> grad) {
+    cuda_detail::vp_run("xent::vocab_parallel_forward_backward", exec, group, logits, shard,
+                        targets, opts, &up, out, grad);
+  }
+};
+
+}  // namespace xent
