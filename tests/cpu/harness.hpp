@@ -61,8 +61,8 @@ const char* dtype_name() {
 template <class T>
 double unit_roundoff() {
   if (std::is_same<T, float>::value) return std::ldexp(1.0, -24);
-  if (std::is_same<T, bf16>::value) return std::ldexp(1.0, -9);
-  return std::ldexp(1.0, -12);
+  if (std::is_same<T, bf16>::value) return std::ldexp(1.0, -8);  // 8 significant bits
+  return std::ldexp(1.0, -11);                                      // 11 significant bits
 }
 
 /// The spacing of the subnormals of an output dtype: the absolute error floor of one rounding.

@@ -100,6 +100,8 @@ struct cuda_backend {
     const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(x.get_device());
     call c;
     c.exec.stream = stream.stream();
+    // torch's handle for this thread and device, bound to the current stream (fused linear calls).
+    c.exec.cublas = at::cuda::getCurrentCUDABlasHandle();
     c.exec.error_count = cuda_state::get().error_count(stream);
     if (reduced) {
       const std::size_t bytes = xent::cuda_workspace_size(x.size(0));
@@ -117,42 +119,6 @@ at::Tensor cuda_target_errors(std::int64_t device) {
   return cuda_state::get().counter(static_cast<c10::DeviceIndex>(device));
 }
 
-// The fused linear ops need linear_traits<xent::cuda>, which the headers do not have yet. When
-// they do, register linear_cross_entropy_fwd / _bwd<cuda_backend> as the CPU does (and give
-// cuda_backend::exec the cuBLAS handle the CUDA linear backend takes:
-// at::cuda::getCurrentCUDABlasHandle()); until then the CUDA kernels say so.
-[[noreturn]] void no_cuda_linear() {
-  TORCH_CHECK_NOT_IMPLEMENTED(false,
-                              "xent: linear_cross_entropy has no CUDA backend yet (xent has no "
-                              "linear_traits<xent::cuda>); use CPU tensors, or "
-                              "xent_torch.cross_entropy on logits computed by torch");
-  std::abort();  // not reached: TORCH_CHECK_NOT_IMPLEMENTED(false, ...) throws
-}
-template <class R, class... Args>
-R linear_unavailable(Args...) {
-  no_cuda_linear();
-}
-
-template <class Exec>
-void register_linear(torch::Library& m) {
-  if constexpr (xent::detail::has_linear_backend<Exec>::value) {
-    static_assert(!xent::detail::has_linear_backend<Exec>::value,
-                  "xent_torch: xent has a CUDA linear backend now: register it here (see above)");
-  } else {
-    m.impl("linear_cross_entropy_fwd",
-           &linear_unavailable<std::tuple<at::Tensor, at::Tensor>, const at::Tensor&,
-                               const at::Tensor&, const std::optional<at::Tensor>&,
-                               const at::Tensor&, const std::optional<at::Tensor>&, std::int64_t,
-                               std::int64_t, double, double, double>);
-    m.impl(
-        "linear_cross_entropy_bwd",
-        &linear_unavailable<std::tuple<at::Tensor, at::Tensor, at::Tensor>, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                            std::int64_t, std::int64_t, double, double, double>);
-  }
-}
-
 }  // namespace
 }  // namespace xent_torch
 
@@ -166,5 +132,6 @@ TORCH_LIBRARY_IMPL(xent, CUDA, m) {
   m.impl("cross_entropy_fwd", &xent_torch::cross_entropy_fwd<cuda_backend>);
   m.impl("cross_entropy_bwd", &xent_torch::cross_entropy_bwd<cuda_backend>);
   m.impl("cross_entropy_bwd_", &xent_torch::cross_entropy_bwd_inplace<cuda_backend>);
-  xent_torch::register_linear<xent::cuda>(m);
+  m.impl("linear_cross_entropy_fwd", &xent_torch::linear_cross_entropy_fwd<cuda_backend>);
+  m.impl("linear_cross_entropy_bwd", &xent_torch::linear_cross_entropy_bwd<cuda_backend>);
 }

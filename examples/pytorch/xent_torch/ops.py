@@ -161,8 +161,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
 
     hidden (..., D), weight (V, D) (an LM head), bias (V,) or None, all of one dtype (float32,
     bfloat16 or float16); target (...) class ids, int64 or int32, or (..., V) class
-    probabilities as cross_entropy takes them. CPU tensors only for now (CUDA raises
-    NotImplementedError until xent has a CUDA linear backend). class_weight is
+    probabilities as cross_entropy takes them. CPU or CUDA tensors (on CUDA: cuBLAS GEMMs with
+    torch's handle, float accumulation; bf16 / fp16 logits are rounded to that dtype, as torch's
+    F.linear does). class_weight is
     cross_entropy's `weight` (per-class weights); every other option is cross_entropy's.
     The logits are computed a chunk of rows at a time (xent::linear_forward) and recomputed in
     backward (xent::linear_backward) from the saved per-row log-sum-exp.
