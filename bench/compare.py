@@ -413,8 +413,10 @@ def main():
     libs = load_libraries()
     dev = torch.cuda.get_device_properties(0)
     import subprocess
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or "unknown"
+    # The device tool copies the working tree, not .git: the caller names the commit there.
+    commit = os.environ.get("XENT_COMMIT") or subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True).stdout.strip() or "unknown"
     versions = dict(torch=torch.__version__, triton=version_of("triton"),
                     liger_kernel=version_of("liger-kernel"),
                     cut_cross_entropy=version_of("cut-cross-entropy"))
