@@ -177,7 +177,8 @@ inline result evaluate(const problem& pb, const upstream* up = nullptr) {
         r.grad[n * V + j] = g * (alpha * p - a) * slope;
         // p = exp(z - lse) with z - lse formed in float carries about |z| + 2 |lse| roundings
         // of its own: the term grows with the row's scale (tests multiply magnitudes by 64 u).
-        const double exponent = 1.0 + (std::fabs(z[j]) + 2.0 * std::fabs(lse)) / 64.0;
+        const double exponent = p > 0.0 ? 1.0 + (std::fabs(z[j]) + 2.0 * std::fabs(lse)) / 64.0
+                                        : 1.0;  // z = -inf: p = 0
         r.grad_magnitude[n * V + j] =
             std::fabs(g) *
             ((mass + 2.0 * pb.z_loss * std::fabs(lse)) * p * exponent + std::fabs(a)) * slope;

@@ -22,7 +22,7 @@ struct cpu_backend {
   struct call {
     xent::cpu exec;
   };
-  static call exec(const at::Tensor&, bool) {
+  static call exec(const at::Tensor&, bool, bool = false) {
     return {xent::cpu{std::max(1, at::get_num_threads())}};
   }
 };

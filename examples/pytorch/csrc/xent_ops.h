@@ -3,9 +3,10 @@
 // for CUDA). A backend B provides
 //   B::guard        constructed from the input's device for the op's duration (a CUDA device
 //                   guard; nothing on the CPU)
-//   B::exec(x, ws)  the execution object of one call on tensors like x: {exec, hold}, where
-//                   `hold` keeps alive whatever the call borrows (a per-call workspace); ws says
-//                   whether the call needs xent's reduced-loss workspace
+//   B::exec(x, ws, blas)  the execution object of one call on tensors like x: {exec, hold},
+//                   where `hold` keeps alive whatever the call borrows (a per-call workspace); ws
+//                   says whether the call needs xent's reduced-loss workspace, blas whether it
+//                   runs GEMMs (fused linear calls: the cuBLAS handle)
 //
 // The ops take 2-D logits (N x C, class dimension last, last dimension contiguous; any row stride
 // is passed to xent as the leading dimension); the Python wrappers flatten (..., C) inputs. Every
@@ -350,7 +351,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
   at::Tensor lse = at::empty({n}, f32);
   dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
-    const auto call = B::exec(in.hidden, false);
+    const auto call = B::exec(in.hidden, false, true);
     xent::forward_outputs out;
     if (in.opts.reduce == xent::reduction::none)
       out.row_loss = {loss.data_ptr<float>(), n};
@@ -390,7 +391,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
   at::Tensor d_bias = at::empty({in.bias.defined() ? in.weight.size(0) : 0}, like);
   dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
-    const auto call = B::exec(in.hidden, false);
+    const auto call = B::exec(in.hidden, false, true);
     xent::linear_grads<T> grads{matrix_of<T>(d_hidden), matrix_of<T>(d_weight),
                                 in.bias.defined() ? vector_of<T>(d_bias) : xent::vector_view<T>{}};
     at::Tensor ws = linear_workspace_for<T>(call.exec, in, xent::linear_pass::training);

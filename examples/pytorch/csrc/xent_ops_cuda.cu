@@ -95,13 +95,14 @@ struct cuda_backend {
     at::Tensor hold;  // the workspace, alive until the call has been enqueued
   };
   // x is on the current device (the guard); `reduced`: the call writes a reduced loss.
-  static call exec(const at::Tensor& x, bool reduced) {
+  static call exec(const at::Tensor& x, bool reduced, bool blas = false) {
     TORCH_CHECK_VALUE(x.is_cuda(), "xent: a CUDA kernel got a tensor on ", x.device());
     const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(x.get_device());
     call c;
     c.exec.stream = stream.stream();
-    // torch's handle for this thread and device, bound to the current stream (fused linear calls).
-    c.exec.cublas = at::cuda::getCurrentCUDABlasHandle();
+    // torch's handle for this thread and device, bound to the current stream: fused linear calls
+    // only (getting it sets the handle's stream and workspace).
+    if (blas) c.exec.cublas = at::cuda::getCurrentCUDABlasHandle();
     c.exec.error_count = cuda_state::get().error_count(stream);
     if (reduced) {
       const std::size_t bytes = xent::cuda_workspace_size(x.size(0));
