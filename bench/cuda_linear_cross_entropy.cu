@@ -83,7 +83,9 @@ struct problem {
   cudaEvent_t start{}, stop{};
   cublasHandle_t handle{};
 
-  problem(const shape& s_, bool training, bool floor) : s(s_) {
+  problem(const shape& s_, bool training, bool floor,
+          std::size_t budget = xent::linear_default_budget)
+      : s(s_) {
     const auto N = static_cast<std::size_t>(s.n), D = static_cast<std::size_t>(s.d),
                V = static_cast<std::size_t>(s.v);
     check(cudaMalloc(&x, sizeof(bf16) * N * D), "malloc x");
@@ -103,7 +105,7 @@ struct problem {
     } else {
       const xent::cuda exec;
       const auto pass = training ? xent::linear_pass::training : xent::linear_pass::forward;
-      const auto plan = xent::linear_workspace_size<bf16>(exec, {s.n, s.d, s.v}, pass);
+      const auto plan = xent::linear_workspace_size<bf16>(exec, {s.n, s.d, s.v}, pass, {}, budget);
       ws_bytes = plan.bytes;
       chunk_rows = plan.chunk_rows;
       check(cudaMalloc(&ws, ws_bytes), "malloc workspace");
@@ -191,8 +193,8 @@ void floor_line(benchmark::State& state, shape s, bool training) {
       static_cast<double>(sizeof(bf16)) * (N * V + (training ? N * D + V * D : 0)) / (1 << 20);
 }
 
-void xent_line(benchmark::State& state, shape s, bool training) {
-  problem p(s, training, false);
+void xent_line(benchmark::State& state, shape s, bool training, std::size_t budget) {
+  problem p(s, training, false, budget);
   const std::int64_t N = s.n, D = s.d, V = s.v;
   xent::cuda exec;
   exec.cublas = p.handle;
@@ -246,12 +248,20 @@ void register_all() {
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond)
           ->Iterations(10);
-      benchmark::RegisterBenchmark(
-          (std::string(training ? "linear_forward_backward/" : "linear_forward/") + suffix).c_str(),
-          [s, training](benchmark::State& st) { xent_line(st, s, training); })
-          ->UseManualTime()
-          ->Unit(benchmark::kMillisecond)
-          ->Iterations(10);
+      // The default budget (256 MiB of chunk room), and for training 1 GiB: the d_weight GEMM's
+      // float accumulator is read and written once per chunk, so its cost falls with the chunk.
+      for (std::size_t mib : {std::size_t{256}, std::size_t{1024}}) {
+        if (mib != 256 && !training) continue;
+        const std::string budget = mib == 256 ? "" : "/budget_MiB:" + std::to_string(mib);
+        benchmark::RegisterBenchmark(
+            (std::string(training ? "linear_forward_backward/" : "linear_forward/") + suffix +
+             budget)
+                .c_str(),
+            [s, training, mib](benchmark::State& st) { xent_line(st, s, training, mib << 20); })
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->Iterations(10);
+      }
     }
 }
 
