@@ -62,7 +62,7 @@ template <class T>
 double unit_roundoff() {
   if (std::is_same<T, float>::value) return std::ldexp(1.0, -24);
   if (std::is_same<T, bf16>::value) return std::ldexp(1.0, -8);  // 8 significant bits
-  return std::ldexp(1.0, -11);                                      // 11 significant bits
+  return std::ldexp(1.0, -11);                                   // 11 significant bits
 }
 
 /// The spacing of the subnormals of an output dtype: the absolute error floor of one rounding.
