@@ -253,11 +253,11 @@ struct row_gradient {
 /// The thread holding the target class of a class-id row picks z_y out of its own registers and
 /// puts the target's gradient (formed once, in float) into the vector before storing it, so
 /// nothing is stored twice and no other thread or read is involved.
-template <bool Plain, bool Aligned, class T, int Regs, int Block, class G, class Tgt>
-__device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a,
-                                              const row_tile<T, Regs, Block>& t, std::int64_t n,
-                                              std::int64_t base, const row_gradient& rg, G* out) {
-  constexpr int vec = row_tile<T, Regs, Block>::vec;
+template <bool Plain, bool Aligned, class T, class Tile, class G, class Tgt>
+__device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, const Tile& t,
+                                              std::int64_t n, std::int64_t base,
+                                              const row_gradient& rg, G* out) {
+  constexpr int vec = Tile::vec, Regs = Tile::regs, Block = Tile::block;
   const float ga = rg.g * rg.alpha;
   const float shift = rg.lse * log2e;
   const bool plain = Plain || (!Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f);
@@ -364,7 +364,10 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
   constexpr bool bulk = false;
 #endif
   using part_t = std::conditional_t<Plain, row_partial, slice_partial>;
-  using tile_t = row_tile<T, Regs, Block>;
+  // Gradient rows read their chunk from the held stage (policy::smem_tile; bulk copies only: the
+  // per-thread copies refill a stage as soon as the next item is waited for).
+  constexpr bool staged = policy::smem_tile && bulk && P != pass::forward;
+  using tile_t = std::conditional_t<staged, staged_tile<T, Regs, Block>, row_tile<T, Regs, Block>>;
   using exchange_t = row_exchange<part_t, Block>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ std::int64_t stage_target[Stages];
@@ -620,7 +623,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
     // Row i - 1 is finished after row i's statistics (its cluster round trip hidden behind them,
     // its tile held in registers meanwhile) or before them (the tile is then live only between
     // rows: see policy::overlap_rows).
-    constexpr bool overlap = policy::template overlap_rows<T, P == pass::fused>;
+    constexpr bool overlap = staged || policy::template overlap_rows<T, P == pass::fused>;
     tile_t tile;
     row_state prev;
     for (std::int64_t i = 0; i <= my_rows; ++i) {
@@ -646,6 +649,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
         } else if (warp0) {  // forward: warp 0 alone writes the row's outputs
           finish_stats(prev, ex.result(slot ^ 1));
         }
+        if (staged) release_item(i - 1);  // its stage was the tile
       };
       if (!overlap) finish_prev();
       row_state cur;
@@ -670,7 +674,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
           chunk_span(i, base, count);
           tile.load(stage(i), count);
         }
-        release_item(i);
+        if (!staged) release_item(i);
       }
       prev = cur;
     }
@@ -687,7 +691,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
         part = part_t{};
       }
       const bool stats_item = want_stats && j < stat_items;
-      tile_t tile;
+      row_tile<T, Regs, Block> tile;  // the stage is released before the gradient here
       if (!cur.skip) {
         if (stats_item) {
           item_stats(k, cur, part);

@@ -24,6 +24,9 @@
 #ifndef XENT_CUDA_RUNNING_MAX  // 0: every chunk takes a max sweep before its exponentials
 #define XENT_CUDA_RUNNING_MAX 1
 #endif
+#ifndef XENT_CUDA_SMEM_TILE  // 1: gradients read the chunk from its held stage (see policy)
+#define XENT_CUDA_SMEM_TILE 0
+#endif
 #ifndef XENT_CUDA_WHOLE_ROWS  // forward: rows per CTA in flight from which a CTA streams whole rows
 #define XENT_CUDA_WHOLE_ROWS 1
 #endif
@@ -86,6 +89,12 @@ struct policy {
   /// Whether a streamed row's chunks after its first take their exponentials relative to the
   /// row's running max in one sweep (no max sweep; see chunk_stats).
   static constexpr bool running_max = XENT_CUDA_RUNNING_MAX != 0;
+  /// Whether resident rows with a gradient (sm_90 bulk-copy path) keep their chunk in its
+  /// shared-memory stage until the gradient sweep, instead of a register tile: no tile registers,
+  /// so every dtype can overlap a row's cluster round trip with the next row's statistics, at the
+  /// price of a stage held per row (three stages at least, or the next copy waits for it).
+  /// Off until measured (bench/results/cuda-notes.md).
+  static constexpr bool smem_tile = XENT_CUDA_SMEM_TILE != 0;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.

@@ -84,6 +84,7 @@ __device__ __forceinline__ void store_vector(G* p, const vec_t<G, Vec>& d) {
 template <class T, int Regs, int Block>
 struct tile_shape {
   static constexpr int vec = 16 / static_cast<int>(sizeof(T));
+  static constexpr int regs = Regs, block = Block;
   /// Element offset, within the chunk, of this thread's vector r.
   __device__ __forceinline__ static int offset(int r) {
     return (r * Block + static_cast<int>(threadIdx.x)) * vec;
@@ -122,26 +123,32 @@ __device__ __forceinline__ float word_element(const unsigned (&w)[4], int e) {
   }
 }
 
+/// This thread's share of a chunk of `count` elements (the gradient sweep's view of it).
+template <class T, int Regs, int Block>
+struct tile_extent : tile_shape<T, Regs, Block> {
+  using shape = tile_shape<T, Regs, Block>;
+  int count = 0;
+  __device__ __forceinline__ bool has(int r) const { return shape::has(r, count); }
+  __device__ __forceinline__ int valid(int r) const { return shape::valid(r, count); }
+};
+
 /// This thread's vectors of a chunk, held in registers from the moment its stage may be refilled
 /// until the gradient sweep has used them. Held as 32-bit words: an array of 16-bit elements is
 /// kept one element per register (twice the registers, and at three CTAs per SM the tile spilled
 /// to local memory).
 template <class T, int Regs, int Block>
-struct row_tile : tile_shape<T, Regs, Block> {
+struct row_tile : tile_extent<T, Regs, Block> {
   using shape = tile_shape<T, Regs, Block>;
   unsigned w[Regs][4];
-  int count = 0;
 
-  __device__ __forceinline__ bool has(int r) const { return shape::has(r, count); }
-  __device__ __forceinline__ int valid(int r) const { return shape::valid(r, count); }
   /// Element e of vector r, as a float.
   __device__ __forceinline__ float value(int r, int e) const { return word_element<T>(w[r], e); }
 
   __device__ __forceinline__ void load(const T* stage, int n) {
-    count = n;
+    this->count = n;
 #pragma unroll
     for (int r = 0; r < Regs; ++r) {
-      if (has(r)) {
+      if (this->has(r)) {
         const uint4 q = *reinterpret_cast<const uint4*>(stage + shape::offset(r));
         w[r][0] = q.x;
         w[r][1] = q.y;
@@ -149,6 +156,26 @@ struct row_tile : tile_shape<T, Regs, Block> {
         w[r][3] = q.w;
       }
     }
+  }
+};
+
+/// The same view of a chunk left in its shared-memory stage (policy::smem_tile): the gradient
+/// sweep reads the stage, which is held until then, instead of a register tile.
+template <class T, int Regs, int Block>
+struct staged_tile : tile_extent<T, Regs, Block> {
+  using shape = tile_shape<T, Regs, Block>;
+  const T* stage = nullptr;
+
+  /// Element e of vector r, as a float (the vector's load is shared by its elements' calls).
+  __device__ __forceinline__ float value(int r, int e) const {
+    const uint4 q = *reinterpret_cast<const uint4*>(stage + shape::offset(r));
+    const unsigned w[4] = {q.x, q.y, q.z, q.w};
+    return word_element<T>(w, e);
+  }
+
+  __device__ __forceinline__ void load(const T* s, int n) {
+    this->count = n;
+    stage = s;
   }
 };
 
