@@ -369,6 +369,27 @@ std::string check_gradients(const ldata<T>& L, const oracle::linear_result& r, c
   return err;
 }
 
+/// The cases of gradients in another dtype than the inputs: both d_weight accumulations, each
+/// workspace size, reduction none with per-row upstream, some rows ignored, padded rows.
+inline std::vector<lspec> mixed_dtype_cases() {
+  std::vector<lspec> cases;
+  std::uint64_t seed = 700;
+  for (auto mode : {xent::dw_accumulation::fp32, xent::dw_accumulation::output})
+    for (budget space : {budget::minimal, budget::few_rows, budget::all_rows}) {
+      lspec s = make_spec(13, 9, 31);
+      s.ce.ignore = ignore_mode::some;
+      s.ce.reduce = reduction::none;
+      s.ce.up = upstream_mode::pointer_or_rows;
+      s.ce.z_loss = 1e-2f;
+      s.ce.seed = ++seed;
+      s.space = space;
+      s.accumulate = mode;
+      s.pad = 2;
+      cases.push_back(s);
+    }
+  return cases;
+}
+
 /// Every option: targets int32 / int64 / soft, the three reductions, label smoothing, weights,
 /// z-loss and softcap on and off, bias or not; ignored rows (some) with class ids, per-row or
 /// pointer upstream, workspaces, threads and padding varying from case to case.

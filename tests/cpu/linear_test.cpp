@@ -131,22 +131,9 @@ TEST(CpuLinear, GradientDtypeMayDifferFromTheInputs) {
   // bf16 / fp16 hidden and weight with float gradients (d_weight its own accumulator), and float
   // inputs with bf16 gradients (converted rows of d_hidden, the fp32 or output d_weight).
   xt::case_budget b;
-  std::uint64_t seed = 700;
-  for (auto mode : {xent::dw_accumulation::fp32, xent::dw_accumulation::output})
-    for (budget space : {budget::minimal, budget::few_rows, budget::all_rows}) {
-      lspec s = make_spec(13, 9, 31);
-      s.ce.ignore = ignore_mode::some;
-      s.ce.reduce = reduction::none;
-      s.ce.up = upstream_mode::pointer_or_rows;
-      s.ce.z_loss = 1e-2f;
-      s.ce.seed = ++seed;
-      s.space = space;
-      s.accumulate = mode;
-      s.pad = 2;
-      if (!b.record(run_case<bf16, float>(s) && run_case<half, float>(s) &&
-                    run_case<float, bf16>(s)))
-        return;
-    }
+  for (const lspec& s : mixed_dtype_cases())
+    if (!b.record(run_case<bf16, float>(s) && run_case<half, float>(s) && run_case<float, bf16>(s)))
+      return;
 }
 
 TEST(CpuLinear, ManyWeightBlocksAndThreadsMatchOracle) {

@@ -265,22 +265,10 @@ TEST_F(CudaLinearTest, GradientDtypeMayDifferFromTheInputs) {
   // Float gradients of bf16 / fp16 inputs (d_weight its own accumulator), bf16 gradients of float
   // inputs, and fp16 gradients of bf16 inputs (dw_accumulation::output stages weight blocks).
   xt::case_budget b;
-  std::uint64_t seed = 700;
-  for (auto mode : {xent::dw_accumulation::fp32, xent::dw_accumulation::output})
-    for (budget space : {budget::minimal, budget::few_rows, budget::all_rows}) {
-      lspec s = make_spec(13, 9, 31);
-      s.ce.ignore = ignore_mode::some;
-      s.ce.reduce = reduction::none;
-      s.ce.up = upstream_mode::pointer_or_rows;
-      s.ce.z_loss = 1e-2f;
-      s.ce.seed = ++seed;
-      s.space = space;
-      s.accumulate = mode;
-      s.pad = 2;
-      if (!b.record(run_case<bf16, float>(exec(), s) && run_case<fp16, float>(exec(), s) &&
-                    run_case<float, bf16>(exec(), s) && run_case<bf16, fp16>(exec(), s)))
-        return;
-    }
+  for (const lspec& s : mixed_dtype_cases())
+    if (!b.record(run_case<bf16, float>(exec(), s) && run_case<fp16, float>(exec(), s) &&
+                  run_case<float, bf16>(exec(), s) && run_case<bf16, fp16>(exec(), s)))
+      return;
 }
 
 TEST_F(CudaLinearTest, OddSizesAndManyChunksMatchOracle) {
