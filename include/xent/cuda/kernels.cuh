@@ -162,8 +162,8 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
     const float running = stats_of(acc).lse.max;
     if (running != -HUGE_VALF) {
       const float s = exp_sum(running * log2e);
-      if (!__any_sync(0xffffffffu, !(s <= 3.402823466e38f))) {
-        stats_of(acc).lse.sum += s;
+      if (!__any_sync(0xffffffffu, !isfinite(s))) {
+        stats_of(acc).lse.merge(online_lse::of_block(running, s));  // equal maxima: sum + s
         return;
       }
     }

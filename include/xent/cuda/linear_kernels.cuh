@@ -57,12 +57,8 @@ XENT_KERNEL void linear_finish_kernel(Tgt targets, std::int64_t rows, std::int64
       }
     }
   }
-  const double total = block_sum<linear_threads>(sum);
-  const double total_hits = block_sum<linear_threads>(hits);  // exact: integers below 2^53
-  if (threadIdx.x == 0) {
-    if (loss) *loss = static_cast<float>(reduce == reduction::mean ? total / *normalizer : total);
-    if (num_correct) *num_correct = static_cast<std::int64_t>(total_hits);
-  }
+  write_totals<linear_threads>(sum, hits, reduce == reduction::mean ? *normalizer : 1.0, loss,
+                               num_correct);
 }
 
 /// op(r, c) for every element of a rows x cols matrix: a thread per column (consecutive threads,

@@ -83,6 +83,19 @@ __device__ inline void record_row(void* workspace, std::int64_t rows, std::int64
   reinterpret_cast<unsigned char*>(ws + layout.correct)[n] = correct ? 1 : 0;
 }
 
+/// The reduced loss (the threads' `sum`s over `divisor`) and num_correct (their `hits`), written
+/// by thread 0; every thread of the CTA calls it.
+template <int Block>
+__device__ void write_totals(double sum, double hits, double divisor, float* loss,
+                             std::int64_t* num_correct) {
+  const double total = block_sum<Block>(sum);
+  const double total_hits = block_sum<Block>(hits);  // exact: integers below 2^53
+  if (threadIdx.x == 0) {
+    if (loss) *loss = static_cast<float>(total / divisor);
+    if (num_correct) *num_correct = static_cast<std::int64_t>(total_hits);
+  }
+}
+
 /// Once per CTA, after its last row: adds its row count to the counter; the CTA that completes it
 /// sums every row's entries in a fixed order (deterministic), writes the reduced loss and
 /// num_correct, and resets the counter to 0 for the next call. One fence and one atomic per CTA,
@@ -109,13 +122,8 @@ __device__ void finish_reduction(void* workspace, std::int64_t rows, unsigned my
     sum += static_cast<double>(__ldcg(losses + r));  // from L2: written by other SMs
     hits += __ldcg(flags + r);
   }
-  const double total = block_sum<Block>(sum);
-  const double total_hits = block_sum<Block>(hits);  // exact: integers below 2^53
-  if (threadIdx.x == 0) {
-    if (loss) *loss = static_cast<float>(total / normalizer);
-    if (num_correct) *num_correct = static_cast<std::int64_t>(total_hits);
-    header(workspace)->rows_done = 0;
-  }
+  write_totals<Block>(sum, hits, normalizer, loss, num_correct);
+  if (threadIdx.x == 0) header(workspace)->rows_done = 0;
 }
 
 }  // namespace cuda_detail
