@@ -63,7 +63,8 @@ def load(verbose=None):
     build_dir.mkdir(parents=True, exist_ok=True)
     eigen = os.environ.get("XENT_TORCH_EIGEN", "/usr/include/eigen3")
     cflags = ["-O3", "-DNDEBUG", "-isystem", eigen]
-    if os.environ.get("XENT_TORCH_NATIVE", "1") != "0":
+    native = os.environ.get("XENT_TORCH_NATIVE", "1") != "0"
+    if native:
         cflags.append("-march=native")
     sources = [str(_PACKAGE_ROOT / "csrc" / "xent_ops.cpp")]
     cuda_flags = []
@@ -75,6 +76,12 @@ def load(verbose=None):
         # (20012: annotations on defaulted functions, 20015: constexpr host calls) are off.
         cuda_flags = ["-O3", "-DNDEBUG", "-isystem", eigen, "-diag-suppress=20012,20015",
                       "-Xcompiler=-fvisibility=hidden"]
+        # The .cu file's host code sees the same headers (Eigen, torch, xent) as the .cpp file:
+        # compiled for another instruction set, their shared inline functions and Eigen's
+        # alignment (64 bytes with AVX-512, 16 without) would differ between the two objects,
+        # and the linker keeps one copy of each for both.
+        if native:
+            cuda_flags.append("-Xcompiler=-march=native")
     cpp_load(
         name="xent_torch_ops_cuda" if cuda else "xent_torch_ops",
         sources=sources,
