@@ -476,6 +476,48 @@ TEST(CudaBackendDeterminism, SameInputsGiveBitwiseSameResults) {
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
 }
 
+/// One process calling xent on every visible GPU in turn (as a single-process NCCL group or a
+/// torch program on cuda:1 does) gets the same bits on each: the kernels' attributes (the shared
+/// memory above 48 KiB, the cluster sizes) are set on every device, not only the first one used.
+TEST(CudaBackendDevices, EveryVisibleGpuOfOneProcessGivesTheSameResults) {
+  REQUIRE_GPU();
+  int gpus = 0;
+  ok(cudaGetDeviceCount(&gpus));
+  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs in one process; " << gpus << " visible";
+  const std::int64_t N = 1024, V = 32003;
+  std::vector<float> x(N * V);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (auto& v : x) v = nd(rng);
+  std::vector<std::int64_t> y(N);
+  for (std::int64_t n = 0; n < N; ++n) y[n] = (n * 131) % V;
+  std::vector<float> loss0, grad0;
+  for (int d = 0; d < gpus; ++d) {
+    ok(cudaSetDevice(d));
+    dbuf<float> dx(x), g(x.size()), l(1);
+    dbuf<std::int64_t> dy(y);
+    dbuf<char> ws(xent::cuda_workspace_size(N));
+    const xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
+    xent::forward_outputs out;
+    out.loss = l.ptr;
+    xent::forward_backward(exec, xent::matrix_view<const float>(dx.ptr, N, V),
+                           xent::vector_view<const std::int64_t>(dy.ptr, N), xent::options{},
+                           xent::upstream{}, out, xent::matrix_view<float>(g.ptr, N, V));
+    ok(cudaDeviceSynchronize());
+    const auto loss = l.download(), grad = g.download();
+    if (d == 0) {
+      loss0 = loss;
+      grad0 = grad;
+      EXPECT_TRUE(std::isfinite(loss0[0]));
+      continue;
+    }
+    EXPECT_EQ(loss[0], loss0[0]) << "device " << d;
+    EXPECT_EQ(std::memcmp(grad.data(), grad0.data(), grad.size() * sizeof(float)), 0)
+        << "device " << d;
+  }
+  ok(cudaSetDevice(0));
+}
+
 TEST(CudaBackendAgreement, MatchesTheCpuBackend) {
   REQUIRE_GPU();
   const std::int64_t N = 37, V = 32000;

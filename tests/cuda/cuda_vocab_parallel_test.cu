@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <random>
@@ -689,7 +690,9 @@ std::vector<std::vector<call_out>> run_nccl(const host_case<T>& hc, const split&
         const xent::nccl_group group(nc.comms[r], stream);
         res[r] = run_rank(hc, sp, group);
         cudaStreamDestroy(stream);
-      } catch (...) {
+      } catch (const std::exception& e) {
+        // Said now: the other ranks wait in their collective for this one and never return.
+        std::fprintf(stderr, "NCCL rank %d failed: %s\n", r, e.what());
         failures[r] = std::current_exception();
       }
     });

@@ -69,23 +69,32 @@ inline device_facts query_device(const char* fn) {
   return f;
 }
 
-/// Per kernel instantiation, asked once: whether its code was built for sm_90+ (clusters exist in
-/// it), after raising its dynamic shared-memory limit and allowing non-portable cluster sizes.
+/// Per kernel instantiation and device, asked once: whether its code was built for sm_90+ (clusters
+/// exist in it), after raising its dynamic shared-memory limit and allowing non-portable cluster
+/// sizes. Function attributes belong to one device's context, so a process that calls xent on
+/// several GPUs (one thread per GPU, as NCCL's single-process groups do) sets them on each: set on
+/// device 0 alone, the first launch on device 1 asking for more than 48 KiB failed.
 template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
-bool prepare_kernel_attributes() {
-  // One static per instantiation: the template arguments, not the kernel's signature, key it.
-  static const bool clusters = [] {
+bool prepare_kernel_attributes(int device) {
+  static std::mutex lock;
+  static std::vector<signed char> known;  // per device id: -1 not asked, 0 no clusters, 1 clusters
+  std::lock_guard<std::mutex> hold(lock);
+  if (device >= static_cast<int>(known.size())) known.resize(static_cast<std::size_t>(device) + 1, -1);
+  signed char& state = known[static_cast<std::size_t>(device)];
+  if (state < 0) {
     auto kernel =
         row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
     cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) return false;
-    const int smem = static_cast<int>(policy::stages * policy::max_chunk_bytes);
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (attr.binaryVersion < 90) return false;
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-           cudaSuccess;
-  }();
-  return clusters;
+    state = 0;
+    if (cudaFuncGetAttributes(&attr, kernel) == cudaSuccess) {
+      const int smem = static_cast<int>(policy::stages * policy::max_chunk_bytes);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      state = attr.binaryVersion >= 90 &&
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+                  cudaSuccess;
+    }
+  }
+  return state == 1;
 }
 
 /// How many clusters of this kernel fit on the device at once, for a launch shaped like `cfg`:
@@ -127,7 +136,7 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
                  const device_facts& dev) {
   auto kernel =
       row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
-  const bool clusters = prepare_kernel_attributes<Aligned, Plain, P, T, G, Tgt>() && dev.major >= 9;
+  const bool clusters = prepare_kernel_attributes<Aligned, Plain, P, T, G, Tgt>(dev.id) && dev.major >= 9;
   const bool whole_rows =
       P == pass::forward && policy::whole_rows > 0 &&
       args.rows >= std::int64_t{policy::whole_rows} * dev.sms * policy::min_blocks<T, false>();
