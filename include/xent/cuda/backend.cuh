@@ -79,7 +79,8 @@ bool prepare_kernel_attributes(int device) {
   static std::mutex lock;
   static std::vector<signed char> known;  // per device id: -1 not asked, 0 no clusters, 1 clusters
   std::lock_guard<std::mutex> hold(lock);
-  if (device >= static_cast<int>(known.size())) known.resize(static_cast<std::size_t>(device) + 1, -1);
+  if (device >= static_cast<int>(known.size()))
+    known.resize(static_cast<std::size_t>(device) + 1, -1);
   signed char& state = known[static_cast<std::size_t>(device)];
   if (state < 0) {
     auto kernel =
@@ -136,7 +137,8 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
                  const device_facts& dev) {
   auto kernel =
       row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
-  const bool clusters = prepare_kernel_attributes<Aligned, Plain, P, T, G, Tgt>(dev.id) && dev.major >= 9;
+  const bool clusters =
+      prepare_kernel_attributes<Aligned, Plain, P, T, G, Tgt>(dev.id) && dev.major >= 9;
   const bool whole_rows =
       P == pass::forward && policy::whole_rows > 0 &&
       args.rows >= std::int64_t{policy::whole_rows} * dev.sms * policy::min_blocks<T, false>();

@@ -17,6 +17,9 @@
 //      of dw_accumulation::fp32), or in d_weight's own dtype (dw_accumulation::output: rounded once
 //      per chunk); d_bias += column sums of G in float; d_hidden rows = G · W with a float C,
 //      rounded once into d_hidden when it is not float.
+// Chunks have as many rows as the workspace holds; in training with the float d_weight accumulator
+// and a 16-bit d_weight without row padding, the logits go in d_weight instead when it holds more
+// rows (d_weight is written only after the last chunk; linear_logits_room says why it matters).
 // The first chunk's GEMMs write (beta = 0) and later ones add (beta = 1), so nothing is zeroed
 // first. After the chunks: the float accumulators are rounded into d_weight / d_bias, and one CTA
 // sums the row losses (a fixed order: deterministic) into the reduced loss and counts num_correct.
@@ -170,7 +173,8 @@ struct linear_call {
   DG* d_bias;
   dw_accumulation accumulate;
   linear_plan plan;
-  char* base;  ///< the workspace's first 256-byte-aligned address
+  char* base;       ///< the workspace's first 256-byte-aligned address
+  DT* logits_data;  ///< the chunk's logits: in the workspace, or in d_weight (plan.logits absent)
 
   std::int64_t rows() const { return hidden.rows; }
   std::int64_t dim() const { return hidden.cols; }
@@ -179,7 +183,7 @@ struct linear_call {
   U* buffer(std::size_t offset) const {
     return offset == linear_absent ? nullptr : reinterpret_cast<U*>(base + offset);
   }
-  DT* logits() const { return buffer<DT>(plan.logits); }
+  DT* logits() const { return logits_data; }
   float* dw_accumulator() const { return buffer<float>(plan.dw); }
   /// d_bias's float accumulator: the caller's d_bias when G is float.
   float* db_sum() const {
@@ -298,7 +302,9 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
                 "xent never creates one");
   const linear_pass pass =
       Mode == linear_mode::forward ? linear_pass::forward : linear_pass::training;
-  const linear_plan plan = plan_linear<T, G>({N, D, V}, pass, opts.accumulate, ws.bytes);
+  const std::size_t room =
+      linear_logits_room<T>(pass, opts.accumulate, grads.d_weight.data, V, D, grads.d_weight.ld);
+  const linear_plan plan = plan_linear<T, G>({N, D, V}, pass, opts.accumulate, ws.bytes, room);
   require_int(fn, "weight", std::max({V, D, weight.ld, plan.ld}));
   require_int(fn, "hidden", std::max({hidden.ld, plan.chunk_rows}));
   require_int(fn, "grads.d_weight", grads.d_weight.ld);
@@ -308,6 +314,13 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
   const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(ws.data);
   const std::uintptr_t aligned =
       (address + linear_alignment - 1) / linear_alignment * linear_alignment;
+  char* const base = static_cast<char*>(ws.data) + (aligned - address);
+  DT* logits = reinterpret_cast<DT*>(base + plan.logits);
+  if (plan.logits == linear_absent) {
+    const auto at = reinterpret_cast<std::uintptr_t>(grads.d_weight.data);
+    logits =
+        reinterpret_cast<DT*>((at + linear_alignment - 1) / linear_alignment * linear_alignment);
+  }
   const linear_call<T, G> c{exec,
                             blas,
                             {reinterpret_cast<const DT*>(hidden.data), N, D, hidden.ld},
@@ -320,7 +333,8 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
                             reinterpret_cast<DG*>(grads.d_bias.data),
                             opts.accumulate,
                             plan,
-                            static_cast<char*>(ws.data) + (aligned - address)};
+                            base,
+                            logits};
   const cudaStream_t stream = exec.stream;
   const auto dt = device_targets(targets);
 
@@ -397,7 +411,9 @@ struct linear_traits<cuda> {
   /// losses and argmax kept for the reduced loss and num_correct when the caller keeps none),
   /// and for training with G not float V floats of d_bias and either the V x D float d_weight
   /// accumulator (dw_accumulation::fp32) or, with dw_accumulation::output and G not T, a block
-  /// of 1024 weight rows in float. Every buffer is 256-byte aligned.
+  /// of 1024 weight rows in float. Every buffer is 256-byte aligned. A training call with
+  /// dw_accumulation::fp32 and a 16-bit d_weight without row padding may take larger chunks than
+  /// the figure returned: it keeps the logits in d_weight when that holds more rows.
   template <class T, class G>
   static linear_workspace_sizes workspace_size(const cuda&, const linear_shape& shape,
                                                linear_pass pass, dw_accumulation accumulate,

@@ -4,6 +4,7 @@
 // Layout (each buffer 256-byte aligned, measured from the first 256-byte-aligned address of the
 // caller's buffer, so the buffer itself may have any alignment):
 //   logits    chunk_rows x ld elements of T: the chunk's logits, then its logit gradient in place
+//             (in the caller's d_weight instead when that gives larger chunks: linear_logits_room)
 //   row_up    chunk_rows floats (training): each row's upstream gradient for mean / sum
 //   scalars   the mean's normaliser W (a double)
 //   row_loss  N floats: row losses for the reduced loss when the caller keeps none
@@ -62,9 +63,11 @@ struct linear_plan {
   std::size_t bytes = 0;  ///< what the call needs, alignment slack included
 };
 
+/// `logits_outside`: the chunk's logits live in the caller's d_weight (linear_logits_room), not in
+/// the workspace.
 template <class T, class G>
 linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumulation accumulate,
-                             std::int64_t chunk_rows) {
+                             std::int64_t chunk_rows, bool logits_outside = false) {
   using DT = device_t<T>;
   using DG = device_t<G>;
   constexpr bool narrow_grads = !std::is_same<DG, float>::value;
@@ -82,7 +85,7 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
   };
   const auto R = static_cast<std::size_t>(chunk_rows), N = static_cast<std::size_t>(s.rows);
   const auto V = static_cast<std::size_t>(s.vocab), D = static_cast<std::size_t>(s.hidden);
-  p.logits = take(sizeof(DT) * R * static_cast<std::size_t>(p.ld), true);
+  p.logits = take(sizeof(DT) * R * static_cast<std::size_t>(p.ld), !logits_outside);
   p.row_up = take(sizeof(float) * R, training);
   p.scalars = take(sizeof(double), true);
   p.row_loss = take(sizeof(float) * N, true);
@@ -100,13 +103,46 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
 }
 
 /// The plan with the most rows per chunk (at most every row) that fits `budget` bytes; the
-/// one-row plan when none does.
+/// one-row plan when none does. With `logits_room` bytes of the caller's d_weight free for the
+/// logits (linear_logits_room), the chunk's logits go there when that makes chunks larger, and
+/// the workspace holds the rest.
 template <class T, class G>
 linear_plan plan_linear(const linear_shape& s, linear_pass pass, dw_accumulation accumulate,
-                        std::size_t budget) {
-  return detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t rows) {
+                        std::size_t budget, std::size_t logits_room = 0) {
+  const linear_plan inside = detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t rows) {
     return make_linear_plan<T, G>(s, pass, accumulate, rows);
   });
+  const std::size_t row_bytes =
+      sizeof(device_t<T>) * static_cast<std::size_t>(logits_ld<device_t<T>>(s.vocab));
+  const auto room_rows = static_cast<std::int64_t>(
+      std::min<std::size_t>(logits_room / row_bytes, static_cast<std::size_t>(s.rows)));
+  if (room_rows <= inside.chunk_rows) return inside;
+  const linear_plan outside = detail::largest_chunk_plan(room_rows, budget, [&](std::int64_t rows) {
+    return make_linear_plan<T, G>(s, pass, accumulate, rows, true);
+  });
+  return outside.bytes <= budget && outside.chunk_rows > inside.chunk_rows ? outside : inside;
+}
+
+/// Bytes of d_weight (from its first 256-byte-aligned address) that can hold a chunk's logits
+/// until the call's end: training with the float accumulator (dw_accumulation::fp32) and a
+/// 16-bit d_weight writes d_weight once, when the accumulator is rounded into it after the last
+/// chunk, so until then its V x D elements are free room. Larger chunks are what the d_weight GEMM
+/// needs: each chunk reads and writes the whole V x D float accumulator (2.4 GB for 256000 x 2304)
+/// while its products grow with the chunk's rows, so 515-row chunks (256 MiB of bf16 logits at
+/// V = 256000) left that GEMM bound by the accumulator's traffic. Only a d_weight without padding
+/// between rows (ld == D): padding may belong to a larger matrix of the caller's.
+template <class T, class G>
+std::size_t linear_logits_room(linear_pass pass, dw_accumulation accumulate, const G* d_weight,
+                               std::int64_t vocab, std::int64_t hidden, std::int64_t ld) {
+  if (std::is_same<device_t<G>, float>::value || pass != linear_pass::training ||
+      accumulate != dw_accumulation::fp32 || d_weight == nullptr || ld != hidden || vocab == 0 ||
+      hidden == 0)
+    return 0;
+  const auto address = reinterpret_cast<std::uintptr_t>(d_weight);
+  const std::uintptr_t skip = (linear_alignment - address % linear_alignment) % linear_alignment;
+  const std::size_t bytes =
+      sizeof(G) * static_cast<std::size_t>(vocab) * static_cast<std::size_t>(hidden);
+  return bytes > skip ? bytes - skip : 0;
 }
 
 }  // namespace cuda_detail
