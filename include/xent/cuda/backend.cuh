@@ -18,6 +18,7 @@
 #include "../options.hpp"
 #include "../targets.hpp"
 #include "../views.hpp"
+#include "backward_kernel.cuh"
 #include "cuda.cuh"
 #include "dtype.cuh"
 #include "kernels.cuh"
@@ -179,6 +180,21 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
 }
 
+/// Backward of class-id rows by the streaming kernel (policy::stream_backward): persistent CTAs,
+/// as many as the register bound lets every SM hold, or one per tile.
+template <bool Plain, class T, class G, class Tgt>
+void launch_stream_backward(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
+                            const device_facts& dev) {
+  constexpr int block = policy::block, regs = policy::stream_regs;
+  constexpr std::int64_t span = std::int64_t{regs} * block * (16 / static_cast<int>(sizeof(T)));
+  const std::int64_t tiles = args.rows * ((args.cols + span - 1) / span);
+  if (tiles == 0) return;
+  const std::int64_t most = std::int64_t{dev.sms} * stream_min_blocks(Plain);
+  const auto grid = static_cast<unsigned>(tiles < most ? tiles : most);
+  stream_backward_kernel<block, regs, Plain><<<grid, block, 0, exec.stream>>>(args);
+  check_cuda(fn, cudaGetLastError());
+}
+
 template <pass P, class T, class G, class Tgt>
 void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
                    bool aligned) {
@@ -189,6 +205,15 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
   // it).
   const bool plain =
       !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f && !args.want_argmax;
+  if constexpr (P == pass::backward && !Tgt::soft && policy::stream_backward) {
+    if (aligned) {
+      if (plain)
+        launch_stream_backward<true>(fn, exec, args, dev);
+      else
+        launch_stream_backward<false>(fn, exec, args, dev);
+      return;
+    }
+  }
   if (!aligned)
     launch_rows<false, false, P>(fn, exec, args, dev);
   else if (plain)

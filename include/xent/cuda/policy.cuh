@@ -30,6 +30,12 @@
 #ifndef XENT_CUDA_WHOLE_ROWS  // forward: rows per CTA in flight from which a CTA streams whole rows
 #define XENT_CUDA_WHOLE_ROWS 1
 #endif
+#ifndef XENT_CUDA_STREAM_BACKWARD  // 1: class-id backward by the streaming kernel (see policy)
+#define XENT_CUDA_STREAM_BACKWARD 0
+#endif
+#ifndef XENT_CUDA_STREAM_REGS  // 16-byte vectors per thread per tile of the streaming backward
+#define XENT_CUDA_STREAM_REGS 4
+#endif
 
 namespace xent {
 namespace cuda_detail {
@@ -95,6 +101,15 @@ struct policy {
   /// price of a stage held per row (three stages at least, or the next copy waits for it).
   /// Off until measured (bench/results/cuda-notes.md).
   static constexpr bool smem_tile = XENT_CUDA_SMEM_TILE != 0;
+  /// Whether backward from a saved LSE with class-id targets and 16-byte-aligned rows runs the
+  /// streaming kernel (backward_kernel.cuh: each element read once from global memory into
+  /// registers and its gradient stored, no shared-memory stage, no cluster) instead of the row
+  /// kernel, which measured 81-84% of the copy roof there (bench/results/cuda-notes.md). Off until
+  /// measured.
+  static constexpr bool stream_backward = XENT_CUDA_STREAM_BACKWARD != 0;
+  /// Vectors per thread per tile of the streaming backward: 4 x 16 bytes x 256 threads = 16 KiB
+  /// per CTA in flight, several CTAs per SM.
+  static constexpr int stream_regs = XENT_CUDA_STREAM_REGS;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.

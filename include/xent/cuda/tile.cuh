@@ -159,6 +159,39 @@ struct row_tile : tile_extent<T, Regs, Block> {
   }
 };
 
+/// This thread's vectors of a chunk loaded straight from global memory, for a pass that reads
+/// each element once (the streaming backward): 16-byte streaming loads (ld.global.cs: the
+/// gradient may overwrite the logits in the same kernel, so not the read-only path), the row's
+/// last partial vector element by element. `src` is 16-byte aligned.
+template <class T, int Regs, int Block>
+struct global_tile : tile_extent<T, Regs, Block> {
+  using shape = tile_shape<T, Regs, Block>;
+  unsigned w[Regs][4];
+
+  __device__ __forceinline__ float value(int r, int e) const { return word_element<T>(w[r], e); }
+
+  __device__ __forceinline__ void load(const T* src, int n) {
+    this->count = n;
+#pragma unroll
+    for (int r = 0; r < Regs; ++r) {
+      if (!this->has(r)) continue;
+      if (this->valid(r) == shape::vec) {
+        const uint4 q = __ldcs(reinterpret_cast<const uint4*>(src + shape::offset(r)));
+        w[r][0] = q.x;
+        w[r][1] = q.y;
+        w[r][2] = q.z;
+        w[r][3] = q.w;
+      } else {
+        // Packed as a 16-byte load would have them (element e in bits 8 sizeof(T) e of the
+        // vector), so word_element reads them the same way.
+        unsigned char bytes[16] = {};
+        memcpy(bytes, src + shape::offset(r), sizeof(T) * static_cast<std::size_t>(this->valid(r)));
+        memcpy(w[r], bytes, 16);
+      }
+    }
+  }
+};
+
 /// The same view of a chunk left in its shared-memory stage (policy::smem_tile): the gradient
 /// sweep reads the stage, which is held until then, instead of a register tile.
 template <class T, int Regs, int Block>
