@@ -364,10 +364,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
   constexpr bool bulk = false;
 #endif
   using part_t = std::conditional_t<Plain, row_partial, slice_partial>;
-  // Gradient rows read their chunk from the held stage (policy::smem_tile; bulk copies only: the
-  // per-thread copies refill a stage as soon as the next item is waited for).
-  constexpr bool staged = policy::smem_tile && bulk && P != pass::forward;
-  using tile_t = std::conditional_t<staged, staged_tile<T, Regs, Block>, row_tile<T, Regs, Block>>;
+  using tile_t = row_tile<T, Regs, Block>;
   using exchange_t = row_exchange<part_t, Block>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ std::int64_t stage_target[Stages];
@@ -623,7 +620,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
     // Row i - 1 is finished after row i's statistics (its cluster round trip hidden behind them,
     // its tile held in registers meanwhile) or before them (the tile is then live only between
     // rows: see policy::overlap_rows).
-    constexpr bool overlap = staged || policy::template overlap_rows<T, P == pass::fused>;
+    constexpr bool overlap = policy::template overlap_rows<T, P == pass::fused>;
     tile_t tile;
     row_state prev;
     for (std::int64_t i = 0; i <= my_rows; ++i) {
@@ -649,7 +646,6 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
         } else if (warp0) {  // forward: warp 0 alone writes the row's outputs
           finish_stats(prev, ex.result(slot ^ 1));
         }
-        if (staged) release_item(i - 1);  // its stage was the tile
       };
       if (!overlap) finish_prev();
       row_state cur;
@@ -674,7 +670,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
           chunk_span(i, base, count);
           tile.load(stage(i), count);
         }
-        if (!staged) release_item(i);
+        release_item(i);
       }
       prev = cur;
     }

@@ -24,9 +24,6 @@
 #ifndef XENT_CUDA_RUNNING_MAX  // 0: every chunk takes a max sweep before its exponentials
 #define XENT_CUDA_RUNNING_MAX 1
 #endif
-#ifndef XENT_CUDA_SMEM_TILE  // 1: gradients read the chunk from its held stage (see policy)
-#define XENT_CUDA_SMEM_TILE 0
-#endif
 #ifndef XENT_CUDA_WHOLE_ROWS  // forward: rows per CTA in flight from which a CTA streams whole rows
 #define XENT_CUDA_WHOLE_ROWS 1
 #endif
@@ -95,12 +92,6 @@ struct policy {
   /// Whether a streamed row's chunks after its first take their exponentials relative to the
   /// row's running max in one sweep (no max sweep; see chunk_stats).
   static constexpr bool running_max = XENT_CUDA_RUNNING_MAX != 0;
-  /// Whether resident rows with a gradient (sm_90 bulk-copy path) keep their chunk in its
-  /// shared-memory stage until the gradient sweep, instead of a register tile: no tile registers,
-  /// so every dtype can overlap a row's cluster round trip with the next row's statistics, at the
-  /// price of a stage held per row (three stages at least, or the next copy waits for it).
-  /// Off until measured (bench/results/cuda-notes.md).
-  static constexpr bool smem_tile = XENT_CUDA_SMEM_TILE != 0;
   /// Whether backward from a saved LSE with class-id targets and 16-byte-aligned rows runs the
   /// streaming kernel (backward_kernel.cuh: each element read once from global memory into
   /// registers and its gradient stored, no shared-memory stage, no cluster) instead of the row

@@ -192,25 +192,5 @@ struct global_tile : tile_extent<T, Regs, Block> {
   }
 };
 
-/// The same view of a chunk left in its shared-memory stage (policy::smem_tile): the gradient
-/// sweep reads the stage, which is held until then, instead of a register tile.
-template <class T, int Regs, int Block>
-struct staged_tile : tile_extent<T, Regs, Block> {
-  using shape = tile_shape<T, Regs, Block>;
-  const T* stage = nullptr;
-
-  /// Element e of vector r, as a float (the vector's load is shared by its elements' calls).
-  __device__ __forceinline__ float value(int r, int e) const {
-    const uint4 q = *reinterpret_cast<const uint4*>(stage + shape::offset(r));
-    const unsigned w[4] = {q.x, q.y, q.z, q.w};
-    return word_element<T>(w, e);
-  }
-
-  __device__ __forceinline__ void load(const T* s, int n) {
-    this->count = n;
-    stage = s;
-  }
-};
-
 }  // namespace cuda_detail
 }  // namespace xent
