@@ -448,32 +448,49 @@ TEST(CudaBackendGraphs, ForwardBackwardAndBackwardUnderStreamCaptureMatchDirectC
   cudaStreamDestroy(stream);
 }
 
+/// Normal fp32 logits (sd `sd`) and class ids (n * stride) % V of an N x V problem.
+struct plain_problem {
+  std::int64_t N, V;
+  std::vector<float> x;
+  std::vector<std::int64_t> y;
+  plain_problem(std::int64_t rows, std::int64_t cols, unsigned seed, float sd, std::int64_t stride)
+      : N(rows),
+        V(cols),
+        x(static_cast<std::size_t>(rows * cols)),
+        y(static_cast<std::size_t>(rows)) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.0f, sd);
+    for (auto& v : x) v = nd(rng);
+    for (std::int64_t n = 0; n < N; ++n) y[n] = (n * stride) % V;
+  }
+};
+
+/// The mean loss and the gradient of one forward_backward on the current device.
+struct plain_result {
+  float loss;
+  std::vector<float> grad;
+};
+
+plain_result forward_backward_on_device(const plain_problem& p) {
+  dbuf<float> dx(p.x), g(p.x.size()), l(1);
+  dbuf<std::int64_t> dy(p.y);
+  dbuf<char> ws(xent::cuda_workspace_size(p.N));
+  const xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
+  xent::forward_outputs out;
+  out.loss = l.ptr;
+  xent::forward_backward(exec, xent::matrix_view<const float>(dx.ptr, p.N, p.V),
+                         xent::vector_view<const std::int64_t>(dy.ptr, p.N), xent::options{},
+                         xent::upstream{}, out, xent::matrix_view<float>(g.ptr, p.N, p.V));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return {l.download()[0], g.download()};
+}
+
 TEST(CudaBackendDeterminism, SameInputsGiveBitwiseSameResults) {
   REQUIRE_GPU();
-  const std::int64_t N = 333, V = 50257;
-  std::vector<float> x(N * V);
-  std::mt19937 rng(5);
-  std::normal_distribution<float> nd(0.0f, 3.0f);
-  for (auto& v : x) v = nd(rng);
-  std::vector<std::int64_t> y(N);
-  for (std::int64_t n = 0; n < N; ++n) y[n] = (n * 31) % V;
-  dbuf<float> dx(x), g1(x.size()), g2(x.size()), l1(1), l2(1);
-  dbuf<std::int64_t> dy(y);
-  dbuf<char> ws(xent::cuda_workspace_size(N));
-  xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
-  xent::forward_outputs out;
-  out.loss = l1.ptr;
-  xent::forward_backward(exec, xent::matrix_view<const float>(dx.ptr, N, V),
-                         xent::vector_view<const std::int64_t>(dy.ptr, N), xent::options{},
-                         xent::upstream{}, out, xent::matrix_view<float>(g1.ptr, N, V));
-  out.loss = l2.ptr;
-  xent::forward_backward(exec, xent::matrix_view<const float>(dx.ptr, N, V),
-                         xent::vector_view<const std::int64_t>(dy.ptr, N), xent::options{},
-                         xent::upstream{}, out, xent::matrix_view<float>(g2.ptr, N, V));
-  ok(cudaDeviceSynchronize());
-  EXPECT_EQ(l1.download()[0], l2.download()[0]);
-  const auto a = g1.download(), b = g2.download();
-  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  const plain_problem p(333, 50257, 5, 3.0f, 31);
+  const plain_result a = forward_backward_on_device(p), b = forward_backward_on_device(p);
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_EQ(std::memcmp(a.grad.data(), b.grad.data(), a.grad.size() * sizeof(float)), 0);
 }
 
 /// One process calling xent on every visible GPU in turn (as a single-process NCCL group or a
@@ -484,35 +501,14 @@ TEST(CudaBackendDevices, EveryVisibleGpuOfOneProcessGivesTheSameResults) {
   int gpus = 0;
   ok(cudaGetDeviceCount(&gpus));
   if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs in one process; " << gpus << " visible";
-  const std::int64_t N = 1024, V = 32003;
-  std::vector<float> x(N * V);
-  std::mt19937 rng(9);
-  std::normal_distribution<float> nd(0.0f, 2.0f);
-  for (auto& v : x) v = nd(rng);
-  std::vector<std::int64_t> y(N);
-  for (std::int64_t n = 0; n < N; ++n) y[n] = (n * 131) % V;
-  std::vector<float> loss0, grad0;
-  for (int d = 0; d < gpus; ++d) {
+  const plain_problem p(1024, 32003, 9, 2.0f, 131);
+  const plain_result first = forward_backward_on_device(p);
+  EXPECT_TRUE(std::isfinite(first.loss));
+  for (int d = 1; d < gpus; ++d) {
     ok(cudaSetDevice(d));
-    dbuf<float> dx(x), g(x.size()), l(1);
-    dbuf<std::int64_t> dy(y);
-    dbuf<char> ws(xent::cuda_workspace_size(N));
-    const xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
-    xent::forward_outputs out;
-    out.loss = l.ptr;
-    xent::forward_backward(exec, xent::matrix_view<const float>(dx.ptr, N, V),
-                           xent::vector_view<const std::int64_t>(dy.ptr, N), xent::options{},
-                           xent::upstream{}, out, xent::matrix_view<float>(g.ptr, N, V));
-    ok(cudaDeviceSynchronize());
-    const auto loss = l.download(), grad = g.download();
-    if (d == 0) {
-      loss0 = loss;
-      grad0 = grad;
-      EXPECT_TRUE(std::isfinite(loss0[0]));
-      continue;
-    }
-    EXPECT_EQ(loss[0], loss0[0]) << "device " << d;
-    EXPECT_EQ(std::memcmp(grad.data(), grad0.data(), grad.size() * sizeof(float)), 0)
+    const plain_result r = forward_backward_on_device(p);
+    EXPECT_EQ(r.loss, first.loss) << "device " << d;
+    EXPECT_EQ(std::memcmp(r.grad.data(), first.grad.data(), r.grad.size() * sizeof(float)), 0)
         << "device " << d;
   }
   ok(cudaSetDevice(0));
