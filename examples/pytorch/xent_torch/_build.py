@@ -53,7 +53,7 @@ def load(verbose=None):
     if _loaded:
         return
     import torch
-    from torch.utils.cpp_extension import load as cpp_load
+    from torch.utils import cpp_extension
 
     if verbose is None:
         verbose = os.environ.get("XENT_TORCH_VERBOSE", "0") == "1"
@@ -82,7 +82,13 @@ def load(verbose=None):
         # and the linker keeps one copy of each for both.
         if native:
             cuda_flags.append("-Xcompiler=-march=native")
-    cpp_load(
+        # torch adds its -gencode flags only when no CUDA flag mentions "arch" (it takes any such
+        # flag for the user's own choice of GPU), and -march=native does: without them nvcc
+        # would target its default (sm_75), where the kernels' cp.async and mbarrier do not
+        # exist. So they are asked for here, from TORCH_CUDA_ARCH_LIST or the visible GPUs, as
+        # torch would have chosen them.
+        cuda_flags += cpp_extension._get_cuda_arch_flags()
+    cpp_extension.load(
         name="xent_torch_ops_cuda" if cuda else "xent_torch_ops",
         sources=sources,
         extra_include_paths=[str(_REPO / "include")],
