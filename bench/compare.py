@@ -11,7 +11,10 @@ What a row reports:
   ms            median of triton.testing.do_bench (warmup 50 ms, rep 200 ms, as ANCHORS.md's
                 figures were taken; CUDA-event medians when triton is missing). "fwd" runs
                 under torch.no_grad(); "fwd+bwd" is loss.backward() from a leaf that requires grad,
-                its .grad reset between repetitions.
+                its .grad reset between repetitions: what a user calls (xent_torch.cross_entropy,
+                autograd included). do_bench clears the L2 cache before each repetition, and the
+                host can enqueue the call while the GPU clears it, so a row can hide host time
+                shorter than that clear; bench/torch_overhead.py times calls back to back.
   % roof        cross-entropy: the fewest bytes (forward: the logits read once; forward+backward:
                 read once and the gradient written once, 2x) per second, over a device-to-device
                 copy's bytes (read + written) per second measured by this process first.

@@ -26,6 +26,8 @@
 
 #include <xent/xent.hpp>
 
+#include "layout.h"
+
 namespace xent_torch {
 
 // The Python side passes reduction as an int with these values (torch's own enum order:
@@ -40,9 +42,7 @@ inline xent::reduction to_reduction(std::int64_t r) {
 // row stride can be xent's leading dimension.
 inline at::Tensor rows_view(const at::Tensor& input) {
   TORCH_CHECK_VALUE(input.dim() == 2, "xent: input must be 2-D (N, C), got ", input.dim(), "-D");
-  const bool usable = input.size(1) <= 1 || input.stride(1) == 1;
-  const bool ld_ok = input.size(0) <= 1 || input.stride(0) >= input.size(1);
-  return usable && ld_ok ? input : input.contiguous();
+  return rows_readable_in_place(input) ? input : input.contiguous();
 }
 
 // torch's element type -> xent's (same 16-bit layouts: Eigen's bfloat16 / half and c10's are both
@@ -278,7 +278,7 @@ void cross_entropy_bwd_inplace(const at::Tensor& grad_output, const at::Tensor& 
                                std::int64_t reduction, double label_smoothing, double z_loss,
                                double softcap) {
   check_input_dtype(input);
-  TORCH_CHECK_VALUE(input.dim() == 2 && rows_view(input).is_same(input),
+  TORCH_CHECK_VALUE(rows_readable_in_place(input),
                     "xent: an in-place backward needs 2-D logits whose last dimension is "
                     "contiguous");
   backward_into<B>(grad_output, input, target, weight, lse, ignore_index, reduction,

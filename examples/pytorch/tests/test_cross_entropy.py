@@ -417,6 +417,37 @@ def test_no_grad_forward():
     with torch.no_grad():
         loss = xent_torch.cross_entropy(x, t)
     torch.testing.assert_close(loss, F.cross_entropy(x, t))
+    leaf = x.clone().requires_grad_()
+    with torch.no_grad():
+        assert not xent_torch.cross_entropy(leaf, t).requires_grad
+    assert not xent_torch.cross_entropy(x, t).requires_grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_is_one_cpp_node(device):
+    # The autograd formula is C++ (csrc/xent_autograd.cpp): a float32 loss's grad_fn is xent's
+    # node, and its one edge with a gradient goes straight to the logits (no Python node, no
+    # second op between them).
+    x, t = make()
+    x = x.to(device).requires_grad_()
+    loss = xent_torch.cross_entropy(x, t.to(device), weight=weights().to(device))
+    node = loss.grad_fn
+    assert node.name() == "torch::autograd::CppNode<xent_torch::cross_entropy_function>"
+    edges = [fn for fn, _ in node.next_functions if fn is not None]
+    assert len(edges) == 1 and edges[0].variable is x
+    (grad,) = torch.autograd.grad(loss, x)
+    ref = plain_grad(F.cross_entropy, x.detach().cpu(), t, weight=weights())
+    torch.testing.assert_close(grad.cpu(), ref)
+
+
+def test_first_derivative_under_create_graph():
+    # backward(create_graph=True) still gives the right gradient (xent has no second derivative).
+    x, t = make()
+    x.requires_grad_()
+    (grad,) = torch.autograd.grad(xent_torch.cross_entropy(x, t, label_smoothing=0.1), x,
+                                  create_graph=True)
+    torch.testing.assert_close(grad.detach(),
+                               plain_grad(F.cross_entropy, x, t, label_smoothing=0.1))
 
 
 def test_bad_arguments_raise_torch_errors():
@@ -437,6 +468,12 @@ def test_bad_arguments_raise_torch_errors():
         xent_torch.cross_entropy(x, t, label_smoothing=1.5)
     with pytest.raises(ValueError, match="weight"):
         xent_torch.cross_entropy(x, t, weight=torch.ones(C + 1))
+    # The same checks when the call records a node (the autograd kernel's other path).
+    leaf = x.clone().requires_grad_()
+    with pytest.raises(ValueError, match="weight"):
+        xent_torch.cross_entropy(leaf, t, weight=torch.ones(C + 1))
+    with pytest.raises(IndexError, match="row 5 has target"):
+        xent_torch.cross_entropy(leaf, bad)
 
 
 # --- soft targets (class probabilities, torch's semantics) ----------------------------------------

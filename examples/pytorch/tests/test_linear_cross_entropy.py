@@ -132,6 +132,21 @@ def test_module_wrapper():
                         reduction="sum"), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_backward_is_one_cpp_node(with_bias):
+    hidden, weight, bias, target = make()
+    leaves = [a.clone().requires_grad_() for a in (hidden, weight, bias)]
+    b = leaves[2] if with_bias else None
+    loss = xent_torch.linear_cross_entropy(leaves[0], leaves[1], target, b)
+    node = loss.grad_fn
+    assert node.name() == "torch::autograd::CppNode<xent_torch::linear_cross_entropy_function>"
+    edges = [fn.variable for fn, _ in node.next_functions if fn is not None]
+    want = leaves[:3 if with_bias else 2]
+    assert len(edges) == len(want) and all(e is w for e, w in zip(edges, want))
+    with torch.no_grad():
+        assert xent_torch.linear_cross_entropy(leaves[0], leaves[1], target, b).grad_fn is None
+
+
 def test_bad_arguments():
     hidden, weight, bias, target = make()
     with pytest.raises(ValueError, match="last dimensions must agree"):

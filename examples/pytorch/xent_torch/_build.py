@@ -1,11 +1,11 @@
 """Builds and loads the C++ ops with torch.utils.cpp_extension.
 
-csrc/xent_ops.cpp (schemas + CPU kernels) is always built; csrc/xent_ops_cuda.cu (CUDA kernels)
-is added when torch was built with CUDA and nvcc is found (no GPU is needed to build it). The
-first import compiles the library into examples/pytorch/build/ (or $XENT_TORCH_BUILD_DIR), one
-folder per variant; later imports reuse it while the sources are unchanged. The ops are
-registered with TORCH_LIBRARY, so the library is loaded with torch.ops.load_library (no Python
-module, no pybind11).
+csrc/xent_ops.cpp (schemas + CPU kernels) and csrc/xent_autograd.cpp (the autograd formulas) are
+always built; csrc/xent_ops_cuda.cu (CUDA kernels) is added when torch was built with CUDA and
+nvcc is found (no GPU is needed to build it). The first import compiles the library into
+examples/pytorch/build/ (or $XENT_TORCH_BUILD_DIR), one folder per variant; later imports reuse
+it while the sources are unchanged. The ops are registered with TORCH_LIBRARY, so the library is
+loaded with torch.ops.load_library (no Python module, no pybind11).
 
 Environment:
   XENT_TORCH_BUILD_DIR   where the build goes (default: examples/pytorch/build)
@@ -66,10 +66,11 @@ def load(verbose=None):
     native = os.environ.get("XENT_TORCH_NATIVE", "1") != "0"
     if native:
         cflags.append("-march=native")
-    sources = [str(_PACKAGE_ROOT / "csrc" / "xent_ops.cpp")]
+    csrc = _PACKAGE_ROOT / "csrc"
+    sources = [str(csrc / "xent_ops.cpp"), str(csrc / "xent_autograd.cpp")]
     cuda_flags = []
     if cuda:
-        sources.append(str(_PACKAGE_ROOT / "csrc" / "xent_ops_cuda.cu"))
+        sources.append(str(csrc / "xent_ops_cuda.cu"))
         if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
         # Eigen is a system include, as in xent's CMake build, and its two nvcc diagnostics

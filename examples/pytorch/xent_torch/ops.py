@@ -1,8 +1,10 @@
-"""xent_torch.cross_entropy: torch.ops.xent.* with autograd and fake kernels.
+"""xent_torch.cross_entropy and linear_cross_entropy: torch.ops.xent.* with fake kernels.
 
 The C++ ops (csrc/xent_ops.cpp for the CPU, csrc/xent_ops_cuda.cu for CUDA) compute on 2-D (N, C)
-logits; this module flattens (..., C) inputs, registers the fake (meta) kernels torch.compile
-traces with and the autograd formula, and casts the float32 loss to the input's dtype.
+logits, and their autograd formulas are C++ too (csrc/xent_autograd.cpp: one dispatcher call
+forward, one C++ node backward, no Python in either). This module checks the arguments with
+torch's error types, flattens (..., C) inputs, registers the fake (meta) kernels torch.compile
+traces with, and casts the float32 loss to the input's dtype.
 """
 
 import torch
@@ -12,6 +14,9 @@ from . import _build
 _build.load()
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+# The overloads themselves: a call skips the packet's overload lookup.
+_cross_entropy_fwd = torch.ops.xent.cross_entropy_fwd.default
+_linear_cross_entropy_fwd = torch.ops.xent.linear_cross_entropy_fwd.default
 
 
 @torch.library.register_fake("xent::cross_entropy_fwd")
@@ -32,41 +37,6 @@ def _bwd_fake(grad_output, input, target, weight, lse, ignore_index, reduction, 
 def _bwd_inplace_fake(grad_output, input, target, weight, lse, ignore_index, reduction,
                       label_smoothing, z_loss, softcap):
     return None
-
-
-def _rows_writable(x):
-    """Whether the C++ op can write a gradient over x row by row (its rows_view(x) is x)."""
-    n, c = x.shape
-    return (c <= 1 or x.stride(1) == 1) and (n <= 1 or x.stride(0) >= c)
-
-
-def _setup_context(ctx, inputs, output):
-    input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, inplace = inputs
-    ctx.save_for_backward(input, target, weight, output[1])
-    ctx.options = (ignore_index, reduction, label_smoothing, z_loss, softcap)
-    ctx.inplace = inplace
-
-
-def _backward(ctx, grad_loss, grad_lse):
-    # grad_lse is ignored: lse is a saved statistic, not a differentiable result.
-    input, target, weight, lse = ctx.saved_tensors
-    args = (grad_loss, input, target, weight, lse, *ctx.options)
-    # In place needs rows with a contiguous last dimension (and rows that do not overlap); other
-    # layouts get a fresh gradient (the result is the same, only the memory saving is lost).
-    if ctx.inplace and _rows_writable(input):
-        torch.ops.xent.cross_entropy_bwd_(*args)
-        # The kernel wrote through a pointer, which autograd cannot see: bump the version counter so
-        # that a backward which saved these logits (e.g. tanh's output) fails loudly instead of
-        # reading the gradient as if it were the logits.
-        if not torch.compiler.is_compiling():
-            torch.autograd.graph.increment_version(input)
-        grad = input
-    else:
-        grad = torch.ops.xent.cross_entropy_bwd(*args)
-    return grad, None, None, None, None, None, None, None, None
-
-
-torch.library.register_autograd("xent::cross_entropy_fwd", _backward, setup_context=_setup_context)
 
 
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
@@ -92,31 +62,36 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     gives that row a NaN loss and is counted by cuda_target_errors() instead of raising
     IndexError as on the CPU.
     """
-    if reduction not in _REDUCTIONS:
+    # Every call pays for this function (its checks are evaluated once per trace under
+    # torch.compile): the checks compare torch.Size objects, and nothing calls into torch (a
+    # reshape, a .to()) that would return its argument unchanged.
+    code = _REDUCTIONS.get(reduction)
+    if code is None:
         raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
-    if input.dim() < 1:
+    shape = input.shape
+    if not shape:
         raise ValueError("input must have a class dimension")
-    soft = target.is_floating_point()
-    if soft:
-        if tuple(target.shape) != tuple(input.shape):
+    if target.is_floating_point():
+        if target.shape != shape:
             raise ValueError(f"soft targets (class probabilities) must have input's shape "
-                             f"{tuple(input.shape)}, got {tuple(target.shape)}")
+                             f"{tuple(shape)}, got {tuple(target.shape)}")
         if target.requires_grad and torch.is_grad_enabled():
             raise ValueError("xent gives soft targets no gradient: pass target.detach()")
-    elif tuple(target.shape) != tuple(input.shape[:-1]):
-        raise ValueError(f"target shape {tuple(target.shape)} must be input shape without its "
-                         f"last (class) dimension, {tuple(input.shape[:-1])}")
-    classes = input.shape[-1]
-    x = input if input.dim() == 2 else input.reshape(-1, classes)
-    t = target.reshape(-1, classes) if soft else target.reshape(-1)
-    loss, _ = torch.ops.xent.cross_entropy_fwd(
-        x, t, weight, int(ignore_index), _REDUCTIONS[reduction], float(label_smoothing),
-        float(z_loss), 0.0 if softcap is None else float(softcap), bool(inplace_backward))
-    if reduction == "none":
-        loss = loss.reshape(input.shape[:-1])
-    return loss.to(input.dtype)
+        t = target if len(shape) == 2 else target.reshape(-1, shape[-1])
+    else:
+        if target.shape != shape[:-1]:
+            raise ValueError(f"target shape {tuple(target.shape)} must be input shape without its "
+                             f"last (class) dimension, {tuple(shape[:-1])}")
+        t = target if len(shape) == 2 else target.reshape(-1)
+    x = input if len(shape) == 2 else input.reshape(-1, shape[-1])
+    loss = _cross_entropy_fwd(x, t, weight, int(ignore_index), code, float(label_smoothing),
+                              float(z_loss), 0.0 if softcap is None else float(softcap),
+                              bool(inplace_backward))[0]
+    if code == 0 and len(shape) != 2:
+        loss = loss.reshape(shape[:-1])
+    return loss if input.dtype == torch.float32 else loss.to(input.dtype)
 
 
 # --- fused linear cross-entropy --------------------------------------------------------------------
@@ -137,24 +112,6 @@ def _linear_bwd_fake(grad_output, hidden, weight, bias, target, class_weight, ls
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), d_bias
 
 
-def _linear_setup_context(ctx, inputs, output):
-    hidden, weight, bias, target, class_weight, *options = inputs
-    ctx.save_for_backward(hidden, weight, bias, target, class_weight, output[1])
-    ctx.options = tuple(options)
-
-
-def _linear_backward(ctx, grad_loss, grad_lse):
-    hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
-    d_hidden, d_weight, d_bias = torch.ops.xent.linear_cross_entropy_bwd(
-        grad_loss, hidden, weight, bias, target, class_weight, lse, *ctx.options)
-    return (d_hidden, d_weight, d_bias if bias is not None else None, None, None, None, None,
-            None, None, None)
-
-
-torch.library.register_autograd("xent::linear_cross_entropy_fwd", _linear_backward,
-                                setup_context=_linear_setup_context)
-
-
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, ignore_index=-100,
                          reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None):
     """cross_entropy(hidden @ weight.T + bias, target, ...) without materialising the logits.
@@ -168,26 +125,30 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
     The logits are computed a chunk of rows at a time (xent::linear_forward) and recomputed in
     backward (xent::linear_backward) from the saved per-row log-sum-exp.
     """
-    if reduction not in _REDUCTIONS:
+    code = _REDUCTIONS.get(reduction)
+    if code is None:
         raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    shape = hidden.shape
     soft = target.is_floating_point()
-    want = tuple(hidden.shape[:-1]) + ((weight.shape[0],) if soft else ())
-    if tuple(target.shape) != want:
-        raise ValueError(f"target shape {tuple(target.shape)} must be {want} (hidden's shape "
-                         f"without its last dimension{', then V' if soft else ''})")
+    want = shape[:-1] + (weight.shape[:1] if soft else ())
+    if target.shape != want:
+        raise ValueError(f"target shape {tuple(target.shape)} must be {tuple(want)} (hidden's "
+                         f"shape without its last dimension{', then V' if soft else ''})")
     if soft and target.requires_grad and torch.is_grad_enabled():
         raise ValueError("xent gives soft targets no gradient: pass target.detach()")
-    h = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
-    t = target.reshape(-1, weight.shape[0]) if soft else target.reshape(-1)
-    loss, _ = torch.ops.xent.linear_cross_entropy_fwd(
-        h, weight, bias, t, class_weight, int(ignore_index),
-        _REDUCTIONS[reduction], float(label_smoothing), float(z_loss),
-        0.0 if softcap is None else float(softcap))
-    if reduction == "none":
-        loss = loss.reshape(hidden.shape[:-1])
-    return loss.to(hidden.dtype)
+    if len(shape) == 2:
+        h, t = hidden, target
+    else:
+        h = hidden.reshape(-1, shape[-1])
+        t = target.reshape(-1, weight.shape[0]) if soft else target.reshape(-1)
+    loss = _linear_cross_entropy_fwd(h, weight, bias, t, class_weight, int(ignore_index), code,
+                                     float(label_smoothing), float(z_loss),
+                                     0.0 if softcap is None else float(softcap))[0]
+    if code == 0 and len(shape) != 2:
+        loss = loss.reshape(shape[:-1])
+    return loss if hidden.dtype == torch.float32 else loss.to(hidden.dtype)
 
 
 # --- CUDA -----------------------------------------------------------------------------------------

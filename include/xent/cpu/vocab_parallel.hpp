@@ -83,26 +83,28 @@ inline void check_tiling(const char* fn, const exchange& x) {
   std::vector<shard_header> shards;
   for (int r = 0; r < x.ranks(); ++r) {
     const shard_header h = x.header(r);
-    detail::require(h.vocab == vocab, fn, "shard.vocab",
-                    "rank " + std::to_string(r) + " has " + std::to_string(h.vocab) +
-                        " classes, rank 0 has " + std::to_string(vocab));
+    detail::require(h.vocab == vocab, fn, "shard.vocab", [&] {
+      return "rank " + std::to_string(r) + " has " + std::to_string(h.vocab) +
+             " classes, rank 0 has " + std::to_string(vocab);
+    });
     if (h.cols > 0) shards.push_back(h);
   }
   std::sort(shards.begin(), shards.end(),
             [](const shard_header& a, const shard_header& b) { return a.first < b.first; });
   std::int64_t next = 0;
   for (const shard_header& h : shards) {
-    detail::require(
-        h.first == next, fn, "shard",
-        "the ranks' shards do not tile [0, " + std::to_string(vocab) + "): " +
-            (h.first < next ? "classes from " + std::to_string(h.first) + " are in two shards"
-                            : "classes [" + std::to_string(next) + ", " + std::to_string(h.first) +
-                                  ") are in none"));
+    detail::require(h.first == next, fn, "shard", [&] {
+      return "the ranks' shards do not tile [0, " + std::to_string(vocab) + "): " +
+             (h.first < next ? "classes from " + std::to_string(h.first) + " are in two shards"
+                             : "classes [" + std::to_string(next) + ", " + std::to_string(h.first) +
+                                   ") are in none");
+    });
     next = h.first + h.cols;
   }
-  detail::require(next == vocab, fn, "shard",
-                  "the ranks' shards do not tile [0, " + std::to_string(vocab) + "): classes [" +
-                      std::to_string(next) + ", " + std::to_string(vocab) + ") are in none");
+  detail::require(next == vocab, fn, "shard", [&] {
+    return "the ranks' shards do not tile [0, " + std::to_string(vocab) + "): classes [" +
+           std::to_string(next) + ", " + std::to_string(vocab) + ") are in none";
+  });
 }
 
 /// Gathers every rank's records (record(n) for each local row) and checks the tiling.

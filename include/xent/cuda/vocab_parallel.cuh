@@ -213,10 +213,12 @@ void check_device_group(const char* fn, const cuda& exec, const Group& group) {
 inline void require_vp_workspace(const char* fn, const cuda& exec, std::int64_t rows, int ranks) {
   const std::size_t need = vp_layout(rows, ranks).total;
   detail::require(exec.workspace != nullptr && exec.workspace_bytes >= need, fn, "exec.workspace",
-                  "needs " + std::to_string(need) +
-                      " bytes of zero-filled device memory "
-                      "(cuda_vocab_parallel_workspace_size(rows, ranks)), got " +
-                      std::to_string(exec.workspace ? exec.workspace_bytes : 0));
+                  [&] {
+                    return "needs " + std::to_string(need) +
+                           " bytes of zero-filled device memory "
+                           "(cuda_vocab_parallel_workspace_size(rows, ranks)), got " +
+                           std::to_string(exec.workspace ? exec.workspace_bytes : 0);
+                  });
 }
 
 /// The row kernel's arguments for this rank's shard (see row_args::first).

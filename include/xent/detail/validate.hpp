@@ -15,8 +15,16 @@
 namespace xent {
 namespace detail {
 
-inline void require(bool ok, const char* fn, const char* arg, const std::string& message) {
+// Throws xent::error when `ok` is false. Every call runs these checks, so one that passes costs
+// its comparison only: the message is a literal, or a callable that formats it (the numbers in
+// it) only when the check fails.
+inline void require(bool ok, const char* fn, const char* arg, const char* message) {
   if (!ok) throw error(fn, arg, message);
+}
+
+template <class Message, std::enable_if_t<std::is_invocable_r_v<std::string, Message&>, int> = 0>
+void require(bool ok, const char* fn, const char* arg, Message&& message) {
+  if (!ok) throw error(fn, arg, message());
 }
 
 inline std::string shape(std::int64_t rows, std::int64_t cols) {
@@ -25,28 +33,32 @@ inline std::string shape(std::int64_t rows, std::int64_t cols) {
 
 template <class T>
 void check_matrix(const char* fn, const char* arg, const matrix_view<T>& m) {
-  require(m.rows >= 0 && m.cols >= 0, fn, arg, "negative size " + shape(m.rows, m.cols));
-  require(m.ld >= m.cols, fn, arg,
-          "leading dimension " + std::to_string(m.ld) + " < cols " + std::to_string(m.cols));
+  require(m.rows >= 0 && m.cols >= 0, fn, arg,
+          [&] { return "negative size " + shape(m.rows, m.cols); });
+  require(m.ld >= m.cols, fn, arg, [&] {
+    return "leading dimension " + std::to_string(m.ld) + " < cols " + std::to_string(m.cols);
+  });
   require(m.data != nullptr || m.rows * m.cols == 0, fn, arg, "null data with non-zero size");
 }
 
 template <class T>
 void check_vector(const char* fn, const char* arg, const vector_view<T>& v, std::int64_t expected,
                   bool optional) {
-  require(v.size >= 0, fn, arg, "negative size " + std::to_string(v.size));
+  require(v.size >= 0, fn, arg, [&] { return "negative size " + std::to_string(v.size); });
   if (optional && v.size == 0 && v.data == nullptr) return;
-  require(v.size == expected, fn, arg,
-          "has " + std::to_string(v.size) + " entries, expected " + std::to_string(expected));
+  require(v.size == expected, fn, arg, [&] {
+    return "has " + std::to_string(v.size) + " entries, expected " + std::to_string(expected);
+  });
   require(v.data != nullptr || v.size == 0, fn, arg, "null data with non-zero size");
 }
 
 template <class T>
 void check_logits(const char* fn, const matrix_view<T>& logits) {
   check_matrix(fn, "logits", logits);
-  require(
-      logits.cols >= 1 || logits.rows == 0, fn, "logits",
-      "a row needs at least one class (cols = 0 with rows = " + std::to_string(logits.rows) + ")");
+  require(logits.cols >= 1 || logits.rows == 0, fn, "logits", [&] {
+    return "a row needs at least one class (cols = 0 with rows = " + std::to_string(logits.rows) +
+           ")";
+  });
 }
 
 template <class I>
@@ -58,9 +70,10 @@ template <class S>
 void check_targets(const char* fn, const soft_targets<S>& targets, std::int64_t rows,
                    std::int64_t cols) {
   check_matrix(fn, "targets", targets.probs);
-  require(targets.probs.rows == rows && targets.probs.cols == cols, fn, "targets",
-          "soft targets are " + shape(targets.probs.rows, targets.probs.cols) + ", logits are " +
-              shape(rows, cols));
+  require(targets.probs.rows == rows && targets.probs.cols == cols, fn, "targets", [&] {
+    return "soft targets are " + shape(targets.probs.rows, targets.probs.cols) + ", logits are " +
+           shape(rows, cols);
+  });
 }
 
 inline void check_options(const char* fn, const options& opts, std::int64_t cols) {
@@ -69,11 +82,12 @@ inline void check_options(const char* fn, const options& opts, std::int64_t cols
           fn, "options.reduce", "not one of none, mean, sum");
   require(opts.label_smoothing >= 0.0f && opts.label_smoothing <= 1.0f, fn,
           "options.label_smoothing",
-          "must be in [0, 1], got " + std::to_string(opts.label_smoothing));
+          [&] { return "must be in [0, 1], got " + std::to_string(opts.label_smoothing); });
   require(opts.z_loss >= 0.0f && std::isfinite(opts.z_loss), fn, "options.z_loss",
-          "must be finite and >= 0, got " + std::to_string(opts.z_loss));
-  require(opts.softcap >= 0.0f && std::isfinite(opts.softcap), fn, "options.softcap",
-          "must be finite and >= 0 (0 is off), got " + std::to_string(opts.softcap));
+          [&] { return "must be finite and >= 0, got " + std::to_string(opts.z_loss); });
+  require(opts.softcap >= 0.0f && std::isfinite(opts.softcap), fn, "options.softcap", [&] {
+    return "must be finite and >= 0 (0 is off), got " + std::to_string(opts.softcap);
+  });
   check_vector(fn, "options.class_weights", opts.class_weights, cols, true);
 }
 
@@ -109,8 +123,9 @@ inline void check_upstream(const char* fn, const upstream& up, const options& op
 template <class L, class G>
 void check_gradient(const char* fn, const matrix_view<L>& logits, const matrix_view<G>& grad) {
   check_matrix(fn, "grad", grad);
-  require(grad.rows == logits.rows && grad.cols == logits.cols, fn, "grad",
-          "is " + shape(grad.rows, grad.cols) + ", logits are " + shape(logits.rows, logits.cols));
+  require(grad.rows == logits.rows && grad.cols == logits.cols, fn, "grad", [&] {
+    return "is " + shape(grad.rows, grad.cols) + ", logits are " + shape(logits.rows, logits.cols);
+  });
   if (logits.empty()) return;
   const char* lb = reinterpret_cast<const char*>(logits.data);
   const char* le = reinterpret_cast<const char*>(logits.row(logits.rows - 1) + logits.cols);

@@ -51,10 +51,11 @@ void check_disjoint(const char* fn, const span_of (&written)[Written],
                     const span_of (&read)[Read]) {
   for (std::size_t w = 0; w < Written; ++w) {
     for (const span_of& r : read)
-      require(!written[w].overlaps(r), fn, written[w].name, std::string("overlaps ") + r.name);
+      require(!written[w].overlaps(r), fn, written[w].name,
+              [&] { return std::string("overlaps ") + r.name; });
     for (std::size_t o = w + 1; o < Written; ++o)
       require(!written[w].overlaps(written[o]), fn, written[w].name,
-              std::string("overlaps ") + written[o].name);
+              [&] { return std::string("overlaps ") + written[o].name; });
   }
 }
 
@@ -66,12 +67,14 @@ void check_linear_inputs(const char* fn, const matrix_view<const T>& hidden,
                          const Tgt& targets, const linear_options& opts) {
   check_matrix(fn, "hidden", hidden);
   check_matrix(fn, "weight", weight);
-  require(weight.cols == hidden.cols, fn, "weight",
-          "is " + shape(weight.rows, weight.cols) + ", hidden is " +
-              shape(hidden.rows, hidden.cols) + ": both need D columns");
-  require(weight.rows >= 1 || hidden.rows == 0, fn, "weight",
-          "a row needs at least one class (weight has 0 rows, hidden has " +
-              std::to_string(hidden.rows) + ")");
+  require(weight.cols == hidden.cols, fn, "weight", [&] {
+    return "is " + shape(weight.rows, weight.cols) + ", hidden is " +
+           shape(hidden.rows, hidden.cols) + ": both need D columns";
+  });
+  require(weight.rows >= 1 || hidden.rows == 0, fn, "weight", [&] {
+    return "a row needs at least one class (weight has 0 rows, hidden has " +
+           std::to_string(hidden.rows) + ")";
+  });
   check_vector(fn, "bias", bias, weight.rows, true);
   check_targets(fn, targets, hidden.rows, weight.rows);
   check_options(fn, opts, weight.rows);
@@ -86,7 +89,7 @@ void check_optional_matrix(const char* fn, const char* arg, const matrix_view<G>
   if (m.data == nullptr && m.rows == 0 && m.cols == 0) return;
   check_matrix(fn, arg, m);
   require(m.rows == rows && m.cols == cols, fn, arg,
-          "is " + shape(m.rows, m.cols) + ", expected " + shape(rows, cols));
+          [&] { return "is " + shape(m.rows, m.cols) + ", expected " + shape(rows, cols); });
 }
 
 template <class T, class G>
@@ -103,9 +106,10 @@ void check_linear_grads(const char* fn, const linear_grads<G>& grads,
 inline void check_workspace(const char* fn, const linear_workspace& ws,
                             const linear_workspace_sizes& need) {
   require(ws.data != nullptr || ws.bytes == 0, fn, "workspace", "null data with non-zero size");
-  require(ws.bytes >= need.minimal, fn, "workspace",
-          "has " + std::to_string(ws.bytes) + " bytes, this call needs at least " +
-              std::to_string(need.minimal) + " (xent::linear_workspace_size)");
+  require(ws.bytes >= need.minimal, fn, "workspace", [&] {
+    return "has " + std::to_string(ws.bytes) + " bytes, this call needs at least " +
+           std::to_string(need.minimal) + " (xent::linear_workspace_size)";
+  });
 }
 
 }  // namespace detail

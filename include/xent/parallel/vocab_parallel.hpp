@@ -53,17 +53,20 @@ void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<
   static_assert(is_communicator<Group>::value,
                 "xent: group must provide rank(), size() and all_gather(send, recv, bytes) "
                 "(parallel/communicator.hpp)");
-  require(group.size() >= 1 && group.rank() >= 0 && group.rank() < group.size(), fn, "group",
-          "rank " + std::to_string(group.rank()) + " of size " + std::to_string(group.size()));
+  require(group.size() >= 1 && group.rank() >= 0 && group.rank() < group.size(), fn, "group", [&] {
+    return "rank " + std::to_string(group.rank()) + " of size " + std::to_string(group.size());
+  });
   check_matrix(fn, "logits", logits);
-  require(shard.vocab >= 1 || logits.rows == 0, fn, "shard.vocab",
-          "a row needs at least one class (vocab = " + std::to_string(shard.vocab) + ")");
-  require(shard.first >= 0 && shard.first <= shard.vocab - logits.cols, fn, "shard.first",
-          "the shard's classes [" + std::to_string(shard.first) + ", " +
-              std::to_string(shard.first + logits.cols) +
-              ") (first, first + logits.cols) are not "
-              "inside [0, " +
-              std::to_string(shard.vocab) + ")");
+  require(shard.vocab >= 1 || logits.rows == 0, fn, "shard.vocab", [&] {
+    return "a row needs at least one class (vocab = " + std::to_string(shard.vocab) + ")";
+  });
+  require(shard.first >= 0 && shard.first <= shard.vocab - logits.cols, fn, "shard.first", [&] {
+    return "the shard's classes [" + std::to_string(shard.first) + ", " +
+           std::to_string(shard.first + logits.cols) +
+           ") (first, first + logits.cols) are not "
+           "inside [0, " +
+           std::to_string(shard.vocab) + ")";
+  });
   check_targets(fn, typename target_traits<Targets>::type(targets), logits.rows, logits.cols);
   check_options(fn, opts, shard.vocab);  // class_weights: all V of them
 }

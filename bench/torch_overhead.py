@@ -1,0 +1,113 @@
+"""Per-call time of xent's PyTorch binding next to torch eager, for shapes small enough that the
+host's work per call (Python, the dispatcher, autograd) decides the time rather than the kernels.
+
+    python3 bench/torch_overhead.py [--device cuda|cpu] [--reps N]
+
+Each row is the wall-clock time of one call in a loop of N calls (median of 7 loops; CUDA is
+synchronised before and after each loop, so a row is max(host time, device time) per call, what
+a training loop of small steps sees):
+  fwd           loss = f(logits, target) under torch.no_grad()
+  fwd+bwd       f(logits, target).backward() from a leaf, its .grad reset each call
+  impl "xent ops" calls torch.ops.xent.cross_entropy_fwd / _bwd directly, without autograd or the
+  Python wrapper: the floor under "xent" (the gap between them is what autograd and the wrapper
+  cost).
+Shapes: the issue's seed shapes on CUDA; on the CPU a tiny one (4 x 8), where the arithmetic is
+negligible, on one thread (a thread pool's wake-ups would swamp it). Writes the table to
+$OUT/torch_overhead.md when OUT is set.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples" / "pytorch"))
+import xent_torch  # noqa: E402
+
+CUDA_SHAPES = [(32, 32000, torch.float32), (128, 32000, torch.float32),
+               (32, 50257, torch.float32)]
+CPU_SHAPES = [(4, 8, torch.float32)]
+
+
+def per_call_us(fn, reps, sync):
+    for _ in range(max(10, reps // 10)):  # warm-up: caches, allocator, lazy init
+        fn()
+    sync()
+    loops = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        loops.append((time.perf_counter() - start) / reps * 1e6)
+    return statistics.median(loops)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=1000)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not xent_torch.cuda_built():
+        print("xent_torch was built without its CUDA kernels")
+        return 2
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    shapes = CUDA_SHAPES if device.type == "cuda" else CPU_SHAPES
+    fwd_op = torch.ops.xent.cross_entropy_fwd.default
+    bwd_op = torch.ops.xent.cross_entropy_bwd.default
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [f"# xent_torch per-call time, {name}, torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d', time.gmtime())}\n",
+             "| logits N x V | impl | fwd us | fwd+bwd us |", "|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for n, v, dtype in shapes:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = (torch.randn(n, v, device=device, generator=g) * 2).to(dtype)
+        t = torch.randint(0, v, (n,), device=device, generator=g)
+        leaf = x.clone().requires_grad_()
+        one = torch.ones((), device=device)
+        lse = torch.logsumexp(x.float(), dim=-1)
+
+        def ops_fwd():
+            fwd_op(x, t, None, -100, 1, 0.0, 0.0, 0.0, False)
+
+        def ops_fwdbwd():
+            fwd_op(x, t, None, -100, 1, 0.0, 0.0, 0.0, False)
+            bwd_op(one, x, t, None, lse, -100, 1, 0.0, 0.0, 0.0)
+
+        impls = [("torch", F.cross_entropy), ("xent", xent_torch.cross_entropy)]
+        rows = []
+        for impl, fn in impls:
+            def fwd(fn=fn):
+                with torch.no_grad():
+                    fn(x, t)
+
+            def fwdbwd(fn=fn):
+                fn(leaf, t).backward()
+                leaf.grad = None
+            rows.append((impl, per_call_us(fwd, args.reps, sync),
+                         per_call_us(fwdbwd, args.reps, sync)))
+        rows.append(("xent ops", per_call_us(ops_fwd, args.reps, sync),
+                     per_call_us(ops_fwdbwd, args.reps, sync)))
+        for impl, f_us, fb_us in rows:
+            line = f"| {n} x {v} {str(dtype).split('.')[-1]} | {impl} | {f_us:.1f} | {fb_us:.1f} |"
+            lines.append(line)
+            print(line, flush=True)
+    if os.environ.get("OUT"):
+        out = Path(os.environ["OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "torch_overhead.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+// The autograd formulas of the xent ops, in C++: a torch::autograd::Function per differentiable
+// op, registered under the Autograd dispatch key (an alias of AutogradCPU, AutogradCUDA, ...), so
+// one registration serves the CPU kernels of xent_ops.cpp and the CUDA kernels of
+// xent_ops_cuda.cu. A call from Python is one dispatcher call forward (this kernel, then the
+// device kernel below autograd) and records one C++ node, whose backward calls the device kernel
+// of the matching *_bwd op; no Python runs on either side.
+//
+// The formulas call the ops through the dispatcher, not the device code directly: under
+// torch.compile the same kernels run on fake tensors, where the dispatcher routes the calls to
+// the fake kernels (xent_torch/ops.py), and the traced graph holds the xent ops themselves.
+// Nothing here reads a tensor's values, so nothing synchronises with a device; every result is
+// allocated by the device kernel on the current stream (CUDA-graph capture sees the same calls as
+// an eager run).
+#include <ATen/ATen.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "layout.h"
+
+namespace xent_torch {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using opt_tensor = std::optional<at::Tensor>;
+
+// The schemas of xent_ops.cpp as C++ signatures, and each op's handle, found once.
+using ce_fwd_t = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                    const opt_tensor&, std::int64_t, std::int64_t,
+                                                    double, double, double, bool);
+using ce_bwd_t = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const opt_tensor&, const at::Tensor&, std::int64_t, std::int64_t,
+                            double, double, double);
+using ce_bwd_inplace_t = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const opt_tensor&, const at::Tensor&, std::int64_t, std::int64_t,
+                              double, double, double);
+using lce_fwd_t = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                     const opt_tensor&, const at::Tensor&,
+                                                     const opt_tensor&, std::int64_t, std::int64_t,
+                                                     double, double, double);
+using lce_bwd_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&,
+    const opt_tensor&, const at::Tensor&, std::int64_t, std::int64_t, double, double, double);
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+const c10::TypedOperatorHandle<ce_fwd_t>& ce_fwd() {
+  static const auto op = find_op<ce_fwd_t>("xent::cross_entropy_fwd");
+  return op;
+}
+const c10::TypedOperatorHandle<ce_bwd_t>& ce_bwd() {
+  static const auto op = find_op<ce_bwd_t>("xent::cross_entropy_bwd");
+  return op;
+}
+const c10::TypedOperatorHandle<ce_bwd_inplace_t>& ce_bwd_inplace() {
+  static const auto op = find_op<ce_bwd_inplace_t>("xent::cross_entropy_bwd_");
+  return op;
+}
+const c10::TypedOperatorHandle<lce_fwd_t>& lce_fwd() {
+  static const auto op = find_op<lce_fwd_t>("xent::linear_cross_entropy_fwd");
+  return op;
+}
+const c10::TypedOperatorHandle<lce_bwd_t>& lce_bwd() {
+  static const auto op = find_op<lce_bwd_t>("xent::linear_cross_entropy_bwd");
+  return op;
+}
+
+// Where a backward calls the *_bwd ops. Backward normally runs with grad mode off: the call goes
+// straight to the device kernel, past the autograd fallback those ops would otherwise pass
+// through (boxing every argument). Under backward(create_graph=True) it does pass through it, as
+// the formulas' calls did when they were written in Python: xent has no double backward, and the
+// fallback makes a backward through the gradient warn that there is no formula for it rather
+// than stay silent.
+template <class F>
+decltype(auto) call_bwd(F&& f) {
+  if (at::GradMode::is_enabled()) return f();
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return f();
+}
+
+// A saved tensor back as the optional argument it was (an undefined tensor when absent).
+opt_tensor present(const at::Tensor& t) { return t.defined() ? opt_tensor(t) : std::nullopt; }
+
+bool wants_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+bool wants_grad(const opt_tensor& t) { return t.has_value() && wants_grad(*t); }
+
+// Whether a call records a node: grad mode on and some tensor argument requiring grad (what
+// Function::apply decides). Otherwise the kernels below call the op straight below autograd,
+// without building a node and its saved variables only to drop them (evaluation, no_grad).
+template <class... Tensors>
+bool records(const Tensors&... tensors) {
+  return at::GradMode::is_enabled() && (wants_grad(tensors) || ...);
+}
+
+// The options every formula saves beside its tensors, one entry of ctx->saved_data.
+struct saved_options {
+  std::int64_t ignore_index, reduction;
+  double label_smoothing, z_loss, softcap;
+};
+
+void save_options(AutogradContext* ctx, const saved_options& o) {
+  ctx->saved_data["options"] =
+      std::make_tuple(o.ignore_index, o.reduction, o.label_smoothing, o.z_loss, o.softcap);
+}
+
+saved_options load_options(AutogradContext* ctx) {
+  const auto o = ctx->saved_data["options"].toTuple();
+  const auto& e = o->elements();
+  return {e[0].toInt(), e[1].toInt(), e[2].toDouble(), e[3].toDouble(), e[4].toDouble()};
+}
+
+}  // namespace
+
+// The Function types are named outside the anonymous namespace: a node's name (loss.grad_fn.name())
+// is torch::autograd::CppNode<xent_torch::cross_entropy_function>.
+
+// cross_entropy_fwd(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+// softcap, inplace_backward) -> (loss, lse). The gradient flows to `input` only: targets (class
+// ids, or soft targets that xent_torch.cross_entropy refuses to differentiate) and class weights
+// get none, as in torch's cross_entropy. lse is a saved statistic; a gradient reaching it is
+// ignored.
+struct cross_entropy_function : torch::autograd::Function<cross_entropy_function> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input,
+                               const at::Tensor& target, const opt_tensor& weight,
+                               std::int64_t ignore_index, std::int64_t reduction,
+                               double label_smoothing, double z_loss, double softcap,
+                               bool inplace_backward) {
+    // Undefined gradients stay undefined (lse's is never used; a zero-filled one would cost a
+    // kernel launch per backward).
+    ctx->set_materialize_grads(false);
+    at::Tensor loss, lse;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(loss, lse) = ce_fwd().call(input, target, weight, ignore_index, reduction,
+                                          label_smoothing, z_loss, softcap, inplace_backward);
+    }
+    ctx->save_for_backward({input, target, weight.value_or(at::Tensor()), lse});
+    save_options(ctx, {ignore_index, reduction, label_smoothing, z_loss, softcap});
+    ctx->saved_data["inplace"] = inplace_backward;
+    return {loss, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(9);  // one per forward argument; undefined: no gradient
+    const at::Tensor& grad_loss = grads[0];
+    if (!grad_loss.defined()) return result;  // only lse was used: zero gradient
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const opt_tensor weight = present(saved[2]);
+    const saved_options o = load_options(ctx);
+    // In place needs rows with a contiguous last dimension (that do not overlap); other layouts
+    // get a fresh gradient (the same values; only the memory saving is lost).
+    if (ctx->saved_data["inplace"].toBool() && rows_readable_in_place(input)) {
+      call_bwd([&] {
+        ce_bwd_inplace().call(grad_loss, input, saved[1], weight, saved[3], o.ignore_index,
+                              o.reduction, o.label_smoothing, o.z_loss, o.softcap);
+      });
+      // The kernel wrote through a pointer, which autograd cannot see: bump the version counter
+      // (shared with every view of the caller's logits) so that a backward which saved these
+      // logits (e.g. tanh's output) fails loudly instead of reading the gradient as the logits.
+      torch::autograd::impl::bump_version(input);
+      result[0] = input;
+    } else {
+      result[0] = call_bwd([&] {
+        return ce_bwd().call(grad_loss, input, saved[1], weight, saved[3], o.ignore_index,
+                             o.reduction, o.label_smoothing, o.z_loss, o.softcap);
+      });
+    }
+    return result;
+  }
+};
+
+// linear_cross_entropy_fwd(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+// label_smoothing, z_loss, softcap) -> (loss, lse): gradients for hidden, weight and bias (when
+// given), from the logits that xent::linear_backward recomputes a chunk at a time.
+struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_entropy_function> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden,
+                               const at::Tensor& weight, const opt_tensor& bias,
+                               const at::Tensor& target, const opt_tensor& class_weight,
+                               std::int64_t ignore_index, std::int64_t reduction,
+                               double label_smoothing, double z_loss, double softcap) {
+    ctx->set_materialize_grads(false);
+    at::Tensor loss, lse;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(loss, lse) = lce_fwd().call(hidden, weight, bias, target, class_weight, ignore_index,
+                                           reduction, label_smoothing, z_loss, softcap);
+    }
+    ctx->save_for_backward({hidden, weight, bias.value_or(at::Tensor()), target,
+                            class_weight.value_or(at::Tensor()), lse});
+    save_options(ctx, {ignore_index, reduction, label_smoothing, z_loss, softcap});
+    return {loss, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(10);
+    const at::Tensor& grad_loss = grads[0];
+    if (!grad_loss.defined()) return result;
+    const variable_list saved = ctx->get_saved_variables();
+    const opt_tensor bias = present(saved[2]);
+    const saved_options o = load_options(ctx);
+    auto [d_hidden, d_weight, d_bias] = call_bwd([&] {
+      return lce_bwd().call(grad_loss, saved[0], saved[1], bias, saved[3], present(saved[4]),
+                            saved[5], o.ignore_index, o.reduction, o.label_smoothing, o.z_loss,
+                            o.softcap);
+    });
+    result[0] = std::move(d_hidden);
+    result[1] = std::move(d_weight);
+    if (bias.has_value()) result[2] = std::move(d_bias);
+    return result;
+  }
+};
+
+// The Autograd kernels: what torch.ops.xent.*_fwd runs first (their tensors carry autograd's
+// dispatch keys), before the device kernel.
+std::tuple<at::Tensor, at::Tensor> cross_entropy_autograd(
+    const at::Tensor& input, const at::Tensor& target, const opt_tensor& weight,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap, bool inplace_backward) {
+  if (!records(input, target, weight)) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return ce_fwd().call(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                         softcap, inplace_backward);
+  }
+  variable_list out =
+      cross_entropy_function::apply(input, target, weight, ignore_index, reduction, label_smoothing,
+                                    z_loss, softcap, inplace_backward);
+  return {std::move(out[0]), std::move(out[1])};
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
+    const at::Tensor& hidden, const at::Tensor& weight, const opt_tensor& bias,
+    const at::Tensor& target, const opt_tensor& class_weight, std::int64_t ignore_index,
+    std::int64_t reduction, double label_smoothing, double z_loss, double softcap) {
+  if (!records(hidden, weight, bias, target, class_weight)) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return lce_fwd().call(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                          label_smoothing, z_loss, softcap);
+  }
+  variable_list out =
+      linear_cross_entropy_function::apply(hidden, weight, bias, target, class_weight, ignore_index,
+                                           reduction, label_smoothing, z_loss, softcap);
+  return {std::move(out[0]), std::move(out[1])};
+}
+
+}  // namespace xent_torch
+
+TORCH_LIBRARY_IMPL(xent, Autograd, m) {
+  m.impl("cross_entropy_fwd", &xent_torch::cross_entropy_autograd);
+  m.impl("linear_cross_entropy_fwd", &xent_torch::linear_cross_entropy_autograd);
+}
