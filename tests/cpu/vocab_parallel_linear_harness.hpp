@@ -27,91 +27,43 @@ namespace xvl {
 using xtl::budget;
 using xtl::ldata;
 
-/// A rank's shard of a case: its weight rows and bias entries, and its columns of the soft
-/// targets, copied (padding columns holding the sentinel) so that a read outside the shard is a
-/// read outside the buffer.
+/// A rank's view of a case: the case with its weight rows, bias entries and soft-target columns cut
+/// to classes [first, first + cols) (copied, padding holding the sentinel, so that a read outside
+/// the shard is a read outside the buffer; spec.ce.cols = cols). Hidden, class ids, class weights
+/// (all V of them) and upstream stay the case's: its options() and targets are the rank's
+/// arguments as they are.
 template <class T>
-struct shard_inputs {
-  std::int64_t first = 0, cols = 0, rows = 0, hidden = 0, ld = 0, probs_ld = 0;
-  bool has_bias = true;
-  std::vector<T> w, b, probs;
-
-  xent::matrix_view<const T> weight() const { return {w.data(), cols, hidden, ld}; }
-  xent::vector_view<const T> bias() const {
-    return has_bias ? xent::vector_view<const T>(b.data(), cols) : xent::vector_view<const T>{};
-  }
-  xent::vocab_shard shard(std::int64_t vocab) const { return {first, vocab}; }
-  /// Calls f with the case's global class ids, or this shard's soft targets.
-  template <class F>
-  void with_targets(const ldata<T>& L, F&& f) const {
-    if (L.s.ce.kind == xt::target_kind::soft)
-      f(xent::soft_targets<T>{xent::matrix_view<const T>(probs.data(), rows, cols, probs_ld)});
-    else
-      L.d.with_targets(f);
-  }
-};
-
-template <class T>
-shard_inputs<T> cut(const ldata<T>& L, std::int64_t first, std::int64_t cols) {
-  shard_inputs<T> s;
-  s.first = first;
-  s.cols = cols;
-  s.rows = L.N();
-  s.hidden = L.D();
-  s.ld = L.s.ld();
-  s.has_bias = L.s.bias;
-  s.w.assign(L.w.begin() + first * s.ld, L.w.begin() + (first + cols) * s.ld);
-  s.b.assign(L.b.begin() + first, L.b.begin() + first + cols);
+ldata<T> shard_of(const ldata<T>& L, std::int64_t first, std::int64_t cols) {
+  ldata<T> r = L;
+  const std::int64_t ld = L.s.ld();
+  r.s.ce.cols = r.d.s.cols = cols;
+  r.w.assign(L.w.begin() + first * ld, L.w.begin() + (first + cols) * ld);
+  r.b.assign(L.b.begin() + first, L.b.begin() + first + cols);
   if (L.s.ce.kind == xt::target_kind::soft) {
-    s.probs_ld = cols + L.s.ce.pad;
-    s.probs.assign(s.rows * s.probs_ld, xt::sentinel<T>());
-    for (std::int64_t n = 0; n < s.rows; ++n)
+    const std::int64_t pld = r.s.ce.ld();
+    r.d.probs.assign(L.N() * pld, xt::sentinel<T>());
+    for (std::int64_t n = 0; n < L.N(); ++n)
       for (std::int64_t c = 0; c < cols; ++c)
-        s.probs[n * s.probs_ld + c] = L.d.probs[n * L.s.ce.ld() + first + c];
+        r.d.probs[n * pld + c] = L.d.probs[n * L.s.ce.ld() + first + c];
   }
-  return s;
+  return r;
 }
 
 template <class T>
-std::vector<shard_inputs<T>> cut_all(const ldata<T>& L, const xt::split& sp) {
-  std::vector<shard_inputs<T>> out;
-  for (int r = 0; r < sp.ranks(); ++r) out.push_back(cut(L, sp.first(r), sp.cols(r)));
+std::vector<ldata<T>> shards_of(const ldata<T>& L, const xt::split& sp) {
+  std::vector<ldata<T>> out;
+  for (int r = 0; r < sp.ranks(); ++r) out.push_back(shard_of(L, sp.first(r), sp.cols(r)));
   return out;
 }
 
-/// A rank's gradients, poisoned, padding included: its partial d_hidden (N x D), its d_weight
-/// rows (cols x D) and d_bias entries.
-template <class G>
-struct rank_gradients {
-  std::int64_t rows = 0, cols = 0, hidden = 0, ld = 0;
-  bool bias = true;
-  std::vector<G> dx, dw, db;
-  rank_gradients(const xtl::lspec& s, std::int64_t cols_)
-      : rows(s.ce.rows),
-        cols(cols_),
-        hidden(s.hidden),
-        ld(s.ld()),
-        bias(s.bias),
-        dx(rows * ld, xt::sentinel<G>()),
-        dw(cols * ld, xt::sentinel<G>()),
-        db(cols, xt::sentinel<G>()) {}
-  xent::linear_grads<G> views() {
-    xent::linear_grads<G> g;
-    g.d_hidden = {dx.data(), rows, hidden, ld};
-    g.d_weight = {dw.data(), cols, hidden, ld};
-    if (bias) g.d_bias = {db.data(), cols};
-    return g;
-  }
-};
-
 /// What one rank's calls (or the unsharded calls) wrote: forward's outputs, forward_backward's
-/// outputs and gradients, and the gradients of backward from forward's LSE.
+/// outputs and gradients, and the gradients of backward from forward's LSE. A rank's gradients
+/// (xtl::gradients of its shard's spec) are its partial d_hidden and its d_weight / d_bias rows.
 template <class G>
 struct rank_result {
   xtl::outputs fwd, fb;
-  rank_gradients<G> gfb, gb;
-  rank_result(const xtl::lspec& s, std::int64_t cols)
-      : fwd(s.ce.rows), fb(s.ce.rows), gfb(s, cols), gb(s, cols) {}
+  xtl::gradients<G> gfb, gb;
+  explicit rank_result(const xtl::lspec& s) : fwd(s.ce.rows), fb(s.ce.rows), gfb(s), gb(s) {}
 };
 
 /// The workspace a rank's calls get on `exec` (its bytes and the chunk_rows every rank gets):
@@ -185,10 +137,11 @@ inline oracle::linear_result with_outputs(oracle::linear_result r, const xtl::ou
 }
 
 template <class G>
-oracle::linear_result with_gradients(oracle::linear_result r, const rank_gradients<G>& g) {
-  r.dx = dense(g.dx, g.rows, g.hidden, g.ld);
-  r.dw = dense(g.dw, g.cols, g.hidden, g.ld);
-  r.db = dense(g.db, 1, g.cols, g.cols);
+oracle::linear_result with_gradients(oracle::linear_result r, const xtl::gradients<G>& g) {
+  const xtl::lspec& s = g.s;
+  r.dx = dense(g.dx, s.ce.rows, s.hidden, s.ld());
+  r.dw = dense(g.dw, s.ce.cols, s.hidden, s.ld());
+  r.db = dense(g.db, 1, s.ce.cols, s.ce.cols);
   return r;
 }
 
@@ -211,7 +164,7 @@ inline xtl::bounds twice(xtl::bounds e) {
 /// ref.dx within e.dx plus each partial's rounding to G (and the rounding of a G-valued ref).
 template <class T, class G>
 std::string check_gradients(const ldata<T>& L, const xt::split& sp,
-                            const std::vector<const rank_gradients<G>*>& g,
+                            const std::vector<const xtl::gradients<G>*>& g,
                             const oracle::linear_result& ref, const xtl::bounds& e) {
   const std::int64_t N = L.N(), D = L.D(), ld = L.s.ld();
   xtl::gradients<G> full(L.s);
@@ -266,7 +219,7 @@ std::string check_results(const ldata<T>& L, const xt::split& sp,
   };
   note("vocab_parallel_linear_forward", xtl::check_outputs(L, fwd, e, res[0].fwd));
   note("vocab_parallel_linear_forward_backward", xtl::check_outputs(L, fb, e, res[0].fb));
-  std::vector<const rank_gradients<G>*> grads_fb, grads_b;
+  std::vector<const xtl::gradients<G>*> grads_fb, grads_b;
   for (const auto& r : res) {
     grads_fb.push_back(&r.gfb);
     grads_b.push_back(&r.gb);

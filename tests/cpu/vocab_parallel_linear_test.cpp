@@ -30,31 +30,31 @@ using xent::linear_pass;
 /// backward from forward's LSE.
 template <class T, class G>
 std::vector<xvl::rank_result<G>> run_ranks(const ldata<T>& L, const xt::split& sp) {
-  const auto shards = xvl::cut_all(L, sp);
+  const std::vector<ldata<T>> shards = xvl::shards_of(L, sp);
   std::vector<xvl::rank_result<G>> res;
-  for (int r = 0; r < sp.ranks(); ++r) res.emplace_back(L.s, sp.cols(r));
+  for (const ldata<T>& in : shards) res.emplace_back(in.s);
   xent::inprocess_group group(sp.ranks());
   group.run([&](xent::inprocess_group::communicator comm) {
     const int r = comm.rank();
-    const xvl::shard_inputs<T>& in = shards[r];
+    const ldata<T>& in = shards[r];  // this rank's arguments
     xvl::rank_result<G>& out = res[r];
     const xent::cpu exec(L.s.ce.threads);
-    const xent::linear_options opts = L.options();
-    const xent::vocab_shard shard = in.shard(L.V());
-    const auto fq = xvl::workspace_for<T, T>(exec, L, in.cols, sp.ranks(), linear_pass::forward);
+    const xent::linear_options opts = in.options();
+    const xent::vocab_shard shard{sp.first(r), L.V()};
+    const auto fq = xvl::workspace_for<T, T>(exec, L, in.V(), sp.ranks(), linear_pass::forward);
     workspace_buffer fws(fq.bytes, L.s.ce.seed + r);
-    const auto tq = xvl::workspace_for<T, G>(exec, L, in.cols, sp.ranks(), linear_pass::training);
+    const auto tq = xvl::workspace_for<T, G>(exec, L, in.V(), sp.ranks(), linear_pass::training);
     workspace_buffer tws(tq.bytes, L.s.ce.seed + 7 * r + 1);
-    in.with_targets(L, [&](auto t) {
-      xent::vocab_parallel_linear_forward(exec, comm, L.hidden(), in.weight(), in.bias(), shard, t,
+    in.d.with_targets([&](auto t) {
+      xent::vocab_parallel_linear_forward(exec, comm, in.hidden(), in.weight(), in.bias(), shard, t,
                                           opts, out.fwd.all(L.s.ce), xvl::vp_workspace(fws.ws, fq));
       xent::vocab_parallel_linear_forward_backward(
-          exec, comm, L.hidden(), in.weight(), in.bias(), shard, t, opts, L.d.upstream(),
+          exec, comm, in.hidden(), in.weight(), in.bias(), shard, t, opts, in.d.upstream(),
           out.fb.all(L.s.ce), out.gfb.views(), xvl::vp_workspace(tws.ws, tq));
       xent::vocab_parallel_linear_backward(
-          exec, comm, L.hidden(), in.weight(), in.bias(), shard, t, opts,
-          xent::vector_view<const float>(out.fwd.lse.data(), L.N()), L.d.upstream(), out.gb.views(),
-          xvl::vp_workspace(tws.ws, tq));
+          exec, comm, in.hidden(), in.weight(), in.bias(), shard, t, opts,
+          xent::vector_view<const float>(out.fwd.lse.data(), L.N()), in.d.upstream(),
+          out.gb.views(), xvl::vp_workspace(tws.ws, tq));
     });
   });
   return res;
@@ -63,7 +63,7 @@ std::vector<xvl::rank_result<G>> run_ranks(const ldata<T>& L, const xt::split& s
 /// The same three calls unsharded (linear.hpp).
 template <class T, class G>
 xvl::rank_result<G> run_unsharded(const ldata<T>& L) {
-  xvl::rank_result<G> u(L.s, L.V());
+  xvl::rank_result<G> u(L.s);
   const xent::cpu exec(L.s.ce.threads);
   const xent::linear_options opts = L.options();
   workspace_buffer fws(workspace_bytes<T>(exec, L, linear_pass::forward), 0);
@@ -331,9 +331,9 @@ struct bad_call {
   template <class Spoil>
   std::pair<std::string, bool> run(Spoil&& spoil) {
     const xt::split sp = xt::even_split(12, 2);
-    const auto shards = xvl::cut_all(L, sp);
+    const std::vector<ldata<float>> shards = xvl::shards_of(L, sp);
     std::vector<xvl::rank_result<float>> res;
-    for (int r = 0; r < 2; ++r) res.emplace_back(s, sp.cols(r));
+    for (const ldata<float>& in : shards) res.emplace_back(in.s);
     std::vector<std::string> named(2);
     std::vector<workspace_buffer> buffers;
     std::vector<xent::linear_workspace_sizes> q;
@@ -349,7 +349,7 @@ struct bad_call {
         args a{L.hidden(),
                shards[r].weight(),
                shards[r].bias(),
-               shards[r].shard(12),
+               {sp.first(r), 12},
                {L.d.t64.data(), L.N()},
                L.options(),
                L.d.upstream(),
