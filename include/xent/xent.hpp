@@ -61,6 +61,7 @@
 // Fused linear cross-entropy on CUDA needs cuBLAS's header (and, when called, its library).
 #if __has_include(<cublas_v2.h>)
 #include "cuda/linear.cuh"
+#include "cuda/vocab_parallel_linear.cuh"
 #endif
 #include "cuda/vocab_parallel.cuh"
 #if defined(XENT_HAS_NCCL)
