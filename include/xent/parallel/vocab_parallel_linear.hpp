@@ -46,8 +46,9 @@
 // the argument; the workspace's size against this rank's shard); errors in arguments that are the
 // same on every rank are raised on every rank. On the CPU the first chunk's exchange also checks,
 // on every rank and before any output is written, that the shards tile [0, V) ("shard",
-// "shard.vocab") and that the ranks have the same rows ("hidden"); ranks whose chunk_rows differ
-// move different byte counts (inprocess_group raises "bytes" on every rank). On CUDA a bad tiling
+// "shard.vocab") and that the ranks have the same rows ("hidden"); ranks whose chunks differ in
+// rows (chunk_rows, or rows, that differ) move different byte counts, which inprocess_group
+// refuses ("bytes") on every rank. On CUDA a bad tiling
 // gives NaN outputs and a count in exec.error_count on every rank (cuda/vocab_parallel.cuh), and
 // equal rows and chunk_rows on every rank are the caller's contract, as NCCL cannot check them.
 #pragma once
@@ -154,8 +155,9 @@ vp_linear_args<T, G, typename target_traits<Targets>::type> vp_args(
 /// on every rank given the same arguments other than shape.vocab. bytes: what this rank needs for
 /// chunks of chunk_rows (its own shard's buffers, more than the budget when its shard is larger
 /// than ceil(V / R)); minimal: what it needs for one-row chunks. On top of a single-device call's
-/// buffers (linear.hpp) a rank holds, per chunk row, its exchange: 40 bytes of record to send,
-/// R x 40 received, and a few floats; and a 32-byte header per rank.
+/// buffers (linear.hpp) a rank holds its chunk's exchange: per chunk row (R + 1) x 40 bytes of
+/// records sent and received and up to 48 more (the merged LSE and target mass; on the CPU this
+/// shard's record too), and (R + 1) 32-byte headers.
 template <class T, class G = T, class Exec>
 linear_workspace_sizes vocab_parallel_linear_workspace_size(
     const Exec& exec, const linear_shape& shape, std::int64_t vocab, int ranks, linear_pass pass,
