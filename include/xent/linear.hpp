@@ -52,40 +52,70 @@ linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shap
 
 namespace detail {
 
-template <class Exec, class T, class Targets>
-void check_linear_call(const char* fn, const matrix_view<const T>& hidden,
-                       const matrix_view<const T>& weight, const vector_view<const T>& bias,
-                       const Targets& targets, const linear_options& opts) {
-  static_assert(has_linear_backend<Exec>::value,
+/// The static requirements of a fused linear call on `Exec`: a backend (`HasBackend`), its dtype,
+/// the kind of targets.
+template <class Exec, bool HasBackend, class T, class Targets>
+void require_linear_types() {
+  static_assert(HasBackend,
                 "xent: no fused linear backend for this execution object (include its header)");
   static_assert(backend_traits<Exec>::template supports_dtype<T>,
                 "xent: unsupported hidden / weight dtype for this backend (float, bfloat16 and "
                 "half are)");
   static_assert(target_traits<Targets>::valid,
                 "xent: targets must be vector_view<int32_t / int64_t> or soft_targets<dtype>");
-  check_linear_inputs(fn, hidden, weight, bias, typename target_traits<Targets>::type(targets),
-                      opts);
 }
 
+template <class Exec, class T, class Targets>
+void check_linear_call(const char* fn, const matrix_view<const T>& hidden,
+                       const matrix_view<const T>& weight, const vector_view<const T>& bias,
+                       const Targets& targets, const linear_options& opts) {
+  require_linear_types<Exec, has_linear_backend<Exec>::value, T, Targets>();
+  check_linear_inputs(fn, hidden, weight, bias, typename target_traits<Targets>::type(targets),
+                      opts, weight.rows);
+}
+
+/// A forward call's workspace: at least `need` bytes (`query` says how to size it), not
+/// overlapping the inputs.
+template <class T>
+void check_forward_workspace(const char* fn, const matrix_view<const T>& hidden,
+                             const matrix_view<const T>& weight, const vector_view<const T>& bias,
+                             const linear_workspace& ws, std::size_t need, const char* query) {
+  check_workspace(fn, ws, need, query);
+  const span_of written[] = {span_of("workspace", ws)};
+  const span_of read[] = {span_of("hidden", hidden), span_of("weight", weight),
+                          span_of("bias", bias)};
+  check_disjoint(fn, written, read);
+}
+
+/// A training call's upstream gradient, gradients and workspace (at least `need` bytes; `query`
+/// says how to size it); nothing it writes overlaps what it reads, or anything else it writes.
 template <class Exec, class T, class G>
-void check_linear_training(const char* fn, const Exec& exec, const matrix_view<const T>& hidden,
+void check_linear_training(const char* fn, const matrix_view<const T>& hidden,
                            const matrix_view<const T>& weight, const vector_view<const T>& bias,
                            const linear_options& opts, const upstream& up,
-                           const linear_grads<G>& grads, const linear_workspace& ws) {
+                           const linear_grads<G>& grads, const linear_workspace& ws,
+                           std::size_t need, const char* query) {
   static_assert(!std::is_const<G>::value, "xent: gradients must be writable");
   static_assert(backend_traits<Exec>::template supports_dtype<G>,
                 "xent: unsupported gradient dtype for this backend");
   check_upstream(fn, up, opts, hidden.rows);
   check_linear_grads(fn, grads, hidden, weight, bias);
-  check_workspace(fn, ws,
-                  linear_workspace_size<T, G>(exec, {hidden.rows, hidden.cols, weight.rows},
-                                              linear_pass::training, opts, 0));
+  check_workspace(fn, ws, need, query);
   const span_of written[] = {span_of("grads.d_hidden", grads.d_hidden),
                              span_of("grads.d_weight", grads.d_weight),
                              span_of("grads.d_bias", grads.d_bias), span_of("workspace", ws)};
   const span_of read[] = {span_of("hidden", hidden), span_of("weight", weight),
                           span_of("bias", bias)};
   check_disjoint(fn, written, read);
+}
+
+/// The least workspace a single-device call of this shape accepts.
+template <class T, class G, class Exec>
+std::size_t linear_minimal(const Exec& exec, const matrix_view<const T>& hidden,
+                           const matrix_view<const T>& weight, linear_pass pass,
+                           const linear_options& opts) {
+  return linear_workspace_size<T, G>(exec, {hidden.rows, hidden.cols, weight.rows}, pass, opts, 0)
+      .minimal;
 }
 
 }  // namespace detail
@@ -106,13 +136,10 @@ void linear_forward(const Exec& exec, matrix_view<H> hidden,
   const matrix_view<const T> x(hidden);
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, true);
-  detail::check_workspace(fn, workspace,
-                          linear_workspace_size<T, T>(exec, {x.rows, x.cols, weight.rows},
-                                                      linear_pass::forward, opts, 0));
-  const detail::span_of written[] = {detail::span_of("workspace", workspace)};
-  const detail::span_of read[] = {detail::span_of("hidden", x), detail::span_of("weight", weight),
-                                  detail::span_of("bias", bias)};
-  detail::check_disjoint(fn, written, read);
+  detail::check_forward_workspace(
+      fn, x, weight, bias, workspace,
+      detail::linear_minimal<T, T>(exec, x, weight, linear_pass::forward, opts),
+      "xent::linear_workspace_size");
   linear_traits<Exec>::forward(exec, x, weight, bias,
                                typename detail::target_traits<Targets>::type(targets), opts,
                                outputs, workspace);
@@ -134,7 +161,10 @@ void linear_forward_backward(const Exec& exec, matrix_view<H> hidden,
   const matrix_view<const T> x(hidden);
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, false);
-  detail::check_linear_training(fn, exec, x, weight, bias, opts, up, grads, workspace);
+  detail::check_linear_training<Exec>(
+      fn, x, weight, bias, opts, up, grads, workspace,
+      detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, opts),
+      "xent::linear_workspace_size");
   linear_traits<Exec>::forward_backward(exec, x, weight, bias,
                                         typename detail::target_traits<Targets>::type(targets),
                                         opts, up, outputs, grads, workspace);
@@ -154,7 +184,10 @@ void linear_backward(const Exec& exec, matrix_view<H> hidden,
   const matrix_view<const T> x(hidden);
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
   detail::check_vector(fn, "lse", lse, x.rows, false);
-  detail::check_linear_training(fn, exec, x, weight, bias, opts, up, grads, workspace);
+  detail::check_linear_training<Exec>(
+      fn, x, weight, bias, opts, up, grads, workspace,
+      detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, opts),
+      "xent::linear_workspace_size");
   linear_traits<Exec>::backward(exec, x, weight, bias,
                                 typename detail::target_traits<Targets>::type(targets), opts, lse,
                                 up, grads, workspace);

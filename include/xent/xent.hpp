@@ -18,6 +18,16 @@
 //   xent::vocab_parallel_forward_backward(exec, group, logits_shard, shard, targets, opts,
 //                                         upstream, outputs, grad_shard);
 //
+// and vocab-parallel fused linear cross-entropy over an LM head split by vocabulary (each rank
+// gets its d_weight / d_bias rows and its partial d_hidden, which the caller sums over the group):
+//   xent::vocab_parallel_linear_forward(exec, group, hidden, weight_shard, bias_shard, shard,
+//                                       targets, opts, outputs, workspace);
+//   xent::vocab_parallel_linear_backward(exec, group, hidden, weight_shard, bias_shard, shard,
+//                                        targets, opts, lse, upstream, grads, workspace);
+//   xent::vocab_parallel_linear_forward_backward(exec, group, hidden, weight_shard, bias_shard,
+//                                                shard, targets, opts, upstream, outputs, grads,
+//                                                workspace);
+//
 // exec is xent::cpu{threads} (always available) or, when compiled by nvcc, xent::cuda{stream}
 // (with a cuBLAS handle, xent::cuda::cublas, for the linear calls).
 // Vocab-parallel calls take a communicator: xent::inprocess_group's on the CPU, xent::nccl_group
@@ -31,6 +41,7 @@
 #include "cpu/eigen.hpp"
 #include "cpu/linear.hpp"
 #include "cpu/vocab_parallel.hpp"
+#include "cpu/vocab_parallel_linear.hpp"
 #include "error.hpp"
 #include "linear.hpp"
 #include "loss.hpp"
@@ -41,6 +52,7 @@
 #include "parallel/inprocess_group.hpp"
 #include "parallel/shard.hpp"
 #include "parallel/vocab_parallel.hpp"
+#include "parallel/vocab_parallel_linear.hpp"
 #include "targets.hpp"
 #include "views.hpp"
 
@@ -49,6 +61,7 @@
 // Fused linear cross-entropy on CUDA needs cuBLAS's header (and, when called, its library).
 #if __has_include(<cublas_v2.h>)
 #include "cuda/linear.cuh"
+#include "cuda/vocab_parallel_linear.cuh"
 #endif
 #include "cuda/vocab_parallel.cuh"
 #if defined(XENT_HAS_NCCL)

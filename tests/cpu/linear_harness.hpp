@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <random>
 #include <sstream>
@@ -70,7 +71,7 @@ struct lspec {
   }
 };
 
-lspec make_spec(std::int64_t rows, std::int64_t hidden, std::int64_t vocab) {
+inline lspec make_spec(std::int64_t rows, std::int64_t hidden, std::int64_t vocab) {
   lspec s;
   s.ce.rows = rows;
   s.ce.cols = vocab;
@@ -152,6 +153,18 @@ std::size_t workspace_bytes(const Exec& exec, const ldata<T>& L, xent::linear_pa
     b += 16;
   return xent::linear_workspace_size<T, G>(exec, shape, pass, L.options(), b).bytes;
 }
+
+/// A host workspace with its start `offset` bytes past a 64-byte boundary, poisoned with NaN
+/// bytes: a call must write what it reads.
+struct workspace_buffer {
+  std::vector<unsigned char> raw;
+  xent::linear_workspace ws;
+  workspace_buffer(std::size_t bytes, std::size_t offset) : raw(bytes + 128, 0xFF) {
+    const auto a = reinterpret_cast<std::uintptr_t>(raw.data());
+    ws.data = raw.data() + ((64 - a % 64) % 64) + offset % 64;
+    ws.bytes = bytes;
+  }
+};
 
 /// Per-element error bounds of xent's results, from the tolerance model at the top of the file.
 struct bounds {
@@ -393,7 +406,7 @@ inline std::vector<lspec> mixed_dtype_cases() {
 /// Every option: targets int32 / int64 / soft, the three reductions, label smoothing, weights,
 /// z-loss and softcap on and off, bias or not; ignored rows (some) with class ids, per-row or
 /// pointer upstream, workspaces, threads and padding varying from case to case.
-std::vector<lspec> every_option(std::int64_t rows, std::int64_t hidden, std::int64_t vocab) {
+inline std::vector<lspec> every_option(std::int64_t rows, std::int64_t hidden, std::int64_t vocab) {
   std::vector<lspec> out;
   std::uint64_t seed = 100;
   for (target_kind kind : {target_kind::int32, target_kind::int64, target_kind::soft})

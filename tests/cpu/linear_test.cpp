@@ -26,17 +26,6 @@ namespace {
 
 using namespace xtl;  // NOLINT(google-build-using-namespace): the shared linear test vocabulary
 
-/// A workspace with its start `offset` bytes past a 64-byte boundary, poisoned with NaN bytes.
-struct workspace_buffer {
-  std::vector<unsigned char> raw;
-  xent::linear_workspace ws;
-  workspace_buffer(std::size_t bytes, std::size_t offset) : raw(bytes + 128, 0xFF) {
-    const auto a = reinterpret_cast<std::uintptr_t>(raw.data());
-    ws.data = raw.data() + ((64 - a % 64) % 64) + offset % 64;
-    ws.bytes = bytes;
-  }
-};
-
 /// The bytes a case's workspace gets on the CPU (see xtl::workspace_bytes).
 template <class T, class G = T>
 std::size_t workspace_bytes(const ldata<T>& L, xent::linear_pass pass) {

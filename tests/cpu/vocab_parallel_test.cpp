@@ -1,9 +1,9 @@
 // Vocab-parallel calls on an in-process group of 1-4 ranks (threads), the vocabulary cut into
-// uneven shards (one of them empty in some cases). Each case runs forward_backward, and forward
-// then backward from the saved LSE, on every rank; checks that every rank wrote the same forward
-// outputs, bit for bit; assembles the gradient shards into one N x V gradient; and holds the
-// result to the float64 oracle and to the unsharded CPU call with the harness's checks and
-// tolerances (doubled for the comparison with the unsharded call: both err).
+// uneven shards (in some cases one of them empty, or the shards out of class order). Each case runs
+// forward_backward, and forward then backward from the saved LSE, on every rank; checks that every
+// rank wrote the same forward outputs, bit for bit; assembles the gradient shards into one N x V
+// gradient; and holds the result to the float64 oracle and to the unsharded CPU call with the
+// harness's checks and tolerances (doubled for the comparison with the unsharded call: both err).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "vocab_split.hpp"
 
 namespace {
 
@@ -21,15 +22,8 @@ using xt::ignore_mode;
 using xt::spec;
 using xt::target_kind;
 
-/// Shard boundaries: rank r holds classes [bounds[r], bounds[r + 1]).
-using bounds = std::vector<std::int64_t>;
-
-/// Megatron's split, V * r / R: uneven when R does not divide V.
-bounds even_split(std::int64_t vocab, int ranks) {
-  bounds b;
-  for (int r = 0; r <= ranks; ++r) b.push_back(vocab * r / ranks);
-  return b;
-}
+using xt::even_split;
+using xt::split;
 
 /// One rank's copy of its columns of a case's logits (and soft targets), ld = cols + pad.
 template <class T>
@@ -67,15 +61,15 @@ void with_shard_targets(const xt::dataset<T>& d, const shard_data<T>& sd, F&& f)
 /// Runs one vocab-parallel call per rank (fused: forward_backward; else forward, then backward
 /// from the LSE) into per-rank call_results, whose grad holds the rank's shard (rows x shard ld).
 template <class T, class G>
-std::vector<xt::call_result<G>> run_ranks(const xt::dataset<T>& d, const bounds& b, bool fused,
+std::vector<xt::call_result<G>> run_ranks(const xt::dataset<T>& d, const split& b, bool fused,
                                           const xent::options& opts) {
   const spec& s = d.s;
-  const int ranks = static_cast<int>(b.size()) - 1;
+  const int ranks = b.ranks();
   const bool has_loss = s.reduce != reduction::none;
   const bool soft = s.kind == target_kind::soft;
   std::vector<xt::call_result<G>> res(ranks);
   std::vector<shard_data<T>> shards;
-  for (int r = 0; r < ranks; ++r) shards.push_back(cut(d, b[r], b[r + 1]));
+  for (int r = 0; r < ranks; ++r) shards.push_back(cut(d, b.first(r), b.first(r) + b.cols(r)));
   xent::inprocess_group group(ranks);
   group.run([&](xent::inprocess_group::communicator comm) {
     const int r = comm.rank();
@@ -112,16 +106,16 @@ std::vector<xt::call_result<G>> run_ranks(const xt::dataset<T>& d, const bounds&
 /// The ranks' results as one unsharded result: rank 0's forward outputs, the gradient shards
 /// side by side (rows x ld of the case, padding holding the sentinel).
 template <class T, class G>
-xt::call_result<G> assemble(const xt::dataset<T>& d, const bounds& b,
+xt::call_result<G> assemble(const xt::dataset<T>& d, const split& b,
                             const std::vector<xt::call_result<G>>& res) {
   const spec& s = d.s;
   xt::call_result<G> all = res[0];
   all.grad.assign(s.rows * s.ld(), xt::sentinel<G>());
-  for (std::size_t r = 0; r + 1 < b.size(); ++r) {
-    const std::int64_t cols = b[r + 1] - b[r], ld = cols + s.pad;
+  for (int r = 0; r < b.ranks(); ++r) {
+    const std::int64_t cols = b.cols(r), ld = cols + s.pad;
     for (std::int64_t n = 0; n < s.rows; ++n) {
       for (std::int64_t c = 0; c < cols; ++c)
-        all.grad[n * s.ld() + b[r] + c] = res[r].grad[n * ld + c];
+        all.grad[n * s.ld() + b.first(r) + c] = res[r].grad[n * ld + c];
       for (std::int64_t c = cols; c < ld; ++c)
         if (!xt::same_bits(res[r].grad[n * ld + c], xt::sentinel<G>()))
           ADD_FAILURE() << "rank " << r << " wrote padding column " << c << " of row " << n;
@@ -177,7 +171,7 @@ oracle::result as_reference(oracle::result r, const spec& s, const xt::call_resu
 /// element from each may round to neighbouring values (a float difference far below the
 /// tolerance can straddle a rounding boundary), which the oracle checks judge separately.
 template <class T>
-std::string compare_with_unsharded(const xt::dataset<T>& d, const bounds& b, bool fused,
+std::string compare_with_unsharded(const xt::dataset<T>& d, const split& b, bool fused,
                                    const oracle::result& r) {
   xt::dataset<T> loose = d;  // the unsharded call errs too: twice the tolerances
   loose.s.forward_tol = 2 * d.s.fwd_tol();
@@ -194,7 +188,7 @@ std::string compare_with_unsharded(const xt::dataset<T>& d, const bounds& b, boo
 
 /// One case: both call forms, every rank, against the oracle and the unsharded call.
 template <class T, class G = T>
-bool run_vp_case(const xt::dataset<T>& d, const bounds& b) {
+bool run_vp_case(const xt::dataset<T>& d, const split& b) {
   const spec& s = d.s;
   const oracle::upstream oup = d.oracle_upstream();
   const oracle::result r = oracle::evaluate(d.problem(), &oup);
@@ -213,26 +207,12 @@ bool run_vp_case(const xt::dataset<T>& d, const bounds& b) {
     note(form + " vs unsharded (float gradients)", compare_with_unsharded(d, b, fused, r));
   }
   if (!errors.empty()) {
-    std::string split;
-    for (auto v : b) split += std::to_string(v) + " ";
     ADD_FAILURE() << "case " << xt::dtype_name<T>() << " -> " << xt::dtype_name<G>() << ", "
-                  << s.describe() << ", shards at [ " << split << "]\n"
+                  << s.describe() << ", " << b.name() << "\n"
                   << errors;
     return false;
   }
   return true;
-}
-
-/// The splits of V over R ranks a case runs: Megatron's, and one with an empty shard and the
-/// shards out of class order.
-std::vector<bounds> splits(std::int64_t vocab, int ranks) {
-  std::vector<bounds> out{even_split(vocab, ranks)};
-  if (ranks >= 3) {
-    bounds b = even_split(vocab, ranks);
-    b[1] = b[0];  // rank 0 empty
-    out.push_back(b);
-  }
-  return out;
 }
 
 template <class T>
@@ -240,7 +220,7 @@ void sweep_options(std::int64_t rows, std::int64_t vocab, int threads, std::uint
   xt::case_budget budget;
   std::uint64_t seed = seed0;
   for (int ranks = 1; ranks <= 4; ++ranks)
-    for (const bounds& b : splits(vocab, ranks))
+    for (const split& b : xt::splits(vocab, ranks))
       for (reduction red : {reduction::mean, reduction::sum, reduction::none})
         for (int variant = 0; variant < 6; ++variant) {
           spec s;
@@ -334,7 +314,7 @@ TEST(CpuVocabParallel, PerShardSmoothingWouldFailTheCheck) {
   s.cols = 37;
   s.label_smoothing = 0.2f;
   const auto d = xt::make_dataset<float>(s);
-  const bounds b = even_split(s.cols, 4);
+  const split b = even_split(s.cols, 4);
   const oracle::result r = oracle::evaluate(d.problem());
   const auto res = run_ranks<float, float>(d, b, true, d.options());
   xt::forward_result good = as_forward(assemble(d, b, res));
@@ -346,11 +326,11 @@ TEST(CpuVocabParallel, PerShardSmoothingWouldFailTheCheck) {
   double total = 0.0;
   for (std::int64_t n = 0; n < s.rows; ++n) {
     double smooth = 0.0;
-    for (std::size_t k = 0; k + 1 < b.size(); ++k)
-      for (std::int64_t c = b[k]; c < b[k + 1]; ++c)
-        smooth += (r.lse[n] - r.z[n * s.cols + c]) / static_cast<double>(b[k + 1] - b[k]);
+    for (int k = 0; k < b.ranks(); ++k)
+      for (std::int64_t c = b.first(k); c < b.first(k) + b.cols(k); ++c)
+        smooth += (r.lse[n] - r.z[n * s.cols + c]) / static_cast<double>(b.cols(k));
     const double nll = r.lse[n] - r.z[n * s.cols + d.target(n)];
-    megatron.row_loss[n] = static_cast<float>((1 - eps) * nll + eps / (b.size() - 1) * smooth);
+    megatron.row_loss[n] = static_cast<float>((1 - eps) * nll + eps / b.ranks() * smooth);
     total += megatron.row_loss[n];
   }
   megatron.loss = static_cast<float>(total / static_cast<double>(s.rows));

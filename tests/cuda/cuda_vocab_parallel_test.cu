@@ -3,7 +3,7 @@
 // xent::cuda call on the full vocabulary, for every option, dtype, reduction, uneven and empty
 // shards and shards out of class order; every rank's forward outputs bitwise identical.
 //
-// Three kinds of group run the same cases:
+// Three kinds of group (tests/cuda/groups.cuh) run the same cases:
 //   - staged_group: R ranks as threads on ONE GPU, the all-gather staged through the host (a test
 //     communicator: it synchronises the rank's stream first). It runs on any machine with a GPU
 //     and checks everything but the stream ordering of a real collective.
@@ -26,14 +26,10 @@
 #include <vector>
 #include <xent/xent.hpp>
 
+#include "cpu/vocab_split.hpp"
 #include "cuda/device_util.cuh"
+#include "cuda/groups.cuh"
 #include "oracle/oracle.hpp"
-
-#if defined(XENT_HAS_NCCL)
-#include <nccl.h>
-
-#include <xent/parallel/nccl_group.cuh>
-#endif
 
 namespace {
 
@@ -41,47 +37,10 @@ using xent::reduction;
 using xent_test::dbl;
 using xent_test::dbuf;
 using xent_test::ok;
-
-/// Rank r holds classes [bounds[r], bounds[r + 1]) ... unless `order` permutes them: rank r then
-/// holds piece order[r].
-struct split {
-  std::vector<std::int64_t> bounds;
-  std::vector<int> order;  ///< empty: rank r holds piece r
-  int ranks() const { return static_cast<int>(bounds.size()) - 1; }
-  std::int64_t first(int r) const { return bounds[piece(r)]; }
-  std::int64_t cols(int r) const { return bounds[piece(r) + 1] - bounds[piece(r)]; }
-  int piece(int r) const { return order.empty() ? r : order[r]; }
-  std::string name() const {
-    std::string s = "shards";
-    for (int r = 0; r < ranks(); ++r)
-      s += " [" + std::to_string(first(r)) + "," + std::to_string(first(r) + cols(r)) + ")";
-    return s;
-  }
-};
-
-/// Megatron's split, V * r / R: uneven when R does not divide V.
-split even_split(std::int64_t vocab, int ranks) {
-  split s;
-  for (int r = 0; r <= ranks; ++r) s.bounds.push_back(vocab * r / ranks);
-  return s;
-}
-
-/// The splits a case runs on R ranks: Megatron's; with R >= 3 one whose rank 0 is empty; with
-/// R >= 2 one whose ranks hold the pieces in reverse class order.
-std::vector<split> splits(std::int64_t vocab, int ranks) {
-  std::vector<split> out{even_split(vocab, ranks)};
-  if (ranks >= 3) {
-    split s = even_split(vocab, ranks);
-    s.bounds[1] = s.bounds[0];
-    out.push_back(s);
-  }
-  if (ranks >= 2) {
-    split s = even_split(vocab, ranks);
-    for (int r = ranks - 1; r >= 0; --r) s.order.push_back(r);
-    out.push_back(s);
-  }
-  return out;
-}
+using xent_test::staged_group;
+using xt::even_split;
+using xt::split;
+using xt::splits;
 
 struct vp_spec {
   std::int64_t rows = 7, cols = 1000;
@@ -308,46 +267,12 @@ std::vector<call_out> run_rank(const host_case<T>& hc, const split& sp, const Gr
       });
 }
 
-/// A test communicator: ranks are threads sharing one GPU, each with its own stream; all_gather
-/// waits for the rank's stream, then exchanges the bytes through the host (inprocess_group).
-class staged_group {
- public:
-  staged_group(xent::inprocess_group::communicator comm, cudaStream_t stream)
-      : comm_(comm), stream_(stream) {}
-  int rank() const { return comm_.rank(); }
-  int size() const { return comm_.size(); }
-  cudaStream_t stream() const { return stream_; }
-  void all_gather(const void* send, void* recv, std::size_t bytes) const {
-    std::vector<unsigned char> mine(bytes), all(bytes * static_cast<std::size_t>(size()));
-    check(cudaMemcpyAsync(mine.data(), send, bytes, cudaMemcpyDeviceToHost, stream_));
-    check(cudaStreamSynchronize(stream_));
-    comm_.all_gather(mine.data(), all.data(), bytes);
-    check(cudaMemcpyAsync(recv, all.data(), all.size(), cudaMemcpyHostToDevice, stream_));
-    check(cudaStreamSynchronize(stream_));
-  }
-
- private:
-  static void check(cudaError_t e) {
-    if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorString(e));
-  }
-  xent::inprocess_group::communicator comm_;
-  cudaStream_t stream_;
-};
-
 /// Every rank's results on `sp`, ranks as threads on the current GPU (staged_group).
 template <class T>
 std::vector<std::vector<call_out>> run_staged(const host_case<T>& hc, const split& sp) {
-  int device = 0;
-  cudaGetDevice(&device);
   std::vector<std::vector<call_out>> res(static_cast<std::size_t>(sp.ranks()));
-  xent::inprocess_group group(sp.ranks());
-  group.run([&](xent::inprocess_group::communicator comm) {
-    cudaSetDevice(device);  // the device is per thread
-    cudaStream_t stream;
-    ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    res[comm.rank()] = run_rank(hc, sp, staged_group(comm, stream));
-    cudaStreamDestroy(stream);
-  });
+  xent_test::on_staged_ranks(
+      sp.ranks(), [&](const staged_group& group) { res[group.rank()] = run_rank(hc, sp, group); });
   return res;
 }
 
@@ -559,24 +484,18 @@ TEST(CudaVocabParallelSemantics, AllRowsIgnoredAndNoRows) {
 std::vector<call_out> two_ranks(const host_case<float>& hc, std::int64_t first0, std::int64_t cols0,
                                 std::int64_t first1, std::int64_t cols1) {
   std::vector<call_out> out(2);
-  xent::inprocess_group group(2);
-  group.run([&](xent::inprocess_group::communicator comm) {
-    cudaSetDevice(0);
-    cudaStream_t stream;
-    ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    const staged_group g(comm, stream);
-    const std::int64_t first = comm.rank() == 0 ? first0 : first1;
-    const std::int64_t cols = comm.rank() == 0 ? cols0 : cols1;
+  xent_test::on_staged_ranks(2, [&](const staged_group& g) {
+    const std::int64_t first = g.rank() == 0 ? first0 : first1;
+    const std::int64_t cols = g.rank() == 0 ? cols0 : cols1;
     const xent::vocab_shard shard{first, hc.s.cols};
-    out[comm.rank()] = run_calls(
-        hc, first, cols, 2, stream,
+    out[g.rank()] = run_calls(
+        hc, first, cols, 2, g.stream(),
         [&](const xent::cuda& exec, auto x, auto targets, const xent::options& opts,
             const xent::upstream& up, const xent::forward_outputs& o, auto grad, bool fused,
             xent::vector_view<const float>) {
           if (fused)
             xent::vocab_parallel_forward_backward(exec, g, x, shard, targets, opts, up, o, grad);
         })[0];
-    cudaStreamDestroy(stream);
   });
   return out;
 }
@@ -659,52 +578,17 @@ TEST(CudaVocabParallelErrors, SmallWorkspaceAndForeignStreamAreClearErrors) {
 
 #if defined(XENT_HAS_NCCL)
 
-/// Communicators over devices 0..count-1 (one process, ncclCommInitAll), destroyed at the end.
-struct nccl_comms {
-  std::vector<ncclComm_t> comms;
-  explicit nccl_comms(int count) : comms(static_cast<std::size_t>(count)) {
-    std::vector<int> devices(static_cast<std::size_t>(count));
-    for (int d = 0; d < count; ++d) devices[d] = d;
-    const ncclResult_t r = ncclCommInitAll(comms.data(), count, devices.data());
-    EXPECT_EQ(r, ncclSuccess) << ncclGetErrorString(r);
-    if (r != ncclSuccess) comms.clear();
-  }
-  ~nccl_comms() {
-    for (ncclComm_t c : comms) ncclCommDestroy(c);
-  }
-};
+using xent_test::nccl_comms;
+using xent_test::visible_gpus;
 
 /// Every rank's results on `sp` over NCCL, rank r on device r, one thread per rank.
 template <class T>
 std::vector<std::vector<call_out>> run_nccl(const host_case<T>& hc, const split& sp,
                                             const nccl_comms& nc) {
   std::vector<std::vector<call_out>> res(static_cast<std::size_t>(sp.ranks()));
-  std::vector<std::exception_ptr> failures(res.size());
-  std::vector<std::thread> threads;
-  for (int r = 0; r < sp.ranks(); ++r)
-    threads.emplace_back([&, r] {
-      try {
-        cudaSetDevice(r);
-        cudaStream_t stream;
-        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-        const xent::nccl_group group(nc.comms[r], stream);
-        res[r] = run_rank(hc, sp, group);
-        cudaStreamDestroy(stream);
-      } catch (const std::exception& e) {
-        // Said now: the other ranks wait in their collective for this one and never return.
-        std::fprintf(stderr, "NCCL rank %d failed: %s\n", r, e.what());
-        failures[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& f : failures)
-    if (f) std::rethrow_exception(f);
+  xent_test::on_nccl_ranks(
+      nc, [&](const xent::nccl_group& group) { res[group.rank()] = run_rank(hc, sp, group); });
   return res;
-}
-
-int visible_gpus() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
 }
 
 TEST(NcclVocabParallel, OneRankGroupMatchesTheUnshardedCall) {

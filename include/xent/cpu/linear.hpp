@@ -213,6 +213,32 @@ void finish_grads(const linear_call<T, G>& c) {
   }
 }
 
+/// A call over the caller's workspace `ws`, laid out by `plan` from its first 64-byte-aligned
+/// address (any alignment of ws is accepted: the plan's bytes include the slack).
+template <class T, class G>
+linear_call<T, G> make_linear_call(const cpu& exec, matrix_view<const T> hidden,
+                                   matrix_view<const T> weight, const linear_grads<G>& grads,
+                                   dw_accumulation accumulate, const linear_plan& plan, void* ws) {
+  const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(ws);
+  const std::uintptr_t aligned =
+      (address + linear_alignment - 1) / linear_alignment * linear_alignment;
+  return {
+      exec, hidden, weight, grads, accumulate, plan, static_cast<char*>(ws) + (aligned - address)};
+}
+
+/// The bias as float (null without one): the caller's when T is float, else converted into the
+/// plan's bias buffer.
+template <class T, class G>
+const float* float_bias(const linear_call<T, G>& c, vector_view<const T> bias) {
+  if (!bias.data) return nullptr;
+  if constexpr (std::is_same<T, float>::value) {
+    return bias.data;
+  } else {
+    convert(bias.data, c.vocab(), c.buffer(c.plan.bias));
+    return c.buffer(c.plan.bias);
+  }
+}
+
 enum class linear_mode { forward, fused, backward };
 
 template <linear_mode Mode, class T, class G, class Tgt>
@@ -226,26 +252,10 @@ void run_linear(const char* fn, const cpu& exec, matrix_view<const T> hidden,
   const double normalizer = check_targets_and_weigh(fn, targets, V, opts);
   const linear_pass pass =
       Mode == linear_mode::forward ? linear_pass::forward : linear_pass::training;
-  const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(ws.data);
-  const std::uintptr_t aligned =
-      (address + linear_alignment - 1) / linear_alignment * linear_alignment;
-  const linear_call<T, G> c{exec,
-                            hidden,
-                            weight,
-                            grads,
-                            opts.accumulate,
-                            plan_linear<T, G>(exec, {N, D, V}, pass, opts.accumulate, ws.bytes),
-                            static_cast<char*>(ws.data) + (aligned - address)};
-
-  const float* bias_f = nullptr;
-  if (bias.data) {
-    if constexpr (std::is_same<T, float>::value) {
-      bias_f = bias.data;
-    } else {
-      convert(bias.data, V, c.buffer(c.plan.bias));
-      bias_f = c.buffer(c.plan.bias);
-    }
-  }
+  const linear_call<T, G> c = make_linear_call(
+      exec, hidden, weight, grads, opts.accumulate,
+      plan_linear<T, G>(exec, {N, D, V}, pass, opts.accumulate, ws.bytes), ws.data);
+  const float* bias_f = float_bias(c, bias);
   if constexpr (Mode != linear_mode::forward) start_grads(c);
 
   // Each chunk is a problem of its own for the core, with reduction none: its row losses are

@@ -26,6 +26,18 @@ constexpr std::int64_t linear_block_rows = 256;
 constexpr std::size_t linear_alignment = 64;
 constexpr std::size_t linear_absent = ~std::size_t{0};
 
+/// Lays buffers one after another, each starting on a 64-byte boundary (from the aligned base).
+struct buffer_stack {
+  std::size_t at = 0;  ///< the end of the buffers taken so far
+  std::size_t take(std::size_t bytes) {
+    const std::size_t offset = at;
+    at += (bytes + linear_alignment - 1) / linear_alignment * linear_alignment;
+    return offset;
+  }
+  /// What a workspace holding these buffers needs: room to align whatever address it has.
+  std::size_t bytes() const { return at + linear_alignment; }
+};
+
 /// Byte offsets of a call's buffers from the aligned base (linear_absent when not needed) and the
 /// bytes it needs in all.
 struct linear_plan {
@@ -40,6 +52,7 @@ struct linear_plan {
   std::size_t dx = linear_absent;        ///< chunk_rows x D: d_hidden rows in float (G not float)
   std::size_t dw = linear_absent;  ///< V x D, or threads x block x D (dw_accumulation::output)
   std::size_t db = linear_absent;  ///< V: d_bias in float (G not float)
+  std::size_t end = 0;             ///< the end of the last buffer, from the aligned base
   std::size_t bytes = 0;           ///< what the call needs, alignment slack included
 };
 
@@ -56,13 +69,9 @@ linear_plan make_linear_plan(const cpu& exec, const linear_shape& s, linear_pass
   constexpr bool convert_in = !std::is_same<T, float>::value;
   constexpr bool convert_out = !std::is_same<G, float>::value;
   const bool training = pass == linear_pass::training;
-  std::size_t at = 0;
+  buffer_stack stack;
   auto take = [&](std::int64_t floats, bool needed) {
-    if (!needed) return linear_absent;
-    const std::size_t offset = at;
-    const std::size_t bytes = sizeof(float) * static_cast<std::size_t>(floats);
-    at += (bytes + linear_alignment - 1) / linear_alignment * linear_alignment;
-    return offset;
+    return needed ? stack.take(sizeof(float) * static_cast<std::size_t>(floats)) : linear_absent;
   };
   const std::int64_t R = chunk_rows, V = s.vocab, D = s.hidden;
   p.logits = take(R * V, true);
@@ -75,7 +84,8 @@ linear_plan make_linear_plan(const cpu& exec, const linear_shape& s, linear_pass
              ? take(V * D, training && convert_out)
              : take(p.threads * p.block * D, training && convert_out);
   p.db = take(V, training && convert_out);
-  p.bytes = at + linear_alignment;  // room to align whatever address the caller's buffer has
+  p.end = stack.at;
+  p.bytes = stack.bytes();
   return p;
 }
 

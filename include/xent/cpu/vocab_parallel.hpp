@@ -10,10 +10,12 @@
 // shards' target mass.
 //
 // The exchange buffer is allocated per call (header + N records per rank): unlike the unsharded
-// calls, whose bookkeeping fits fixed arrays, it grows with N.
+// calls, whose bookkeeping fits fixed arrays, it grows with N. (The fused linear calls,
+// cpu/vocab_parallel_linear.hpp, keep a chunk's exchange in the caller's workspace instead.)
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -36,44 +38,43 @@ namespace cpu_detail {
 /// same error on a bad tiling, so none is left waiting in a later collective.
 using detail::shard_header;
 
-/// The bytes one all-gather moves: per rank a header, then one slice_partial per row. Records are
-/// copied in and out with memcpy: the buffer is bytes, as the collective sees it.
+/// The bytes one all-gather moves, in memory the caller provides: per rank a header, then one
+/// slice_partial per row. Records are copied in and out with memcpy: the buffer is bytes, as the
+/// collective sees it.
 class exchange {
  public:
-  exchange(int ranks, const shard_header& header)
-      : ranks_(ranks), rows_(header.rows), send_(block()), recv_(block() * ranks) {
-    std::memcpy(send_.data(), &header, sizeof header);
-  }
+  /// `send` holds block(rows) bytes, `recv` ranks * block(rows).
+  exchange(int ranks, std::int64_t rows, unsigned char* send, unsigned char* recv)
+      : ranks_(ranks), rows_(rows), send_(send), recv_(recv) {}
 
-  std::size_t block() const {
-    return sizeof(shard_header) + static_cast<std::size_t>(rows_) * sizeof(slice_partial);
+  static std::size_t block(std::int64_t rows) {
+    return sizeof(shard_header) + static_cast<std::size_t>(rows) * sizeof(slice_partial);
   }
-  void put(std::int64_t n, const slice_partial& p) {
-    std::memcpy(send_.data() + offset(n), &p, sizeof p);
-  }
+  std::size_t block() const { return block(rows_); }
+  void put_header(const shard_header& h) { std::memcpy(send_, &h, sizeof h); }
+  void put(std::int64_t n, const slice_partial& p) { std::memcpy(send_ + offset(n), &p, sizeof p); }
   slice_partial get(int rank, std::int64_t n) const {
     slice_partial p;
-    std::memcpy(&p, recv_.data() + static_cast<std::size_t>(rank) * block() + offset(n), sizeof p);
+    std::memcpy(&p, recv_ + static_cast<std::size_t>(rank) * block() + offset(n), sizeof p);
     return p;
   }
   shard_header header(int rank) const {
     shard_header h;
-    std::memcpy(&h, recv_.data() + static_cast<std::size_t>(rank) * block(), sizeof h);
+    std::memcpy(&h, recv_ + static_cast<std::size_t>(rank) * block(), sizeof h);
     return h;
   }
-  template <class Group>
-  void all_gather(const Group& group) {
-    group.all_gather(send_.data(), recv_.data(), block());
-  }
+  const unsigned char* send() const { return send_; }
+  unsigned char* recv() const { return recv_; }
   int ranks() const { return ranks_; }
 
  private:
-  std::size_t offset(std::int64_t n) const {
+  static std::size_t offset(std::int64_t n) {
     return sizeof(shard_header) + static_cast<std::size_t>(n) * sizeof(slice_partial);
   }
   int ranks_;
   std::int64_t rows_;
-  std::vector<unsigned char> send_, recv_;
+  unsigned char* send_;
+  unsigned char* recv_;
 };
 
 /// Every rank declared the same vocabulary and the shards tile [0, V): sorted by first class, each
@@ -107,13 +108,17 @@ inline void check_tiling(const char* fn, const exchange& x) {
   });
 }
 
-/// Gathers every rank's records (record(n) for each local row) and checks the tiling.
+/// Gathers every rank's records (record(n) for each local row) and checks the tiling. The
+/// exchange's bytes are allocated in `storage`.
 template <class Group, class Record>
 exchange gather_rows(const char* fn, const Group& group, vocab_shard shard, std::int64_t rows,
-                     std::int64_t cols, const Record& record) {
-  exchange x(group.size(), shard_header{shard.first, cols, shard.vocab, rows});
+                     std::int64_t cols, const Record& record, std::vector<unsigned char>& storage) {
+  const std::size_t block = exchange::block(rows);
+  storage.resize(block * static_cast<std::size_t>(group.size() + 1));
+  exchange x(group.size(), rows, storage.data(), storage.data() + block);
+  x.put_header(shard_header{shard.first, cols, shard.vocab, rows});
   for (std::int64_t n = 0; n < rows; ++n) x.put(n, record(n));
-  x.all_gather(group);
+  group.all_gather(x.send(), x.recv(), block);
   check_tiling(fn, x);
   return x;
 }
@@ -131,8 +136,10 @@ void vp_run(const char* fn, const cpu& exec, const Group& group, matrix_view<con
   std::vector<slice_partial> parts(static_cast<std::size_t>(pl.tasks(rows)));
   task_partials<Argmax>(pl, pb, parts.data());
   auto local = [&](std::int64_t n, std::int64_t s) { return parts[n * pl.slices + s]; };
-  const exchange x = gather_rows(fn, group, shard, rows, logits.cols,
-                                 [&](std::int64_t n) { return merge_pieces(local, n, pl.slices); });
+  std::vector<unsigned char> bytes;
+  const exchange x = gather_rows(
+      fn, group, shard, rows, logits.cols,
+      [&](std::int64_t n) { return merge_pieces(local, n, pl.slices); }, bytes);
 
   totals sums;
   std::vector<float> lse(static_cast<std::size_t>(rows)), mass(static_cast<std::size_t>(rows));
@@ -159,11 +166,15 @@ void vp_backward(const cpu& exec, const Group& group, matrix_view<const T> logit
   auto lse_of = [&](std::int64_t n) { return lse[n]; };
   if constexpr (problem<T, Tgt>::soft) {
     // sum_c w_c t'_c spans every shard: exchange each shard's part of it.
-    const exchange x = gather_rows(fn, group, shard, logits.rows, logits.cols, [&](std::int64_t n) {
-      slice_partial p;
-      p.stats.mass = soft_mass(pb, n);
-      return p;
-    });
+    std::vector<unsigned char> bytes;
+    const exchange x = gather_rows(
+        fn, group, shard, logits.rows, logits.cols,
+        [&](std::int64_t n) {
+          slice_partial p;
+          p.stats.mass = soft_mass(pb, n);
+          return p;
+        },
+        bytes);
     auto piece = [&](std::int64_t n, std::int64_t r) { return x.get(static_cast<int>(r), n); };
     write_gradient(
         pl, pb, lse_of,

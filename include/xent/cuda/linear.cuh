@@ -287,118 +287,181 @@ inline void require_int(const char* fn, const char* arg, std::int64_t v) {
                     ", more than cuBLAS's int (" + std::to_string(INT_MAX) + ")");
 }
 
+/// What a call checks before it enqueues anything: the caller's cuBLAS handle, and sizes cuBLAS
+/// takes as int.
+template <class T, class G>
+void check_linear_call(const char* fn, const cuda& exec, matrix_view<const T> hidden,
+                       matrix_view<const T> weight, const linear_grads<G>& grads,
+                       const linear_plan& plan) {
+  if (exec.cublas == nullptr)
+    throw error(fn, "exec.cublas",
+                "fused linear cross-entropy needs the caller's cuBLAS handle (cublasCreate); "
+                "xent never creates one");
+  require_int(fn, "weight", std::max({weight.rows, hidden.cols, weight.ld, plan.ld}));
+  require_int(fn, "hidden", std::max({hidden.ld, plan.chunk_rows}));
+  require_int(fn, "grads.d_weight", grads.d_weight.ld);
+  require_int(fn, "grads.d_hidden", grads.d_hidden.ld);
+}
+
+/// A call over the caller's workspace `ws`, laid out by `plan` from its first 256-byte-aligned
+/// address (the plan's bytes include the slack), its operands as device dtypes. A plan without
+/// logits in the workspace puts them at d_weight's first 256-byte-aligned address
+/// (linear_logits_room).
+template <class T, class G>
+linear_call<T, G> make_linear_call(const cuda& exec, const cublas_scope& blas,
+                                   matrix_view<const T> hidden, matrix_view<const T> weight,
+                                   vector_view<const T> bias, const linear_grads<G>& grads,
+                                   dw_accumulation accumulate, const linear_plan& plan, void* ws) {
+  using DT = device_t<T>;
+  using DG = device_t<G>;
+  const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(ws);
+  const std::uintptr_t aligned =
+      (address + linear_alignment - 1) / linear_alignment * linear_alignment;
+  char* const base = static_cast<char*>(ws) + (aligned - address);
+  const auto dw = reinterpret_cast<std::uintptr_t>(grads.d_weight.data);
+  DT* const logits =
+      plan.logits != linear_absent
+          ? reinterpret_cast<DT*>(base + plan.logits)
+          : reinterpret_cast<DT*>((dw + linear_alignment - 1) / linear_alignment * linear_alignment);
+  return {exec,
+          blas,
+          {reinterpret_cast<const DT*>(hidden.data), hidden.rows, hidden.cols, hidden.ld},
+          {reinterpret_cast<const DT*>(weight.data), weight.rows, weight.cols, weight.ld},
+          reinterpret_cast<const DT*>(bias.data),
+          {reinterpret_cast<DG*>(grads.d_hidden.data), grads.d_hidden.rows, grads.d_hidden.cols,
+           grads.d_hidden.ld},
+          {reinterpret_cast<DG*>(grads.d_weight.data), grads.d_weight.rows, grads.d_weight.cols,
+           grads.d_weight.ld},
+          reinterpret_cast<DG*>(grads.d_bias.data),
+          accumulate,
+          plan,
+          base,
+          logits};
+}
+
+/// The whole call's bookkeeping around its chunks: the mean's W and the rows' upstream gradient
+/// (written before the first chunk), and where the reduced loss and num_correct are summed from
+/// after the last (the caller's per-row outputs, or the workspace's).
+struct linear_totals {
+  double* normalizer = nullptr;
+  float* row_up = nullptr;  ///< mean / sum training: each chunk row's upstream gradient
+  float* row_loss = nullptr;
+  std::int64_t* argmax = nullptr;
+  bool want_loss = false, want_correct = false;
+};
+
+/// Enqueues the prologue (linear_prologue_kernel) of a call over `rows` rows of `vocab` classes
+/// (the whole vocabulary: class ids are checked and weighed against it): its W and, with `up`
+/// for mean / sum, each chunk row's upstream gradient; and picks the per-row buffers of the
+/// reduced outputs `out` asks for (null: a backward call).
+template <class T, class G, class Tgt>
+linear_totals start_totals(const char* fn, const linear_call<T, G>& c, Tgt targets,
+                           std::int64_t rows, std::int64_t vocab, const linear_options& opts,
+                           const upstream* up, const forward_outputs* out) {
+  linear_totals t;
+  t.normalizer = c.template buffer<double>(c.plan.scalars);
+  if (up && opts.reduce != reduction::none) t.row_up = c.template buffer<float>(c.plan.row_up);
+  linear_prologue_kernel<<<1, linear_threads, 0, c.exec.stream>>>(
+      targets, rows, vocab, opts.ignore_index, opts.class_weights.data, opts.reduce, t.normalizer,
+      up ? up->scale : 1.0f, up ? up->scale_ptr : nullptr, t.row_up,
+      std::min(c.plan.chunk_rows, std::max<std::int64_t>(rows, 1)));
+  check_cuda(fn, cudaGetLastError());
+  if (!out) return t;
+  t.want_loss = out->loss && opts.reduce != reduction::none;
+  t.want_correct = out->num_correct != nullptr;
+  t.row_loss = out->row_loss.data
+                   ? out->row_loss.data
+                   : (t.want_loss ? c.template buffer<float>(c.plan.row_loss) : nullptr);
+  t.argmax = out->argmax.data
+                 ? out->argmax.data
+                 : (t.want_correct ? c.template buffer<std::int64_t>(c.plan.argmax) : nullptr);
+  return t;
+}
+
+/// Rows [r0, r0 + n)'s upstream gradient for the core, which runs each chunk as reduction none:
+/// the caller's per row (none), or the prologue's scalar / W (mean, sum).
+inline upstream chunk_upstream(const upstream* up, const linear_options& opts,
+                               const linear_totals& t, std::int64_t r0, std::int64_t n) {
+  upstream u;
+  if (up && opts.reduce == reduction::none) {
+    u.scale = up->scale;
+    u.rows = detail::rows_slice(up->rows, r0, n);
+  } else if (up) {
+    u.rows = {t.row_up, n};
+  }
+  return u;
+}
+
+/// The forward outputs of rows [r0, r0 + n) that the core (or a vocab-parallel merge) writes.
+inline forward_outputs chunk_outputs(const forward_outputs& out, const linear_totals& t,
+                                     std::int64_t r0, std::int64_t n) {
+  forward_outputs o;
+  if (t.row_loss) o.row_loss = {t.row_loss + r0, n};
+  o.lse = detail::rows_slice(out.lse, r0, n);
+  if (t.argmax) o.argmax = {t.argmax + r0, n};
+  return o;
+}
+
+/// After the chunks: the reduced loss and num_correct from every row's loss and argmax.
+template <class Tgt>
+void finish_totals(const char* fn, cudaStream_t stream, const linear_totals& t, Tgt targets,
+                   std::int64_t rows, std::int64_t vocab, const linear_options& opts,
+                   const forward_outputs& out) {
+  if (!t.want_loss && !t.want_correct) return;
+  linear_finish_kernel<<<1, linear_threads, 0, stream>>>(
+      targets, rows, vocab, opts.ignore_index, t.row_loss, t.argmax, t.normalizer, opts.reduce,
+      t.want_loss ? out.loss : nullptr, t.want_correct ? out.num_correct : nullptr);
+  check_cuda(fn, cudaGetLastError());
+}
+
 template <linear_mode Mode, class T, class G, class Tgt>
 void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
                 matrix_view<const T> weight, vector_view<const T> bias, const Tgt& targets,
                 const linear_options& opts, const upstream* up, vector_view<const float> lse,
                 const forward_outputs& out, const linear_grads<G>& grads,
                 const linear_workspace& ws) {
-  using DT = device_t<T>;
-  using DG = device_t<G>;
   const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
-  if (exec.cublas == nullptr)
-    throw error(fn, "exec.cublas",
-                "fused linear cross-entropy needs the caller's cuBLAS handle (cublasCreate); "
-                "xent never creates one");
   const linear_pass pass =
       Mode == linear_mode::forward ? linear_pass::forward : linear_pass::training;
   const std::size_t room =
       linear_logits_room<T>(pass, opts.accumulate, grads.d_weight.data, V, D, grads.d_weight.ld);
   const linear_plan plan = plan_linear<T, G>({N, D, V}, pass, opts.accumulate, ws.bytes, room);
-  require_int(fn, "weight", std::max({V, D, weight.ld, plan.ld}));
-  require_int(fn, "hidden", std::max({hidden.ld, plan.chunk_rows}));
-  require_int(fn, "grads.d_weight", grads.d_weight.ld);
-  require_int(fn, "grads.d_hidden", grads.d_hidden.ld);
-
+  check_linear_call(fn, exec, hidden, weight, grads, plan);
   const cublas_scope blas(fn, exec);
-  const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(ws.data);
-  const std::uintptr_t aligned =
-      (address + linear_alignment - 1) / linear_alignment * linear_alignment;
-  char* const base = static_cast<char*>(ws.data) + (aligned - address);
-  DT* logits = reinterpret_cast<DT*>(base + plan.logits);
-  if (plan.logits == linear_absent) {
-    const auto at = reinterpret_cast<std::uintptr_t>(grads.d_weight.data);
-    logits =
-        reinterpret_cast<DT*>((at + linear_alignment - 1) / linear_alignment * linear_alignment);
-  }
-  const linear_call<T, G> c{exec,
-                            blas,
-                            {reinterpret_cast<const DT*>(hidden.data), N, D, hidden.ld},
-                            {reinterpret_cast<const DT*>(weight.data), V, D, weight.ld},
-                            reinterpret_cast<const DT*>(bias.data),
-                            {reinterpret_cast<DG*>(grads.d_hidden.data), grads.d_hidden.rows,
-                             grads.d_hidden.cols, grads.d_hidden.ld},
-                            {reinterpret_cast<DG*>(grads.d_weight.data), grads.d_weight.rows,
-                             grads.d_weight.cols, grads.d_weight.ld},
-                            reinterpret_cast<DG*>(grads.d_bias.data),
-                            opts.accumulate,
-                            plan,
-                            base,
-                            logits};
-  const cudaStream_t stream = exec.stream;
+  const linear_call<T, G> c =
+      make_linear_call(exec, blas, hidden, weight, bias, grads, opts.accumulate, plan, ws.data);
   const auto dt = device_targets(targets);
-
   // The whole call's W, and each row's upstream gradient for mean and sum, before any chunk.
-  const bool scalar_up = up && opts.reduce != reduction::none;
-  double* normalizer = c.template buffer<double>(plan.scalars);
-  float* row_up = scalar_up ? c.template buffer<float>(plan.row_up) : nullptr;
-  linear_prologue_kernel<<<1, linear_threads, 0, stream>>>(
-      dt, N, V, opts.ignore_index, opts.class_weights.data, opts.reduce, normalizer,
-      up ? up->scale : 1.0f, up ? up->scale_ptr : nullptr, row_up,
-      std::min(plan.chunk_rows, std::max<std::int64_t>(N, 1)));
-  check_cuda(fn, cudaGetLastError());
+  const linear_totals totals =
+      start_totals(fn, c, dt, N, V, opts, up, Mode == linear_mode::backward ? nullptr : &out);
 
   // The core sees each chunk as a problem of its own with reduction none; the reduced loss and
   // num_correct are formed after the chunks from every row's loss and argmax.
   options core = opts;
   core.reduce = reduction::none;
-  const cuda core_exec{stream, nullptr, 0, exec.error_count, nullptr};
-  const bool want_loss =
-      Mode != linear_mode::backward && out.loss && opts.reduce != reduction::none;
-  const bool want_correct = Mode != linear_mode::backward && out.num_correct;
-  float* row_loss = out.row_loss.data
-                        ? out.row_loss.data
-                        : (want_loss ? c.template buffer<float>(plan.row_loss) : nullptr);
-  std::int64_t* argmax =
-      out.argmax.data ? out.argmax.data
-                      : (want_correct ? c.template buffer<std::int64_t>(plan.argmax) : nullptr);
-
+  const cuda core_exec{exec.stream, nullptr, 0, exec.error_count, nullptr};
   for (std::int64_t r0 = 0; r0 < N; r0 += plan.chunk_rows) {
     const std::int64_t n = std::min(plan.chunk_rows, N - r0);
     chunk_logits(c, r0, n);
     const matrix_view<T> chunk(reinterpret_cast<T*>(c.logits()), n, V, plan.ld);
     const auto chunk_targets = detail::target_rows(targets, r0, n);
-    upstream chunk_up;
-    if (up && opts.reduce == reduction::none) {
-      chunk_up.scale = up->scale;
-      chunk_up.rows = detail::rows_slice(up->rows, r0, n);
-    } else if (up) {
-      chunk_up.rows = {row_up, n};
-    }
+    const upstream chunk_up = chunk_upstream(up, opts, totals, r0, n);
     if constexpr (Mode == linear_mode::backward) {
       backend_traits<cuda>::backward(core_exec, matrix_view<const T>(chunk), chunk_targets, core,
                                      detail::rows_slice(lse, r0, n), chunk_up, chunk);
+    } else if constexpr (Mode == linear_mode::fused) {
+      backend_traits<cuda>::forward_backward(core_exec, matrix_view<const T>(chunk), chunk_targets,
+                                             core, chunk_up, chunk_outputs(out, totals, r0, n),
+                                             chunk);
     } else {
-      forward_outputs o;
-      if (row_loss) o.row_loss = {row_loss + r0, n};
-      o.lse = detail::rows_slice(out.lse, r0, n);
-      if (argmax) o.argmax = {argmax + r0, n};
-      if constexpr (Mode == linear_mode::fused)
-        backend_traits<cuda>::forward_backward(core_exec, matrix_view<const T>(chunk),
-                                               chunk_targets, core, chunk_up, o, chunk);
-      else
-        backend_traits<cuda>::forward(core_exec, matrix_view<const T>(chunk), chunk_targets, core,
-                                      o);
+      backend_traits<cuda>::forward(core_exec, matrix_view<const T>(chunk), chunk_targets, core,
+                                    chunk_outputs(out, totals, r0, n));
     }
     if constexpr (Mode != linear_mode::forward) chunk_grads(c, r0, n, r0 == 0);
   }
   if constexpr (Mode != linear_mode::forward) finish_grads(c);
-  if (want_loss || want_correct) {
-    linear_finish_kernel<<<1, linear_threads, 0, stream>>>(
-        dt, N, V, opts.ignore_index, row_loss, argmax, normalizer, opts.reduce,
-        want_loss ? out.loss : nullptr, want_correct ? out.num_correct : nullptr);
-    check_cuda(fn, cudaGetLastError());
-  }
+  if constexpr (Mode != linear_mode::backward)
+    finish_totals(fn, exec.stream, totals, dt, N, V, opts, out);
 }
 
 }  // namespace cuda_detail

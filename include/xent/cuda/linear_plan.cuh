@@ -60,6 +60,7 @@ struct linear_plan {
   std::size_t dx = linear_absent;
   std::size_t dw = linear_absent;
   std::size_t db = linear_absent;
+  std::size_t end = 0;    ///< the end of the last buffer, from the aligned base
   std::size_t bytes = 0;  ///< what the call needs, alignment slack included
 };
 
@@ -98,6 +99,7 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
     p.dw = take(sizeof(float) * static_cast<std::size_t>(p.dw_block) * D, true);
   }
   p.db = take(sizeof(float) * V, training && narrow_grads);
+  p.end = at;
   p.bytes = at + linear_alignment;  // room to align whatever address the caller's buffer has
   return p;
 }

@@ -60,15 +60,16 @@ static_assert(sizeof(shard_header) % alignof(slice_partial) == 0,
               "records after the header stay aligned");
 
 /// Where a vocab-parallel call keeps its bookkeeping in exec.workspace: xent::cuda's workspace
-/// (the reduction's per-row losses and counter), the send block (header + N records), the receive
-/// blocks (R of them, in rank order), and per row the merged LSE and target mass.
+/// (the reduction's per-row losses and counter; left out by calls that reduce nothing, such as
+/// the fused linear calls' chunks), the send block (header + N records), the receive blocks (R of
+/// them, in rank order), and per row the merged LSE and target mass.
 struct vp_layout {
   std::size_t block = 0;  ///< bytes of one rank's block: what all_gather moves per rank
   std::size_t send = 0, recv = 0, lse = 0, mass = 0, total = 0;
-  vp_layout(std::int64_t rows, int ranks) {
+  vp_layout(std::int64_t rows, int ranks, bool reduction = true) {
     const std::size_t n = static_cast<std::size_t>(rows < 0 ? 0 : rows);
     block = sizeof(shard_header) + n * sizeof(slice_partial);
-    send = align_up(cuda_workspace_size(rows), 256);
+    send = reduction ? align_up(cuda_workspace_size(rows), 256) : 0;
     recv = align_up(send + block, 256);
     lse = align_up(recv + block * static_cast<std::size_t>(ranks < 1 ? 1 : ranks), 256);
     mass = align_up(lse + sizeof(float) * n, 256);
@@ -256,15 +257,13 @@ void vp_gradient(const char* fn, const cuda& exec, matrix_view<const T> logits, 
   dispatch_rows<pass::backward>(fn, exec, a, aligned);
 }
 
-/// Steps 1-4. `out` may be null (soft-target backward: only the rows' mass is wanted). Returns
-/// the layout, whose lse / mass arrays then hold each row's merged values.
-template <class Group, class T, class Tgt>
-vp_layout vp_exchange(const char* fn, const cuda& exec, const Group& group,
-                      matrix_view<const T> logits, vocab_shard shard, Tgt targets,
-                      const options& opts, const forward_outputs* out) {
+/// Steps 1-2 into the send block at ws + lay.send: this rank's header and, per row, its shard's
+/// record (with the shard's argmax when `argmax`: an output asks for it).
+template <class T, class Tgt>
+void vp_send(const char* fn, const cuda& exec, unsigned char* ws, const vp_layout& lay,
+             matrix_view<const T> logits, vocab_shard shard, Tgt targets, const options& opts,
+             bool argmax) {
   const std::int64_t rows = logits.rows;
-  const vp_layout lay(rows, group.size());
-  unsigned char* ws = static_cast<unsigned char*>(exec.workspace);
   unsigned char* send = ws + lay.send;
   const bool empty = logits.cols == 0;
   const unsigned begin_grid =
@@ -272,24 +271,29 @@ vp_layout vp_exchange(const char* fn, const cuda& exec, const Group& group,
   vp_begin_kernel<256><<<begin_grid, 256, 0, exec.stream>>>(
       shard_header{shard.first, logits.cols, shard.vocab, rows}, send, empty);
   check_cuda(fn, cudaGetLastError());
-  // One set of row-kernel arguments serves both kernels: the statistics pass writes records
-  // (no outputs), the merge writes the outputs.
+  if (empty || rows == 0) return;
+  // The row kernel's forward pass writes records (no outputs): the merge writes the outputs.
+  auto stats = shard_args<T, float>(exec, logits, shard, targets, opts);
+  stats.partials = reinterpret_cast<slice_partial*>(send + sizeof(shard_header));
+  stats.want_argmax = argmax;
+  dispatch_rows<pass::forward>(fn, exec, stats,
+                               aligned16(logits.data, logits.ld * std::int64_t{sizeof(T)}));
+}
+
+/// Step 4 on the gathered blocks at ws + lay.recv: `out` (null: soft-target backward, only the
+/// rows' mass is wanted) is written for every row, and each row's LSE and target mass at
+/// ws + lay.lse / ws + lay.mass. A reduced loss or num_correct is summed in exec.workspace.
+template <class T, class Tgt>
+void vp_merge(const char* fn, const cuda& exec, unsigned char* ws, const vp_layout& lay, int ranks,
+              matrix_view<const T> logits, vocab_shard shard, Tgt targets, const options& opts,
+              const forward_outputs* out) {
+  const std::int64_t rows = logits.rows;
+  // The row kernel's arguments of the call, for the merge to write its outputs.
   auto a = shard_args<T, float>(exec, logits, shard, targets, opts);
   if (out) set_outputs(a, opts, *out);
-  if (!empty && rows > 0) {
-    auto stats = a;
-    stats.loss = stats.row_loss = stats.lse_out = nullptr;
-    stats.argmax = stats.num_correct = nullptr;
-    stats.partials = reinterpret_cast<slice_partial*>(send + sizeof(shard_header));
-    dispatch_rows<pass::forward>(fn, exec, stats,
-                                 aligned16(logits.data, logits.ld * std::int64_t{sizeof(T)}));
-  }
-  group.all_gather(send, ws + lay.recv, lay.block);
-
   if (a.loss || a.num_correct) a.workspace = exec.workspace;
   a.error_count = exec.error_count;
-  const vp_gathered x{ws + lay.recv, lay.block, group.size(),
-                      reinterpret_cast<float*>(ws + lay.lse),
+  const vp_gathered x{ws + lay.recv, lay.block, ranks, reinterpret_cast<float*>(ws + lay.lse),
                       reinterpret_cast<float*>(ws + lay.mass)};
   constexpr int block = 256;
   // At most 64 CTAs: each sums the mean's normaliser over every row's target (as the row
@@ -298,6 +302,20 @@ vp_layout vp_exchange(const char* fn, const cuda& exec, const Group& group,
   const unsigned grid = static_cast<unsigned>(ctas < 1 ? 1 : (ctas > 64 ? 64 : ctas));
   vp_merge_kernel<block><<<grid, block, 0, exec.stream>>>(a, x);
   check_cuda(fn, cudaGetLastError());
+}
+
+/// Steps 1-4 in exec.workspace. `out` may be null (soft-target backward: only the rows' mass is
+/// wanted). Returns the layout, whose lse / mass arrays then hold each row's merged values.
+template <class Group, class T, class Tgt>
+vp_layout vp_exchange(const char* fn, const cuda& exec, const Group& group,
+                      matrix_view<const T> logits, vocab_shard shard, Tgt targets,
+                      const options& opts, const forward_outputs* out) {
+  const vp_layout lay(logits.rows, group.size());
+  unsigned char* ws = static_cast<unsigned char*>(exec.workspace);
+  vp_send(fn, exec, ws, lay, logits, shard, targets, opts,
+          out && (out->argmax.data || out->num_correct));
+  group.all_gather(ws + lay.send, ws + lay.recv, lay.block);
+  vp_merge(fn, exec, ws, lay, group.size(), logits, shard, targets, opts, out);
   return lay;
 }
 

@@ -21,11 +21,27 @@ namespace xent {
 template <class Exec>
 struct linear_traits;
 
+/// Specialised by each backend that runs vocab-parallel fused linear calls
+/// (cpu/vocab_parallel_linear.hpp, cuda/vocab_parallel_linear.cuh) with
+///   template <class T, class G> static std::size_t
+///       workspace_bytes(exec, linear_shape, ranks, linear_pass, dw_accumulation, chunk_rows);
+///   template <class T, class G, class Tgt> using call = ...;
+/// where `call` holds one call's state and runs the steps of a chunk that the shared chunk loop
+/// (parallel/linear_chunks.hpp, which lists them) asks for; the loop makes the collective.
+template <class Exec>
+struct vocab_parallel_linear_traits;
+
 namespace detail {
 template <class Exec, class = void>
 struct has_linear_backend : std::false_type {};
 template <class Exec>
 struct has_linear_backend<Exec, std::void_t<decltype(sizeof(linear_traits<Exec>))>>
+    : std::true_type {};
+template <class Exec, class = void>
+struct has_vocab_parallel_linear : std::false_type {};
+template <class Exec>
+struct has_vocab_parallel_linear<Exec,
+                                 std::void_t<decltype(sizeof(vocab_parallel_linear_traits<Exec>))>>
     : std::true_type {};
 }  // namespace detail
 

@@ -56,6 +56,15 @@ struct linear_workspace {
   std::size_t bytes = 0;
 };
 
+/// The workspace of a vocab-parallel fused linear call (parallel/vocab_parallel_linear.hpp):
+/// caller memory as above, and the rows per chunk, which must be the same on every rank of the
+/// group (each chunk's all-gather holds the same rows from every rank; rows planned from each
+/// rank's bytes would differ where the shards do). xent::vocab_parallel_linear_workspace_size
+/// answers the same chunk_rows on every rank, and this rank's bytes for it.
+struct vocab_parallel_linear_workspace : linear_workspace {
+  std::int64_t chunk_rows = 0;
+};
+
 /// What xent::linear_workspace_size answers.
 struct linear_workspace_sizes {
   std::size_t minimal = 0;  ///< the least a call accepts: one row per chunk

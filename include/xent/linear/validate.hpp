@@ -59,25 +59,26 @@ void check_disjoint(const char* fn, const span_of (&written)[Written],
   }
 }
 
-/// hidden N x D, weight V x D (the same D), bias V or absent, targets for N rows of V classes,
-/// the loss options for V classes.
+/// hidden N x D, weight V_w x D (the same D), bias V_w or absent, targets for N rows (soft
+/// targets: N x V_w, a probability per weight row), the loss options for `vocab` classes: V_w
+/// unsharded, the whole vocabulary when the weight is a vocab-parallel rank's shard of it.
 template <class T, class Tgt>
 void check_linear_inputs(const char* fn, const matrix_view<const T>& hidden,
                          const matrix_view<const T>& weight, const vector_view<const T>& bias,
-                         const Tgt& targets, const linear_options& opts) {
+                         const Tgt& targets, const linear_options& opts, std::int64_t vocab) {
   check_matrix(fn, "hidden", hidden);
   check_matrix(fn, "weight", weight);
   require(weight.cols == hidden.cols, fn, "weight", [&] {
     return "is " + shape(weight.rows, weight.cols) + ", hidden is " +
            shape(hidden.rows, hidden.cols) + ": both need D columns";
   });
-  require(weight.rows >= 1 || hidden.rows == 0, fn, "weight", [&] {
-    return "a row needs at least one class (weight has 0 rows, hidden has " +
+  require(vocab >= 1 || hidden.rows == 0, fn, "weight", [&] {
+    return "a row needs at least one class (the vocabulary has 0 rows, hidden has " +
            std::to_string(hidden.rows) + ")";
   });
   check_vector(fn, "bias", bias, weight.rows, true);
   check_targets(fn, targets, hidden.rows, weight.rows);
-  check_options(fn, opts, weight.rows);
+  check_options(fn, opts, vocab);
   require(opts.accumulate == dw_accumulation::fp32 || opts.accumulate == dw_accumulation::output,
           fn, "options.accumulate", "not one of fp32, output");
 }
@@ -103,12 +104,13 @@ void check_linear_grads(const char* fn, const linear_grads<G>& grads,
           "grads.d_bias", "given without a bias");
 }
 
-inline void check_workspace(const char* fn, const linear_workspace& ws,
-                            const linear_workspace_sizes& need) {
+/// At least `need` bytes; `query` names the size query that says how many.
+inline void check_workspace(const char* fn, const linear_workspace& ws, std::size_t need,
+                            const char* query = "xent::linear_workspace_size") {
   require(ws.data != nullptr || ws.bytes == 0, fn, "workspace", "null data with non-zero size");
-  require(ws.bytes >= need.minimal, fn, "workspace", [&] {
+  require(ws.bytes >= need, fn, "workspace", [&] {
     return "has " + std::to_string(ws.bytes) + " bytes, this call needs at least " +
-           std::to_string(need.minimal) + " (xent::linear_workspace_size)";
+           std::to_string(need) + " (" + query + ")";
   });
 }
 

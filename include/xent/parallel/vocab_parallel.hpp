@@ -40,6 +40,30 @@
 namespace xent {
 namespace detail {
 
+/// The group is a communicator and this rank is one of its members.
+template <class Group>
+void check_group(const char* fn, const Group& group) {
+  static_assert(is_communicator<Group>::value,
+                "xent: group must provide rank(), size() and all_gather(send, recv, bytes) "
+                "(parallel/communicator.hpp)");
+  require(group.size() >= 1 && group.rank() >= 0 && group.rank() < group.size(), fn, "group", [&] {
+    return "rank " + std::to_string(group.rank()) + " of size " + std::to_string(group.size());
+  });
+}
+
+/// This rank's `cols` classes, [first, first + cols), lie in a vocabulary of shard.vocab >= 1
+/// classes (or there are no rows).
+inline void check_shard(const char* fn, vocab_shard shard, std::int64_t cols, std::int64_t rows) {
+  require(shard.vocab >= 1 || rows == 0, fn, "shard.vocab", [&] {
+    return "a row needs at least one class (vocab = " + std::to_string(shard.vocab) + ")";
+  });
+  require(shard.first >= 0 && shard.first <= shard.vocab - cols, fn, "shard.first", [&] {
+    return "the shard's classes [" + std::to_string(shard.first) + ", " +
+           std::to_string(shard.first + cols) + ") (first, first + columns) are not inside [0, " +
+           std::to_string(shard.vocab) + ")";
+  });
+}
+
 template <class Exec, class Group, class L, class Targets>
 void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<L>& logits,
                           vocab_shard shard, const Targets& targets, const options& opts) {
@@ -50,23 +74,9 @@ void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<
                 "xent: unsupported logits dtype for this backend (float, bfloat16 and half are)");
   static_assert(target_traits<Targets>::valid,
                 "xent: targets must be vector_view<int32_t / int64_t> or soft_targets<dtype>");
-  static_assert(is_communicator<Group>::value,
-                "xent: group must provide rank(), size() and all_gather(send, recv, bytes) "
-                "(parallel/communicator.hpp)");
-  require(group.size() >= 1 && group.rank() >= 0 && group.rank() < group.size(), fn, "group", [&] {
-    return "rank " + std::to_string(group.rank()) + " of size " + std::to_string(group.size());
-  });
+  check_group(fn, group);
   check_matrix(fn, "logits", logits);
-  require(shard.vocab >= 1 || logits.rows == 0, fn, "shard.vocab", [&] {
-    return "a row needs at least one class (vocab = " + std::to_string(shard.vocab) + ")";
-  });
-  require(shard.first >= 0 && shard.first <= shard.vocab - logits.cols, fn, "shard.first", [&] {
-    return "the shard's classes [" + std::to_string(shard.first) + ", " +
-           std::to_string(shard.first + logits.cols) +
-           ") (first, first + logits.cols) are not "
-           "inside [0, " +
-           std::to_string(shard.vocab) + ")";
-  });
+  check_shard(fn, shard, logits.cols, logits.rows);
   check_targets(fn, typename target_traits<Targets>::type(targets), logits.rows, logits.cols);
   check_options(fn, opts, shard.vocab);  // class_weights: all V of them
 }

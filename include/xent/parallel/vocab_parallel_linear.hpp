@@ -1,0 +1,264 @@
+// Vocab-parallel fused linear cross-entropy: the LM head's weight is split by vocabulary across
+// ranks (tensor parallelism). Each rank holds weight[first : first + V_local, :] (V_local x D),
+// optionally bias[first : first + V_local], the whole hidden (N x D) and the global targets; each
+// call returns, on every rank, the loss of the unsharded linear call (linear.hpp) and that rank's
+// share of the gradients, without materialising any N x V_local logits.
+//
+//   auto ws = xent::vocab_parallel_linear_workspace_size<bf16>(exec, {N, D, V_local}, V, ranks,
+//                                                             xent::linear_pass::training);
+//   xent::vocab_parallel_linear_forward_backward(
+//       exec, group, hidden, weight_shard, bias_shard, {first, V}, targets, opts, up, outputs,
+//       {d_hidden_partial, d_weight_shard, d_bias_shard}, {{buffer, ws.bytes}, ws.chunk_rows});
+//   // then all-reduce (sum) d_hidden_partial over the group: see "d_hidden" below.
+//
+// Semantics: exactly the unsharded linear calls', for every option, with vocab_parallel.hpp's
+// rules for the shards: class ids are global, label smoothing spreads eps over the full V, class
+// weights are the full vector of V on every rank, soft targets are the rank's N x V_local shard of
+// the probabilities, argmax is a global class id. Forward outputs (loss, per-row loss, LSE,
+// argmax, num_correct) are bitwise identical on every rank.
+//
+// How (parallel/linear_chunks.hpp): rows are taken workspace.chunk_rows at a time; per chunk a
+// rank computes its shard's logits (GEMM), their per-row statistics, and makes one all-gather of
+// those records (a 32-byte header and 40 bytes per row from each rank); every rank merges the R
+// records of a row in rank order, then writes the logit gradient over the chunk's logits in place
+// and folds it into its gradients. Backward from a saved LSE needs no collective with class ids;
+// with soft targets it exchanges the rows' target mass per chunk.
+//
+// d_hidden. hidden's gradient is a sum over the whole vocabulary, G · W = sum over ranks of
+// G_shard · W_shard, so no rank can have it alone: grads.d_hidden receives THIS RANK'S PARTIAL,
+// G_shard · W_shard (N x D), and the caller sums the partials over the group: an all-reduce,
+// as Megatron's column-parallel LM head does in its backward (or a reduce-scatter under sequence
+// parallelism). xent does not do it: the communicator concept stays one all-gather of bytes (an
+// all-reduce of floats would be a second collective every communicator must offer), and the
+// caller usually overlaps that reduction with the rest of its backward or fuses it with others.
+// A bf16 / fp16 partial is rounded once per rank before the sum; ask for float gradients (G =
+// float) to round the sum once instead. d_weight and d_bias are this rank's rows, complete.
+//
+// Row chunks. Every chunk's all-gather must hold the same rows from every rank, so
+// workspace.chunk_rows must be the same on every rank (a rank cannot plan its chunks from its own
+// bytes: ranks with different shards would plan different chunks, and the host of a CUDA rank
+// cannot learn the others' plans without waiting for the device).
+// vocab_parallel_linear_workspace_size answers the same chunk_rows on every rank given the same
+// rows, hidden, vocab, ranks, pass, options and budget (it plans the chunk for a shard of
+// ceil(V / R) classes, the largest of Megatron's split), and this rank's bytes for it.
+//
+// Errors. As vocab_parallel.hpp: each rank checks its own arguments first (xent::error naming
+// the argument; the workspace's size against this rank's shard); errors in arguments that are the
+// same on every rank are raised on every rank. On the CPU the first chunk's exchange also checks,
+// on every rank and before any output is written, that the shards tile [0, V) ("shard",
+// "shard.vocab") and that the ranks have the same rows ("hidden"); ranks whose chunks differ in
+// rows (chunk_rows, or rows, that differ) move different byte counts, which inprocess_group
+// refuses ("bytes") on every rank. On CUDA a bad tiling
+// gives NaN outputs and a count in exec.error_count on every rank (cuda/vocab_parallel.cuh), and
+// equal rows and chunk_rows on every rank are the caller's contract, as NCCL cannot check them.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "../backend.hpp"
+#include "../detail/validate.hpp"
+#include "../linear.hpp"
+#include "../linear/backend.hpp"
+#include "../linear/options.hpp"
+#include "../linear/plan.hpp"
+#include "../linear/validate.hpp"
+#include "../options.hpp"
+#include "../targets.hpp"
+#include "../views.hpp"
+#include "linear_chunks.hpp"
+#include "shard.hpp"
+#include "vocab_parallel.hpp"
+
+namespace xent {
+namespace detail {
+
+/// The sizes of a rank's workspace: rows per chunk planned for a shard of ceil(V / R) classes
+/// (the same on every rank), the bytes for this rank's `shape` at that chunk and at one row.
+template <class T, class G, class Exec>
+linear_workspace_sizes vp_linear_sizes(const Exec& exec, const linear_shape& shape,
+                                       std::int64_t vocab, int ranks, linear_pass pass,
+                                       dw_accumulation accumulate, std::size_t budget) {
+  auto bytes_at = [&](const linear_shape& s, std::int64_t rows) {
+    return vocab_parallel_linear_traits<Exec>::template workspace_bytes<T, G>(exec, s, ranks, pass,
+                                                                              accumulate, rows);
+  };
+  const linear_shape reference{shape.rows, shape.hidden, (vocab + ranks - 1) / ranks};
+  struct sized {
+    std::int64_t rows;
+    std::size_t bytes;
+  };
+  const sized plan = largest_chunk_plan(shape.rows, chunk_budget(bytes_at(reference, 0), budget),
+                                        [&](std::int64_t rows) {
+                                          return sized{rows, bytes_at(reference, rows)};
+                                        });
+  const std::int64_t chunk = std::min(plan.rows, shape.rows);
+  return {bytes_at(shape, 1), bytes_at(shape, planned_chunk_rows(chunk, shape.rows)), chunk};
+}
+
+/// The bytes this rank's call needs with the workspace's chunk_rows.
+template <class T, class G, class Exec>
+std::size_t vp_linear_need(const Exec& exec, int ranks, const matrix_view<const T>& hidden,
+                           const matrix_view<const T>& weight, linear_pass pass,
+                           const linear_options& opts, const vocab_parallel_linear_workspace& ws) {
+  return vocab_parallel_linear_traits<Exec>::template workspace_bytes<T, G>(
+      exec, {hidden.rows, hidden.cols, weight.rows}, ranks, pass, opts.accumulate,
+      planned_chunk_rows(ws.chunk_rows, hidden.rows));
+}
+
+constexpr const char* vp_linear_query = "xent::vocab_parallel_linear_workspace_size";
+
+template <class Exec, class Group, class T, class Targets>
+void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<const T>& hidden,
+                          const matrix_view<const T>& weight, const vector_view<const T>& bias,
+                          vocab_shard shard, const Targets& targets, const linear_options& opts,
+                          const vocab_parallel_linear_workspace& ws) {
+  require_linear_types<Exec, has_vocab_parallel_linear<Exec>::value, T, Targets>();
+  check_group(fn, group);
+  // Soft targets are the shard's (N x V_local); class weights all V of them.
+  check_linear_inputs(fn, hidden, weight, bias, typename target_traits<Targets>::type(targets),
+                      opts, shard.vocab);
+  check_shard(fn, shard, weight.rows, hidden.rows);
+  require(ws.chunk_rows >= 1 || (hidden.rows == 0 && ws.chunk_rows == 0), fn,
+          "workspace.chunk_rows", [&] {
+            return "must be >= 1 and the same on every rank (vocab_parallel_linear_workspace_size's "
+                   "chunk_rows), got " +
+                   std::to_string(ws.chunk_rows);
+          });
+}
+
+template <class T, class G, class Targets>
+vp_linear_args<T, G, typename target_traits<Targets>::type> vp_args(
+    const matrix_view<const T>& hidden, const matrix_view<const T>& weight,
+    const vector_view<const T>& bias, vocab_shard shard, const Targets& targets,
+    const linear_options& opts, const vocab_parallel_linear_workspace& ws, int ranks) {
+  vp_linear_args<T, G, typename target_traits<Targets>::type> a;
+  a.hidden = hidden;
+  a.weight = weight;
+  a.bias = bias;
+  a.shard = shard;
+  a.targets = typename target_traits<Targets>::type(targets);
+  a.opts = opts;
+  a.ws = ws;
+  a.ranks = ranks;
+  return a;
+}
+
+}  // namespace detail
+
+/// Workspace sizes for one rank of a vocab-parallel linear call: `shape` is this rank's call
+/// (rows N, hidden D, vocab = V_local, its weight shard's rows), `vocab` the whole vocabulary V
+/// and `ranks` the group's size. chunk_rows is planned for a rank of ceil(V / R) classes within
+/// `budget` bytes of chunk room on top of the fixed buffers (as linear_workspace_size): the same
+/// on every rank given the same arguments other than shape.vocab. bytes: what this rank needs for
+/// chunks of chunk_rows (its own shard's buffers, more than the budget when its shard is larger
+/// than ceil(V / R)); minimal: what it needs for one-row chunks. On top of a single-device call's
+/// buffers (linear.hpp) a rank holds its chunk's exchange: per chunk row (R + 1) x 40 bytes of
+/// records sent and received and up to 48 more (the merged LSE and target mass; on the CPU this
+/// shard's record too), and (R + 1) 32-byte headers.
+template <class T, class G = T, class Exec>
+linear_workspace_sizes vocab_parallel_linear_workspace_size(
+    const Exec& exec, const linear_shape& shape, std::int64_t vocab, int ranks, linear_pass pass,
+    const linear_options& opts = {}, std::size_t budget = linear_default_budget) {
+  static_assert(detail::has_vocab_parallel_linear<Exec>::value,
+                "xent: no vocab-parallel fused linear backend for this execution object");
+  constexpr const char* fn = "xent::vocab_parallel_linear_workspace_size";
+  detail::require(shape.rows >= 0 && shape.hidden >= 0 && shape.vocab >= 0, fn, "shape",
+                  "negative size");
+  detail::require(ranks >= 1, fn, "ranks", [&] { return "must be >= 1, got " + std::to_string(ranks); });
+  detail::require(vocab >= shape.vocab, fn, "vocab", [&] {
+    return "the whole vocabulary (" + std::to_string(vocab) +
+           ") is smaller than this rank's shard (shape.vocab = " + std::to_string(shape.vocab) + ")";
+  });
+  return detail::vp_linear_sizes<T, G>(exec, shape, vocab, ranks, pass, opts.accumulate, budget);
+}
+
+/// Evaluation: the loss of every row and the reduced loss on every rank. hidden: N x D (the
+/// same on every rank); weight: this rank's V_local x D rows, classes [shard.first, shard.first +
+/// V_local) of shard.vocab; bias: those V_local entries or empty; targets: N global class ids
+/// (int32 / int64) or soft_targets of this rank's N x V_local probabilities. outputs as
+/// linear_forward's. workspace: vocab_parallel_linear_workspace_size(..., linear_pass::forward).
+template <class Exec, class Group, class H, class Targets>
+void vocab_parallel_linear_forward(const Exec& exec, const Group& group, matrix_view<H> hidden,
+                                   matrix_view<const std::remove_const_t<H>> weight,
+                                   vector_view<const std::remove_const_t<H>> bias,
+                                   vocab_shard shard, const Targets& targets,
+                                   const linear_options& opts, const forward_outputs& outputs,
+                                   const vocab_parallel_linear_workspace& workspace) {
+  constexpr const char* fn = "xent::vocab_parallel_linear_forward";
+  using T = std::remove_const_t<H>;
+  const matrix_view<const T> x(hidden);
+  detail::check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
+  detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, true);
+  detail::check_forward_workspace(
+      fn, x, weight, bias, workspace,
+      detail::vp_linear_need<T, T>(exec, group.size(), x, weight, linear_pass::forward, opts,
+                                   workspace),
+      detail::vp_linear_query);
+  auto a = detail::vp_args<T, T>(x, weight, bias, shard, targets, opts, workspace, group.size());
+  a.out = outputs;
+  detail::run_vp_linear<detail::vp_linear_mode::forward>(fn, exec, group, a);
+}
+
+/// Training in one call: the forward outputs (each optional) and this rank's gradients, each
+/// optional: d_weight (V_local x D) and d_bias (V_local) of its shard, and its PARTIAL d_hidden
+/// (N x D), G_shard · W_shard, which the caller sums over the group (see the top of this file).
+/// The upstream gradient is the same on every rank: a scalar for mean / sum, per row for none,
+/// applied to each row before any sum over rows.
+template <class Exec, class Group, class H, class Targets, class G>
+void vocab_parallel_linear_forward_backward(
+    const Exec& exec, const Group& group, matrix_view<H> hidden,
+    matrix_view<const std::remove_const_t<H>> weight,
+    vector_view<const std::remove_const_t<H>> bias, vocab_shard shard, const Targets& targets,
+    const linear_options& opts, const upstream& up, const forward_outputs& outputs,
+    const linear_grads<G>& grads, const vocab_parallel_linear_workspace& workspace) {
+  constexpr const char* fn = "xent::vocab_parallel_linear_forward_backward";
+  using T = std::remove_const_t<H>;
+  const matrix_view<const T> x(hidden);
+  detail::check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
+  detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, false);
+  detail::check_linear_training<Exec>(
+      fn, x, weight, bias, opts, up, grads, workspace,
+      detail::vp_linear_need<T, G>(exec, group.size(), x, weight, linear_pass::training, opts,
+                                   workspace),
+      detail::vp_linear_query);
+  auto a = detail::vp_args<T, G>(x, weight, bias, shard, targets, opts, workspace, group.size());
+  a.up = &up;
+  a.out = outputs;
+  a.grads = grads;
+  detail::run_vp_linear<detail::vp_linear_mode::fused>(fn, exec, group, a);
+}
+
+/// This rank's gradients (as vocab_parallel_linear_forward_backward's: d_hidden is its partial)
+/// from the per-row LSE a vocab-parallel forward saved (the same on every rank), recomputing each
+/// chunk's logits. With class ids it makes no collective; with soft targets one per chunk (the
+/// rows' target mass spans every shard).
+template <class Exec, class Group, class H, class Targets, class G>
+void vocab_parallel_linear_backward(const Exec& exec, const Group& group, matrix_view<H> hidden,
+                                    matrix_view<const std::remove_const_t<H>> weight,
+                                    vector_view<const std::remove_const_t<H>> bias,
+                                    vocab_shard shard, const Targets& targets,
+                                    const linear_options& opts, vector_view<const float> lse,
+                                    const upstream& up, const linear_grads<G>& grads,
+                                    const vocab_parallel_linear_workspace& workspace) {
+  constexpr const char* fn = "xent::vocab_parallel_linear_backward";
+  using T = std::remove_const_t<H>;
+  const matrix_view<const T> x(hidden);
+  detail::check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
+  detail::check_vector(fn, "lse", lse, x.rows, false);
+  detail::check_linear_training<Exec>(
+      fn, x, weight, bias, opts, up, grads, workspace,
+      detail::vp_linear_need<T, G>(exec, group.size(), x, weight, linear_pass::training, opts,
+                                   workspace),
+      detail::vp_linear_query);
+  auto a = detail::vp_args<T, G>(x, weight, bias, shard, targets, opts, workspace, group.size());
+  a.up = &up;
+  a.lse = lse;
+  a.grads = grads;
+  detail::run_vp_linear<detail::vp_linear_mode::backward>(fn, exec, group, a);
+}
+
+}  // namespace xent
