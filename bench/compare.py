@@ -10,8 +10,9 @@ compare.jsonl (one JSON object per measurement, errors included).
 What a row reports:
   ms            median of triton.testing.do_bench (warmup 50 ms, rep 200 ms, as ANCHORS.md's
                 figures were taken; CUDA-event medians when triton is missing). "fwd" runs
-                under torch.no_grad(); "fwd+bwd" is loss.backward() from a leaf that requires grad,
-                its .grad reset between repetitions: what a user calls (xent_torch.cross_entropy,
+                under torch.no_grad(); "fwd+bwd" is loss.backward() from a view of a leaf that
+                requires grad (as a model's logits come from an op), its .grad reset between
+                repetitions: what a user calls (xent_torch.cross_entropy,
                 autograd included). do_bench clears the L2 cache before each repetition, and the
                 host can enqueue the call while the GPU clears it, so a row can hide host time
                 shorter than that clear; bench/torch_overhead.py times calls back to back.
@@ -227,8 +228,12 @@ def measure(bench, fn, leaves, args, reference):
         fwd_ms = bench(lambda: fn(*base, *args))
     xs = [x.clone().requires_grad_(True) for x in base]
 
+    # Each implementation gets views of the leaves, as a model's loss gets logits that an op
+    # produced: autograd then hands the gradient to the view's backward. Given the leaf itself, an
+    # in-place gradient (the leaf's own memory) would reach AccumulateGrad, which copies a
+    # gradient it cannot steal: an N x V clone no model pays.
     def step():
-        fn(*xs, *args).backward()
+        fn(*(x.view_as(x) for x in xs), *args).backward()
     fwdbwd_ms = bench(step, grad_to_none=xs)
     for x in xs:
         x.grad = None
@@ -237,7 +242,7 @@ def measure(bench, fn, leaves, args, reference):
     free()
     # Values, from fresh copies.
     xs = [x.clone().requires_grad_(True) for x in base]
-    loss = fn(*xs, *args)
+    loss = fn(*(x.view_as(x) for x in xs), *args)
     loss.backward()
     result = dict(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, extra_MiB=mem)
     grads = [x.grad for x in xs]

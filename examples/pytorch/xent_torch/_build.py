@@ -89,12 +89,21 @@ def load(verbose=None):
         # exist. So they are asked for here, from TORCH_CUDA_ARCH_LIST or the visible GPUs, as
         # torch would have chosen them.
         cuda_flags += cpp_extension._get_cuda_arch_flags()
+    # A compiler that links its own libstdc++ statically (the device machine's /opt/gcc g++ does:
+    # the library had no NEEDED libstdc++.so.6) puts a second, newer copy of the C++ runtime in
+    # the library beside the one torch uses. Its locale facets' ids are STB_GNU_UNIQUE symbols,
+    # which the dynamic linker binds to the first copy loaded: the two copies then disagree on
+    # facet indices, and formatting a number (every TORCH_CHECK message with a size in it)
+    # crashed in std::ostream::_M_insert<long>. Symbols that come from static archives are kept
+    # local to the library; with a shared libstdc++ (the usual case) there are none.
+    ldflags = ["-Wl,--exclude-libs,ALL"]
     cpp_extension.load(
         name="xent_torch_ops_cuda" if cuda else "xent_torch_ops",
         sources=sources,
         extra_include_paths=[str(_REPO / "include")],
         extra_cflags=cflags,
         extra_cuda_cflags=cuda_flags,
+        extra_ldflags=ldflags,
         build_directory=str(build_dir),
         is_python_module=False,
         with_cuda=cuda,

@@ -77,7 +77,8 @@ inline void check_rows(const char* fn, const exchange& x) {
   for (int r = 1; r < x.ranks(); ++r)
     detail::require(x.header(r).rows == rows, fn, "hidden", [&] {
       return "rank " + std::to_string(r) + " has " + std::to_string(x.header(r).rows) +
-             " rows, rank 0 has " + std::to_string(rows) + "; every rank passes the same hidden rows";
+             " rows, rank 0 has " + std::to_string(rows) +
+             "; every rank passes the same hidden rows";
     });
 }
 

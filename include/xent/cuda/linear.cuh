@@ -319,10 +319,10 @@ linear_call<T, G> make_linear_call(const cuda& exec, const cublas_scope& blas,
       (address + linear_alignment - 1) / linear_alignment * linear_alignment;
   char* const base = static_cast<char*>(ws) + (aligned - address);
   const auto dw = reinterpret_cast<std::uintptr_t>(grads.d_weight.data);
-  DT* const logits =
-      plan.logits != linear_absent
-          ? reinterpret_cast<DT*>(base + plan.logits)
-          : reinterpret_cast<DT*>((dw + linear_alignment - 1) / linear_alignment * linear_alignment);
+  DT* const logits = plan.logits != linear_absent
+                         ? reinterpret_cast<DT*>(base + plan.logits)
+                         : reinterpret_cast<DT*>((dw + linear_alignment - 1) / linear_alignment *
+                                                 linear_alignment);
   return {exec,
           blas,
           {reinterpret_cast<const DT*>(hidden.data), hidden.rows, hidden.cols, hidden.ld},

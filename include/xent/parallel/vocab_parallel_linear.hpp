@@ -122,12 +122,13 @@ void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<
   check_linear_inputs(fn, hidden, weight, bias, typename target_traits<Targets>::type(targets),
                       opts, shard.vocab);
   check_shard(fn, shard, weight.rows, hidden.rows);
-  require(ws.chunk_rows >= 1 || (hidden.rows == 0 && ws.chunk_rows == 0), fn,
-          "workspace.chunk_rows", [&] {
-            return "must be >= 1 and the same on every rank (vocab_parallel_linear_workspace_size's "
-                   "chunk_rows), got " +
-                   std::to_string(ws.chunk_rows);
-          });
+  require(
+      ws.chunk_rows >= 1 || (hidden.rows == 0 && ws.chunk_rows == 0), fn, "workspace.chunk_rows",
+      [&] {
+        return "must be >= 1 and the same on every rank (vocab_parallel_linear_workspace_size's "
+               "chunk_rows), got " +
+               std::to_string(ws.chunk_rows);
+      });
 }
 
 template <class T, class G, class Targets>
@@ -168,10 +169,12 @@ linear_workspace_sizes vocab_parallel_linear_workspace_size(
   constexpr const char* fn = "xent::vocab_parallel_linear_workspace_size";
   detail::require(shape.rows >= 0 && shape.hidden >= 0 && shape.vocab >= 0, fn, "shape",
                   "negative size");
-  detail::require(ranks >= 1, fn, "ranks", [&] { return "must be >= 1, got " + std::to_string(ranks); });
+  detail::require(ranks >= 1, fn, "ranks",
+                  [&] { return "must be >= 1, got " + std::to_string(ranks); });
   detail::require(vocab >= shape.vocab, fn, "vocab", [&] {
     return "the whole vocabulary (" + std::to_string(vocab) +
-           ") is smaller than this rank's shard (shape.vocab = " + std::to_string(shape.vocab) + ")";
+           ") is smaller than this rank's shard (shape.vocab = " + std::to_string(shape.vocab) +
+           ")";
   });
   return detail::vp_linear_sizes<T, G>(exec, shape, vocab, ranks, pass, opts.accumulate, budget);
 }
