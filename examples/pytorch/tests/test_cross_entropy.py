@@ -563,8 +563,12 @@ def test_cuda_language_model_sizes(n, c, dtype, kw):
     loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, device="cuda", **kw)
     ref_loss, ref_grad = loss_and_grad(reference_extended, x.float(), t, **kw)
     torch.testing.assert_close(loss.float(), ref_loss, rtol=max(rtol, 1e-4), atol=atol)
-    torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=rtol,
-                               atol=max(atol, 1e-7))
+    # float32: at c = 32000 the row's LSE is ~12, whose float32 spacing is ~1e-6, so a target's
+    # probability near 1 carries ~1e-6 of absolute error in any float32 computation (the float32
+    # reference's too), and the target's gradient p - (1 - eps) keeps it while the value shrinks:
+    # H200, 2026-11-21, one element of 2048000 differed by 1.9e-6 at p ~ 0.93.
+    grad_atol = 4e-6 if dtype == torch.float32 else max(atol, 1e-7)
+    torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=rtol, atol=grad_atol)
 
 
 @requires_cuda
