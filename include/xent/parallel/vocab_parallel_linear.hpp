@@ -148,6 +148,25 @@ vp_linear_args<T, G, typename target_traits<Targets>::type> vp_args(
   return a;
 }
 
+/// A training call's checks (the call's, its upstream, gradients and workspace) and its
+/// arguments with the upstream and the gradients set.
+template <class Exec, class Group, class T, class Targets, class G>
+vp_linear_args<T, G, typename target_traits<Targets>::type> vp_training_args(
+    const char* fn, const Exec& exec, const Group& group, const matrix_view<const T>& x,
+    const matrix_view<const T>& weight, const vector_view<const T>& bias, vocab_shard shard,
+    const Targets& targets, const linear_options& opts, const upstream& up,
+    const linear_grads<G>& grads, const vocab_parallel_linear_workspace& workspace) {
+  check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
+  check_linear_training<Exec>(
+      fn, x, weight, bias, opts, up, grads, workspace,
+      vp_linear_need<T, G>(exec, group.size(), x, weight, linear_pass::training, opts, workspace),
+      vp_linear_query);
+  auto a = vp_args<T, G>(x, weight, bias, shard, targets, opts, workspace, group.size());
+  a.up = &up;
+  a.grads = grads;
+  return a;
+}
+
 }  // namespace detail
 
 /// Workspace sizes for one rank of a vocab-parallel linear call: `shape` is this rank's call
@@ -221,17 +240,10 @@ void vocab_parallel_linear_forward_backward(
   constexpr const char* fn = "xent::vocab_parallel_linear_forward_backward";
   using T = std::remove_const_t<H>;
   const matrix_view<const T> x(hidden);
-  detail::check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
+  auto a = detail::vp_training_args(fn, exec, group, x, weight, bias, shard, targets, opts, up,
+                                    grads, workspace);
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, false);
-  detail::check_linear_training<Exec>(
-      fn, x, weight, bias, opts, up, grads, workspace,
-      detail::vp_linear_need<T, G>(exec, group.size(), x, weight, linear_pass::training, opts,
-                                   workspace),
-      detail::vp_linear_query);
-  auto a = detail::vp_args<T, G>(x, weight, bias, shard, targets, opts, workspace, group.size());
-  a.up = &up;
   a.out = outputs;
-  a.grads = grads;
   detail::run_vp_linear<detail::vp_linear_mode::fused>(fn, exec, group, a);
 }
 
@@ -250,17 +262,10 @@ void vocab_parallel_linear_backward(const Exec& exec, const Group& group, matrix
   constexpr const char* fn = "xent::vocab_parallel_linear_backward";
   using T = std::remove_const_t<H>;
   const matrix_view<const T> x(hidden);
-  detail::check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
+  auto a = detail::vp_training_args(fn, exec, group, x, weight, bias, shard, targets, opts, up,
+                                    grads, workspace);
   detail::check_vector(fn, "lse", lse, x.rows, false);
-  detail::check_linear_training<Exec>(
-      fn, x, weight, bias, opts, up, grads, workspace,
-      detail::vp_linear_need<T, G>(exec, group.size(), x, weight, linear_pass::training, opts,
-                                   workspace),
-      detail::vp_linear_query);
-  auto a = detail::vp_args<T, G>(x, weight, bias, shard, targets, opts, workspace, group.size());
-  a.up = &up;
   a.lse = lse;
-  a.grads = grads;
   detail::run_vp_linear<detail::vp_linear_mode::backward>(fn, exec, group, a);
 }
 
