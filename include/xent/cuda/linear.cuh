@@ -26,9 +26,12 @@
 //
 // GEMMs: bf16 / fp16 inputs with CUBLAS_COMPUTE_32F; float inputs with CUBLAS_COMPUTE_32F_PEDANTIC,
 // so a handle whose math mode allows TF32 still computes float GEMMs in float (TF32 is not
-// offered). Split-K partial sums of a logits GEMM whose C is bf16 / fp16 may be reduced in that
-// dtype when the handle allows reduced-precision reductions (cuBLAS's default); at the shapes of a
-// language-model head (M = V in the hundred thousands) cuBLAS has tiles enough not to split K.
+// offered). For the call's duration the handle's math mode also disallows reduced-precision
+// split-K reductions (cuBLAS's default allows them when C is bf16 / fp16), so every sum is float
+// until its one rounding; the mode is restored after.
+//
+// One chunk of every row: training with the float accumulator needs none when all the rows fit
+// one chunk (linear_plan.cuh, plan_linear): its d_weight GEMM writes d_weight directly.
 //
 // Overlap: the issue asks that one chunk's cross-entropy pass overlap the next chunk's GEMMs.
 // With the one stream of the execution object every launch waits for the previous one; a second
@@ -102,10 +105,19 @@ class cublas_scope {
     restore_stream_ = stream_ != exec.stream;
     if (mode_ != CUBLAS_POINTER_MODE_HOST)
       check_cublas(fn, cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST));
+    // Split-K partial sums stay in float even when C is bf16 / fp16 (a one-chunk d_weight GEMM
+    // writes d_weight directly; the float accumulation xent promises must hold there too).
+    check_cublas(fn, cublasGetMathMode(handle_, &math_));
+    if (!(math_ & CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION))
+      check_cublas(fn, cublasSetMathMode(
+                           handle_, static_cast<cublasMath_t>(
+                                        math_ | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   }
   ~cublas_scope() {  // no throwing from here: a failure to restore leaves the handle as it is
     if (restore_stream_) cublasSetStream(handle_, stream_);
     if (mode_ != CUBLAS_POINTER_MODE_HOST) cublasSetPointerMode(handle_, mode_);
+    if (!(math_ & CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION))
+      cublasSetMathMode(handle_, math_);
   }
   cublas_scope(const cublas_scope&) = delete;
   cublas_scope& operator=(const cublas_scope&) = delete;
@@ -118,6 +130,7 @@ class cublas_scope {
   cublasHandle_t handle_;
   cudaStream_t stream_ = nullptr;
   cublasPointerMode_t mode_ = CUBLAS_POINTER_MODE_HOST;
+  cublasMath_t math_ = CUBLAS_DEFAULT_MATH;
   bool restore_stream_ = false;
 };
 
@@ -474,9 +487,11 @@ struct linear_traits<cuda> {
   /// losses and argmax kept for the reduced loss and num_correct when the caller keeps none),
   /// and for training with G not float V floats of d_bias and either the V x D float d_weight
   /// accumulator (dw_accumulation::fp32) or, with dw_accumulation::output and G not T, a block
-  /// of 1024 weight rows in float. Every buffer is 256-byte aligned. A training call with
-  /// dw_accumulation::fp32 and a 16-bit d_weight without row padding may take larger chunks than
-  /// the figure returned: it keeps the logits in d_weight when that holds more rows.
+  /// of 1024 weight rows in float. Every buffer is 256-byte aligned. Training with
+  /// dw_accumulation::fp32 and 16-bit gradients plans one chunk of every row without the
+  /// accumulator when that fits the bytes the accumulator's plan would take (the figure returned
+  /// is then that plan's); otherwise, with a d_weight without row padding, a call may take larger
+  /// chunks than the figure returned: it keeps the logits in d_weight when that holds more rows.
   template <class T, class G>
   static linear_workspace_sizes workspace_size(const cuda&, const linear_shape& shape,
                                                linear_pass pass, dw_accumulation accumulate,

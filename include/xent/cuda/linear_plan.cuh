@@ -111,6 +111,19 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
 template <class T, class G>
 linear_plan plan_linear(const linear_shape& s, linear_pass pass, dw_accumulation accumulate,
                         std::size_t budget, std::size_t logits_room = 0) {
+  // Training with the float d_weight accumulator in one chunk of every row needs no accumulator:
+  // the chunk's d_weight GEMM sums every row in float and rounds once into d_weight, as the
+  // accumulator would (dw_accumulation::output's buffers, with the same numbers). Its logits
+  // (N x V of T) replace the V x D floats of the accumulator, so it fits a workspace sized for
+  // the accumulator whenever N <= 2 D (+ the budget's rows): 8192 x 4096 x 128256 in bf16 needs
+  // 2.1 GB either way. It also saves the accumulator's traffic, which each chunk's d_weight GEMM
+  // reads and writes (4 V D bytes each way), and rounding it at the end.
+  constexpr bool narrow_grads = !std::is_same<device_t<G>, float>::value;
+  if (narrow_grads && pass == linear_pass::training && accumulate == dw_accumulation::fp32 &&
+      s.rows >= 1) {
+    const linear_plan whole = make_linear_plan<T, G>(s, pass, dw_accumulation::output, s.rows);
+    if (whole.bytes <= budget) return whole;
+  }
   const linear_plan inside = detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t rows) {
     return make_linear_plan<T, G>(s, pass, accumulate, rows);
   });
