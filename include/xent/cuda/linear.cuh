@@ -500,7 +500,9 @@ struct linear_traits<cuda> {
     const auto fixed = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 0);
     const auto plan = cuda_detail::plan_linear<T, G>(shape, pass, accumulate,
                                                      detail::chunk_budget(fixed.bytes, budget));
-    return {least.bytes, plan.bytes, std::min(plan.chunk_rows, shape.rows)};
+    // Never below the minimum: the one-chunk plan can need fewer bytes than the one-row plan
+    // with the accumulator, but a call accepts any workspace of the minimum or more.
+    return {least.bytes, std::max(plan.bytes, least.bytes), std::min(plan.chunk_rows, shape.rows)};
   }
 
   template <class T, class Tgt>
