@@ -2,8 +2,19 @@
 // op, registered under the Autograd dispatch key (an alias of AutogradCPU, AutogradCUDA, ...), so
 // one registration serves the CPU kernels of xent_ops.cpp and the CUDA kernels of
 // xent_ops_cuda.cu. A call from Python is one dispatcher call forward (this kernel, then the
-// device kernel below autograd) and records one C++ node, whose backward calls the device kernel
-// of the matching *_bwd op; no Python runs on either side.
+// device kernel below autograd) and records one C++ node; no Python runs on either side.
+//
+// Two paths, chosen per call:
+//   fused   when the call records a node, the gradient flows to the logits (hidden / weight) and
+//           the reduction is mean or sum: the forward runs the *_fwd_bwd op, which reads the
+//           logits once (the linear op computes each chunk's logits once) and writes the gradient
+//           with upstream 1; the node saves only that gradient, and its backward scales it by
+//           the loss's gradient (scale_grad_, read on the device: on CUDA one launch that
+//           returns at once when it is 1). The logits (hidden, weight) are not kept for backward.
+//   split   otherwise (reduction none, whose per-row upstream gradient is known only in backward;
+//           a node that no gradient reaches the logits through): the forward saves the LSE and
+//           the backward calls the matching *_bwd op. A call that records no node (no_grad,
+//           evaluation) runs the forward op alone.
 //
 // The formulas call the ops through the dispatcher, not the device code directly: under
 // torch.compile the same kernels run on fake tensors, where the dispatcher routes the calls to
@@ -15,6 +26,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
@@ -48,6 +60,18 @@ using lce_fwd_t = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at
 using lce_bwd_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&,
     const opt_tensor&, const at::Tensor&, std::int64_t, std::int64_t, double, double, double);
+using ce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
+                                                                  const at::Tensor&,
+                                                                  const opt_tensor&, std::int64_t,
+                                                                  std::int64_t, double, double,
+                                                                  double);
+using ce_fused_inplace_t = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                              const opt_tensor&, std::int64_t,
+                                                              std::int64_t, double, double, double);
+using lce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&, const opt_tensor&,
+    std::int64_t, std::int64_t, double, double, double);
+using scale_grad_t = void(const at::Tensor&, const at::Tensor&);
 
 template <class Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
@@ -72,6 +96,22 @@ const c10::TypedOperatorHandle<lce_fwd_t>& lce_fwd() {
 }
 const c10::TypedOperatorHandle<lce_bwd_t>& lce_bwd() {
   static const auto op = find_op<lce_bwd_t>("xent::linear_cross_entropy_bwd");
+  return op;
+}
+const c10::TypedOperatorHandle<ce_fused_t>& ce_fused() {
+  static const auto op = find_op<ce_fused_t>("xent::cross_entropy_fwd_bwd");
+  return op;
+}
+const c10::TypedOperatorHandle<ce_fused_inplace_t>& ce_fused_inplace() {
+  static const auto op = find_op<ce_fused_inplace_t>("xent::cross_entropy_fwd_bwd_");
+  return op;
+}
+const c10::TypedOperatorHandle<lce_fused_t>& lce_fused() {
+  static const auto op = find_op<lce_fused_t>("xent::linear_cross_entropy_fwd_bwd");
+  return op;
+}
+const c10::TypedOperatorHandle<scale_grad_t>& scale_grad() {
+  static const auto op = find_op<scale_grad_t>("xent::scale_grad_");
   return op;
 }
 
@@ -119,6 +159,34 @@ saved_options load_options(AutogradContext* ctx) {
   return {e[0].toInt(), e[1].toInt(), e[2].toDouble(), e[3].toDouble(), e[4].toDouble()};
 }
 
+// Whether a forward takes the fused path (see the top of the file): the loss is a scalar
+// (at::Reduction::None is 0) and one of the tensors the logits' gradient flows to wants it.
+template <class... Tensors>
+bool fuses(std::int64_t reduction, const Tensors&... into) {
+  return reduction != 0 && (wants_grad(into) || ...);
+}
+
+// The node of a fused forward saves its gradients (and nothing else) and says so.
+void save_fused(AutogradContext* ctx, const variable_list& grads) {
+  ctx->save_for_backward(grads);
+  ctx->saved_data["fused"] = true;
+}
+
+bool is_fused(AutogradContext* ctx) { return ctx->saved_data.count("fused") != 0; }
+
+// A gradient a fused forward saved (computed with upstream 1) times the loss's gradient, which
+// scale_grad_ reads on the device (no .item(): nothing waits for the device, and a CUDA graph
+// replays the call for any value). In place, unless the graph is kept for another backward
+// (retain_graph, create_graph): that one needs the saved gradient unscaled, so a copy is scaled.
+at::Tensor scaled(const at::Tensor& grad, const at::Tensor& grad_output) {
+  const at::Tensor g = torch::autograd::get_current_graph_task_keep_graph() ? grad.clone() : grad;
+  call_bwd([&] { scale_grad().call(g, grad_output); });
+  // scale_grad_ writes through a pointer, which autograd cannot see; an in-place gradient is the
+  // caller's logits (see cross_entropy_function::forward).
+  torch::autograd::impl::bump_version(g);
+  return g;
+}
+
 }  // namespace
 
 // The Function types are named outside the anonymous namespace: a node's name (loss.grad_fn.name())
@@ -139,6 +207,30 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
     // kernel launch per backward).
     ctx->set_materialize_grads(false);
     at::Tensor loss, lse;
+    if (fuses(reduction, input)) {
+      at::Tensor grad;
+      // In place needs rows with a contiguous last dimension (that do not overlap); other layouts
+      // get a fresh gradient (the same values; only the memory saving is lost).
+      if (inplace_backward && rows_readable_in_place(input)) {
+        {
+          const at::AutoDispatchBelowADInplaceOrView below_autograd;
+          std::tie(loss, lse) = ce_fused_inplace().call(
+              input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap);
+        }
+        // The kernel wrote the gradient over the logits through a pointer, which autograd cannot
+        // see: bump the version counter (shared with every view of the caller's logits) so that a
+        // backward which saved these logits (e.g. tanh's output) fails loudly instead of reading
+        // the gradient as the logits.
+        torch::autograd::impl::bump_version(input);
+        grad = input.detach();  // the same memory and version counter, no history
+      } else {
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;
+        std::tie(loss, lse, grad) = ce_fused().call(input, target, weight, ignore_index, reduction,
+                                                    label_smoothing, z_loss, softcap);
+      }
+      save_fused(ctx, {grad});
+      return {loss, lse};
+    }
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(loss, lse) = ce_fwd().call(input, target, weight, ignore_index, reduction,
@@ -155,6 +247,10 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
     const at::Tensor& grad_loss = grads[0];
     if (!grad_loss.defined()) return result;  // only lse was used: zero gradient
     const variable_list saved = ctx->get_saved_variables();
+    if (is_fused(ctx)) {
+      result[0] = scaled(saved[0], grad_loss);
+      return result;
+    }
     const at::Tensor& input = saved[0];
     const opt_tensor weight = present(saved[2]);
     const saved_options o = load_options(ctx);
@@ -182,7 +278,8 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
 
 // linear_cross_entropy_fwd(hidden, weight, bias, target, class_weight, ignore_index, reduction,
 // label_smoothing, z_loss, softcap) -> (loss, lse): gradients for hidden, weight and bias (when
-// given), from the logits that xent::linear_backward recomputes a chunk at a time.
+// given). Fused, xent::linear_forward_backward computes them in forward (each chunk's logits
+// once); split, xent::linear_backward recomputes each chunk's logits from the saved LSE.
 struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_entropy_function> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden,
                                const at::Tensor& weight, const opt_tensor& bias,
@@ -191,6 +288,19 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
                                double label_smoothing, double z_loss, double softcap) {
     ctx->set_materialize_grads(false);
     at::Tensor loss, lse;
+    // The logits' gradient flows to hidden, weight and bias: any of them may be the one that
+    // wants it (a frozen LM head, frozen activations).
+    if (fuses(reduction, hidden, weight, bias)) {
+      at::Tensor d_hidden, d_weight, d_bias;
+      {
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;
+        std::tie(loss, lse, d_hidden, d_weight, d_bias) =
+            lce_fused().call(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                             label_smoothing, z_loss, softcap);
+      }
+      save_fused(ctx, {d_hidden, d_weight, bias.has_value() ? d_bias : at::Tensor()});
+      return {loss, lse};
+    }
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(loss, lse) = lce_fwd().call(hidden, weight, bias, target, class_weight, ignore_index,
@@ -207,6 +317,13 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
     const at::Tensor& grad_loss = grads[0];
     if (!grad_loss.defined()) return result;
     const variable_list saved = ctx->get_saved_variables();
+    if (is_fused(ctx)) {
+      // d_hidden, d_weight, d_bias (undefined without a bias): only those that reach a tensor
+      // requiring grad are scaled.
+      for (int i = 0; i < 3; ++i)
+        if (saved[i].defined() && ctx->needs_input_grad(i)) result[i] = scaled(saved[i], grad_loss);
+      return result;
+    }
     const opt_tensor bias = present(saved[2]);
     const saved_options o = load_options(ctx);
     auto [d_hidden, d_weight, d_bias] = call_bwd([&] {

@@ -27,6 +27,14 @@ struct cpu_backend {
   }
 };
 
+// On the CPU the upstream gradient is read where it lies. Exactly 1 (loss.backward()) leaves the
+// gradient as it is, as on CUDA; otherwise torch multiplies in float32 and rounds to grad's
+// dtype, as the CUDA kernel does.
+void scale_grad_cpu(const at::Tensor& grad, const at::Tensor& grad_output) {
+  const float scale = grad_scale_of(grad, grad_output).item<float>();
+  if (scale != 1.0f) grad.mul_(scale);
+}
+
 }  // namespace
 }  // namespace xent_torch
 
@@ -52,6 +60,22 @@ TORCH_LIBRARY(xent, m) {
       "Tensor target, Tensor? class_weight, Tensor lse, int ignore_index, int reduction, "
       "float label_smoothing, float z_loss, float softcap) "
       "-> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)");
+  // Training in one call for reduction mean or sum: the forward's results and the gradient with
+  // upstream 1, which the autograd node scales by the loss's gradient (scale_grad_) in backward.
+  m.def(
+      "cross_entropy_fwd_bwd(Tensor input, Tensor target, Tensor? weight, int ignore_index, "
+      "int reduction, float label_smoothing, float z_loss, float softcap) "
+      "-> (Tensor loss, Tensor lse, Tensor grad)");
+  m.def(
+      "cross_entropy_fwd_bwd_(Tensor(a!) input, Tensor target, Tensor? weight, int ignore_index, "
+      "int reduction, float label_smoothing, float z_loss, float softcap) "
+      "-> (Tensor loss, Tensor lse)");
+  m.def(
+      "linear_cross_entropy_fwd_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+      "Tensor? class_weight, int ignore_index, int reduction, float label_smoothing, "
+      "float z_loss, float softcap) "
+      "-> (Tensor loss, Tensor lse, Tensor d_hidden, Tensor d_weight, Tensor d_bias)");
+  m.def("scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(xent, CPU, m) {
@@ -61,4 +85,8 @@ TORCH_LIBRARY_IMPL(xent, CPU, m) {
   m.impl("cross_entropy_bwd_", &xent_torch::cross_entropy_bwd_inplace<cpu_backend>);
   m.impl("linear_cross_entropy_fwd", &xent_torch::linear_cross_entropy_fwd<cpu_backend>);
   m.impl("linear_cross_entropy_bwd", &xent_torch::linear_cross_entropy_bwd<cpu_backend>);
+  m.impl("cross_entropy_fwd_bwd", &xent_torch::cross_entropy_fwd_bwd<cpu_backend>);
+  m.impl("cross_entropy_fwd_bwd_", &xent_torch::cross_entropy_fwd_bwd_inplace<cpu_backend>);
+  m.impl("linear_cross_entropy_fwd_bwd", &xent_torch::linear_cross_entropy_fwd_bwd<cpu_backend>);
+  m.impl("scale_grad_", &xent_torch::scale_grad_cpu);
 }

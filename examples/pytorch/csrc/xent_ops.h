@@ -63,10 +63,10 @@ xent::vector_view<T> vector_of(const at::Tensor& t) {
   return {reinterpret_cast<T*>(t.data_ptr()), t.numel()};
 }
 
-inline void check_input_dtype(const at::Tensor& input) {
+inline void check_input_dtype(const at::Tensor& input, const char* name = "input") {
   const auto st = input.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
-                   "xent: input must be float32, bfloat16 or float16, got ", st,
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "xent: ", name,
+                   " must be float32, bfloat16 or float16, got ", st,
                    " (float64 is not supported: xent accumulates in float32)");
 }
 
@@ -124,6 +124,57 @@ inline xent::options options_of(const at::Tensor& weights, std::int64_t ignore_i
   return opts;
 }
 
+// What every cross-entropy call derives from its arguments over the logits x: the targets, the
+// class weights (which opts points into, so they travel together) and xent's options.
+struct ce_inputs {
+  targets tg;
+  at::Tensor weights;
+  xent::options opts;
+};
+
+inline ce_inputs ce_inputs_of(const at::Tensor& x, const at::Tensor& target,
+                              const std::optional<at::Tensor>& weight, std::int64_t ignore_index,
+                              std::int64_t reduction, double label_smoothing, double z_loss,
+                              double softcap) {
+  ce_inputs in;
+  in.tg = targets_of(target, x, x.size(1));
+  in.weights = weights_of(x, weight, x.size(1));
+  in.opts = options_of(in.weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  return in;
+}
+
+// A forward's float32 results over the N rows of x: the loss (0-d for mean / sum, (N,) for none)
+// and the per-row LSE, and xent's view of them.
+struct loss_outputs {
+  at::Tensor loss, lse;
+
+  loss_outputs(const at::Tensor& x, xent::reduction reduce) {
+    const std::int64_t n = x.size(0);
+    const auto f32 = x.options().dtype(at::kFloat);
+    loss = reduce == xent::reduction::none ? at::empty({n}, f32) : at::empty({}, f32);
+    lse = at::empty({n}, f32);
+  }
+
+  xent::forward_outputs view() const {
+    xent::forward_outputs out;
+    if (loss.dim() == 0)
+      out.loss = loss.data_ptr<float>();
+    else
+      out.row_loss = {loss.data_ptr<float>(), loss.numel()};
+    out.lse = {lse.data_ptr<float>(), lse.numel()};
+    return out;
+  }
+};
+
+// The fused forward+backward ops compute the gradient with upstream 1, before the loss's gradient
+// exists; the autograd node scales it in backward (scale_grad_). That takes a scalar upstream:
+// with reduction none each row's upstream gradient is known only in backward.
+inline void check_fused_reduction(const xent::options& opts) {
+  TORCH_CHECK_VALUE(opts.reduce != xent::reduction::none,
+                    "xent: a fused forward+backward needs reduction mean or sum (with none, each "
+                    "row's upstream gradient is known only in backward)");
+}
+
 // Calls f(element tag, targets view) with xent's element type for the input's dtype and xent's
 // view of the targets (vector_view<const int64/int32> or soft_targets<element>): nine
 // instantiations per op (3 dtypes x 3 kinds of target).
@@ -177,28 +228,15 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd(
   check_input_dtype(input);
   const typename B::guard device_guard(input.device());
   const at::Tensor x = rows_view(input);
-  const std::int64_t n = x.size(0);
-  const targets tg = targets_of(target, x, x.size(1));
-  const at::Tensor w = weights_of(x, weight, x.size(1));
-  const xent::options opts =
-      options_of(w, ignore_index, reduction, label_smoothing, z_loss, softcap);
-  const bool reduced = opts.reduce != xent::reduction::none;
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor loss = reduced ? at::empty({}, f32) : at::empty({n}, f32);
-  at::Tensor lse = at::empty({n}, f32);
-
-  dispatch(x, tg, [&](auto tag, auto tv) {
+  const ce_inputs in =
+      ce_inputs_of(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  const loss_outputs out(x, in.opts.reduce);
+  dispatch(x, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
-    xent::forward_outputs out;
-    if (reduced)
-      out.loss = loss.data_ptr<float>();
-    else
-      out.row_loss = {loss.data_ptr<float>(), n};
-    out.lse = {lse.data_ptr<float>(), n};
-    const auto call = B::exec(x, reduced);
-    call_xent([&] { xent::forward(call.exec, matrix_of<const T>(x), tv, opts, out); });
+    const auto call = B::exec(x, in.opts.reduce != xent::reduction::none);
+    call_xent([&] { xent::forward(call.exec, matrix_of<const T>(x), tv, in.opts, out.view()); });
   });
-  return {loss, lse};
+  return {out.loss, out.lse};
 }
 
 // The per-row LSE a forward saved, as N float32 values.
@@ -234,21 +272,19 @@ void backward_into(const at::Tensor& grad_output, const at::Tensor& x, const at:
                    double z_loss, double softcap, const at::Tensor& grad) {
   const typename B::guard device_guard(x.device());
   const std::int64_t n = x.size(0);
-  const targets tg = targets_of(target, x, x.size(1));
-  const at::Tensor w = weights_of(x, weight, x.size(1));
-  const xent::options opts =
-      options_of(w, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  const ce_inputs in =
+      ce_inputs_of(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap);
   check_same_device(x, grad_output, "grad_output");
   const at::Tensor g_out = grad_output.to(at::kFloat).contiguous();
   const at::Tensor saved = saved_lse(x, lse, n);
-  const xent::upstream up = upstream_of(g_out, opts.reduce, n);
+  const xent::upstream up = upstream_of(g_out, in.opts.reduce, n);
 
-  dispatch(x, tg, [&](auto tag, auto tv) {
+  dispatch(x, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     const xent::vector_view<const float> lv(saved.data_ptr<float>(), n);
     const auto call = B::exec(x, false);
     call_xent([&] {
-      xent::backward(call.exec, matrix_of<const T>(x), tv, opts, lv, up, matrix_of<T>(grad));
+      xent::backward(call.exec, matrix_of<const T>(x), tv, in.opts, lv, up, matrix_of<T>(grad));
     });
   });
 }
@@ -283,6 +319,74 @@ void cross_entropy_bwd_inplace(const at::Tensor& grad_output, const at::Tensor& 
                     "contiguous");
   backward_into<B>(grad_output, input, target, weight, lse, ignore_index, reduction,
                    label_smoothing, z_loss, softcap, input);
+}
+
+// --- fused forward+backward: one read of the logits, one write of the gradient ------------------
+
+// Loss, LSE and the gradient with upstream 1 into `grad` (the logits themselves, or a fresh
+// tensor) in one xent::forward_backward call; see check_fused_reduction.
+template <class B>
+loss_outputs forward_backward_into(const at::Tensor& x, const at::Tensor& target,
+                                   const std::optional<at::Tensor>& weight,
+                                   std::int64_t ignore_index, std::int64_t reduction,
+                                   double label_smoothing, double z_loss, double softcap,
+                                   const at::Tensor& grad) {
+  const typename B::guard device_guard(x.device());
+  const ce_inputs in =
+      ce_inputs_of(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  check_fused_reduction(in.opts);
+  const loss_outputs out(x, in.opts.reduce);
+  dispatch(x, in.tg, [&](auto tag, auto tv) {
+    using T = decltype(tag);
+    const auto call = B::exec(x, true);
+    call_xent([&] {
+      xent::forward_backward(call.exec, matrix_of<const T>(x), tv, in.opts, xent::upstream{},
+                             out.view(), matrix_of<T>(grad));
+    });
+  });
+  return out;
+}
+
+// Out of place: (loss, lse, grad), grad a new contiguous tensor; the input is only read.
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd_bwd(
+    const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap) {
+  check_input_dtype(input);
+  const at::Tensor x = rows_view(input);
+  at::Tensor grad = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const loss_outputs out = forward_backward_into<B>(x, target, weight, ignore_index, reduction,
+                                                    label_smoothing, z_loss, softcap, grad);
+  return {out.loss, out.lse, grad};
+}
+
+// In place: (loss, lse), the gradient over `input`, refused for the layouts (and for the reason)
+// that cross_entropy_bwd_ refuses.
+template <class B>
+std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_bwd_inplace(
+    const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap) {
+  check_input_dtype(input);
+  TORCH_CHECK_VALUE(rows_readable_in_place(input),
+                    "xent: an in-place gradient needs 2-D logits whose last dimension is "
+                    "contiguous");
+  const loss_outputs out = forward_backward_into<B>(input, target, weight, ignore_index, reduction,
+                                                    label_smoothing, z_loss, softcap, input);
+  return {out.loss, out.lse};
+}
+
+// scale_grad_(grad, grad_output): grad *= grad_output, the upstream gradient of a reduced loss (one
+// element, on grad's device), in place. Checks both and returns the scale as float32; each
+// backend reads it its own way (the CPU on the host, CUDA on the device).
+inline at::Tensor grad_scale_of(const at::Tensor& grad, const at::Tensor& grad_output) {
+  check_input_dtype(grad, "grad");
+  check_same_device(grad, grad_output, "grad_output");
+  TORCH_CHECK_VALUE(grad_output.numel() == 1,
+                    "xent: grad_output of a reduced loss must have one element, got ",
+                    grad_output.sizes());
+  return grad_output.to(at::kFloat);
 }
 
 // --- fused linear cross-entropy: logits = hidden weight^T (+ bias), never materialised ----------
@@ -344,32 +448,41 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
   const linear_inputs in =
       linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                        label_smoothing, z_loss, softcap);
-  const std::int64_t n = in.hidden.size(0);
-  const auto f32 = in.hidden.options().dtype(at::kFloat);
-  at::Tensor loss =
-      in.opts.reduce == xent::reduction::none ? at::empty({n}, f32) : at::empty({}, f32);
-  at::Tensor lse = at::empty({n}, f32);
+  const loss_outputs out(in.hidden, in.opts.reduce);
   dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     const auto call = B::exec(in.hidden, false, true);
-    xent::forward_outputs out;
-    if (in.opts.reduce == xent::reduction::none)
-      out.row_loss = {loss.data_ptr<float>(), n};
-    else
-      out.loss = loss.data_ptr<float>();
-    out.lse = {lse.data_ptr<float>(), n};
     at::Tensor ws = linear_workspace_for<T>(call.exec, in, xent::linear_pass::forward);
     call_xent([&] {
       xent::linear_forward(call.exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
-                           vector_of<const T>(in.bias), tv, in.opts, out,
+                           vector_of<const T>(in.bias), tv, in.opts, out.view(),
                            {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
     });
   });
-  return {loss, lse};
+  return {out.loss, out.lse};
 }
 
-// d_hidden (N x D), d_weight (V x D) and d_bias (V, or an empty tensor without a bias), in the
-// hidden dtype, from the LSE the forward saved; each chunk's logits are recomputed.
+// d_hidden (N x D), d_weight (V x D) and d_bias (V, or an empty tensor without a bias) in the
+// hidden dtype, and xent's view of them.
+struct linear_grad_tensors {
+  at::Tensor d_hidden, d_weight, d_bias;
+  bool with_bias;
+
+  explicit linear_grad_tensors(const linear_inputs& in) : with_bias(in.bias.defined()) {
+    const auto like = in.hidden.options().memory_format(at::MemoryFormat::Contiguous);
+    d_hidden = at::empty(in.hidden.sizes(), like);
+    d_weight = at::empty(in.weight.sizes(), like);
+    d_bias = at::empty({with_bias ? in.weight.size(0) : 0}, like);
+  }
+
+  template <class T>
+  xent::linear_grads<T> view() const {
+    return {matrix_of<T>(d_hidden), matrix_of<T>(d_weight),
+            with_bias ? vector_of<T>(d_bias) : xent::vector_view<T>{}};
+  }
+};
+
+// The gradients from the LSE the forward saved; each chunk's logits are recomputed.
 template <class B>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
     const at::Tensor& grad_output, const at::Tensor& hidden, const at::Tensor& weight,
@@ -385,24 +498,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
   const at::Tensor g_out = grad_output.to(at::kFloat).contiguous();
   const at::Tensor saved = saved_lse(in.hidden, lse, n);
   const xent::upstream up = upstream_of(g_out, in.opts.reduce, n);
-  const auto like = in.hidden.options().memory_format(at::MemoryFormat::Contiguous);
-  at::Tensor d_hidden = at::empty(in.hidden.sizes(), like);
-  at::Tensor d_weight = at::empty(in.weight.sizes(), like);
-  at::Tensor d_bias = at::empty({in.bias.defined() ? in.weight.size(0) : 0}, like);
+  const linear_grad_tensors grads(in);
   dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     const auto call = B::exec(in.hidden, false, true);
-    xent::linear_grads<T> grads{matrix_of<T>(d_hidden), matrix_of<T>(d_weight),
-                                in.bias.defined() ? vector_of<T>(d_bias) : xent::vector_view<T>{}};
     at::Tensor ws = linear_workspace_for<T>(call.exec, in, xent::linear_pass::training);
     call_xent([&] {
       xent::linear_backward(call.exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
                             vector_of<const T>(in.bias), tv, in.opts,
-                            xent::vector_view<const float>(saved.data_ptr<float>(), n), up, grads,
-                            {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
+                            xent::vector_view<const float>(saved.data_ptr<float>(), n), up,
+                            grads.view<T>(), {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
     });
   });
-  return {d_hidden, d_weight, d_bias};
+  return {grads.d_hidden, grads.d_weight, grads.d_bias};
+}
+
+// Training in one call (xent::linear_forward_backward, upstream 1; see check_fused_reduction):
+// (loss, lse, d_hidden, d_weight, d_bias), each chunk's logits computed once.
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_fwd_bwd(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap) {
+  const typename B::guard device_guard(hidden.device());
+  const linear_inputs in =
+      linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                       label_smoothing, z_loss, softcap);
+  check_fused_reduction(in.opts);
+  const loss_outputs out(in.hidden, in.opts.reduce);
+  const linear_grad_tensors grads(in);
+  dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
+    using T = decltype(tag);
+    const auto call = B::exec(in.hidden, false, true);
+    at::Tensor ws = linear_workspace_for<T>(call.exec, in, xent::linear_pass::training);
+    call_xent([&] {
+      xent::linear_forward_backward(call.exec, matrix_of<const T>(in.hidden),
+                                    matrix_of<const T>(in.weight), vector_of<const T>(in.bias), tv,
+                                    in.opts, xent::upstream{}, out.view(), grads.view<T>(),
+                                    {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
+    });
+  });
+  return {out.loss, out.lse, grads.d_hidden, grads.d_weight, grads.d_bias};
 }
 
 }  // namespace xent_torch

@@ -2,7 +2,8 @@
 
 The C++ ops (csrc/xent_ops.cpp for the CPU, csrc/xent_ops_cuda.cu for CUDA) compute on 2-D (N, C)
 logits, and their autograd formulas are C++ too (csrc/xent_autograd.cpp: one dispatcher call
-forward, one C++ node backward, no Python in either). This module checks the arguments with
+forward, one C++ node backward, no Python in either; a training call with a reduced loss runs the
+fused *_fwd_bwd op forward and scale_grad_ backward). This module checks the arguments with
 torch's error types, flattens (..., C) inputs, registers the fake (meta) kernels torch.compile
 traces with, and casts the float32 loss to the input's dtype.
 """
@@ -39,6 +40,35 @@ def _bwd_inplace_fake(grad_output, input, target, weight, lse, ignore_index, red
     return None
 
 
+def _check_fused(reduction):
+    """The fused ops' refusal of reduction none (csrc/xent_ops.h, check_fused_reduction)."""
+    if reduction == 0:
+        raise ValueError("xent: a fused forward+backward needs reduction mean or sum (with none, "
+                         "each row's upstream gradient is known only in backward)")
+
+
+@torch.library.register_fake("xent::cross_entropy_fwd_bwd")
+def _fwd_bwd_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                  softcap):
+    _check_fused(reduction)
+    loss, lse = _fwd_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                          softcap, False)
+    return loss, lse, torch.empty(input.shape, dtype=input.dtype, device=input.device)
+
+
+@torch.library.register_fake("xent::cross_entropy_fwd_bwd_")
+def _fwd_bwd_inplace_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                          softcap):
+    _check_fused(reduction)
+    return _fwd_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                     softcap, False)
+
+
+@torch.library.register_fake("xent::scale_grad_")
+def _scale_grad_fake(grad, grad_output):
+    return None
+
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0, z_loss=0.0, softcap=None, inplace_backward=False):
     """Cross-entropy of logits `input` (..., C) against `target`, fused by xent.
@@ -52,11 +82,20 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     ignore_index does not apply), held in input's dtype and given no gradient. Extensions:
       z_loss            adds z_loss * logsumexp(x)^2 per row not ignored (PaLM)
       softcap           logits become softcap * tanh(x / softcap) first (Gemma 2); None is off
-      inplace_backward  backward writes the gradient over `input`'s memory instead of a new
-                        tensor (saves N x C elements). DANGER: the logits are destroyed; any other
-                        use of them afterwards (another loss, a saved activation, logging) sees the
-                        gradient. Off by default (Liger #272). Inputs whose last dimension is not
-                        contiguous get an out-of-place gradient.
+      inplace_backward  the gradient is written over `input`'s memory instead of a new tensor
+                        (saves N x C elements). DANGER: the logits are destroyed; any other use of
+                        them afterwards (another loss, a saved activation, logging) sees the
+                        gradient. With reduction mean or sum under grad mode the FORWARD itself
+                        overwrites them (as Liger does: see below), so they are gone as soon as
+                        this call returns; with reduction none, backward does. Off by default
+                        (Liger #272). Inputs whose last dimension is not contiguous get an
+                        out-of-place gradient.
+    Training (grad mode on, input requiring grad, reduction mean or sum): the forward computes the
+    gradient too, in one pass over the logits (xent::forward_backward, upstream 1), and keeps only
+    that gradient for backward, not the logits; backward multiplies it by the loss's gradient on
+    the device (free when that is exactly 1, as in loss.backward()), in place; a backward with
+    retain_graph=True (or create_graph=True) scales a copy, so a later one still works. Reduction
+    none, and calls under no_grad, compute the loss alone; backward then reads the logits again.
     The reduced loss has input's dtype; the arithmetic is float32 throughout. On CUDA nothing
     synchronises with the host (the op can be captured in a CUDA graph); a class id out of range
     gives that row a NaN loss and is counted by cuda_target_errors() instead of raising
@@ -112,6 +151,16 @@ def _linear_bwd_fake(grad_output, hidden, weight, bias, target, class_weight, ls
     return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), d_bias
 
 
+@torch.library.register_fake("xent::linear_cross_entropy_fwd_bwd")
+def _linear_fwd_bwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                         label_smoothing, z_loss, softcap):
+    _check_fused(reduction)
+    args = (hidden, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
+            z_loss, softcap)
+    return (*_linear_fwd_fake(*args), *_linear_bwd_fake(None, hidden, weight, bias, target,
+                                                        class_weight, None, *args[5:]))
+
+
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, ignore_index=-100,
                          reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None):
     """cross_entropy(hidden @ weight.T + bias, target, ...) without materialising the logits.
@@ -122,8 +171,13 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
     torch's handle, float accumulation; bf16 / fp16 logits are rounded to that dtype, as torch's
     F.linear does). class_weight is
     cross_entropy's `weight` (per-class weights); every other option is cross_entropy's.
-    The logits are computed a chunk of rows at a time (xent::linear_forward) and recomputed in
-    backward (xent::linear_backward) from the saved per-row log-sum-exp.
+    The logits are computed a chunk of rows at a time. Training (grad mode on, a tensor among
+    hidden, weight and bias requiring grad, reduction mean or sum): the forward computes the loss
+    and d_hidden, d_weight and d_bias in one call (xent::linear_forward_backward, each chunk's
+    logits once) and keeps only those gradients for backward, which multiplies them by the loss's
+    gradient on the device. Reduction none: the forward computes the loss
+    (xent::linear_forward) and backward recomputes each chunk's logits from the saved per-row
+    log-sum-exp (xent::linear_backward).
     """
     code = _REDUCTIONS.get(reduction)
     if code is None:
