@@ -12,7 +12,8 @@
 //           the loss's gradient (scale_grad_, read on the device: on CUDA one launch that
 //           returns at once when it is 1). The logits (hidden, weight) are not kept for backward.
 //   split   otherwise (reduction none, whose per-row upstream gradient is known only in backward;
-//           a node that no gradient reaches the logits through): the forward saves the LSE and
+//           a node that no gradient reaches the logits through; cross_entropy under torch.compile,
+//           see traced below): the forward saves the LSE and
 //           the backward calls the matching *_bwd op. A call that records no node (no_grad,
 //           evaluation) runs the forward op alone.
 //
@@ -166,6 +167,13 @@ bool fuses(std::int64_t reduction, const Tensors&... into) {
   return reduction != 0 && (wants_grad(into) || ...);
 }
 
+// Whether the call is being traced (torch.compile runs the formulas on fake and functional
+// tensors, which carry the Python dispatch key). Traced, cross_entropy keeps the split path:
+// inductor copies a saved gradient before an op mutates it in place (scale_grad_), so a compiled
+// fused step reads and writes N x V twice, where the split one reads twice and writes once. The
+// linear op stays fused (its copy is V x D, against a logits GEMM saved).
+bool traced(const at::Tensor& t) { return t.key_set().has(c10::DispatchKey::Python); }
+
 // The node of a fused forward saves its gradients (and nothing else) and says so.
 void save_fused(AutogradContext* ctx, const variable_list& grads) {
   ctx->save_for_backward(grads);
@@ -207,7 +215,7 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
     // kernel launch per backward).
     ctx->set_materialize_grads(false);
     at::Tensor loss, lse;
-    if (fuses(reduction, input)) {
+    if (fuses(reduction, input) && !traced(input)) {
       at::Tensor grad;
       // In place needs rows with a contiguous last dimension (that do not overlap); other layouts
       // get a fresh gradient (the same values; only the memory saving is lost).
