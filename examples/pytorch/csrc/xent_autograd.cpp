@@ -31,6 +31,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -60,7 +61,8 @@ using lce_fwd_t = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at
                                                      double, double, double);
 using lce_bwd_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&,
-    const opt_tensor&, const at::Tensor&, std::int64_t, std::int64_t, double, double, double);
+    const opt_tensor&, const at::Tensor&, std::int64_t, std::int64_t, double, double, double,
+    std::array<bool, 3>);
 using ce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
                                                                   const at::Tensor&,
                                                                   const opt_tensor&, std::int64_t,
@@ -71,7 +73,7 @@ using ce_fused_inplace_t = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
                                                               std::int64_t, double, double, double);
 using lce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&, const opt_tensor&,
-    std::int64_t, std::int64_t, double, double, double);
+    std::int64_t, std::int64_t, double, double, double, std::array<bool, 3>);
 using scale_grad_t = void(const at::Tensor&, const at::Tensor&);
 
 template <class Signature>
@@ -300,13 +302,16 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
     // wants it (a frozen LM head, frozen activations).
     if (fuses(reduction, hidden, weight, bias)) {
       at::Tensor d_hidden, d_weight, d_bias;
+      // Only the gradients some tensor wants: a frozen LM head skips its d_weight GEMM.
+      const std::array<bool, 3> mask{wants_grad(hidden), wants_grad(weight), wants_grad(bias)};
       {
         const at::AutoDispatchBelowADInplaceOrView below_autograd;
         std::tie(loss, lse, d_hidden, d_weight, d_bias) =
             lce_fused().call(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                             label_smoothing, z_loss, softcap);
+                             label_smoothing, z_loss, softcap, mask);
       }
-      save_fused(ctx, {d_hidden, d_weight, bias.has_value() ? d_bias : at::Tensor()});
+      save_fused(ctx, {mask[0] ? d_hidden : at::Tensor(), mask[1] ? d_weight : at::Tensor(),
+                       mask[2] ? d_bias : at::Tensor()});
       return {loss, lse};
     }
     {
@@ -334,14 +339,16 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
     }
     const opt_tensor bias = present(saved[2]);
     const saved_options o = load_options(ctx);
+    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                   bias.has_value() && ctx->needs_input_grad(2)};
     auto [d_hidden, d_weight, d_bias] = call_bwd([&] {
       return lce_bwd().call(grad_loss, saved[0], saved[1], bias, saved[3], present(saved[4]),
                             saved[5], o.ignore_index, o.reduction, o.label_smoothing, o.z_loss,
-                            o.softcap);
+                            o.softcap, mask);
     });
-    result[0] = std::move(d_hidden);
-    result[1] = std::move(d_weight);
-    if (bias.has_value()) result[2] = std::move(d_bias);
+    if (mask[0]) result[0] = std::move(d_hidden);
+    if (mask[1]) result[1] = std::move(d_weight);
+    if (mask[2]) result[2] = std::move(d_bias);
     return result;
   }
 };

@@ -58,8 +58,10 @@ TORCH_LIBRARY(xent, m) {
   m.def(
       "linear_cross_entropy_bwd(Tensor grad_output, Tensor hidden, Tensor weight, Tensor? bias, "
       "Tensor target, Tensor? class_weight, Tensor lse, int ignore_index, int reduction, "
-      "float label_smoothing, float z_loss, float softcap) "
+      "float label_smoothing, float z_loss, float softcap, bool[3] output_mask) "
       "-> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)");
+  // The linear ops' output_mask: which of d_hidden, d_weight, d_bias to compute (a frozen LM head
+  // skips its d_weight GEMM); a gradient not asked for is returned empty, (0,).
   // Training in one call for reduction mean or sum: the forward's results and the gradient with
   // upstream 1, which the autograd node scales by the loss's gradient (scale_grad_) in backward.
   m.def(
@@ -73,7 +75,7 @@ TORCH_LIBRARY(xent, m) {
   m.def(
       "linear_cross_entropy_fwd_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "Tensor? class_weight, int ignore_index, int reduction, float label_smoothing, "
-      "float z_loss, float softcap) "
+      "float z_loss, float softcap, bool[3] output_mask) "
       "-> (Tensor loss, Tensor lse, Tensor d_hidden, Tensor d_weight, Tensor d_bias)");
   m.def("scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
 }

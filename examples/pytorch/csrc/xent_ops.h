@@ -18,6 +18,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -466,19 +467,22 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
 // hidden dtype, and xent's view of them.
 struct linear_grad_tensors {
   at::Tensor d_hidden, d_weight, d_bias;
-  bool with_bias;
+  std::array<bool, 3> mask;  ///< which of the three the call computes (output_mask)
 
-  explicit linear_grad_tensors(const linear_inputs& in) : with_bias(in.bias.defined()) {
+  linear_grad_tensors(const linear_inputs& in, std::array<bool, 3> output_mask)
+      : mask{output_mask[0], output_mask[1], output_mask[2] && in.bias.defined()} {
     const auto like = in.hidden.options().memory_format(at::MemoryFormat::Contiguous);
-    d_hidden = at::empty(in.hidden.sizes(), like);
-    d_weight = at::empty(in.weight.sizes(), like);
-    d_bias = at::empty({with_bias ? in.weight.size(0) : 0}, like);
+    // Gradients not asked for are not allocated: (0,) stands for them.
+    d_hidden = mask[0] ? at::empty(in.hidden.sizes(), like) : at::empty({0}, like);
+    d_weight = mask[1] ? at::empty(in.weight.sizes(), like) : at::empty({0}, like);
+    d_bias = at::empty({mask[2] ? in.weight.size(0) : 0}, like);
   }
 
   template <class T>
   xent::linear_grads<T> view() const {
-    return {matrix_of<T>(d_hidden), matrix_of<T>(d_weight),
-            with_bias ? vector_of<T>(d_bias) : xent::vector_view<T>{}};
+    return {mask[0] ? matrix_of<T>(d_hidden) : xent::matrix_view<T>{},
+            mask[1] ? matrix_of<T>(d_weight) : xent::matrix_view<T>{},
+            mask[2] ? vector_of<T>(d_bias) : xent::vector_view<T>{}};
   }
 };
 
@@ -488,7 +492,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
     const at::Tensor& grad_output, const at::Tensor& hidden, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& target,
     const std::optional<at::Tensor>& class_weight, const at::Tensor& lse, std::int64_t ignore_index,
-    std::int64_t reduction, double label_smoothing, double z_loss, double softcap) {
+    std::int64_t reduction, double label_smoothing, double z_loss, double softcap,
+    std::array<bool, 3> output_mask) {
   const typename B::guard device_guard(hidden.device());
   const linear_inputs in =
       linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
@@ -498,7 +503,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
   const at::Tensor g_out = grad_output.to(at::kFloat).contiguous();
   const at::Tensor saved = saved_lse(in.hidden, lse, n);
   const xent::upstream up = upstream_of(g_out, in.opts.reduce, n);
-  const linear_grad_tensors grads(in);
+  const linear_grad_tensors grads(in, output_mask);
   dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     const auto call = B::exec(in.hidden, false, true);
@@ -520,14 +525,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
-    double softcap) {
+    double softcap, std::array<bool, 3> output_mask) {
   const typename B::guard device_guard(hidden.device());
   const linear_inputs in =
       linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                        label_smoothing, z_loss, softcap);
   check_fused_reduction(in.opts);
   const loss_outputs out(in.hidden, in.opts.reduce);
-  const linear_grad_tensors grads(in);
+  const linear_grad_tensors grads(in, output_mask);
   dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     const auto call = B::exec(in.hidden, false, true);

@@ -206,7 +206,7 @@ def test_fused_ops_refuse_reduction_none():
     hidden, weight, _, target = lin.make()
     with pytest.raises(ValueError, match="mean or sum"):
         torch.ops.xent.linear_cross_entropy_fwd_bwd(hidden, weight, None, target, None, -100, 0,
-                                                    0.0, 0.0, 0.0)
+                                                    0.0, 0.0, 0.0, [True, True, True])
 
 
 # --- linear_cross_entropy -------------------------------------------------------------------------
@@ -336,9 +336,10 @@ def test_opcheck_fused_ops():
         torch.library.opcheck(torch.ops.xent.cross_entropy_fwd_bwd_.default,
                               (x.clone(), t, None, -100, reduction, 0.0, 0.0, 2.0))
         for b in (None, bias):
-            torch.library.opcheck(torch.ops.xent.linear_cross_entropy_fwd_bwd.default,
-                                  (hidden, weight, b, target, None, -100, reduction, 0.1, 0.0,
-                                   0.0))
+            for mask in ([True, True, True], [True, False, False], [False, True, True]):
+                torch.library.opcheck(torch.ops.xent.linear_cross_entropy_fwd_bwd.default,
+                                      (hidden, weight, b, target, None, -100, reduction, 0.1, 0.0,
+                                       0.0, mask))
     for scale in (1.0, 0.5):
         torch.library.opcheck(torch.ops.xent.scale_grad_.default,
                               (x.clone(), torch.tensor(scale)))
@@ -438,3 +439,44 @@ def test_cuda_scale_grad_reads_the_scale_on_the_device(dtype):
         scale.fill_(s)
         graph.replay()
         torch.testing.assert_close(static, (grad.float() * s).to(dtype), rtol=0, atol=0)
+
+
+# --- output_mask: only the gradients some tensor wants ----------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])  # the fused path and the split one
+@pytest.mark.parametrize("frozen", ["weight", "hidden", "bias"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_frozen_tensors_get_no_gradient_and_the_others_torchs(reduction, frozen, device):
+    hidden, weight, bias, target = lin.make(n=12, d=8, v=23)
+    leaves = {"hidden": hidden, "weight": weight, "bias": bias}
+    ours = {k: v.to(device).clone().requires_grad_(k != frozen) for k, v in leaves.items()}
+    refs = {k: v.clone().requires_grad_(k != frozen) for k, v in leaves.items()}
+    loss = xent_torch.linear_cross_entropy(ours["hidden"], ours["weight"], target.to(device),
+                                           bias=ours["bias"], reduction=reduction)
+    ref = lin.torch_linear_ce(refs["hidden"], refs["weight"], target, bias=refs["bias"],
+                              reduction=reduction)
+    up = torch.rand(ref.shape, generator=torch.Generator().manual_seed(3)) + 0.5
+    loss.backward(up.to(device))
+    ref.backward(up)
+    assert ours[frozen].grad is None
+    for k in leaves:
+        if k != frozen:
+            torch.testing.assert_close(ours[k].grad.cpu(), refs[k].grad, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_ops_skip_the_gradients_not_asked_for():
+    # What the mask changes in the ops themselves: (0,) in place of each gradient not asked for,
+    # and the others equal to the full call's.
+    hidden, weight, bias, target = lin.make(n=6, d=4, v=9)
+    args = (hidden, weight, bias, target, None, -100, 1, 0.0, 0.0, 0.0)
+    full = torch.ops.xent.linear_cross_entropy_fwd_bwd(*args, [True, True, True])
+    head_frozen = torch.ops.xent.linear_cross_entropy_fwd_bwd(*args, [True, False, False])
+    assert head_frozen[3].shape == (0,) and head_frozen[4].shape == (0,)
+    torch.testing.assert_close(head_frozen[2], full[2], rtol=0, atol=0)
+    lse = full[1]
+    split = torch.ops.xent.linear_cross_entropy_bwd(torch.ones(()), hidden, weight, bias, target,
+                                                    None, lse, -100, 1, 0.0, 0.0, 0.0,
+                                                    [False, True, False])
+    assert split[0].shape == (0,) and split[2].shape == (0,)
+    torch.testing.assert_close(split[1], full[3], rtol=1e-5, atol=1e-6)

@@ -146,19 +146,23 @@ def _linear_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, r
 
 @torch.library.register_fake("xent::linear_cross_entropy_bwd")
 def _linear_bwd_fake(grad_output, hidden, weight, bias, target, class_weight, lse, ignore_index,
-                     reduction, label_smoothing, z_loss, softcap):
-    d_bias = hidden.new_empty((weight.shape[0] if bias is not None else 0,))
-    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), d_bias
+                     reduction, label_smoothing, z_loss, softcap, output_mask):
+    # A gradient not asked for (output_mask) is returned empty, (0,), as the kernels do.
+    want_bias = output_mask[2] and bias is not None
+    return (hidden.new_empty(hidden.shape if output_mask[0] else (0,)),
+            weight.new_empty(weight.shape if output_mask[1] else (0,)),
+            hidden.new_empty((weight.shape[0] if want_bias else 0,)))
 
 
 @torch.library.register_fake("xent::linear_cross_entropy_fwd_bwd")
 def _linear_fwd_bwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                         label_smoothing, z_loss, softcap):
+                         label_smoothing, z_loss, softcap, output_mask):
     _check_fused(reduction)
     args = (hidden, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
             z_loss, softcap)
     return (*_linear_fwd_fake(*args), *_linear_bwd_fake(None, hidden, weight, bias, target,
-                                                        class_weight, None, *args[5:]))
+                                                        class_weight, None, *args[5:],
+                                                        output_mask))
 
 
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, ignore_index=-100,
