@@ -33,4 +33,12 @@ start=$SECONDS
   exit 1
 }
 echo "extension ready ($((SECONDS - start)) s)"
-exec "$python" -m pytest -q -p no:cacheprovider tests "$@"
+# torch.compile's compiled-graph caches (inductor's, /tmp/torchinductor_$USER by default) key a
+# graph by its code, which names the xent ops but not their schemas: a graph compiled against an
+# earlier build of the ops (another checkout, an older commit) would be reused with the wrong
+# arguments. The tests compile into a cache of their own, removed afterwards.
+cache=$(mktemp -d)
+status=0
+TORCHINDUCTOR_CACHE_DIR="$cache" "$python" -m pytest -q -p no:cacheprovider tests "$@" || status=$?
+rm -rf "$cache"
+exit $status
