@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -35,6 +34,7 @@ using xent_test::device_inputs;
 using xent_test::device_outputs;
 using xent_test::device_workspace;
 using xent_test::ok;
+using xent_test::result_bytes;
 
 /// A cuBLAS handle per test (the caller's, as xent requires), bound to the default stream.
 class CudaLinearTest : public ::testing::Test {
@@ -390,15 +390,7 @@ std::vector<unsigned char> fused_bytes(cublasHandle_t handle, const lspec& s, bo
   }
   cublasSetStream(handle, nullptr);  // also drops the workspace freed below
   cudaStreamDestroy(stream);
-  const float loss = f.fetch().loss;
-  const gradients<bf16>& gr = g.fetch();
-  std::vector<unsigned char> out(sizeof(float));
-  std::memcpy(out.data(), &loss, sizeof(float));
-  for (const auto* v : {&gr.dx, &gr.dw, &gr.db}) {
-    const auto* p = reinterpret_cast<const unsigned char*>(v->data());
-    out.insert(out.end(), p, p + v->size() * sizeof(bf16));
-  }
-  return out;
+  return result_bytes(f.fetch().loss, g.fetch());
 }
 
 TEST_F(CudaLinearTest, StreamCaptureMatchesTheDirectCallBitwise) {

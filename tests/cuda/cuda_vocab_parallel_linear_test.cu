@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -41,6 +40,7 @@ using xent_test::device_inputs;
 using xent_test::device_outputs;
 using xent_test::device_workspace;
 using xent_test::ok;
+using xent_test::result_bytes;
 using xent_test::staged_group;
 
 /// A cuBLAS handle on the current device, bound to `stream`, destroyed at the end.
@@ -497,14 +497,7 @@ std::vector<unsigned char> one_rank_fused_bytes(const nccl_comms& nc, bool graph
       call();
       ok(cudaStreamSynchronize(g.stream()));
     }
-    const float loss = o.fetch().loss;
-    const gradients<bf16>& gr = grads.fetch();
-    bytes.resize(sizeof(float));
-    std::memcpy(bytes.data(), &loss, sizeof(float));
-    for (const auto* v : {&gr.dx, &gr.dw, &gr.db}) {
-      const auto* p = reinterpret_cast<const unsigned char*>(v->data());
-      bytes.insert(bytes.end(), p, p + v->size() * sizeof(bf16));
-    }
+    bytes = result_bytes(o.fetch().loss, grads.fetch());
   });
   return bytes;
 }

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 #include <xent/xent.hpp>
 
@@ -131,6 +132,19 @@ struct device_gradients {
     return host;
   }
 };
+
+/// A fused call's results as bytes (the loss, then d_hidden, d_weight and d_bias as stored): what
+/// the bitwise comparisons (graph capture, runs of the same inputs) compare.
+template <class G>
+std::vector<unsigned char> result_bytes(float loss, const gradients<G>& gr) {
+  std::vector<unsigned char> out(sizeof(float));
+  std::memcpy(out.data(), &loss, sizeof(float));
+  for (const auto* v : {&gr.dx, &gr.dw, &gr.db}) {
+    const auto* p = reinterpret_cast<const unsigned char*>(v->data());
+    out.insert(out.end(), p, p + v->size() * sizeof(G));
+  }
+  return out;
+}
 
 /// A device workspace of `bytes`, its start `offset` bytes past a 256-byte boundary, filled with
 /// NaN bytes: a call must write what it reads.

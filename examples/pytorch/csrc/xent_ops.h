@@ -439,6 +439,11 @@ at::Tensor linear_workspace_for(const Exec& exec, const linear_inputs& in, xent:
   return at::empty({static_cast<std::int64_t>(size.bytes)}, in.hidden.options().dtype(at::kByte));
 }
 
+// xent's view of a workspace tensor from linear_workspace_for.
+inline xent::linear_workspace workspace_of(const at::Tensor& ws) {
+  return {ws.data_ptr(), static_cast<std::size_t>(ws.numel())};
+}
+
 template <class B>
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -456,8 +461,7 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
     at::Tensor ws = linear_workspace_for<T>(call.exec, in, xent::linear_pass::forward);
     call_xent([&] {
       xent::linear_forward(call.exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
-                           vector_of<const T>(in.bias), tv, in.opts, out.view(),
-                           {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
+                           vector_of<const T>(in.bias), tv, in.opts, out.view(), workspace_of(ws));
     });
   });
   return {out.loss, out.lse};
@@ -486,6 +490,12 @@ struct linear_grad_tensors {
   }
 };
 
+// A training call without d_weight: its float accumulator would have nothing to sum, so neither
+// the workspace nor the call plans those V x D floats (a frozen LM head).
+inline void plan_without_unused_accumulator(linear_inputs& in, const linear_grad_tensors& grads) {
+  if (!grads.mask[1]) in.opts.accumulate = xent::dw_accumulation::output;
+}
+
 // The gradients from the LSE the forward saved; each chunk's logits are recomputed.
 template <class B>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
@@ -495,15 +505,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
     std::int64_t reduction, double label_smoothing, double z_loss, double softcap,
     std::array<bool, 3> output_mask) {
   const typename B::guard device_guard(hidden.device());
-  const linear_inputs in =
-      linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                       label_smoothing, z_loss, softcap);
+  linear_inputs in = linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index,
+                                      reduction, label_smoothing, z_loss, softcap);
   const std::int64_t n = in.hidden.size(0);
   check_same_device(in.hidden, grad_output, "grad_output");
   const at::Tensor g_out = grad_output.to(at::kFloat).contiguous();
   const at::Tensor saved = saved_lse(in.hidden, lse, n);
   const xent::upstream up = upstream_of(g_out, in.opts.reduce, n);
   const linear_grad_tensors grads(in, output_mask);
+  plan_without_unused_accumulator(in, grads);
   dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     const auto call = B::exec(in.hidden, false, true);
@@ -512,7 +522,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
       xent::linear_backward(call.exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
                             vector_of<const T>(in.bias), tv, in.opts,
                             xent::vector_view<const float>(saved.data_ptr<float>(), n), up,
-                            grads.view<T>(), {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
+                            grads.view<T>(), workspace_of(ws));
     });
   });
   return {grads.d_hidden, grads.d_weight, grads.d_bias};
@@ -527,12 +537,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
     double softcap, std::array<bool, 3> output_mask) {
   const typename B::guard device_guard(hidden.device());
-  const linear_inputs in =
-      linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                       label_smoothing, z_loss, softcap);
+  linear_inputs in = linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index,
+                                      reduction, label_smoothing, z_loss, softcap);
   check_fused_reduction(in.opts);
   const loss_outputs out(in.hidden, in.opts.reduce);
   const linear_grad_tensors grads(in, output_mask);
+  plan_without_unused_accumulator(in, grads);
   dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     const auto call = B::exec(in.hidden, false, true);
@@ -541,7 +551,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
       xent::linear_forward_backward(call.exec, matrix_of<const T>(in.hidden),
                                     matrix_of<const T>(in.weight), vector_of<const T>(in.bias), tv,
                                     in.opts, xent::upstream{}, out.view(), grads.view<T>(),
-                                    {ws.data_ptr(), static_cast<std::size_t>(ws.numel())});
+                                    workspace_of(ws));
     });
   });
   return {out.loss, out.lse, grads.d_hidden, grads.d_weight, grads.d_bias};

@@ -184,10 +184,9 @@ struct linear_call {
   const DT* bias;
   matrix_view<DG> d_hidden, d_weight;
   DG* d_bias;
-  dw_accumulation accumulate;
-  linear_plan plan;
-  char* base;       ///< the workspace's first 256-byte-aligned address
-  DT* logits_data;  ///< the chunk's logits: in the workspace, or in d_weight (plan.logits absent)
+  linear_plan plan;  ///< its buffers say how d_weight is summed (dw, dw_block)
+  char* base;        ///< the workspace's first 256-byte-aligned address
+  DT* logits_data;   ///< the chunk's logits: in the workspace, or in d_weight (plan.logits absent)
 
   std::int64_t rows() const { return hidden.rows; }
   std::int64_t dim() const { return hidden.cols; }
@@ -324,7 +323,7 @@ template <class T, class G>
 linear_call<T, G> make_linear_call(const cuda& exec, const cublas_scope& blas,
                                    matrix_view<const T> hidden, matrix_view<const T> weight,
                                    vector_view<const T> bias, const linear_grads<G>& grads,
-                                   dw_accumulation accumulate, const linear_plan& plan, void* ws) {
+                                   const linear_plan& plan, void* ws) {
   using DT = device_t<T>;
   using DG = device_t<G>;
   const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(ws);
@@ -346,7 +345,6 @@ linear_call<T, G> make_linear_call(const cuda& exec, const cublas_scope& blas,
           {reinterpret_cast<DG*>(grads.d_weight.data), grads.d_weight.rows, grads.d_weight.cols,
            grads.d_weight.ld},
           reinterpret_cast<DG*>(grads.d_bias.data),
-          accumulate,
           plan,
           base,
           logits};
@@ -442,7 +440,7 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
   check_linear_call(fn, exec, hidden, weight, grads, plan);
   const cublas_scope blas(fn, exec);
   const linear_call<T, G> c =
-      make_linear_call(exec, blas, hidden, weight, bias, grads, opts.accumulate, plan, ws.data);
+      make_linear_call(exec, blas, hidden, weight, bias, grads, plan, ws.data);
   const auto dt = device_targets(targets);
   // The whole call's W, and each row's upstream gradient for mean and sum, before any chunk.
   const linear_totals totals =
