@@ -128,6 +128,29 @@ bool run_case(const xent::cuda& base, const lspec& s) {
   return true;
 }
 
+// Host-only (runs without a GPU): chunk rows as the GEMMs tile them.
+TEST(CudaLinearPlan, ChunksAreEqualWholeGemmTilesWhereTheyFit) {
+  using xent::cuda_detail::gemm_friendly_rows;
+  EXPECT_EQ(gemm_friendly_rows(8192, 1046), 1024);   // 8 x 1024, not 7 x 1046 + 870
+  EXPECT_EQ(gemm_friendly_rows(16384, 524), 512);    // 32 x 512, not 31 x 524 + 140
+  EXPECT_EQ(gemm_friendly_rows(16384, 2304), 2048);  // 8 x 2048, not 7 x 2304 + 256
+  EXPECT_EQ(gemm_friendly_rows(1100, 280), 256);     // 4 x 275 rounds up past 280: 256 instead
+  EXPECT_EQ(gemm_friendly_rows(1000, 1000), 1000);   // one chunk of every row
+  EXPECT_EQ(gemm_friendly_rows(1000, 255), 255);     // under two tiles: as many as fit
+  for (std::int64_t rows : {257, 1000, 4097, 8192, 16384, 100000})
+    for (std::int64_t most : {256, 300, 511, 1046, 2304, 5000}) {
+      const std::int64_t r = gemm_friendly_rows(rows, most);
+      EXPECT_LE(r, most) << rows << " rows, " << most << " at most";
+      if (most < rows) EXPECT_EQ(r % 128, 0) << rows << " rows, " << most << " at most";
+    }
+  // What a call plans: the default budget at 8192 x 4096 x 128256 in bf16 holds 1046 rows, taken
+  // as eight chunks of 1024.
+  const xent::cuda exec;
+  const auto sizes =
+      xent::linear_workspace_size<bf16>(exec, {8192, 4096, 128256}, xent::linear_pass::forward, {});
+  EXPECT_EQ(sizes.chunk_rows, 1024);
+}
+
 TEST_F(CudaLinearTest, Float32MatchesFloat64OracleWithEveryOption) {
   xt::case_budget b;
   for (const lspec& s : every_option(19, 13, 37))
