@@ -250,9 +250,13 @@ struct row_gradient {
 };
 
 /// Gradient of row n's chunk held in `t`, stored to `out` (the row of grad) a vector at a time.
-/// The thread holding the target class of a class-id row picks z_y out of its own registers and
-/// puts the target's gradient (formed once, in float) into the vector before storing it, so
-/// nothing is stored twice and no other thread or read is involved.
+/// The thread whose vectors hold the target class of a class-id row reads z_y once more from the
+/// logits (before its own store can overwrite it: only this thread writes that element), and after
+/// its vectors rewrites the target's element with the gradient formed once, in float. Picking
+/// z_y out of the registers instead unrolled that formula (an accurate expf) once per element of
+/// the tile: 64 copies for a bf16 tile, a third of the fused kernel's code, which a short launch
+/// runs once from a cold instruction cache (ncu, fp32 32 x 32000: instruction-fetch stalls were
+/// the largest share).
 template <bool Plain, bool Aligned, class T, class Tile, class G, class Tgt>
 __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, const Tile& t,
                                               std::int64_t n, std::int64_t base,
@@ -261,15 +265,14 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
   const float ga = rg.g * rg.alpha;
   const float shift = rg.lse * log2e;
   const bool plain = Plain || (!Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f);
-  // Where the target is: in this thread's vector r_own, element e_own (r_own = -1: not here).
-  int r_own = -1, e_own = 0;
+  // Whether the target is in this thread's vectors; if so, its raw logit, read before any store.
+  bool own = false;
+  T x_y{};
   if constexpr (!Tgt::soft) {
     const std::int64_t yo = rg.y - base;
-    if (yo >= 0 && yo < t.count &&
-        static_cast<int>(yo / vec) % Block == static_cast<int>(threadIdx.x)) {
-      r_own = static_cast<int>(yo / vec) / Block;
-      e_own = static_cast<int>(yo % vec);
-    }
+    own = yo >= 0 && yo < t.count &&
+          static_cast<int>(yo / vec) % Block == static_cast<int>(threadIdx.x);
+    if (own) x_y = a.logits[n * a.ld + rg.y];
   }
   out += base;
 #pragma unroll
@@ -285,23 +288,20 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
         if (a.k.softcap > 0.0f) f[e] *= softcap_slope(z, a.k);
       }
     }
-    if constexpr (!Tgt::soft) {
-      if (r == r_own) {
-#pragma unroll
-        for (int e = 0; e < vec; ++e)
-          if (e == e_own)
-            f[e] = class_target_gradient(capped<Plain>(t.value(r, e), a.k), rg.w_y, rg.alpha,
-                                         rg.lse, rg.g, a.k);
-      }
-    }
     const vec_t<G, vec> d = round_vector<G, vec>(f);
     if (Aligned && t.valid(r) == vec) {
       store_vector<G, vec>(out + t.offset(r), d);
-    } else {
+    } else {  // a row's partial last vector, or a row not 16-byte aligned: element by element
+      // (unrolled: a loop indexing d at run time would put d in local memory for every vector)
 #pragma unroll
       for (int e = 0; e < vec; ++e)
         if (e < t.valid(r)) out[t.offset(r) + e] = d.v[e];
     }
+  }
+  if constexpr (!Tgt::soft) {
+    if (own)  // after this thread's vector store of the same element: program order keeps this
+      out[rg.y - base] = from_float<G>(
+          class_target_gradient(capped<Plain>(x_y, a.k), rg.w_y, rg.alpha, rg.lse, rg.g, a.k));
   }
 }
 
