@@ -76,7 +76,9 @@ struct policy {
   /// Whether a row's gradient waits until the next row's statistics are taken (hiding its cluster
   /// round trip) or is written first. Waiting holds the row's register tile across those sweeps:
   /// for fused 16-bit rows that is more than three CTAs per SM leave registers for (the tile
-  /// spilled to local memory), so they finish a row first and keep three CTAs per SM.
+  /// spilled to local memory), so they finish a row first and keep three CTAs per SM. Checked
+  /// again at f84c2e6 (H200, bf16 16384 x 128256 fused): 2.715 ms so, 3.00 ms waiting at three
+  /// CTAs per SM (80 bytes of spill), 2.79 ms waiting at two (no spill).
   template <class T, bool Fused>
   static constexpr bool overlap_rows =
 #ifdef XENT_CUDA_OVERLAP_ROWS
