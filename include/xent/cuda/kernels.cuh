@@ -263,7 +263,13 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
                                               const row_gradient& rg, G* out) {
   constexpr int vec = Tile::vec, Regs = Tile::regs, Block = Tile::block;
   const float ga = rg.g * rg.alpha;
-  const float shift = rg.lse * log2e;
+  // Folded scale (plain kernels, 16-bit gradients): |ga| p_j = 2^(z_j log2e - lse log2e +
+  // log2 |ga|), the sign put back on the rounded pairs by one xor per two elements: one multiply
+  // per element fewer (see policy::fold_scale). |ga| = 0 gives a shift of +inf and zeros; a NaN
+  // stays a NaN.
+  constexpr bool fold = policy::fold_scale && Plain && sizeof(G) == 2;
+  const float shift = fold ? rg.lse * log2e - log2f(fabsf(ga)) : rg.lse * log2e;
+  const unsigned sign = fold && signbit(ga) ? 0x80008000u : 0u;
   const bool plain = Plain || (!Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f);
   // Whether the target is in this thread's vectors; if so, its raw logit, read before any store.
   bool own = false;
@@ -282,13 +288,21 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
 #pragma unroll
     for (int e = 0; e < vec; ++e) {
       const float z = capped<Plain>(t.value(r, e), a.k);
-      f[e] = ga * fast_exp2(fmaf(z, log2e, -shift));
+      f[e] = fold ? fast_exp2(fmaf(z, log2e, -shift)) : ga * fast_exp2(fmaf(z, log2e, -shift));
       if (!plain && e < t.valid(r)) {
         f[e] -= rg.g * target_mass(a, n, base + t.offset(r) + e);
         if (a.k.softcap > 0.0f) f[e] *= softcap_slope(z, a.k);
       }
     }
-    const vec_t<G, vec> d = round_vector<G, vec>(f);
+    vec_t<G, vec> d = round_vector<G, vec>(f);
+    if constexpr (fold) {
+      static_assert(sizeof(d) % 4 == 0, "pairs of 16-bit elements");
+      unsigned w[sizeof(d) / 4];
+      memcpy(w, &d, sizeof(d));
+#pragma unroll
+      for (unsigned& x : w) x ^= sign;
+      memcpy(&d, w, sizeof(d));
+    }
     if (Aligned && t.valid(r) == vec) {
       store_vector<G, vec>(out + t.offset(r), d);
     } else {  // a row's partial last vector, or a row not 16-byte aligned: element by element

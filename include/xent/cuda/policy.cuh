@@ -30,6 +30,9 @@
 #ifndef XENT_CUDA_STREAM_BACKWARD  // 1: class-id backward by the streaming kernel (see policy)
 #define XENT_CUDA_STREAM_BACKWARD 1
 #endif
+#ifndef XENT_CUDA_FOLD_SCALE  // 0: the gradient sweep multiplies every element by the row's scale
+#define XENT_CUDA_FOLD_SCALE 1
+#endif
 #ifndef XENT_CUDA_STREAM_REGS  // 16-byte vectors per thread per tile of the streaming backward
 #define XENT_CUDA_STREAM_REGS 4
 #endif
@@ -103,6 +106,14 @@ struct policy {
   /// Vectors per thread per tile of the streaming backward: 4 x 16 bytes x 256 threads = 16 KiB
   /// per CTA in flight, several CTAs per SM.
   static constexpr int stream_regs = XENT_CUDA_STREAM_REGS;
+  /// Whether plain kernels with 16-bit gradients fold the row's scale into the exponent
+  /// (2^(x log2e - shift + log2 |scale|), the sign xored onto the rounded pairs) instead of a
+  /// multiply per element. H200, 2026-11-21, same lease: bf16 fused 16384 x 128256 2.711 ->
+  /// 2.567 ms (73.0 -> 77.2% of the copy roof), 4096 x 262144 1.461 -> 1.382 ms, 8192 x 32000
+  /// 331 -> 318 us; backward unchanged (bound by memory). A partial last vector stored through a
+  /// function that is not inlined, measured in the same lease, was slower everywhere (fp32 fused
+  /// 2.35 -> 3.09 ms).
+  static constexpr bool fold_scale = XENT_CUDA_FOLD_SCALE != 0;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
