@@ -122,6 +122,25 @@ __device__ __forceinline__ std::int64_t best_of(const slice_partial& p) { return
 __device__ __forceinline__ argmax_state argmax_of(const row_partial&) { return {}; }
 __device__ __forceinline__ argmax_state argmax_of(const slice_partial& p) { return p.argmax; }
 
+/// This thread's largest raw value of a chunk staged in shared memory (plain kernels: no softcap),
+/// in T's packed form, the tail masked to -inf.
+template <int Regs, int Block, class T>
+__device__ __forceinline__ float packed_max(const T* chunk, int count) {
+  using shape = tile_shape<T, Regs, Block>;
+  vec_t<T, 2> acc2[2];
+  acc2[0].v[0] = acc2[0].v[1] = acc2[1].v[0] = acc2[1].v[1] = negative_infinity<T>();
+  static_assert(Regs % 2 == 0, "vectors are taken in pairs");
+#pragma unroll 1
+  for (int r = 0; r < Regs; r += 2) {  // two accumulators halve the dependent chain
+    if (shape::has(r, count)) fold_max(shape::template fetch<true>(chunk, count, r), acc2[0]);
+    if (shape::has(r + 1, count))
+      fold_max(shape::template fetch<true>(chunk, count, r + 1), acc2[1]);
+  }
+  fold_max(acc2[1], acc2[0]);
+  const float x0 = to_float(acc2[0].v[0]), x1 = to_float(acc2[0].v[1]);
+  return x0 > x1 ? x0 : x1;
+}
+
 /// Statistics of row n's chunk of `count` elements staged at `chunk` (classes from `base`),
 /// folded into this thread's partial. The sweeps read shared memory, so a chunk's statistics
 /// can be taken while the registers still hold the previous row for its gradient. The max is the
@@ -169,19 +188,8 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
     }
   }
   float m;
-  if constexpr (Plain) {  // packed max over the raw values, the tail masked to -inf
-    vec_t<T, 2> acc2[2];
-    acc2[0].v[0] = acc2[0].v[1] = acc2[1].v[0] = acc2[1].v[1] = negative_infinity<T>();
-    static_assert(Regs % 2 == 0, "vectors are taken in pairs");
-#pragma unroll 1
-    for (int r = 0; r < Regs; r += 2) {  // two accumulators halve the dependent chain
-      if (shape::has(r, count)) fold_max(shape::template fetch<true>(chunk, count, r), acc2[0]);
-      if (shape::has(r + 1, count))
-        fold_max(shape::template fetch<true>(chunk, count, r + 1), acc2[1]);
-    }
-    fold_max(acc2[1], acc2[0]);
-    const float x0 = to_float(acc2[0].v[0]), x1 = to_float(acc2[0].v[1]);
-    m = x0 > x1 ? x0 : x1;
+  if constexpr (Plain) {
+    m = packed_max<Regs, Block>(chunk, count);
   } else {
     m = -HUGE_VALF;
 #pragma unroll(policy::stats_unroll)
@@ -240,6 +248,37 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
   }
 }
 
+/// Statistics of a resident chunk for a plain fused pass that keeps each element's exponential
+/// for the gradient (policy::exp_once): the max sweep, then one sweep that sums the exponentials
+/// relative to the warp's max and leaves them in `t` as floats, so the gradient multiplies
+/// instead of exponentiating again.
+template <int Regs, int Block, class T, class Part>
+__device__ __forceinline__ void chunk_stats_keeping_exps(const T* chunk, int count, Part& acc,
+                                                         exp_tile<T, Regs, Block>& t) {
+  using shape = tile_shape<T, Regs, Block>;
+  constexpr int vec = shape::vec;
+  const float m = warp_max(packed_max<Regs, Block>(chunk, count));
+  const float shift = m == -HUGE_VALF ? 0.0f : m * log2e;
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int r = 0; r < Regs; ++r) {
+    if (!shape::has(r, count)) continue;
+    const vec_t<T, vec> v = shape::template fetch<true>(chunk, count, r);
+#pragma unroll
+    for (int e = 0; e < vec; ++e) {
+      const float p = fast_exp2(fmaf(to_float(v.v[e]), log2e, -shift));
+      t.e[r][e] = p;
+      if (e % 2)
+        s1 += p;
+      else
+        s0 += p;
+    }
+  }
+  t.count = count;
+  t.max = m;
+  stats_of(acc).lse.merge(online_lse::of_block(m, s0 + s1));
+}
+
 /// Per-row constants of the gradient sweep.
 struct row_gradient {
   float lse;    ///< log-sum-exp of the row
@@ -267,7 +306,10 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
   // log2 |ga|), the sign put back on the rounded pairs by one xor per two elements: one multiply
   // per element fewer (see policy::fold_scale). |ga| = 0 gives a shift of +inf and zeros; a NaN
   // stays a NaN.
-  constexpr bool fold = policy::fold_scale && Plain && sizeof(G) == 2;
+  constexpr bool fold = policy::fold_scale && Plain && sizeof(G) == 2 && !Tile::holds_exps;
+  // A tile of kept exponentials (exp_tile): each element's scale, once per row.
+  float kept = 0.0f;
+  if constexpr (Tile::holds_exps) kept = ga * fast_exp2((t.max - rg.lse) * log2e);
   const float shift = fold ? rg.lse * log2e - log2f(fabsf(ga)) : rg.lse * log2e;
   const unsigned sign = fold && signbit(ga) ? 0x80008000u : 0u;
   const bool plain = Plain || (!Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f);
@@ -287,11 +329,15 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
     float f[vec];
 #pragma unroll
     for (int e = 0; e < vec; ++e) {
-      const float z = capped<Plain>(t.value(r, e), a.k);
-      f[e] = fold ? fast_exp2(fmaf(z, log2e, -shift)) : ga * fast_exp2(fmaf(z, log2e, -shift));
-      if (!plain && e < t.valid(r)) {
-        f[e] -= rg.g * target_mass(a, n, base + t.offset(r) + e);
-        if (a.k.softcap > 0.0f) f[e] *= softcap_slope(z, a.k);
+      if constexpr (Tile::holds_exps) {  // p_j = e_j 2^((m - lse) log2e): a multiply
+        f[e] = t.e[r][e] * kept;
+      } else {
+        const float z = capped<Plain>(t.value(r, e), a.k);
+        f[e] = fold ? fast_exp2(fmaf(z, log2e, -shift)) : ga * fast_exp2(fmaf(z, log2e, -shift));
+        if (!plain && e < t.valid(r)) {
+          f[e] -= rg.g * target_mass(a, n, base + t.offset(r) + e);
+          if (a.k.softcap > 0.0f) f[e] *= softcap_slope(z, a.k);
+        }
       }
     }
     vec_t<G, vec> d = round_vector<G, vec>(f);
@@ -635,7 +681,12 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
     // its tile held in registers meanwhile) or before them (the tile is then live only between
     // rows: see policy::overlap_rows).
     constexpr bool overlap = policy::template overlap_rows<T, P == pass::fused>;
-    tile_t tile;
+    // Exponentials kept from the statistics for the gradient (policy::exp_once): plain fused
+    // 16-bit rows finished before the next row's statistics.
+    constexpr bool keep_exps =
+        policy::exp_once && Plain && P == pass::fused && sizeof(T) == 2 && !overlap;
+    using held_t = std::conditional_t<keep_exps, exp_tile<T, Regs, Block>, tile_t>;
+    held_t tile;
     row_state prev;
     for (std::int64_t i = 0; i <= my_rows; ++i) {
       const bool has_cur = i < my_rows;
@@ -668,23 +719,34 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
         cur = begin_row(i);
         if (want_stats && !cur.skip) {
           part_t part{};
-          item_stats(i, cur, part);
+          if constexpr (keep_exps) {
+            std::int64_t base;
+            int count;
+            chunk_span(i, base, count);
+            chunk_stats_keeping_exps<Regs, Block>(stage(i), count, part, tile);
+            if (threadIdx.x == 0 && cur.rg.y >= base && cur.rg.y < base + count)
+              stats_of(part).target_logit = to_float(stage(i)[cur.rg.y - base]);
+          } else {
+            item_stats(i, cur, part);
+          }
           ex.publish(warp_total(part), slot);
           partials_handoff(i, warp0);
           if (warp0) ex.send(slot, sent);
           ++sent;
         }
-        if (!want_grad) release_item(i);
+        if (!want_grad || keep_exps) release_item(i);
       }
       if (overlap) finish_prev();
-      if (has_cur && want_grad) {
-        if (!cur.skip) {
-          std::int64_t base;
-          int count;
-          chunk_span(i, base, count);
-          tile.load(stage(i), count);
+      if constexpr (want_grad && !keep_exps) {
+        if (has_cur) {
+          if (!cur.skip) {
+            std::int64_t base;
+            int count;
+            chunk_span(i, base, count);
+            tile.load(stage(i), count);
+          }
+          release_item(i);
         }
-        release_item(i);
       }
       prev = cur;
     }

@@ -33,6 +33,9 @@
 #ifndef XENT_CUDA_FOLD_SCALE  // 0: the gradient sweep multiplies every element by the row's scale
 #define XENT_CUDA_FOLD_SCALE 1
 #endif
+#ifndef XENT_CUDA_EXP_ONCE  // 1: fused plain 16-bit rows keep their exponentials for the gradient
+#define XENT_CUDA_EXP_ONCE 0
+#endif
 #ifndef XENT_CUDA_STREAM_REGS  // 16-byte vectors per thread per tile of the streaming backward
 #define XENT_CUDA_STREAM_REGS 4
 #endif
@@ -114,6 +117,13 @@ struct policy {
   /// function that is not inlined, measured in the same lease, was slower everywhere (fp32 fused
   /// 2.35 -> 3.09 ms).
   static constexpr bool fold_scale = XENT_CUDA_FOLD_SCALE != 0;
+  /// Whether plain fused 16-bit rows keep each element's exponential from the statistics (as a
+  /// float, exp_tile) and form the gradient with a multiply: one exponential per element in the
+  /// pass instead of two (the special-function unit does 16 per SM per cycle: 2 x 2.1e9 of them
+  /// for bf16 16384 x 128256 take 1.0 ms of a 2.57 ms pass), and one load of the chunk from
+  /// shared memory fewer. The float tile is 64 registers: sized for two CTAs per SM
+  /// (XENT_CUDA_MIN_BLOCKS=2). Prepared 2026-11-21, not yet measured: off.
+  static constexpr bool exp_once = XENT_CUDA_EXP_ONCE != 0;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.

@@ -127,6 +127,7 @@ __device__ __forceinline__ float word_element(const unsigned (&w)[4], int e) {
 template <class T, int Regs, int Block>
 struct tile_extent : tile_shape<T, Regs, Block> {
   using shape = tile_shape<T, Regs, Block>;
+  static constexpr bool holds_exps = false;  ///< values, not exponentials (see exp_tile)
   int count = 0;
   __device__ __forceinline__ bool has(int r) const { return shape::has(r, count); }
   __device__ __forceinline__ int valid(int r) const { return shape::valid(r, count); }
@@ -157,6 +158,16 @@ struct row_tile : tile_extent<T, Regs, Block> {
       }
     }
   }
+};
+
+/// This thread's exponentials of a resident chunk, 2^((z - max) log2e) with `max` the warp's, as
+/// floats (policy::exp_once): the gradient sweep multiplies them by one per-row factor. Twice the
+/// registers of a 16-bit row_tile.
+template <class T, int Regs, int Block>
+struct exp_tile : tile_extent<T, Regs, Block> {
+  static constexpr bool holds_exps = true;
+  float e[Regs][16 / sizeof(T)];
+  float max = 0.0f;
 };
 
 /// This thread's vectors of a chunk loaded straight from global memory, for a pass that reads
