@@ -444,6 +444,18 @@ inline xent::linear_workspace workspace_of(const at::Tensor& ws) {
   return {ws.data_ptr(), static_cast<std::size_t>(ws.numel())};
 }
 
+// One fused linear call in hidden's dtype T on backend B: `run(exec, T{}, targets, workspace)`
+// with a workspace of xent's size for `pass`, and xent's errors as torch's.
+template <class B, class Run>
+void run_linear(const linear_inputs& in, xent::linear_pass pass, Run&& run) {
+  dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
+    using T = decltype(tag);
+    const auto call = B::exec(in.hidden, false, true);
+    const at::Tensor ws = linear_workspace_for<T>(call.exec, in, pass);
+    call_xent([&] { run(call.exec, tag, tv, workspace_of(ws)); });
+  });
+}
+
 template <class B>
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -455,14 +467,10 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
       linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                        label_smoothing, z_loss, softcap);
   const loss_outputs out(in.hidden, in.opts.reduce);
-  dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
+  run_linear<B>(in, xent::linear_pass::forward, [&](const auto& exec, auto tag, auto tv, auto ws) {
     using T = decltype(tag);
-    const auto call = B::exec(in.hidden, false, true);
-    at::Tensor ws = linear_workspace_for<T>(call.exec, in, xent::linear_pass::forward);
-    call_xent([&] {
-      xent::linear_forward(call.exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
-                           vector_of<const T>(in.bias), tv, in.opts, out.view(), workspace_of(ws));
-    });
+    xent::linear_forward(exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
+                         vector_of<const T>(in.bias), tv, in.opts, out.view(), ws);
   });
   return {out.loss, out.lse};
 }
@@ -514,16 +522,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
   const xent::upstream up = upstream_of(g_out, in.opts.reduce, n);
   const linear_grad_tensors grads(in, output_mask);
   plan_without_unused_accumulator(in, grads);
-  dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
+  run_linear<B>(in, xent::linear_pass::training, [&](const auto& exec, auto tag, auto tv, auto ws) {
     using T = decltype(tag);
-    const auto call = B::exec(in.hidden, false, true);
-    at::Tensor ws = linear_workspace_for<T>(call.exec, in, xent::linear_pass::training);
-    call_xent([&] {
-      xent::linear_backward(call.exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
-                            vector_of<const T>(in.bias), tv, in.opts,
-                            xent::vector_view<const float>(saved.data_ptr<float>(), n), up,
-                            grads.view<T>(), workspace_of(ws));
-    });
+    xent::linear_backward(exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
+                          vector_of<const T>(in.bias), tv, in.opts,
+                          xent::vector_view<const float>(saved.data_ptr<float>(), n), up,
+                          grads.view<T>(), ws);
   });
   return {grads.d_hidden, grads.d_weight, grads.d_bias};
 }
@@ -543,16 +547,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   const loss_outputs out(in.hidden, in.opts.reduce);
   const linear_grad_tensors grads(in, output_mask);
   plan_without_unused_accumulator(in, grads);
-  dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
+  run_linear<B>(in, xent::linear_pass::training, [&](const auto& exec, auto tag, auto tv, auto ws) {
     using T = decltype(tag);
-    const auto call = B::exec(in.hidden, false, true);
-    at::Tensor ws = linear_workspace_for<T>(call.exec, in, xent::linear_pass::training);
-    call_xent([&] {
-      xent::linear_forward_backward(call.exec, matrix_of<const T>(in.hidden),
-                                    matrix_of<const T>(in.weight), vector_of<const T>(in.bias), tv,
-                                    in.opts, xent::upstream{}, out.view(), grads.view<T>(),
-                                    workspace_of(ws));
-    });
+    xent::linear_forward_backward(exec, matrix_of<const T>(in.hidden),
+                                  matrix_of<const T>(in.weight), vector_of<const T>(in.bias), tv,
+                                  in.opts, xent::upstream{}, out.view(), grads.view<T>(), ws);
   });
   return {out.loss, out.lse, grads.d_hidden, grads.d_weight, grads.d_bias};
 }
