@@ -416,7 +416,9 @@ struct row_state {
 /// and the freed stage.
 template <int Block, int Regs, int Stages, bool Aligned, bool Plain, pass P, class T, class G,
           class Tgt>
-XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backward>())
+XENT_KERNEL void __launch_bounds__(
+    Block, policy::min_blocks<T, P == pass::backward,
+                              policy::template keep_exps<T, Plain, P == pass::fused>>())
     row_kernel(row_args<T, G, Tgt> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool bulk = Aligned;
@@ -683,8 +685,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::min_blocks<T, P == pass::backw
     constexpr bool overlap = policy::template overlap_rows<T, P == pass::fused>;
     // Exponentials kept from the statistics for the gradient (policy::exp_once): plain fused
     // 16-bit rows finished before the next row's statistics.
-    constexpr bool keep_exps =
-        policy::exp_once && Plain && P == pass::fused && sizeof(T) == 2 && !overlap;
+    constexpr bool keep_exps = policy::template keep_exps<T, Plain, P == pass::fused>;
     using held_t = std::conditional_t<keep_exps, exp_tile<T, Regs, Block>, tile_t>;
     held_t tile;
     row_state prev;

@@ -33,8 +33,8 @@
 #ifndef XENT_CUDA_FOLD_SCALE  // 0: the gradient sweep multiplies every element by the row's scale
 #define XENT_CUDA_FOLD_SCALE 1
 #endif
-#ifndef XENT_CUDA_EXP_ONCE  // 1: fused plain 16-bit rows keep their exponentials for the gradient
-#define XENT_CUDA_EXP_ONCE 0
+#ifndef XENT_CUDA_EXP_ONCE  // 0: fused plain 16-bit rows take a second exponential per element
+#define XENT_CUDA_EXP_ONCE 1
 #endif
 #ifndef XENT_CUDA_STREAM_REGS  // 16-byte vectors per thread per tile of the streaming backward
 #define XENT_CUDA_STREAM_REGS 4
@@ -53,13 +53,15 @@ struct policy {
   static constexpr int block = XENT_CUDA_BLOCK;
   /// CTAs per SM the register budget is set for (__launch_bounds__): three (80 registers), but
   /// two (128) for the backward pass of 16-bit rows, which measured faster so (2.44 against
-  /// 2.52 ms for bf16 16384 x 128256).
-  template <class T, bool Backward>
+  /// 2.52 ms for bf16 16384 x 128256), and for fused rows that keep their exponentials as floats
+  /// (keep_exps: a 64-register tile; at three CTAs per SM bf16 16384 x 128256 took 3.66 ms
+  /// against 2.51 at two, H200 2026-11-22).
+  template <class T, bool Backward, bool KeepExps = false>
   static constexpr int min_blocks() {
 #ifdef XENT_CUDA_MIN_BLOCKS
     return XENT_CUDA_MIN_BLOCKS;
 #else
-    return sizeof(T) == 2 && Backward ? 2 : 3;
+    return (sizeof(T) == 2 && Backward) || KeepExps ? 2 : 3;
 #endif
   }
   /// Shared-memory stages per CTA: the next row's chunk streams in while this one is processed.
@@ -120,10 +122,16 @@ struct policy {
   /// Whether plain fused 16-bit rows keep each element's exponential from the statistics (as a
   /// float, exp_tile) and form the gradient with a multiply: one exponential per element in the
   /// pass instead of two (the special-function unit does 16 per SM per cycle: 2 x 2.1e9 of them
-  /// for bf16 16384 x 128256 take 1.0 ms of a 2.57 ms pass), and one load of the chunk from
-  /// shared memory fewer. The float tile is 64 registers: sized for two CTAs per SM
-  /// (XENT_CUDA_MIN_BLOCKS=2). Prepared 2026-11-21, not yet measured: off.
+  /// for bf16 16384 x 128256 take 1.0 ms of the pass), and one load of the chunk from shared
+  /// memory fewer. The float tile is 64 registers, so these kernels are bounded for two CTAs per
+  /// SM (min_blocks). H200, 2026-11-22, same lease (bench/cuda_variants.sh): bf16 fused 16384 x
+  /// 128256 2.569 -> 2.510 ms, 4096 x 262144 1.384 -> 1.363 ms, 8192 x 32000 318 -> 308 us.
   static constexpr bool exp_once = XENT_CUDA_EXP_ONCE != 0;
+  /// The kernels that keep them: plain fused 16-bit rows finished before the next row's
+  /// statistics (the float tile is not held across them).
+  template <class T, bool Plain, bool Fused>
+  static constexpr bool keep_exps =
+      exp_once && Plain && Fused && sizeof(T) == 2 && !overlap_rows<T, Fused>;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
