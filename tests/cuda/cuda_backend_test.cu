@@ -573,6 +573,46 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
     s.in_place = false;
     check_spec<float>(s);
   }
+  // Plain class-id rows of a small batch: the small-batch kernel (policy::small_regs), rows
+  // 16-byte aligned and not.
+  for (std::int64_t ld : {20000, 20003}) {
+    spec s;
+    s.rows = 5;
+    s.cols = 20000;
+    s.ld = ld;
+    s.some_ignored = true;
+    s.argmax = false;
+    s.in_place = ld == 20000;
+    check_spec<float>(s);
+  }
+}
+
+// Host-only (runs without a GPU): the small-batch kernel's cut of a row over a cluster.
+TEST(CudaLaunchPlan, SmallBatchesCutEachRowOverAClusterThatHoldsIt) {
+  using xent::cuda_detail::make_small_plan;
+  using xent::cuda_detail::policy;
+  const int sms = 132;
+  // The seed shapes: 32 x 32000 fp32 (125 KiB rows) over 9 CTAs of 3556 classes, 32 x 50257 over
+  // 13; 128 x 32000 over 8 (1024 CTAs, within 8 per SM).
+  EXPECT_EQ(make_small_plan(32, 32000, 4, sms).cluster, 9);
+  EXPECT_EQ(make_small_plan(32, 32000, 4, sms).slice, 3556);
+  EXPECT_EQ(make_small_plan(32, 50257, 4, sms).cluster, 13);
+  EXPECT_EQ(make_small_plan(128, 32000, 4, sms).cluster, 8);
+  // Not small: too many rows, or rows longer than 16 CTAs hold.
+  EXPECT_EQ(make_small_plan(8192, 32000, 2, sms).cluster, 0);
+  EXPECT_EQ(make_small_plan(4, 262144, 4, sms).cluster, 0);
+  for (std::int64_t rows : {1, 2, 7, 32, 100})
+    for (std::int64_t cols : {1, 3, 255, 4097, 32000, 50257, 65536})
+      for (int bytes : {2, 4}) {
+        const auto p = make_small_plan(rows, cols, bytes, sms);
+        if (p.cluster == 0) continue;
+        const std::int64_t vec = 16 / bytes;
+        EXPECT_LE(p.cluster, policy::cluster_max);
+        EXPECT_EQ(p.slice % vec, 0);
+        EXPECT_LE(p.slice, std::int64_t{policy::small_regs} * policy::block * vec);
+        EXPECT_GE(p.slice * p.cluster, cols) << rows << " x " << cols;
+        EXPECT_LE(rows * p.cluster, std::int64_t{policy::small_ctas_per_sm} * sms);
+      }
 }
 
 /// 16384 x 131073 bf16 = 2.1e9 elements (> 2^31): 64-bit offsets end to end. Rows are checked by

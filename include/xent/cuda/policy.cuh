@@ -39,6 +39,12 @@
 #ifndef XENT_CUDA_STREAM_REGS  // 16-byte vectors per thread per tile of the streaming backward
 #define XENT_CUDA_STREAM_REGS 4
 #endif
+#ifndef XENT_CUDA_SMALL_REGS  // 16-byte vectors per thread of the small-batch kernel (0: off)
+#define XENT_CUDA_SMALL_REGS 4
+#endif
+#ifndef XENT_CUDA_SMALL_CTAS_PER_SM  // the most CTAs per SM a small-batch launch may span
+#define XENT_CUDA_SMALL_CTAS_PER_SM 8
+#endif
 
 namespace xent {
 namespace cuda_detail {
@@ -130,8 +136,13 @@ struct policy {
   /// The kernels that keep them: plain fused 16-bit rows finished before the next row's
   /// statistics (the float tile is not held across them).
   template <class T, bool Plain, bool Fused>
-  static constexpr bool keep_exps =
-      exp_once && Plain && Fused && sizeof(T) == 2 && !overlap_rows<T, Fused>;
+  static constexpr bool keep_exps = exp_once&& Plain&& Fused && sizeof(T) == 2 &&
+                                    !overlap_rows<T, Fused>;
+  /// The small-batch kernel (small_rows_kernel.cuh): vectors per thread (16 KiB of a row per
+  /// 256-thread CTA), and the most CTAs per SM a launch of it may span (rows x cluster), beyond
+  /// which the row kernel's persistent clusters take the batch.
+  static constexpr int small_regs = XENT_CUDA_SMALL_REGS;
+  static constexpr int small_ctas_per_sm = XENT_CUDA_SMALL_CTAS_PER_SM;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
@@ -148,6 +159,15 @@ struct launch_plan {
   std::size_t smem_bytes = 0;   ///< dynamic shared memory per CTA
 };
 
+/// CTAs per row for `rows` rows of `row_bytes`, from `c`: a short batch spreads each row over
+/// more CTAs so rows * c covers the SMs twice, while a slice keeps at least min_slice_bytes.
+inline std::int64_t spread_rows(std::int64_t c, std::int64_t rows, std::int64_t row_bytes, int sms,
+                                int max_cluster) {
+  while (c < max_cluster && rows * c < 2 * sms && row_bytes / (c + 1) >= policy::min_slice_bytes)
+    ++c;
+  return c;
+}
+
 /// Cuts rows of `cols` elements of `elem_bytes` over a cluster: `sms` multiprocessors,
 /// `max_cluster` 1 without clusters or when each CTA streams whole rows. Slices and chunks are
 /// whole 16-byte vectors (the register tiles' unit).
@@ -159,10 +179,7 @@ inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int el
   const std::int64_t row_bytes = cols * elem_bytes;
   std::int64_t c = ceil_div(row_bytes, static_cast<std::int64_t>(policy::max_chunk_bytes));
   if (c <= max_cluster) {
-    // Resident rows. A short batch spreads each row over more CTAs so rows * c covers the SMs
-    // twice, while a slice keeps at least min_slice_bytes.
-    while (c < max_cluster && rows * c < 2 * sms && row_bytes / (c + 1) >= policy::min_slice_bytes)
-      ++c;
+    c = spread_rows(c, rows, row_bytes, sms, max_cluster);  // resident rows
   } else {
     c = max_cluster;  // rows too long for the cluster: each slice streams through in chunks
   }
@@ -173,6 +190,26 @@ inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int el
   p.chunk = ceil_div(ceil_div(p.slice, p.chunks), vec) * vec;
   p.chunk_bytes = static_cast<std::size_t>(ceil_div(p.chunk * elem_bytes, 16) * 16);
   p.smem_bytes = p.chunk_bytes * policy::stages;
+  return p;
+}
+
+/// The small-batch kernel's cut of rows of `cols` elements of `elem_bytes` over a cluster (each
+/// CTA's slice whole 16-byte vectors, at most small_regs of them per thread), or cluster 0 when
+/// the batch is not small: a row longer than a cluster holds so, or more CTAs than
+/// small_ctas_per_sm per SM.
+inline launch_plan make_small_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms) {
+  launch_plan p;
+  p.cluster = 0;
+  if (policy::small_regs == 0) return p;
+  const int vec = 16 / elem_bytes;
+  const std::int64_t per_cta = std::int64_t{policy::small_regs} * 16 * policy::block;
+  const std::int64_t row_bytes = cols * elem_bytes;
+  std::int64_t c = (row_bytes + per_cta - 1) / per_cta;
+  if (c > policy::cluster_max) return p;
+  c = spread_rows(c < 1 ? 1 : c, rows, row_bytes, sms, policy::cluster_max);
+  if (rows * c > std::int64_t{policy::small_ctas_per_sm} * sms) return p;
+  p.cluster = static_cast<int>(c);
+  p.slice = ((cols + c - 1) / c + vec - 1) / vec * vec;
   return p;
 }
 

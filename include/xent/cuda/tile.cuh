@@ -171,9 +171,10 @@ struct exp_tile : tile_extent<T, Regs, Block> {
 };
 
 /// This thread's vectors of a chunk loaded straight from global memory, for a pass that reads
-/// each element once (the streaming backward): 16-byte streaming loads (ld.global.cs: the
-/// gradient may overwrite the logits in the same kernel, so not the read-only path), the row's
-/// last partial vector element by element. `src` is 16-byte aligned.
+/// each element once (the streaming backward, the small-batch kernel): 16-byte streaming loads
+/// (ld.global.cs: the gradient may overwrite the logits in the same kernel, so not the read-only
+/// path), the row's last partial vector element by element. `Aligned`: `src` is 16-byte aligned
+/// (otherwise every vector is read element by element).
 template <class T, int Regs, int Block>
 struct global_tile : tile_extent<T, Regs, Block> {
   using shape = tile_shape<T, Regs, Block>;
@@ -181,12 +182,13 @@ struct global_tile : tile_extent<T, Regs, Block> {
 
   __device__ __forceinline__ float value(int r, int e) const { return word_element<T>(w[r], e); }
 
+  template <bool Aligned = true>
   __device__ __forceinline__ void load(const T* src, int n) {
     this->count = n;
 #pragma unroll
     for (int r = 0; r < Regs; ++r) {
       if (!this->has(r)) continue;
-      if (this->valid(r) == shape::vec) {
+      if (Aligned && this->valid(r) == shape::vec) {
         const uint4 q = __ldcs(reinterpret_cast<const uint4*>(src + shape::offset(r)));
         w[r][0] = q.x;
         w[r][1] = q.y;

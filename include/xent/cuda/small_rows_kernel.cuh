@@ -1,0 +1,153 @@
+// The small-batch kernel: a batch of a few plain class-id rows (the seed shapes: 32 x 32000 fp32),
+// each row's vocabulary split over a thread-block cluster, every CTA holding its slice in
+// registers straight from global memory (a few 16-byte vectors per thread) on one straight path:
+// load, statistics, one exchange over the cluster's shared memory, the row's outputs, its
+// gradient. The row kernel serves such a batch too, but each of its clusters then runs its
+// pipeline (stages, mbarriers, the row loop) for a single row from a cold instruction cache: ncu
+// on fp32 32 x 32000 (13.9 us) found 1100 instructions per warp, stalled on instruction fetch
+// and barriers rather than memory (bench/results/cuda-notes.md). Included only by nvcc.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../loss_math.hpp"
+#include "kernels.cuh"
+#include "row_reduce.cuh"
+#include "row_sums.cuh"
+#include "tile.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+/// Cluster-wide split barrier: arrive (release: this CTA's shared-memory writes before it are
+/// visible to the cluster) and wait (acquire).
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/// This thread's statistics of its vectors of a slice, merged over its warp: the warp's max,
+/// then the exponentials relative to it (the row kernel's chunk_stats, without a stage).
+template <class Tile>
+__device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
+  float m = -HUGE_VALF;
+#pragma unroll
+  for (int r = 0; r < Tile::regs; ++r)
+#pragma unroll
+    for (int e = 0; e < Tile::vec; ++e)  // fmaxf passes over NaN; the sum below still meets it
+      if (t.has(r) && e < t.valid(r)) m = fmaxf(m, t.value(r, e));
+  m = warp_max(m);
+  const float shift = m == -HUGE_VALF ? 0.0f : m * log2e;
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int r = 0; r < Tile::regs; ++r)
+#pragma unroll
+    for (int e = 0; e < Tile::vec; ++e)
+      if (t.has(r) && e < t.valid(r)) {
+        const float p = fast_exp2(fmaf(t.value(r, e), log2e, -shift));
+        if (e % 2)
+          s1 += p;
+        else
+          s0 += p;
+      }
+  row_partial p;
+  p.lse = online_lse::of_block(m, warp_sum(s0 + s1));
+  return p;
+}
+
+/// Grid (cluster, rows): CTA `rank` of row blockIdx.y's cluster owns classes [rank * slice,
+/// (rank + 1) * slice). Plain class-id rows of an unsharded call, forward or fused.
+template <int Block, int Regs, bool Aligned, pass P, class T, class G, class Tgt>
+XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
+  static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
+  constexpr int warps = Block / 32;
+  constexpr bool want_grad = P == pass::fused;
+  // Raw storage: shared memory takes no initialiser. warps parts, this CTA's (read by every CTA
+  // of the cluster), the row's.
+  __shared__ alignas(row_partial) unsigned char parts_bytes[sizeof(row_partial) * (warps + 2)];
+  row_partial* const warp_parts = reinterpret_cast<row_partial*>(parts_bytes);
+  row_partial& cta_part = warp_parts[warps];
+  row_partial& row_total = warp_parts[warps + 1];
+  const int rank = static_cast<int>(blockIdx.x);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t n = blockIdx.y;
+  const std::int64_t v0 = rank * a.slice;
+  const std::int64_t v1 = v0 + a.slice < a.cols ? v0 + a.slice : a.cols;
+  const int count = v1 > v0 ? static_cast<int>(v1 - v0) : 0;
+  const std::int64_t y = static_cast<std::int64_t>(a.targets.ids[n]);
+  // The same on every CTA of the row, so a skipped row skips the cluster's barriers everywhere.
+  const bool skip = y == a.ignore_index || y < 0 || y >= a.vocab;
+  const bool invalid = skip && y != a.ignore_index;
+  const float w_y = !skip && a.weights ? a.weights[y] : 1.0f;
+
+  global_tile<T, Regs, Block> tile;
+  if (!skip) tile.template load<Aligned>(a.logits + n * a.ld + v0, count);
+  const bool need_reduce = a.workspace && (a.loss || a.num_correct);
+  // The mean's normaliser (every CTA sums it, as the row kernel's do) while the loads fly.
+  const double normalizer =
+      a.reduce == reduction::mean && (want_grad || need_reduce)
+          ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, a.weights)
+          : 1.0;
+
+  if (!skip) {
+    row_partial p = tile_warp_stats(tile);
+    if (threadIdx.x == 0 && y >= v0 && y < v1)
+      p.target_logit = to_float(a.logits[n * a.ld + y]);  // read before any gradient store
+    if (lane == 0) warp_parts[warp] = p;
+    __syncthreads();
+    if (warp == 0) {
+      const row_partial c =
+          warp_merge<pow2_at_least(warps)>(lane < warps ? warp_parts[lane] : row_partial{});
+      if (lane == 0) cta_part = c;
+    }
+    cluster_arrive();  // every CTA's cta_part is written ...
+    cluster_wait();    // ... and visible here
+    if (warp == 0) {
+      // Lane r reads rank r's part; the same tree in every CTA gives every CTA the same bits.
+      const int ranks = static_cast<int>(gridDim.x);
+      row_partial q{};
+      if (lane < ranks) q = *cooperative_groups::this_cluster().map_shared_rank(&cta_part, lane);
+      q = warp_merge<policy::cluster_max>(q);
+      if (lane == 0) row_total = q;
+    }
+    cluster_arrive();  // done reading the other CTAs' shared memory (waited for before exit)
+    __syncthreads();   // row_total is visible
+  }
+
+  if (rank == 0 && threadIdx.x == 0) {
+    const float loss = skip ? (invalid ? NAN : 0.0f) : class_row_loss(row_total, w_y, a.k);
+    const float lse = skip ? loss : row_total.lse.lse();
+    if (a.row_loss) a.row_loss[n] = loss;
+    if (a.lse_out) a.lse_out[n] = lse;
+    if (need_reduce) record_row(a.workspace, a.rows, n, loss, false);
+    if (invalid && a.error_count) atomicAdd(a.error_count, 1);
+  }
+  if constexpr (want_grad) {
+    G* out = a.grad + n * a.grad_ld;
+    if (skip) {
+      for (std::int64_t c = v0 + threadIdx.x; c < v1; c += Block) out[c] = from_float<G>(0.0f);
+    } else {
+      const double scalar = a.reduce != reduction::none
+                                ? scalar_upstream(a.scale, a.scale_ptr, a.reduce, normalizer)
+                                : 0.0;
+      row_gradient rg;
+      rg.y = y;
+      rg.w_y = w_y;
+      rg.lse = row_total.lse.lse();
+      rg.g = row_scale(a, n, scalar);
+      rg.alpha = gradient_alpha(class_target_mass(w_y, a.k), rg.lse, a.k);
+      tile_gradient<true, Aligned>(a, tile, n, v0, rg, out);
+    }
+  }
+  if (need_reduce && rank == 0)
+    finish_reduction<Block>(a.workspace, a.rows, 1u, a.loss, a.num_correct, normalizer);
+  if (!skip) cluster_wait();  // no CTA leaves while another may read its cta_part
+}
+
+}  // namespace cuda_detail
+}  // namespace xent
