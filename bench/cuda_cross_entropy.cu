@@ -156,6 +156,41 @@ void BM_cross_entropy(benchmark::State& state) {
                              rows * cols, total, copy_roof());
 }
 
+__global__ void empty_kernel() {}
+
+/// The harness's floor for the seed shapes: an empty kernel of the small-batch kernel's geometry
+/// for fp32 32 x 32000 (32 rows x 9 CTAs of 256 threads, in clusters of 9 or without clusters),
+/// after the same refresh and timed between the same events. A seed-shape line's time above this
+/// is the kernel's own.
+void BM_launch_floor(benchmark::State& state) {
+  const bool clusters = state.range(0) != 0;
+  const std::int64_t rows = 32, cols = 32000;
+  arena& a = buffers();
+  a.reserve(sizeof(float) * static_cast<std::size_t>(rows * cols), rows);
+  check(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+        "cluster attribute");
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 9;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(9, static_cast<unsigned>(rows), 1);
+  cfg.blockDim = dim3(256, 1, 1);
+  cfg.attrs = attr;
+  cfg.numAttrs = clusters ? 1 : 0;
+  auto launch = [&] { check(cudaLaunchKernelEx(&cfg, empty_kernel), "launch"); };
+  std::uint64_t seed = 1;
+  launch();
+  check(cudaDeviceSynchronize(), "warm-up");
+  for (auto _ : state) {
+    fill_kernel<float><<<4096, 256>>>(static_cast<float*>(a.logits), rows * cols, seed++, 2.0f);
+    check(cudaMemsetAsync(a.flush, static_cast<int>(seed & 0xff), a.flush_bytes), "flush");
+    timed(state, a, launch);
+  }
+  state.counters["cluster"] = clusters ? 9 : 1;
+}
+
 void shapes(benchmark::internal::Benchmark* b, bool seed_shapes, bool training_shapes) {
   if (seed_shapes) b->Args({32, 32000})->Args({128, 32000})->Args({32, 50257});
   if (training_shapes) b->Args({8192, 32000})->Args({16384, 128256})->Args({4096, 262144});
@@ -165,6 +200,7 @@ void shapes(benchmark::internal::Benchmark* b, bool seed_shapes, bool training_s
 }  // namespace
 
 BENCHMARK(BM_copy_roof)->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(20);
+BENCHMARK(BM_launch_floor)->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 #define XENT_CUDA_BENCH(T, OP, SEED, TRAIN)                                                  \
   BENCHMARK_TEMPLATE(BM_cross_entropy, T, OP)->Apply([](benchmark::internal::Benchmark* b) { \
