@@ -100,6 +100,16 @@ inline bool prepare_cluster_kernel(const void* kernel, int device, int dynamic_s
   return clusters;
 }
 
+/// The launch attribute of a one-dimensional cluster of `cluster` CTAs.
+inline cudaLaunchAttribute cluster_attribute(int cluster) {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = static_cast<unsigned>(cluster);
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = 1;
+  return a;
+}
+
 template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
 bool prepare_kernel_attributes(int device) {
   auto kernel =
@@ -164,11 +174,7 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   cfg.dynamicSmemBytes = plan.smem_bytes;
   cfg.stream = exec.stream;
   static const bool log = std::getenv("XENT_CUDA_LOG") != nullptr;  // read once
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[1] = {cluster_attribute(plan.cluster)};
   cfg.attrs = attr;
   cfg.numAttrs = plan.cluster > 1 ? 1 : 0;
   // Persistent clusters: as many as fit at once, each walking its share of the rows.
@@ -202,11 +208,7 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(args.rows), 1);
   cfg.blockDim = dim3(policy::block, 1, 1);
   cfg.stream = exec.stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[1] = {cluster_attribute(plan.cluster)};
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
