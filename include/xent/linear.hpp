@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <type_traits>
 
+#include "accumulator.hpp"
 #include "backend.hpp"
 #include "detail/validate.hpp"
 #include "linear/backend.hpp"
@@ -33,11 +34,12 @@ namespace xent {
 /// (the largest row chunk that fits, at most every row; those fixed buffers, such as the float
 /// d_weight accumulator, are counted outside the budget). A call plans its chunks from the
 /// workspace it is given, all of it counted. The CPU's
-/// figure is, per chunk row, V floats of logits and one float of row loss, plus D floats of
-/// converted hidden row (T not float) and of d_hidden row (training, G not float); and once a
-/// converted weight block per thread (T not float), V floats of bias (T not float) and, for
-/// training with G not float, V floats of d_bias and either the V x D float d_weight accumulator
-/// (dw_accumulation::fp32) or a weight block per thread (dw_accumulation::output).
+/// figure is (floats being doubles for double T: the accumulator), per chunk row, V floats of
+/// logits and one float of row loss, plus D floats of converted hidden row (T not float) and of
+/// d_hidden row (training, G not float); and once a converted weight block per thread (T not
+/// float), V floats of bias (T not float) and, for training with G not float, V floats of d_bias
+/// and either the V x D float d_weight accumulator (dw_accumulation::fp32) or a weight block per
+/// thread (dw_accumulation::output).
 template <class T, class G = T, class Exec>
 linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shape& shape,
                                              linear_pass pass, const linear_options& opts = {},
@@ -60,7 +62,7 @@ void require_linear_types() {
                 "xent: no fused linear backend for this execution object (include its header)");
   static_assert(backend_traits<Exec>::template supports_dtype<T>,
                 "xent: unsupported hidden / weight dtype for this backend (float, bfloat16 and "
-                "half are)");
+                "half are; double only on the CPU backend)");
   static_assert(target_traits<Targets>::valid,
                 "xent: targets must be vector_view<int32_t / int64_t> or soft_targets<dtype>");
 }
@@ -89,10 +91,10 @@ void check_forward_workspace(const char* fn, const matrix_view<const T>& hidden,
 
 /// A training call's upstream gradient, gradients and workspace (at least `need` bytes; `query`
 /// says how to size it); nothing it writes overlaps what it reads, or anything else it writes.
-template <class Exec, class T, class G>
+template <class Exec, class T, class G, class A>
 void check_linear_training(const char* fn, const matrix_view<const T>& hidden,
                            const matrix_view<const T>& weight, const vector_view<const T>& bias,
-                           const linear_options& opts, const upstream& up,
+                           const linear_options& opts, const basic_upstream<A>& up,
                            const linear_grads<G>& grads, const linear_workspace& ws,
                            std::size_t need, const char* query) {
   static_assert(!std::is_const<G>::value, "xent: gradients must be writable");
@@ -125,16 +127,19 @@ std::size_t linear_minimal(const Exec& exec, const matrix_view<const T>& hidden,
 /// soft_targets N x V). outputs as xent::forward's: the reduction's result is required, per-row
 /// LSE (for linear_backward), argmax and num_correct optional. workspace: at least
 /// linear_workspace_size(..., linear_pass::forward).minimal bytes; more makes row chunks larger.
-template <class Exec, class H, class Targets>
+/// Outputs, upstream gradients and LSE are of the inputs' accumulator type, as in loss.hpp:
+/// double for double hidden / weight (CPU only), float otherwise.
+template <class Exec, class H, class Targets, class A>
 void linear_forward(const Exec& exec, matrix_view<H> hidden,
                     matrix_view<const std::remove_const_t<H>> weight,
                     vector_view<const std::remove_const_t<H>> bias, const Targets& targets,
-                    const linear_options& opts, const forward_outputs& outputs,
+                    const linear_options& opts, const basic_forward_outputs<A>& outputs,
                     const linear_workspace& workspace) {
   constexpr const char* fn = "xent::linear_forward";
   using T = std::remove_const_t<H>;
   const matrix_view<const T> x(hidden);
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
+  detail::require_accumulator<T, A>();
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, true);
   detail::check_forward_workspace(
       fn, x, weight, bias, workspace,
@@ -149,17 +154,19 @@ void linear_forward(const Exec& exec, matrix_view<H> hidden,
 /// optional, see linear_grads) with the upstream gradient given up front (a scalar for mean /
 /// sum, per row for none). Per-row upstream gradients scale each row's logit gradient before it
 /// is summed over rows into d_weight and d_bias (Liger #678 / #968 summed first).
-template <class Exec, class H, class Targets, class G>
+template <class Exec, class H, class Targets, class A, class B, class G>
 void linear_forward_backward(const Exec& exec, matrix_view<H> hidden,
                              matrix_view<const std::remove_const_t<H>> weight,
                              vector_view<const std::remove_const_t<H>> bias, const Targets& targets,
-                             const linear_options& opts, const upstream& up,
-                             const forward_outputs& outputs, const linear_grads<G>& grads,
+                             const linear_options& opts, const basic_upstream<A>& up,
+                             const basic_forward_outputs<B>& outputs, const linear_grads<G>& grads,
                              const linear_workspace& workspace) {
   constexpr const char* fn = "xent::linear_forward_backward";
   using T = std::remove_const_t<H>;
   const matrix_view<const T> x(hidden);
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
+  detail::require_accumulator<T, A>();
+  detail::require_accumulator<T, B>();
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, false);
   detail::check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
@@ -173,16 +180,18 @@ void linear_forward_backward(const Exec& exec, matrix_view<H> hidden,
 /// The gradients from the per-row LSE that linear_forward saved, recomputing each chunk's logits
 /// (the N x V logits are never kept between the calls). The upstream gradient is a scalar for
 /// mean / sum and per row for none, applied to each row before any sum over rows.
-template <class Exec, class H, class Targets, class G>
+template <class Exec, class H, class Targets, class A, class G>
 void linear_backward(const Exec& exec, matrix_view<H> hidden,
                      matrix_view<const std::remove_const_t<H>> weight,
                      vector_view<const std::remove_const_t<H>> bias, const Targets& targets,
-                     const linear_options& opts, vector_view<const float> lse, const upstream& up,
-                     const linear_grads<G>& grads, const linear_workspace& workspace) {
+                     const linear_options& opts, vector_view<const detail::non_deduced_t<A>> lse,
+                     const basic_upstream<A>& up, const linear_grads<G>& grads,
+                     const linear_workspace& workspace) {
   constexpr const char* fn = "xent::linear_backward";
   using T = std::remove_const_t<H>;
   const matrix_view<const T> x(hidden);
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
+  detail::require_accumulator<T, A>();
   detail::check_vector(fn, "lse", lse, x.rows, false);
   detail::check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "accumulator.hpp"
 #include "views.hpp"
 
 namespace xent {
@@ -15,6 +16,8 @@ enum class reduction {
   sum,   ///< sum of row losses; 0 when every row is ignored or N = 0
 };
 
+/// The options are float for every dtype: a float64 call widens them exactly, so a float64
+/// reference to compare with should use the same float values (0.1f, not 0.1, for eps).
 struct options {
   reduction reduce = reduction::mean;
   /// Rows whose target equals this are ignored (loss 0, gradient 0, excluded from W). Any value,
@@ -23,6 +26,8 @@ struct options {
   /// eps in [0, 1]: loss = (1 - eps) * NLL + (eps / V) * sum_c w_c * (-log p_c).
   float label_smoothing = 0.0f;
   /// Per-class weights w_c (V floats, in the backend's memory); empty means every weight is 1.
+  /// Float for every logits dtype, float64 included: weights are given, not learned, and sums of
+  /// them are formed in the call's accumulator.
   vector_view<const float> class_weights{};
   /// z-loss (PaLM; Liger's lse_square_scale) >= 0: adds z_loss * lse^2 to every row not ignored.
   float z_loss = 0.0f;
@@ -34,21 +39,26 @@ struct options {
 /// gradient is `scale`, times `*scale_ptr` when that is given (a pointer into the backend's memory,
 /// so a device-resident gradient is read without a host synchronisation). With reduction none each
 /// row n gets `scale * rows[n]` (`rows` has N entries), or `scale` when `rows` is empty.
-struct upstream {
-  float scale = 1.0f;
-  const float* scale_ptr = nullptr;
-  vector_view<const float> rows{};
+/// A is the call's accumulator (accumulator_t of the logits): float, or double for double logits.
+template <class A>
+struct basic_upstream {
+  A scale = A(1);
+  const A* scale_ptr = nullptr;
+  vector_view<const A> rows{};
 };
+using upstream = basic_upstream<float>;
 
 /// Where forward results go; every member is optional except the loss the reduction produces
 /// (`loss` for mean and sum, `row_loss` for none). Pointers and views refer to the backend's
-/// memory.
-struct forward_outputs {
-  float* loss = nullptr;                ///< reduced loss (mean or sum)
-  vector_view<float> row_loss{};        ///< per-row loss, N entries (0 on ignored rows)
-  vector_view<float> lse{};             ///< per-row log-sum-exp of the (soft-capped) logits
+/// memory. A is the call's accumulator, as for basic_upstream.
+template <class A>
+struct basic_forward_outputs {
+  A* loss = nullptr;                    ///< reduced loss (mean or sum)
+  vector_view<A> row_loss{};            ///< per-row loss, N entries (0 on ignored rows)
+  vector_view<A> lse{};                 ///< per-row log-sum-exp of the (soft-capped) logits
   vector_view<std::int64_t> argmax{};   ///< per-row index of the largest logit (first on ties)
   std::int64_t* num_correct = nullptr;  ///< rows not ignored whose argmax equals the target
 };
+using forward_outputs = basic_forward_outputs<float>;
 
 }  // namespace xent

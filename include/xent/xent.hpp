@@ -34,6 +34,7 @@
 // (parallel/nccl_group.cuh, included here when XENT_HAS_NCCL is defined) on CUDA.
 #pragma once
 
+#include "accumulator.hpp"
 #include "backend.hpp"
 #include "config.hpp"
 #include "cpu/backend.hpp"

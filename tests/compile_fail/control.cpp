@@ -22,6 +22,14 @@ int main() {
                          xent::vector_view<const std::int64_t>(targets, 2), xent::options{},
                          xent::upstream{}, xent::forward_outputs{},
                          xent::matrix_view<float>(grad, 2, 3));
+  // float64 on the CPU: double logits, outputs, upstream and gradient.
+  double logits64[6] = {}, grad64[6] = {}, loss64 = 0;
+  xent::basic_forward_outputs<double> out64;
+  out64.loss = &loss64;
+  xent::forward_backward(xent::cpu{}, xent::matrix_view<const double>(logits64, 2, 3),
+                         xent::vector_view<const std::int64_t>(targets, 2), xent::options{},
+                         xent::basic_upstream<double>{}, out64,
+                         xent::matrix_view<double>(grad64, 2, 3));
   Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> rm(2, 3);
   auto v = xent::view(rm);
   return static_cast<int>(v.ld);

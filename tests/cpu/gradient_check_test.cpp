@@ -45,19 +45,44 @@ std::vector<spec> tiny_cases() {
   return out;
 }
 
-/// Central differences of the oracle's objective (the reduced loss times the upstream gradient).
-std::vector<double> central_differences(oracle::problem pb, const oracle::upstream& up) {
-  std::vector<double> fd(pb.logits.size());
-  for (std::size_t i = 0; i < pb.logits.size(); ++i) {
-    const double x = pb.logits[i], h = 1e-5 * (1.0 + std::fabs(x));
-    pb.logits[i] = x + h;
-    const double plus = oracle::objective(pb, up);
-    pb.logits[i] = x - h;
-    const double minus = oracle::objective(pb, up);
-    pb.logits[i] = x;
+/// Central differences of objective() in each of `values` (each restored after), with the step
+/// rel * (1 + |x|).
+template <class F>
+std::vector<double> central_differences_in(std::vector<double>& values, double rel,
+                                           const F& objective) {
+  std::vector<double> fd(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const double x = values[i], h = rel * (1.0 + std::fabs(x));
+    values[i] = x + h;
+    const double plus = objective();
+    values[i] = x - h;
+    const double minus = objective();
+    values[i] = x;
     fd[i] = (plus - minus) / (2 * h);
   }
   return fd;
+}
+
+/// Central differences of the oracle's objective (the reduced loss times the upstream gradient).
+std::vector<double> central_differences(oracle::problem pb, const oracle::upstream& up) {
+  return central_differences_in(pb.logits, 1e-5, [&] { return oracle::objective(pb, up); });
+}
+
+/// xent's gradient of case `d` (forward_backward, and backward from forward's LSE) against the
+/// differences `fd` (rows x cols, dense), within rel_tol of the largest of them (plus rel_tol).
+template <class T>
+void expect_gradient_near(const xt::dataset<T>& d, const std::vector<double>& fd, double rel_tol) {
+  const spec& s = d.s;
+  double scale = 0;
+  for (double g : fd) scale = std::max(scale, std::fabs(g));
+  for (bool fused : {true, false}) {
+    const auto r = xt::call(d, fused);
+    for (std::int64_t n = 0; n < s.rows; ++n)
+      for (std::int64_t c = 0; c < s.cols; ++c)
+        ASSERT_NEAR(r.grad[n * s.ld() + c], fd[n * s.cols + c], rel_tol * (1.0 + scale))
+            << s.describe() << (fused ? " forward_backward" : " backward") << ": row " << n
+            << " col " << c;
+  }
 }
 
 TEST(OracleSelfCheck, GradientMatchesCentralDifferencesWithEveryOption) {
@@ -82,17 +107,7 @@ TEST(CpuGradientCheck, Float32GradientMatchesCentralDifferencesOfFloat64Loss) {
     const auto d = xt::make_dataset<float>(s);
     const oracle::problem pb = d.problem();
     const oracle::upstream up = d.oracle_upstream();
-    const std::vector<double> fd = central_differences(pb, up);
-    for (bool fused : {true, false}) {
-      const auto r = xt::call(d, fused);
-      double scale = 0;
-      for (double g : fd) scale = std::max(scale, std::fabs(g));
-      for (std::int64_t n = 0; n < s.rows; ++n)
-        for (std::int64_t c = 0; c < s.cols; ++c)
-          ASSERT_NEAR(r.grad[n * s.ld() + c], fd[n * s.cols + c], 2e-6 * (1.0 + scale))
-              << s.describe() << (fused ? " forward_backward" : " backward") << ": row " << n
-              << " col " << c;
-    }
+    expect_gradient_near(d, central_differences(pb, up), 2e-6);
   }
 }
 
@@ -101,6 +116,46 @@ TEST(CpuGradientCheck, Float32MatchesOracleOnTinyCasesWithEveryOption) {
   for (spec s : tiny_cases()) {
     s.in_place = s.seed % 2;
     if (!budget.record(xt::run_case<float>(xt::make_dataset<float>(s)))) return;
+  }
+}
+
+/// The objective of xent's own float64 forward: the reduced loss times the scalar upstream, or
+/// sum_n g_n l_n under none (oracle::objective's counterpart).
+double xent_objective(const xt::dataset<double>& d, const oracle::upstream& up) {
+  const bool none = d.s.reduce == reduction::none;
+  double loss = 0.0;
+  std::vector<double> rows(d.s.rows);
+  xent::basic_forward_outputs<double> o;
+  if (none)
+    o.row_loss = {rows.data(), d.s.rows};
+  else
+    o.loss = &loss;
+  d.with_targets([&](auto t) { xent::forward(d.exec(), d.view(), t, d.options(), o); });
+  if (!none) return up.scale * loss;
+  double s = 0.0;
+  for (std::int64_t n = 0; n < d.s.rows; ++n)
+    s += (up.rows.empty() ? up.scale : up.rows[n]) * rows[n];
+  return s;
+}
+
+TEST(CpuGradientCheck, Float64GradientMatchesCentralDifferencesOfItsOwnLoss) {
+  // xent's float64 gradient against central differences of xent's float64 loss with a step of
+  // 1e-6: truncation (h^2) and rounding (2^-53 / h) errors are ~1e-10 of the terms, so 1e-8 holds
+  // and a float computation anywhere on the path (errors of 1e-7) fails.
+  for (const spec& s : tiny_cases()) {
+    auto d = xt::make_dataset<double>(s);  // no ld padding: d.logits is dense rows x cols
+    const oracle::upstream up = d.oracle_upstream();
+    const std::vector<double> fd =
+        central_differences_in(d.logits, 1e-6, [&] { return xent_objective(d, up); });
+    expect_gradient_near(d, fd, 1e-8);
+  }
+}
+
+TEST(CpuGradientCheck, Float64MatchesOracleOnTinyCasesWithEveryOption) {
+  xt::case_budget budget;
+  for (spec s : tiny_cases()) {
+    s.in_place = s.seed % 2;
+    if (!budget.record(xt::run_case<double>(xt::make_dataset<double>(s)))) return;
   }
 }
 

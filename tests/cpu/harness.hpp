@@ -13,6 +13,9 @@
 // relative error growing as 1 / slope. Per row, the max-abs error over the row maximum and the
 // norm ratio ||got - ref|| / ||ref|| are reported with every failure. NaN passes only where the
 // oracle says NaN; an infinite reference must be matched exactly.
+//
+// float64 logits compute in double (xent::accumulator_t) from unrounded double data: the same
+// error budget counted in double ulps (tolerance_scale), about 1e-14 of the terms' magnitude.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -42,16 +45,25 @@ using half = Eigen::half;
 
 template <class T>
 double to_double(T v) {
-  return static_cast<double>(static_cast<float>(v));
+  if constexpr (std::is_same<T, double>::value) {
+    return v;
+  } else {
+    return static_cast<double>(static_cast<float>(v));
+  }
 }
 
 template <class T>
 T from_double(double v) {
-  return static_cast<T>(static_cast<float>(v));
+  if constexpr (std::is_same<T, double>::value) {
+    return v;
+  } else {
+    return static_cast<T>(static_cast<float>(v));
+  }
 }
 
 template <class T>
 const char* dtype_name() {
+  if (std::is_same<T, double>::value) return "f64";
   if (std::is_same<T, float>::value) return "f32";
   if (std::is_same<T, bf16>::value) return "bf16";
   return "f16";
@@ -60,6 +72,7 @@ const char* dtype_name() {
 /// Unit roundoff of an output dtype (half an ulp of 1).
 template <class T>
 double unit_roundoff() {
+  if (std::is_same<T, double>::value) return std::ldexp(1.0, -53);
   if (std::is_same<T, float>::value) return std::ldexp(1.0, -24);
   if (std::is_same<T, bf16>::value) return std::ldexp(1.0, -8);  // 8 significant bits
   return std::ldexp(1.0, -11);                                   // 11 significant bits
@@ -68,9 +81,19 @@ double unit_roundoff() {
 /// The spacing of the subnormals of an output dtype: the absolute error floor of one rounding.
 template <class T>
 double subnormal_step() {
+  if (std::is_same<T, double>::value) return std::ldexp(1.0, -1074);
   if (std::is_same<T, float>::value) return std::ldexp(1.0, -149);
   if (std::is_same<T, bf16>::value) return std::ldexp(1.0, -133);
   return std::ldexp(1.0, -24);
+}
+
+/// What the float tolerances (spec::fwd_tol, bwd_tol: float ulps of the terms) are multiplied by
+/// for a call accumulating in A: 1 for float; for double, the ratio of the unit roundoffs (the
+/// same count of double ulps) times 4, as the double oracle's own rounding is now of the same size.
+template <class A>
+double tolerance_scale() {
+  return std::is_same<A, double>::value ? 4 * unit_roundoff<double>() / unit_roundoff<float>()
+                                        : 1.0;
 }
 
 template <class T>
@@ -151,14 +174,16 @@ struct spec {
 /// holding a sentinel.
 template <class T>
 struct dataset {
+  using acc = xent::accumulator_t<T>;  ///< the call's outputs and upstream gradient
+
   spec s;
   std::vector<T> logits;  ///< rows x ld
   std::vector<std::int32_t> t32;
   std::vector<std::int64_t> t64;
   std::vector<T> probs;  ///< rows x ld (soft targets)
   std::vector<float> weights;
-  float scale_value = 1.5f;    ///< what upstream.scale_ptr points at
-  std::vector<float> up_rows;  ///< upstream.rows for reduction none
+  acc scale_value = acc(1.5f);  ///< what upstream.scale_ptr points at
+  std::vector<acc> up_rows;     ///< upstream.rows for reduction none
 
   std::int64_t target(std::int64_t n) const {
     return s.kind == target_kind::int32 ? t32[n] : t64[n];
@@ -183,8 +208,8 @@ struct dataset {
     return o;
   }
 
-  xent::upstream upstream() const {
-    xent::upstream u;
+  xent::basic_upstream<acc> upstream() const {
+    xent::basic_upstream<acc> u;
     u.scale = s.scale;
     if (s.up == upstream_mode::pointer_or_rows) {
       if (s.reduce == xent::reduction::none)
@@ -252,7 +277,7 @@ struct dataset {
     u.scale = static_cast<double>(s.scale);
     if (s.up == upstream_mode::pointer_or_rows) {
       if (s.reduce == xent::reduction::none) {
-        for (float r : up_rows) u.rows.push_back(static_cast<double>(s.scale) * r);
+        for (acc r : up_rows) u.rows.push_back(static_cast<double>(s.scale) * r);
       } else {
         u.scale *= static_cast<double>(scale_value);
       }
@@ -320,8 +345,8 @@ dataset<T> make_dataset(const spec& s) {
   d.weights.resize(s.cols);
   for (auto& w : d.weights) w = static_cast<float>(0.25 + 1.75 * uniform(rng));
   d.up_rows.resize(s.rows);
-  for (auto& r : d.up_rows) r = static_cast<float>(uniform(rng) * 4.0 - 2.0);
-  if (!d.up_rows.empty()) d.up_rows[0] = d.up_rows.size() > 2 ? 0.0f : d.up_rows[0];
+  for (auto& r : d.up_rows) r = static_cast<typename dataset<T>::acc>(uniform(rng) * 4.0 - 2.0);
+  if (!d.up_rows.empty()) d.up_rows[0] = d.up_rows.size() > 2 ? 0 : d.up_rows[0];
   return d;
 }
 
@@ -343,20 +368,22 @@ struct guarded {
   xent::vector_view<U> view() { return {data(), size()}; }
 };
 
-struct forward_result {
-  guarded<float> row_loss;
-  guarded<float> lse;
+/// Forward outputs of a call accumulating in A (float; double for float64 logits).
+template <class A>
+struct basic_forward_result {
+  guarded<A> row_loss;
+  guarded<A> lse;
   guarded<std::int64_t> argmax;
-  guarded<float> loss{1, 12345.0f};
+  guarded<A> loss{1, A(12345.0f)};
   guarded<std::int64_t> correct{1, -777};
 
-  explicit forward_result(std::int64_t rows)
-      : row_loss(rows, 12345.0f), lse(rows, 12345.0f), argmax(rows, -777) {}
+  explicit basic_forward_result(std::int64_t rows)
+      : row_loss(rows, A(12345.0f)), lse(rows, A(12345.0f)), argmax(rows, -777) {}
 
   /// Every output the case allows: `loss` only under mean / sum, `num_correct` only with class
   /// ids (soft targets have no class to be correct about; xent rejects it).
-  xent::forward_outputs all(bool with_loss, bool soft) {
-    xent::forward_outputs o;
+  xent::basic_forward_outputs<A> all(bool with_loss, bool soft) {
+    xent::basic_forward_outputs<A> o;
     if (with_loss) o.loss = loss.data();
     o.row_loss = row_loss.view();
     o.lse = lse.view();
@@ -365,6 +392,7 @@ struct forward_result {
     return o;
   }
 };
+using forward_result = basic_forward_result<float>;
 
 /// A gradient buffer rows x ld, poisoned, padding columns holding the sentinel.
 template <class G>
@@ -391,11 +419,11 @@ inline bool close(double got, double ref, double tol) {
 }
 
 /// Checks forward outputs against the oracle (`r` from dataset::problem()).
-template <class T>
-std::string check_forward(const dataset<T>& d, const oracle::result& r, forward_result& f,
+template <class T, class A = xent::accumulator_t<T>>
+std::string check_forward(const dataset<T>& d, const oracle::result& r, basic_forward_result<A>& f,
                           bool expect_loss) {
   const spec& s = d.s;
-  const double tol = s.fwd_tol();
+  const double tol = s.fwd_tol() * tolerance_scale<A>(), u = unit_roundoff<A>();
   std::ostringstream err;
   auto fail = [&](const std::string& m) {
     if (err.tellp() < 2000) err << "  " << m << "\n";
@@ -414,7 +442,7 @@ std::string check_forward(const dataset<T>& d, const oracle::result& r, forward_
     std::ostringstream where;
     where << "row " << n << ": ";
     if (ignored) {
-      if (!same_bits(f.row_loss[n], 0.0f) || !same_bits(f.lse[n], 0.0f) || f.argmax[n] != -1)
+      if (!same_bits(f.row_loss[n], A(0)) || !same_bits(f.lse[n], A(0)) || f.argmax[n] != -1)
         fail(where.str() + "ignored row must have loss 0, lse 0, argmax -1; got " +
              num(f.row_loss[n]) + ", " + num(f.lse[n]) + ", " + std::to_string(f.argmax[n]));
       continue;
@@ -432,8 +460,7 @@ std::string check_forward(const dataset<T>& d, const oracle::result& r, forward_
       bool ok = got >= 0 && got < s.cols;
       if (ok) {
         const double zg = r.z[n * s.cols + got], zw = r.z[n * s.cols + want];
-        ok = !std::isnan(zw) && zg != zw &&
-             std::fabs(zg - zw) <= 8 * std::ldexp(std::fabs(zw) + 1e-30, -24);
+        ok = !std::isnan(zw) && zg != zw && std::fabs(zg - zw) <= 8 * u * (std::fabs(zw) + 1e-30);
       }
       if (!ok)
         fail(where.str() + "argmax " + std::to_string(got) + " vs oracle " + std::to_string(want));
@@ -445,10 +472,10 @@ std::string check_forward(const dataset<T>& d, const oracle::result& r, forward_
          std::to_string(correct) + " (oracle " + std::to_string(r.num_correct) + ")");
   if (expect_loss) {
     const double denom = s.reduce == xent::reduction::mean ? r.normalizer : 1.0;
-    const double ltol = tol * magnitude / denom + 4 * std::ldexp(std::fabs(r.loss), -24);
+    const double ltol = tol * magnitude / denom + 4 * u * std::fabs(r.loss);
     if (!close(f.loss[0], r.loss, ltol))
       fail("loss " + num(f.loss[0]) + " vs oracle " + num(r.loss) + " (tol " + num(ltol) + ")");
-  } else if (!same_bits(f.loss[0], 12345.0f)) {
+  } else if (!same_bits(f.loss[0], A(12345.0f))) {
     fail("loss written though it was not requested");
   }
   return err.str();
@@ -457,8 +484,10 @@ std::string check_forward(const dataset<T>& d, const oracle::result& r, forward_
 /// Checks a gradient (rows x ld at `g`) against the oracle's, and that padding kept its sentinel.
 template <class T, class G>
 std::string check_gradient(const dataset<T>& d, const oracle::result& r, const G* g) {
+  using A = xent::accumulator_t<T>;
   const spec& s = d.s;
-  const double tol = s.bwd_tol(), u = unit_roundoff<G>(), floor_step = subnormal_step<G>();
+  const double tol = s.bwd_tol() * tolerance_scale<A>(), u = unit_roundoff<G>(),
+               floor_step = subnormal_step<G>();
   std::ostringstream err;
   auto fail = [&](const std::string& m) {
     if (err.tellp() < 2000) err << "  " << m << "\n";
@@ -483,10 +512,10 @@ std::string check_gradient(const dataset<T>& d, const oracle::result& r, const G
       double t = tol * (1.0 + (std::isfinite(z) ? std::fabs(z) : 0.0) + std::fabs(r.lse[n])) *
                  r.grad_magnitude[n * s.cols + c];
       if (s.softcap > 0 && std::isfinite(z)) {
-        // The slope 1 - (z / cap)^2 is formed in float from the capped z: an absolute error of a
+        // The slope 1 - (z / cap)^2 is formed in A from the capped z: an absolute error of a
         // few ulps of 1, so relative to the slope it grows as 1 / slope where tanh saturates.
         const double slope = 1.0 - (z / s.softcap) * (z / s.softcap);
-        if (slope > 0) t += 8 * std::ldexp(1.0, -24) * r.grad_magnitude[n * s.cols + c] / slope;
+        if (slope > 0) t += 8 * unit_roundoff<A>() * r.grad_magnitude[n * s.cols + c] / slope;
       }
       if (!close(got, ref, t + u * (std::fabs(ref) + t) * 2 + floor_step) && bad < 0) bad = c;
       if (std::isfinite(ref)) {
@@ -519,12 +548,13 @@ std::string check_gradient(const dataset<T>& d, const oracle::result& r, const G
 /// returns whether the case passed.
 template <class T, class G = T>
 bool run_case(const dataset<T>& d) {
+  using A = xent::accumulator_t<T>;
   const spec& s = d.s;
   const oracle::problem pb = d.problem();
   const oracle::upstream oup = d.oracle_upstream();
   const oracle::result r = oracle::evaluate(pb, &oup);
   const xent::options opts = d.options();
-  const xent::upstream up = d.upstream();
+  const xent::basic_upstream<A> up = d.upstream();
   const bool has_loss = s.reduce != xent::reduction::none;
   const bool soft = s.kind == target_kind::soft;
   std::string errors;
@@ -534,7 +564,7 @@ bool run_case(const dataset<T>& d) {
   const std::vector<T> original = d.logits;
 
   // forward, every output.
-  forward_result fwd(s.rows);
+  basic_forward_result<A> fwd(s.rows);
   d.with_targets([&](auto targets) {
     xent::forward(d.exec(), d.view(), targets, opts, fwd.all(has_loss, soft));
   });
@@ -542,8 +572,8 @@ bool run_case(const dataset<T>& d) {
 
   // forward, only what the reduction needs: same values, bitwise.
   {
-    forward_result lean(s.rows);
-    xent::forward_outputs o;
+    basic_forward_result<A> lean(s.rows);
+    xent::basic_forward_outputs<A> o;
     if (has_loss)
       o.loss = lean.loss.data();
     else
@@ -558,8 +588,8 @@ bool run_case(const dataset<T>& d) {
         break;
       }
     for (std::size_t i = 0; i < lean.lse.buf.size(); ++i)
-      if (!same_bits(lean.lse.buf[i], 12345.0f) || lean.argmax.buf[i] != -777 ||
-          (has_loss && !same_bits(lean.row_loss.buf[i], 12345.0f))) {
+      if (!same_bits(lean.lse.buf[i], A(12345.0f)) || lean.argmax.buf[i] != -777 ||
+          (has_loss && !same_bits(lean.row_loss.buf[i], A(12345.0f)))) {
         note("forward (required outputs only)", "  an absent output was written\n");
         break;
       }
@@ -570,13 +600,13 @@ bool run_case(const dataset<T>& d) {
   std::vector<G> gb = poisoned_grad<G>(s);
   d.with_targets([&](auto targets) {
     xent::backward(d.exec(), d.view(), targets, opts,
-                   xent::vector_view<const float>(fwd.lse.data(), s.rows), up,
+                   xent::vector_view<const A>(fwd.lse.data(), s.rows), up,
                    xent::matrix_view<G>(gb.data(), s.rows, s.cols, s.ld()));
   });
   note("backward", check_gradient<T, G>(d, r, gb.data()));
 
   // forward_backward, in place (over a copy of the logits) or into a fresh poisoned buffer.
-  forward_result fb(s.rows);
+  basic_forward_result<A> fb(s.rows);
   std::vector<G> gfb;
   std::vector<T> work;
   const G* gfb_data = nullptr;
@@ -629,12 +659,13 @@ bool run_case(const dataset<T>& d) {
   return true;
 }
 
-/// What one call (or forward then backward) produced, for tests that compare xent with itself.
-template <class G>
+/// What one call (or forward then backward) produced, for tests that compare xent with itself;
+/// A is the call's accumulator (double for float64 logits).
+template <class G, class A = float>
 struct call_result {
-  std::vector<float> row_loss, lse;
+  std::vector<A> row_loss, lse;
   std::vector<std::int64_t> argmax;
-  float loss = 12345.0f;
+  A loss = A(12345.0f);
   std::int64_t correct = -777;
   std::vector<G> grad;  ///< rows x ld
 };
@@ -643,21 +674,22 @@ struct call_result {
 /// every output the case allows, into `res` (its buffers are reused when already sized: results
 /// may depend on addresses, see CpuDeterminism.ResultsDoNotDependOnBufferAddresses).
 template <class T, class G>
-void call_into(const dataset<T>& d, bool fused, call_result<G>& res) {
+void call_into(const dataset<T>& d, bool fused, call_result<G, xent::accumulator_t<T>>& res) {
+  using A = xent::accumulator_t<T>;
   const spec& s = d.s;
   const bool has_loss = s.reduce != xent::reduction::none;
   const bool soft = s.kind == target_kind::soft;
-  res.loss = 12345.0f;
+  res.loss = A(12345.0f);
   res.correct = -777;
   res.row_loss.resize(s.rows);
   res.lse.resize(s.rows);
   res.argmax.resize(s.rows);
   res.grad.resize(s.rows * s.ld());
-  std::fill(res.row_loss.begin(), res.row_loss.end(), 12345.0f);
-  std::fill(res.lse.begin(), res.lse.end(), 12345.0f);
+  std::fill(res.row_loss.begin(), res.row_loss.end(), A(12345.0f));
+  std::fill(res.lse.begin(), res.lse.end(), A(12345.0f));
   std::fill(res.argmax.begin(), res.argmax.end(), -777);
   std::fill(res.grad.begin(), res.grad.end(), sentinel<G>());
-  xent::forward_outputs o;
+  xent::basic_forward_outputs<A> o;
   if (has_loss) o.loss = &res.loss;
   o.row_loss = {res.row_loss.data(), s.rows};
   o.lse = {res.lse.data(), s.rows};
@@ -670,14 +702,14 @@ void call_into(const dataset<T>& d, bool fused, call_result<G>& res) {
     } else {
       xent::forward(d.exec(), d.view(), targets, d.options(), o);
       xent::backward(d.exec(), d.view(), targets, d.options(),
-                     xent::vector_view<const float>(res.lse.data(), s.rows), d.upstream(), grad);
+                     xent::vector_view<const A>(res.lse.data(), s.rows), d.upstream(), grad);
     }
   });
 }
 
 template <class T, class G = T>
-call_result<G> call(const dataset<T>& d, bool fused = true) {
-  call_result<G> res;
+call_result<G, xent::accumulator_t<T>> call(const dataset<T>& d, bool fused = true) {
+  call_result<G, xent::accumulator_t<T>> res;
   call_into(d, fused, res);
   return res;
 }

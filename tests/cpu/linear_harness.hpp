@@ -20,6 +20,8 @@
 //   - a bf16 / fp16 output is rounded once: twice its unit roundoff of the value, plus the
 //     smallest subnormal step; d_weight accumulated in its own dtype (dw_accumulation::output)
 //     is rounded once per chunk instead.
+// float64 inputs compute in double: the same model with u = 2^-53 and the CE tolerances scaled to
+// double (xt::tolerance_scale).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -45,8 +47,6 @@ using xt::half;
 using xt::ignore_mode;
 using xt::target_kind;
 using xt::upstream_mode;
-
-constexpr double u32 = 5.9604644775390625e-08;  // 2^-24
 
 enum class budget { minimal, few_rows, all_rows };
 
@@ -196,8 +196,11 @@ template <class T>
 bounds error_bounds(const ldata<T>& L, const oracle::linear_problem& pb,
                     const oracle::linear_result& r, double chunks_rounding,
                     const rounding& stored = {}) {
+  using A = xent::accumulator_t<T>;
   const std::int64_t N = L.N(), V = L.V(), D = L.D();
   const xt::spec& s = L.s.ce;
+  const double u = xt::unit_roundoff<A>(), fwd_tol = s.fwd_tol() * xt::tolerance_scale<A>(),
+               bwd_tol = s.bwd_tol() * xt::tolerance_scale<A>();
   bounds e;
   // dl_n/dz_v for every row (reduction none, upstream 1): how a row loss moves with its logits.
   oracle::linear_problem unit = pb;
@@ -214,23 +217,23 @@ bounds error_bounds(const ldata<T>& L, const oracle::linear_problem& pb,
   for (std::int64_t n = 0; n < N; ++n) {
     double dzmax = 0.0, zmax = 0.0, sens = 0.0;
     for (std::int64_t v = 0; v < V; ++v) {
-      e.dz[n * V + v] = 2.0 * (D + 2) * u32 * r.logit_magnitude[n * V + v] +
+      e.dz[n * V + v] = 2.0 * (D + 2) * u * r.logit_magnitude[n * V + v] +
                         stored.logits * std::fabs(r.logits[n * V + v]);
       dzmax = std::max(dzmax, e.dz[n * V + v]);
       zmax = std::max(zmax, std::fabs(r.ce.z[n * V + v]));
       sens += std::fabs(ru.ce.grad[n * V + v]) * e.dz[n * V + v];
     }
-    e.row_loss[n] = s.fwd_tol() * r.ce.row_magnitude[n] + 2.0 * sens;
-    e.lse[n] = s.fwd_tol() * (1.0 + std::fabs(r.ce.lse[n]) + zmax) + 2.0 * dzmax;
+    e.row_loss[n] = fwd_tol * r.ce.row_magnitude[n] + 2.0 * sens;
+    e.lse[n] = fwd_tol * (1.0 + std::fabs(r.ce.lse[n]) + zmax) + 2.0 * dzmax;
     magnitude += e.row_loss[n];
     if (r.ce.grad.empty()) continue;
     for (std::int64_t v = 0; v < V; ++v) {
       const double gm = r.ce.grad_magnitude[n * V + v], z = r.ce.z[n * V + v];
-      double t = s.bwd_tol() * (1.0 + std::fabs(z) + std::fabs(r.ce.lse[n])) * gm;
+      double t = bwd_tol * (1.0 + std::fabs(z) + std::fabs(r.ce.lse[n])) * gm;
       double rel = e.dz[n * V + v] + dzmax;
       if (s.softcap > 0) {
         const double slope = 1.0 - (z / s.softcap) * (z / s.softcap);
-        if (slope > 0) t += 8 * u32 * gm / slope;
+        if (slope > 0) t += 8 * u * gm / slope;
         rel += 2.0 * e.dz[n * V + v] / s.softcap;
       }
       e.grad[n * V + v] = t + 2.0 * gm * rel;
@@ -239,7 +242,7 @@ bounds error_bounds(const ldata<T>& L, const oracle::linear_problem& pb,
     }
   }
   const double denom = s.reduce == reduction::mean ? r.ce.normalizer : 1.0;
-  e.loss = magnitude / denom + 4 * u32 * std::fabs(r.ce.loss);
+  e.loss = magnitude / denom + 4 * u * std::fabs(r.ce.loss);
   if (r.db.empty()) return e;  // no upstream gradient: forward only
 
   e.dx.assign(N * D, 0.0);
@@ -253,14 +256,14 @@ bounds error_bounds(const ldata<T>& L, const oracle::linear_problem& pb,
       db_terms[v] += g + eg;
       for (std::int64_t k = 0; k < D; ++k) {
         const double aw = std::fabs(pb.w[v * D + k]), ax = std::fabs(pb.x[n * D + k]);
-        e.dx[n * D + k] += eg * aw + 2.0 * (V + 2) * u32 * (g + eg) * aw;
+        e.dx[n * D + k] += eg * aw + 2.0 * (V + 2) * u * (g + eg) * aw;
         e.dw[v * D + k] += eg * ax;
         dw_terms[v * D + k] += (g + eg) * ax;
       }
     }
   for (std::int64_t i = 0; i < V * D; ++i)
-    e.dw[i] += (2.0 * (N + 2) * u32 + chunks_rounding) * dw_terms[i];
-  for (std::int64_t v = 0; v < V; ++v) e.db[v] += 2.0 * (N + 2) * u32 * db_terms[v];
+    e.dw[i] += (2.0 * (N + 2) * u + chunks_rounding) * dw_terms[i];
+  for (std::int64_t v = 0; v < V; ++v) e.db[v] += 2.0 * (N + 2) * u * db_terms[v];
   return e;
 }
 
@@ -289,15 +292,17 @@ std::string check_array(const char* what, const G* got, std::int64_t rows, std::
   return err.str();
 }
 
-/// Forward outputs, poisoned.
-struct outputs {
-  std::vector<float> row_loss, lse;
+/// Forward outputs of a call accumulating in A (float; double for float64 inputs), poisoned.
+template <class A>
+struct basic_outputs {
+  std::vector<A> row_loss, lse;
   std::vector<std::int64_t> argmax;
-  float loss = 12345.0f;
+  A loss = A(12345.0f);
   std::int64_t correct = -777;
-  explicit outputs(std::int64_t n) : row_loss(n, 12345.0f), lse(n, 12345.0f), argmax(n, -777) {}
-  xent::forward_outputs all(const xt::spec& s) {
-    xent::forward_outputs o;
+  explicit basic_outputs(std::int64_t n)
+      : row_loss(n, A(12345.0f)), lse(n, A(12345.0f)), argmax(n, -777) {}
+  xent::basic_forward_outputs<A> all(const xt::spec& s) {
+    xent::basic_forward_outputs<A> o;
     if (s.reduce != reduction::none) o.loss = &loss;
     o.row_loss = {row_loss.data(), static_cast<std::int64_t>(row_loss.size())};
     o.lse = {lse.data(), static_cast<std::int64_t>(lse.size())};
@@ -306,10 +311,11 @@ struct outputs {
     return o;
   }
 };
+using outputs = basic_outputs<float>;
 
-template <class T>
+template <class T, class A>
 std::string check_outputs(const ldata<T>& L, const oracle::linear_result& r, const bounds& e,
-                          const outputs& f) {
+                          const basic_outputs<A>& f) {
   const xt::spec& s = L.s.ce;
   std::ostringstream err;
   int failures = 0;
@@ -320,7 +326,7 @@ std::string check_outputs(const ldata<T>& L, const oracle::linear_result& r, con
   for (std::int64_t n = 0; n < L.N(); ++n) {
     const bool ignored = s.kind != target_kind::soft && L.d.target(n) == s.ignore_index;
     if (ignored) {
-      if (!xt::same_bits(f.row_loss[n], 0.0f) || !xt::same_bits(f.lse[n], 0.0f) ||
+      if (!xt::same_bits(f.row_loss[n], A(0)) || !xt::same_bits(f.lse[n], A(0)) ||
           f.argmax[n] != -1)
         fail(n, "ignored, but loss / lse / argmax are not 0 / 0 / -1");
       continue;

@@ -37,6 +37,7 @@ std::size_t workspace_bytes(const ldata<T>& L, xent::linear_pass pass) {
 /// Returns whether everything passed.
 template <class T, class G = T>
 bool run_case(const lspec& s) {
+  using A = xent::accumulator_t<T>;
   const ldata<T> L = make_data<T>(s);
   const oracle::linear_problem pb = L.problem();
   const oracle::upstream up = L.d.oracle_upstream();
@@ -46,7 +47,7 @@ bool run_case(const lspec& s) {
   const xent::linear_shape shape{L.N(), L.D(), L.V()};
   // Chunks d_weight is rounded in under dw_accumulation::output with a narrow d_weight.
   double chunk_rounding = 0.0;
-  if (s.accumulate == xent::dw_accumulation::output && !std::is_same<G, float>::value) {
+  if (s.accumulate == xent::dw_accumulation::output && !std::is_same<G, A>::value) {
     const std::size_t bytes = workspace_bytes<T, G>(L, xent::linear_pass::training);
     // The chunks a call makes in `bytes` (the size query's budget leaves out fixed buffers).
     const auto rows = xent::cpu_detail::plan_linear<T, G>(exec, shape, xent::linear_pass::training,
@@ -61,7 +62,7 @@ bool run_case(const lspec& s) {
     if (!m.empty()) errors += std::string(what) + ":\n" + m;
   };
 
-  outputs fwd(L.N());
+  basic_outputs<A> fwd(L.N());
   {
     workspace_buffer ws(workspace_bytes(L, xent::linear_pass::forward), s.ce.seed);
     L.d.with_targets([&](auto targets) {
@@ -72,7 +73,7 @@ bool run_case(const lspec& s) {
   }
   {
     workspace_buffer ws(workspace_bytes<T, G>(L, xent::linear_pass::training), s.ce.seed + 1);
-    outputs fb(L.N());
+    basic_outputs<A> fb(L.N());
     gradients<G> g(s);
     L.d.with_targets([&](auto targets) {
       xent::linear_forward_backward(exec, L.hidden(), L.weight(), L.bias(), targets, opts,
@@ -84,7 +85,7 @@ bool run_case(const lspec& s) {
     gradients<G> gb(s);
     L.d.with_targets([&](auto targets) {
       xent::linear_backward(exec, L.hidden(), L.weight(), L.bias(), targets, opts,
-                            xent::vector_view<const float>(fwd.lse.data(), L.N()), L.d.upstream(),
+                            xent::vector_view<const A>(fwd.lse.data(), L.N()), L.d.upstream(),
                             gb.views(), ws.ws);
     });
     note("linear_backward", check_gradients(L, r, e, gb));
@@ -105,6 +106,14 @@ TEST(CpuLinear, Float32MatchesFloat64OracleWithEveryOption) {
   EXPECT_EQ(b.cases(), 288);
 }
 
+TEST(CpuLinear, Float64MatchesFloat64OracleToDoublePrecisionWithEveryOption) {
+  // double hidden / weight / bias: logits, GEMMs and the d_weight / d_bias sums all in double.
+  xt::case_budget b;
+  for (const lspec& s : every_option(19, 13, 37))
+    if (!b.record(run_case<double>(s))) return;
+  EXPECT_EQ(b.cases(), 288);
+}
+
 TEST(CpuLinear, Bfloat16AndHalfMatchFloat64OracleWithEveryOption) {
   xt::case_budget b;
   int i = 0;
@@ -121,7 +130,9 @@ TEST(CpuLinear, GradientDtypeMayDifferFromTheInputs) {
   // inputs with bf16 gradients (converted rows of d_hidden, the fp32 or output d_weight).
   xt::case_budget b;
   for (const lspec& s : mixed_dtype_cases())
-    if (!b.record(run_case<bf16, float>(s) && run_case<half, float>(s) && run_case<float, bf16>(s)))
+    if (!b.record(run_case<bf16, float>(s) && run_case<half, float>(s) &&
+                  run_case<float, bf16>(s) && run_case<double, float>(s) &&
+                  run_case<float, double>(s)))
       return;
 }
 
@@ -492,6 +503,64 @@ TEST(CpuLinearGradientCheck, OracleAndFloat32GradientsMatchCentralDifferences) {
         ASSERT_NEAR((*p.got)[at], fd[i], 2e-6 * (1.0 + scale))
             << "xent " << p.name << "[" << i << "], " << s.describe();
       }
+    }
+  }
+}
+
+/// The objective of xent's own float64 linear forward (the reduced loss times the scalar upstream,
+/// or sum_n g_n l_n under none).
+double xent_linear_objective(const ldata<double>& L, const oracle::upstream& up) {
+  basic_outputs<double> o(L.N());
+  workspace_buffer ws(workspace_bytes(L, xent::linear_pass::forward), 0);
+  L.d.with_targets([&](auto t) {
+    xent::linear_forward(xent::cpu{}, L.hidden(), L.weight(), L.bias(), t, L.options(),
+                         o.all(L.s.ce), ws.ws);
+  });
+  if (L.s.ce.reduce != reduction::none) return up.scale * o.loss;
+  double sum = 0.0;
+  for (std::int64_t n = 0; n < L.N(); ++n)
+    sum += (up.rows.empty() ? up.scale : up.rows[n]) * o.row_loss[n];
+  return sum;
+}
+
+TEST(CpuLinearGradientCheck, Float64GradientsMatchCentralDifferencesOfTheirOwnLoss) {
+  // d_hidden, d_weight and d_bias in double against central differences (step 1e-6) of xent's
+  // own float64 loss: ~1e-10 of the terms apart, so 1e-8 holds and float arithmetic fails it.
+  for (const lspec& s : gradient_check_cases()) {
+    ldata<double> L = make_data<double>(s);
+    const oracle::upstream up = L.d.oracle_upstream();
+    workspace_buffer ws(workspace_bytes(L, xent::linear_pass::training), 3);
+    gradients<double> g(s);
+    L.d.with_targets([&](auto t) {
+      xent::linear_forward_backward(xent::cpu{}, L.hidden(), L.weight(), L.bias(), t, L.options(),
+                                    L.d.upstream(), xent::basic_forward_outputs<double>{},
+                                    g.views(), ws.ws);
+    });
+    struct part {
+      const char* name;
+      std::vector<double> ldata<double>::*input;
+      const std::vector<double>* got;
+    };
+    const part parts[] = {{"dx", &ldata<double>::x, &g.dx},
+                          {"dw", &ldata<double>::w, &g.dw},
+                          {"db", &ldata<double>::b, &g.db}};
+    for (const part& p : parts) {
+      std::vector<double>& v = L.*p.input;
+      std::vector<double> fd(v.size());
+      double scale = 0;
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        const double x = v[i], h = 1e-6 * (1.0 + std::fabs(x));
+        v[i] = x + h;
+        const double plus = xent_linear_objective(L, up);
+        v[i] = x - h;
+        const double minus = xent_linear_objective(L, up);
+        v[i] = x;
+        fd[i] = (plus - minus) / (2 * h);
+        scale = std::max(scale, std::fabs(fd[i]));
+      }
+      for (std::size_t i = 0; i < fd.size(); ++i)
+        ASSERT_NEAR((*p.got)[i], fd[i], 1e-8 * (1.0 + scale))
+            << "xent " << p.name << "[" << i << "], " << s.describe();
     }
   }
 }

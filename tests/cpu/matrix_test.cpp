@@ -85,6 +85,10 @@ void run_small_vocab_product(std::uint64_t salt) {
 TEST(CpuMatrixSmallVocab, Float32MatchesFloat64Oracle) { run_small_vocab_product<float>(1); }
 TEST(CpuMatrixSmallVocab, Bfloat16MatchesFloat64Oracle) { run_small_vocab_product<bf16>(2); }
 TEST(CpuMatrixSmallVocab, HalfMatchesFloat64Oracle) { run_small_vocab_product<half>(3); }
+// float64 logits (unrounded double data) accumulate in double: held to about 1e-14 of the terms.
+TEST(CpuMatrixSmallVocab, Float64MatchesFloat64OracleToDoublePrecision) {
+  run_small_vocab_product<double>(9);
+}
 
 /// Logits of one dtype, gradient of another (always out of place): a sample of the product.
 template <class T, class G>
@@ -101,6 +105,8 @@ TEST(CpuMatrixSmallVocab, MixedDtypesMatchFloat64Oracle) {
   run_mixed<float, bf16>(6);
   run_mixed<float, half>(7);
   run_mixed<bf16, half>(8);
+  run_mixed<double, float>(10);
+  run_mixed<float, double>(11);
 }
 
 /// A handful of option mixes that together touch every option, for the sampled sizes.
@@ -180,6 +186,7 @@ TEST(CpuMatrixChunkEdges, DefaultChunkBoundariesMatchFloat64Oracle) {
     run_mixes<float>(7, V, 1, 0, seed += 10, budget, go_on);
     run_mixes<bf16>(3, V, 4, 0, seed += 10, budget, go_on);
     run_mixes<half>(19, V, 7, 0, seed += 10, budget, go_on);
+    run_mixes<double>(5, V, 3, 0, seed += 10, budget, go_on);
   }
 }
 
@@ -189,7 +196,10 @@ TEST(CpuMatrixChunkEdges, ClampedChunkSizesMatchFloat64Oracle) {
   xt::case_budget budget;
   bool go_on = true;
   std::uint64_t seed = 150;
-  for (std::int64_t V : {15, 16, 17, 5000}) run_mixes<float>(3, V, 1, 1, seed += 10, budget, go_on);
+  for (std::int64_t V : {15, 16, 17, 5000}) {
+    run_mixes<float>(3, V, 1, 1, seed += 10, budget, go_on);
+    run_mixes<double>(2, V, 1, 1, seed += 10, budget, go_on);
+  }
   for (std::int64_t V : {8191, 8193, 20000})
     run_mixes<bf16>(2, V, 1, 100000, seed += 10, budget, go_on);
 }
@@ -204,6 +214,7 @@ TEST(CpuMatrixThreads, RowPartitionMatchesFloat64Oracle) {
     run_mixes<bf16>(733, V, 7, 64, seed += 10, budget, go_on);
   }
   run_mixes<half>(733, 1000, 7, 0, seed += 10, budget, go_on);
+  run_mixes<double>(733, 129, 4, 64, seed += 10, budget, go_on);
 }
 
 /// Fewer rows than threads on a long vocabulary: each row's vocabulary is split across threads
@@ -216,6 +227,7 @@ TEST(CpuMatrixThreads, VocabularySplitMatchesFloat64Oracle) {
   run_mixes<half>(3, 50257, 7, 64, 320, budget, go_on);
   run_mixes<float>(2, 65537, 7, 0, 330, budget, go_on);
   run_mixes<bf16>(5, 17000, 7, 0, 340, budget, go_on);  // 5 rows, 2 slices each
+  run_mixes<double>(2, 40000, 7, 0, 350, budget, go_on);
 }
 
 /// The large vocabularies of real models, a handful of option mixes each.
@@ -224,6 +236,7 @@ TEST(CpuMatrixLargeVocab, Vocab32000MatchesFloat64Oracle) {
   bool go_on = true;
   run_mixes<float>(19, 32000, 4, 0, 400, budget, go_on);
   run_mixes<bf16>(7, 32000, 1, 0, 410, budget, go_on);
+  run_mixes<double>(7, 32000, 4, 0, 420, budget, go_on);
 }
 
 TEST(CpuMatrixLargeVocab, Vocab50257MatchesFloat64Oracle) {

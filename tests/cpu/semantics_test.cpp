@@ -297,6 +297,46 @@ TEST(CpuEdge, NaNLogitPropagatesToItsRowOnly) {
   }
 }
 
+TEST(CpuEdge, Float64KeepsPyTorchsResultsAtTheEdges) {
+  // Every row ignored (mean NaN, sum 0), an empty batch, masked logits, a NaN logit: the float64
+  // path gives PyTorch's results as the float path does, to double precision.
+  for (reduction red : {reduction::mean, reduction::sum}) {
+    spec s = base(5, 33, 50);
+    s.reduce = red;
+    s.ignore = ignore_mode::all;
+    s.label_smoothing = 0.1f;
+    const auto d = xt::make_dataset<double>(s);
+    const auto r = xt::call(d);
+    if (red == reduction::mean)
+      EXPECT_TRUE(std::isnan(r.loss)) << r.loss;
+    else
+      EXPECT_TRUE(xt::same_bits(r.loss, 0.0)) << r.loss;
+    for (std::int64_t i = 0; i < s.rows * s.cols; ++i) ASSERT_TRUE(xt::same_bits(r.grad[i], 0.0));
+    EXPECT_TRUE(xt::run_case<double>(d));
+  }
+  EXPECT_TRUE(xt::run_case<double>(xt::make_dataset<double>(base(0, 10, 51))));
+  for (int variant = 0; variant < 4; ++variant) {
+    spec s = base(7, 200, 52 + variant);
+    s.chunk = 64;
+    s.weights = variant & 1;
+    s.z_loss = variant & 2 ? 1e-3f : 0.0f;
+    s.softcap = variant == 3 ? 30.0f : 0.0f;
+    auto d = xt::make_dataset<double>(s);
+    mask(d, 64);
+    EXPECT_TRUE(xt::run_case<double>(d)) << "masked variant " << variant;
+  }
+  spec s = base(3, 50, 60);
+  s.reduce = reduction::none;
+  s.label_smoothing = 0.1f;
+  auto d = xt::make_dataset<double>(s);
+  d.x(1, 26) = std::numeric_limits<double>::quiet_NaN();
+  const auto r = xt::call(d);
+  EXPECT_TRUE(std::isnan(r.row_loss[1]));
+  EXPECT_TRUE(std::isfinite(r.row_loss[0]) && std::isfinite(r.row_loss[2]));
+  EXPECT_EQ(r.argmax[1], 26);
+  EXPECT_TRUE(xt::run_case<double>(d));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Invariances
 // ---------------------------------------------------------------------------------------------

@@ -6,6 +6,9 @@
 // fewer rows than threads (32 x 32000 on 16 threads), each row's vocabulary is cut into slices; the
 // slices' partial statistics merge through online_lse, then each thread writes its slice's
 // gradient.
+//
+// Every dtype computes in its accumulator (accumulator.hpp): float for float, bfloat16 and half,
+// double for double logits, which makes this backend a float64 reference as well.
 #pragma once
 
 #include <Eigen/Core>
@@ -17,6 +20,7 @@
 #include <string>
 #include <type_traits>
 
+#include "../accumulator.hpp"
 #include "../backend.hpp"
 #include "../error.hpp"
 #include "../loss_math.hpp"
@@ -109,25 +113,28 @@ problem<T, Tgt> make_problem(const cpu& exec, matrix_view<const T> logits, const
   return problem<T, Tgt>{logits,
                          targets,
                          w ? w + shard.first : nullptr,
-                         make_loss_constants(opts, shard.vocab, static_cast<float>(weight_sum)),
+                         make_loss_constants<accumulator_t<T>>(
+                             opts, shard.vocab, static_cast<accumulator_t<T>>(weight_sum)),
                          opts.ignore_index,
                          policy::chunk_for(exec.chunk),
                          shard.first};
 }
 
 /// The upstream gradient of each row: scale (x *scale_ptr) / W for mean, for sum as is, per row
-/// for none. Formed in double and rounded once.
+/// for none. Formed in double and rounded once to the accumulator A.
+template <class A>
 struct row_scales {
   double base = 1.0;
-  const float* rows = nullptr;
+  const A* rows = nullptr;
 
-  float operator()(std::int64_t n) const {
-    return static_cast<float>(rows ? base * static_cast<double>(rows[n]) : base);
+  A operator()(std::int64_t n) const {
+    return static_cast<A>(rows ? base * static_cast<double>(rows[n]) : base);
   }
 };
 
-inline row_scales make_row_scales(const upstream& up, const options& opts, double normalizer) {
-  row_scales s;
+template <class A>
+row_scales<A> make_row_scales(const basic_upstream<A>& up, const options& opts, double normalizer) {
+  row_scales<A> s;
   // With reduction none the upstream is per row: scale * rows[n] (scale_ptr is refused there).
   s.base = opts.reduce == reduction::none
                ? static_cast<double>(up.scale)
@@ -143,10 +150,11 @@ struct totals {
 };
 
 /// Finishes row n from its merged statistics: loss, LSE, argmax, and the per-thread sums.
-template <class T, class Tgt>
-float finish_row(const problem<T, Tgt>& pb, std::int64_t n, const row_partial& p,
-                 const argmax_state& am, const forward_outputs& out, totals& sums, int worker) {
-  float loss;
+template <class T, class Tgt, class A>
+A finish_row(const problem<T, Tgt>& pb, std::int64_t n, const basic_row_partial<A>& p,
+             const basic_argmax_state<A>& am, const basic_forward_outputs<A>& out, totals& sums,
+             int worker) {
+  A loss;
   if constexpr (problem<T, Tgt>::soft) {
     loss = soft_row_loss(p, pb.k);
   } else {
@@ -160,14 +168,16 @@ float finish_row(const problem<T, Tgt>& pb, std::int64_t n, const row_partial& p
   return loss;
 }
 
-inline void finish_ignored_row(std::int64_t n, const forward_outputs& out) {
-  if (out.row_loss.data) out.row_loss[n] = 0.0f;
-  if (out.lse.data) out.lse[n] = 0.0f;
+template <class A>
+void finish_ignored_row(std::int64_t n, const basic_forward_outputs<A>& out) {
+  if (out.row_loss.data) out.row_loss[n] = A(0);
+  if (out.lse.data) out.lse[n] = A(0);
   if (out.argmax.data) out.argmax[n] = -1;
 }
 
-inline void write_totals(const totals& sums, int threads, const options& opts, double normalizer,
-                         const forward_outputs& out) {
+template <class A>
+void write_totals(const totals& sums, int threads, const options& opts, double normalizer,
+                  const basic_forward_outputs<A>& out) {
   double loss = 0.0;
   std::int64_t correct = 0;
   for (int w = 0; w < threads; ++w) {
@@ -175,14 +185,15 @@ inline void write_totals(const totals& sums, int threads, const options& opts, d
     correct += sums.correct[w];
   }
   if (out.loss && opts.reduce != reduction::none)
-    *out.loss = static_cast<float>(opts.reduce == reduction::mean ? loss / normalizer : loss);
+    *out.loss = static_cast<A>(opts.reduce == reduction::mean ? loss / normalizer : loss);
   if (out.num_correct) *out.num_correct = correct;
 }
 
 /// The mass sum_c w_c t'_c of row n: from its merged statistics when a forward pass has them,
 /// else recomputed from the soft targets (backward); a class id's follows from its weight.
-template <class T, class Tgt>
-float row_mass(const problem<T, Tgt>& pb, std::int64_t n, const row_partial* merged = nullptr) {
+template <class T, class Tgt, class A = accumulator_t<T>>
+A row_mass(const problem<T, Tgt>& pb, std::int64_t n,
+           const basic_row_partial<A>* merged = nullptr) {
   if constexpr (problem<T, Tgt>::soft) {
     return merged ? merged->mass : soft_mass(pb, n);
   } else {
@@ -205,8 +216,8 @@ void for_each_task(const plan& pl, std::int64_t rows, std::int64_t cols, const F
 
 /// Statistics of every (row, slice) task of the plan into parts[t]; ignored rows keep the empty
 /// partial.
-template <bool Argmax, class T, class Tgt>
-void task_partials(const plan& pl, const problem<T, Tgt>& pb, slice_partial* parts) {
+template <bool Argmax, class T, class Tgt, class A>
+void task_partials(const plan& pl, const problem<T, Tgt>& pb, basic_slice_partial<A>* parts) {
   for_each_task(pl, pb.logits.rows, pb.logits.cols,
                 [&](std::int64_t n, std::int64_t v0, std::int64_t v1, std::int64_t t) {
                   if (!pb.ignored(n))
@@ -217,8 +228,8 @@ void task_partials(const plan& pl, const problem<T, Tgt>& pb, slice_partial* par
 /// Pieces 0, 1, ..., pieces - 1 of row n (piece(n, s)) merged in that order: a fixed order, so
 /// the result does not depend on which thread or rank finished first.
 template <class Piece>
-slice_partial merge_pieces(const Piece& piece, std::int64_t n, std::int64_t pieces) {
-  slice_partial p = piece(n, 0);
+auto merge_pieces(const Piece& piece, std::int64_t n, std::int64_t pieces) {
+  auto p = piece(n, 0);
   for (std::int64_t s = 1; s < pieces; ++s) p.merge(piece(n, s));
   return p;
 }
@@ -226,15 +237,15 @@ slice_partial merge_pieces(const Piece& piece, std::int64_t n, std::int64_t piec
 /// Merges each row's pieces (merge_pieces) and finishes it (finish_row); lse[n] and mass[n]
 /// receive what its gradient needs. One thread, rows in order: cheap next to the sweeps, and the
 /// totals do not depend on the thread count.
-template <class T, class Tgt, class Piece>
+template <class T, class Tgt, class Piece, class A>
 void finish_rows(const problem<T, Tgt>& pb, std::int64_t pieces, const Piece& piece,
-                 const forward_outputs& out, totals& sums, float* lse, float* mass) {
+                 const basic_forward_outputs<A>& out, totals& sums, A* lse, A* mass) {
   for (std::int64_t n = 0; n < pb.logits.rows; ++n) {
     if (pb.ignored(n)) {
       finish_ignored_row(n, out);
       continue;
     }
-    const slice_partial p = merge_pieces(piece, n, pieces);
+    const basic_slice_partial<A> p = merge_pieces(piece, n, pieces);
     finish_row(pb, n, p.stats, p.argmax, out, sums, 0);
     lse[n] = p.stats.lse.lse();
     mass[n] = row_mass(pb, n, &p.stats);
@@ -243,9 +254,9 @@ void finish_rows(const problem<T, Tgt>& pb, std::int64_t pieces, const Piece& pi
 
 /// The gradient of every (row, slice) task of the plan: zero on ignored rows, else slice_gradient
 /// from the row's LSE and mass (lse_of(n), mass_of(n)) and upstream scale.
-template <class T, class Tgt, class G, class Lse, class Mass>
+template <class T, class Tgt, class G, class Lse, class Mass, class A>
 void write_gradient(const plan& pl, const problem<T, Tgt>& pb, const Lse& lse_of,
-                    const Mass& mass_of, const row_scales& scale, matrix_view<G> grad) {
+                    const Mass& mass_of, const row_scales<A>& scale, matrix_view<G> grad) {
   for_each_task(pl, pb.logits.rows, pb.logits.cols,
                 [&](std::int64_t n, std::int64_t v0, std::int64_t v1, std::int64_t) {
                   if (pb.ignored(n))
@@ -256,19 +267,21 @@ void write_gradient(const plan& pl, const problem<T, Tgt>& pb, const Lse& lse_of
 }
 
 /// forward, and forward_backward when `grad` is non-null.
-template <bool Argmax, class T, class Tgt, class G>
+template <bool Argmax, class T, class Tgt, class A, class G>
 void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
-         const options& opts, const upstream* up, const forward_outputs& out, matrix_view<G> grad) {
+         const options& opts, const basic_upstream<A>* up, const basic_forward_outputs<A>& out,
+         matrix_view<G> grad) {
   const problem<T, Tgt> pb = make_problem(exec, logits, targets, opts, {0, logits.cols});
   const double normalizer = check_targets_and_weigh(fn, targets, logits.cols, opts);
-  const row_scales scale = up ? make_row_scales(*up, opts, normalizer) : row_scales{};
+  const row_scales<A> scale = up ? make_row_scales(*up, opts, normalizer) : row_scales<A>{};
   const std::int64_t rows = logits.rows, cols = logits.cols;
   const plan pl = make_plan(exec, rows, cols);
   totals sums;
 
-  // A float gradient row can hold exp(z - m_c) between the two sweeps (exp_cache); softcap needs
-  // the logits again in the gradient sweep, so it keeps the two-exponential path.
-  const bool cacheable = grad.data && opts.softcap == 0.0f && exp_cache::fits(cols, pb.chunk);
+  // A gradient row of the accumulator type can hold exp(z - m_c) between the two sweeps
+  // (exp_cache); softcap needs the logits again in the gradient sweep, so it keeps the
+  // two-exponential path.
+  const bool cacheable = grad.data && opts.softcap == 0.0f && exp_cache<A>::fits(cols, pb.chunk);
   if (pl.slices == 1) {
     parallel_for(pl.threads, rows, [&](std::int64_t begin, std::int64_t end, int worker) {
       for (std::int64_t n = begin; n < end; ++n) {
@@ -277,28 +290,28 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
           if (grad.data) zero_slice(grad.row(n), 0, cols);
           continue;
         }
-        argmax_state am;
-        if constexpr (std::is_same<G, float>::value) {
+        basic_argmax_state<A> am;
+        if constexpr (std::is_same<G, A>::value) {
           if (cacheable) {
-            exp_cache cache;
+            exp_cache<A> cache;
             cache.values = grad.row(n);
-            const row_partial p = slice_stats<Argmax>(pb, n, 0, cols, &am, &cache);
+            const basic_row_partial<A> p = slice_stats<Argmax>(pb, n, 0, cols, &am, &cache);
             finish_row(pb, n, p, am, out, sums, worker);
             cached_row_gradient(pb, n, p.target_logit, p.lse.lse(), row_mass(pb, n, &p), scale(n),
                                 cache, grad.row(n));
             continue;
           }
         }
-        const row_partial p = slice_stats<Argmax>(pb, n, 0, cols, &am);
+        const basic_row_partial<A> p = slice_stats<Argmax>(pb, n, 0, cols, &am);
         finish_row(pb, n, p, am, out, sums, worker);
         if (grad.data)
           slice_gradient(pb, n, 0, cols, p.lse.lse(), row_mass(pb, n, &p), scale(n), grad.row(n));
       }
     });
   } else {
-    std::array<slice_partial, max_split_tasks> parts;
+    std::array<basic_slice_partial<A>, max_split_tasks> parts;
     task_partials<Argmax>(pl, pb, parts.data());
-    std::array<float, max_threads> lse{}, mass{};
+    std::array<A, max_threads> lse{}, mass{};
     finish_rows(
         pb, pl.slices, [&](std::int64_t n, std::int64_t s) { return parts[n * pl.slices + s]; },
         out, sums, lse.data(), mass.data());
@@ -310,19 +323,19 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
   write_totals(sums, pl.threads, opts, normalizer, out);
 }
 
-template <class T, class Tgt, class G>
+template <class T, class Tgt, class A, class G>
 void run_forward(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
-                 const options& opts, const upstream* up, const forward_outputs& out,
-                 matrix_view<G> grad) {
+                 const options& opts, const basic_upstream<A>* up,
+                 const basic_forward_outputs<A>& out, matrix_view<G> grad) {
   if (out.argmax.data || out.num_correct)
     run<true>(fn, exec, logits, targets, opts, up, out, grad);
   else
     run<false>(fn, exec, logits, targets, opts, up, out, grad);
 }
 
-template <class T, class Tgt, class G>
+template <class T, class Tgt, class A, class G>
 void run_backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
-                  const options& opts, vector_view<const float> lse, const upstream& up,
+                  const options& opts, vector_view<const A> lse, const basic_upstream<A>& up,
                   matrix_view<G> grad) {
   const problem<T, Tgt> pb = make_problem(exec, logits, targets, opts, {0, logits.cols});
   const double normalizer = check_targets_and_weigh("xent::backward", targets, logits.cols, opts);
@@ -333,7 +346,8 @@ void run_backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targe
 
 template <class T>
 struct is_cpu_dtype
-    : std::bool_constant<std::is_same<T, float>::value || std::is_same<T, Eigen::bfloat16>::value ||
+    : std::bool_constant<std::is_same<T, float>::value || std::is_same<T, double>::value ||
+                         std::is_same<T, Eigen::bfloat16>::value ||
                          std::is_same<T, Eigen::half>::value> {};
 
 }  // namespace cpu_detail
@@ -343,24 +357,24 @@ struct backend_traits<cpu> {
   template <class T>
   static constexpr bool supports_dtype = cpu_detail::is_cpu_dtype<T>::value;
 
-  template <class T, class Tgt>
+  template <class T, class Tgt, class A>
   static void forward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
-                      const options& opts, const forward_outputs& out) {
-    cpu_detail::run_forward("xent::forward", exec, logits, targets, opts, nullptr, out,
-                            matrix_view<float>{});
+                      const options& opts, const basic_forward_outputs<A>& out) {
+    cpu_detail::run_forward("xent::forward", exec, logits, targets, opts,
+                            static_cast<const basic_upstream<A>*>(nullptr), out, matrix_view<A>{});
   }
 
-  template <class T, class Tgt, class G>
+  template <class T, class Tgt, class A, class G>
   static void backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
-                       const options& opts, vector_view<const float> lse, const upstream& up,
+                       const options& opts, vector_view<const A> lse, const basic_upstream<A>& up,
                        matrix_view<G> grad) {
     cpu_detail::run_backward(exec, logits, targets, opts, lse, up, grad);
   }
 
-  template <class T, class Tgt, class G>
+  template <class T, class Tgt, class A, class G>
   static void forward_backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
-                               const options& opts, const upstream& up, const forward_outputs& out,
-                               matrix_view<G> grad) {
+                               const options& opts, const basic_upstream<A>& up,
+                               const basic_forward_outputs<A>& out, matrix_view<G> grad) {
     cpu_detail::run_forward("xent::forward_backward", exec, logits, targets, opts, &up, out, grad);
   }
 };

@@ -1,4 +1,5 @@
-// The CPU workspace of fused linear cross-entropy: which float buffers a call needs, where they
+// The CPU workspace of fused linear cross-entropy: which buffers of the accumulator type (float;
+// double for double inputs) a call needs, where they
 // sit in the caller's buffer, and how many rows a chunk can have in a given number of bytes.
 #pragma once
 
@@ -7,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../accumulator.hpp"
 #include "../linear/options.hpp"
 #include "../linear/plan.hpp"
 #include "cpu.hpp"
@@ -66,12 +68,13 @@ linear_plan make_linear_plan(const cpu& exec, const linear_shape& s, linear_pass
       1, std::min<std::int64_t>(std::min(std::max(exec.threads, 1), max_threads), blocks)));
   p.chunk_rows = chunk_rows;
 
-  constexpr bool convert_in = !std::is_same<T, float>::value;
-  constexpr bool convert_out = !std::is_same<G, float>::value;
+  using A = accumulator_t<T>;
+  constexpr bool convert_in = !std::is_same<T, A>::value;
+  constexpr bool convert_out = !std::is_same<G, A>::value;
   const bool training = pass == linear_pass::training;
   buffer_stack stack;
-  auto take = [&](std::int64_t floats, bool needed) {
-    return needed ? stack.take(sizeof(float) * static_cast<std::size_t>(floats)) : linear_absent;
+  auto take = [&](std::int64_t elements, bool needed) {
+    return needed ? stack.take(sizeof(A) * static_cast<std::size_t>(elements)) : linear_absent;
   };
   const std::int64_t R = chunk_rows, V = s.vocab, D = s.hidden;
   p.logits = take(R * V, true);

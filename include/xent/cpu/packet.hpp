@@ -1,6 +1,7 @@
 // The CPU backend's innermost loops, on Eigen's packet primitives (SSE / AVX2 / AVX-512, whatever
 // the build targets): the max, the exponential sum and the scaling of a chunk, reading and writing
-// the caller's memory directly.
+// the caller's memory directly. Each is a template on the accumulator A (float, or double for
+// double logits), whose Eigen packet it uses.
 //
 // Each loop runs whole packets from the start of the chunk with unaligned loads and stores, and
 // the remainder in scalar code, so which elements take which path depends on their position in the
@@ -12,36 +13,59 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace xent {
 namespace cpu_detail {
 
-using packet = Eigen::internal::packet_traits<float>::type;
-constexpr std::int64_t lanes = Eigen::internal::packet_traits<float>::size;
+template <class A>
+using packet_of = typename Eigen::internal::packet_traits<A>::type;
+template <class A>
+constexpr std::int64_t lanes_of = Eigen::internal::packet_traits<A>::size;
+
+/// exp(x) for a packet. Eigen 3.4's double exponential clamps its argument to about -709 and so
+/// gives exp(-inf) ~ 1e-308 rather than 0 (its float one underflows to 0): a masked (-inf) class
+/// would get a gradient of 1e-308 instead of PyTorch's 0, so double zeroes those lanes (NaN kept).
+template <class A>
+packet_of<A> packet_exp(const packet_of<A>& x) {
+  using namespace Eigen::internal;
+  if constexpr (std::is_same<A, double>::value) {
+    const packet_of<A> neg_inf = pset1<packet_of<A>>(-std::numeric_limits<A>::infinity());
+    return pandnot(pexp(x), pcmp_eq(x, neg_inf));
+  } else {
+    return pexp(x);
+  }
+}
 
 /// max_j z_j over n elements; NaN need not win here (the exponential sum carries it).
-inline float packet_max(const float* z, std::int64_t n) {
+template <class A>
+A packet_max(const A* z, std::int64_t n) {
   using namespace Eigen::internal;
+  using packet = packet_of<A>;
+  constexpr std::int64_t lanes = lanes_of<A>;
   const std::int64_t whole = n - n % lanes;
-  packet m = pset1<packet>(-std::numeric_limits<float>::infinity());
+  packet m = pset1<packet>(-std::numeric_limits<A>::infinity());
   for (std::int64_t i = 0; i < whole; i += lanes) m = pmax(m, ploadu<packet>(z + i));
-  float r = predux_max(m);
+  A r = predux_max(m);
   for (std::int64_t i = whole; i < n; ++i) r = z[i] > r ? z[i] : r;
   return r;
 }
 
 /// sum_j exp(z_j - m) over n elements, also storing each exp(z_j - m) to `out` when it is given
 /// (`out` may be `z` itself: each packet is loaded before it is stored).
-inline float packet_exp_sum(const float* z, std::int64_t n, float m, float* out) {
+template <class A>
+A packet_exp_sum(const A* z, std::int64_t n, A m, A* out) {
   using namespace Eigen::internal;
+  using packet = packet_of<A>;
+  constexpr std::int64_t lanes = lanes_of<A>;
   const std::int64_t whole = n - n % lanes;
   const packet shift = pset1<packet>(m);
   // Two accumulators halve the dependency chain of the additions.
   packet s0 = pzero(shift), s1 = pzero(shift);
   std::int64_t i = 0;
   for (; i + 2 * lanes <= whole; i += 2 * lanes) {
-    const packet e0 = pexp(psub(ploadu<packet>(z + i), shift));
-    const packet e1 = pexp(psub(ploadu<packet>(z + i + lanes), shift));
+    const packet e0 = packet_exp<A>(psub(ploadu<packet>(z + i), shift));
+    const packet e1 = packet_exp<A>(psub(ploadu<packet>(z + i + lanes), shift));
     if (out) {
       pstoreu(out + i, e0);
       pstoreu(out + i + lanes, e1);
@@ -50,13 +74,13 @@ inline float packet_exp_sum(const float* z, std::int64_t n, float m, float* out)
     s1 = padd(s1, e1);
   }
   for (; i < whole; i += lanes) {
-    const packet e = pexp(psub(ploadu<packet>(z + i), shift));
+    const packet e = packet_exp<A>(psub(ploadu<packet>(z + i), shift));
     if (out) pstoreu(out + i, e);
     s0 = padd(s0, e);
   }
-  float s = predux(padd(s0, s1));
+  A s = predux(padd(s0, s1));
   for (; i < n; ++i) {
-    const float e = std::exp(z[i] - m);
+    const A e = std::exp(z[i] - m);
     if (out) out[i] = e;
     s += e;
   }
@@ -64,8 +88,11 @@ inline float packet_exp_sum(const float* z, std::int64_t n, float m, float* out)
 }
 
 /// d_j *= scale over n elements, in place.
-inline void packet_scale(float* d, std::int64_t n, float scale) {
+template <class A>
+void packet_scale(A* d, std::int64_t n, A scale) {
   using namespace Eigen::internal;
+  using packet = packet_of<A>;
+  constexpr std::int64_t lanes = lanes_of<A>;
   const std::int64_t whole = n - n % lanes;
   const packet k = pset1<packet>(scale);
   for (std::int64_t i = 0; i < whole; i += lanes) pstoreu(d + i, pmul(ploadu<packet>(d + i), k));

@@ -2,10 +2,11 @@
 // statistics (online LSE + the sums the options need) and the gradient. Both walk the slice in
 // L1-sized chunks with Eigen's packet math; neither allocates.
 //
-// All arithmetic happens in 64-byte-aligned stack buffers; the caller's memory is only converted
-// into them and out of them. Eigen peels the unaligned head of a buffer into scalar code (scalar
-// std::exp, a different summation order), so arithmetic on the caller's pointers would make the
-// results depend on where the caller's arrays happen to sit.
+// Everything is computed in the accumulator A of the logits' dtype (float; double for double
+// logits: problem::acc). All arithmetic happens in 64-byte-aligned stack buffers; the caller's
+// memory is only converted into them and out of them. Eigen peels the unaligned head of a buffer
+// into scalar code (scalar std::exp, a different summation order), so arithmetic on the caller's
+// pointers would make the results depend on where the caller's arrays happen to sit.
 #pragma once
 
 #include <Eigen/Core>
@@ -16,6 +17,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../accumulator.hpp"
 #include "../loss_math.hpp"
 #include "../online_lse.hpp"
 #include "../targets.hpp"
@@ -27,10 +29,13 @@
 namespace xent {
 namespace cpu_detail {
 
-using farray = Eigen::Array<float, Eigen::Dynamic, 1>;
+template <class A>
+using acc_array = Eigen::Array<A, Eigen::Dynamic, 1>;
 /// A chunk in one of the aligned stack buffers.
-using const_fmap = Eigen::Map<const farray, Eigen::Aligned64>;
-using fmap = Eigen::Map<farray, Eigen::Aligned64>;
+template <class A>
+using const_amap = Eigen::Map<const acc_array<A>, Eigen::Aligned64>;
+template <class A>
+using amap = Eigen::Map<acc_array<A>, Eigen::Aligned64>;
 /// A chunk of the caller's memory (any alignment): only converted, never computed on.
 template <class T>
 using const_tmap = Eigen::Map<const Eigen::Array<std::remove_const_t<T>, Eigen::Dynamic, 1>>;
@@ -45,10 +50,12 @@ using tmap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
 /// indices address logits, soft targets, gradient and weights alike. Unsharded: first_class = 0.
 template <class T, class Tgt>
 struct problem {
+  using acc = accumulator_t<T>;  ///< what every sweep computes in
+
   matrix_view<const T> logits;
   Tgt targets;
   const float* weights;  ///< null: every class weight is 1
-  loss_constants k;
+  basic_loss_constants<acc> k;
   std::int64_t ignore_index;
   std::int64_t chunk;
   std::int64_t first_class = 0;
@@ -73,40 +80,42 @@ struct problem {
     }
   }
   /// Weight of column c; columns outside the shard still index the caller's full weight vector.
-  float weight(std::int64_t c) const { return weights ? weights[c] : 1.0f; }
+  acc weight(std::int64_t c) const { return weights ? static_cast<acc>(weights[c]) : acc(1); }
 };
 
-/// z = softcap(x) for n elements, as float, into the aligned buffer `buf`.
-template <class T>
-const float* load_logits(const T* src, std::int64_t n, const loss_constants& k, float* buf) {
-  fmap b(buf, n);
+/// z = softcap(x) for n elements, as A, into the aligned buffer `buf`.
+template <class T, class A>
+const A* load_logits(const T* src, std::int64_t n, const basic_loss_constants<A>& k, A* buf) {
+  amap<A> b(buf, n);
   convert(src, n, buf);
-  if (k.softcap > 0.0f) b = (b * k.inv_softcap).tanh() * k.softcap;
+  if (k.softcap > A(0)) b = (b * k.inv_softcap).tanh() * k.softcap;
   return buf;
 }
 
-/// n class weights from c0 into the aligned buffer `buf` (null weights: none to load).
-inline const float* load_weights(const float* weights, std::int64_t c0, std::int64_t n,
-                                 float* buf) {
-  fmap(buf, n) = const_tmap<float>(weights + c0, n);
+/// n class weights from c0, as A, into the aligned buffer `buf` (null weights: none to load).
+template <class A>
+const A* load_weights(const float* weights, std::int64_t c0, std::int64_t n, A* buf) {
+  amap<A>(buf, n) = const_tmap<float>(weights + c0, n).template cast<A>();
   return buf;
 }
 
 /// t'_c = (1 - eps) t_c + eps / V, times w_c when weighted, for n classes from c0.
-template <class T, class S>
+template <class T, class S, class A>
 void load_soft_targets(const problem<T, soft_targets<S>>& pb, std::int64_t n, std::int64_t c0,
-                       std::int64_t len, float* buf) {
-  fmap b(buf, len);
+                       std::int64_t len, A* buf) {
+  amap<A> b(buf, len);
   convert(pb.targets.probs.row(n) + c0, len, buf);
   b = b * pb.k.keep + pb.k.smooth;
-  if (pb.weights) b *= const_tmap<float>(pb.weights + c0, len);  // elementwise: no peeling issue
+  if (pb.weights)  // elementwise: no peeling issue
+    b *= const_tmap<float>(pb.weights + c0, len).template cast<A>();
 }
 
 /// Finds the first index of the chunk maximum, only when it beats the running one: on real rows the
 /// running maximum stops improving after a few chunks, so the scalar scan is rare.
-inline void update_argmax(const_fmap z, std::int64_t c0, argmax_state& am) {
-  const float cm = z.template maxCoeff<Eigen::PropagateNaN>();
-  if (!(am.index < 0 || argmax_state::greater(cm, am.value))) return;
+template <class A>
+void update_argmax(const_amap<A> z, std::int64_t c0, basic_argmax_state<A>& am) {
+  const A cm = z.template maxCoeff<Eigen::PropagateNaN>();
+  if (!(am.index < 0 || basic_argmax_state<A>::greater(cm, am.value))) return;
   const bool nan = std::isnan(cm);
   for (Eigen::Index i = 0; i < z.size(); ++i) {
     if (nan ? std::isnan(z[i]) : z[i] == cm) {
@@ -118,84 +127,86 @@ inline void update_argmax(const_fmap z, std::int64_t c0, argmax_state& am) {
 }
 
 /// Where the statistics pass may leave exp(z_j - m_c) for the gradient pass that follows, so a
-/// fused call takes one exponential per element instead of two: `values` is a float row (the
-/// gradient row, possibly the logits themselves) and m_c the max of chunk c.
+/// fused call takes one exponential per element instead of two: `values` is a row of the
+/// accumulator type (the gradient row, possibly the logits themselves) and m_c the max of chunk c.
+template <class A>
 struct exp_cache {
   static constexpr std::int64_t max_chunks = 256;
-  float* values = nullptr;
-  std::array<float, max_chunks> chunk_max;
+  A* values = nullptr;
+  std::array<A, max_chunks> chunk_max;
 
   static bool fits(std::int64_t cols, std::int64_t chunk) { return cols <= max_chunks * chunk; }
 };
 
 /// Adds chunk [c, c + len) of row n to the side sums the options need: argmax, the soft-target
 /// mass and dot, or the label-smoothing dot.
-template <bool Argmax, class T, class Tgt>
-void accumulate_sides(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t c, const_fmap z,
-                      row_partial& p, argmax_state* am, float* tbuf) {
+template <bool Argmax, class T, class Tgt, class A = typename problem<T, Tgt>::acc>
+void accumulate_sides(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t c, const_amap<A> z,
+                      basic_row_partial<A>& p, basic_argmax_state<A>* am, A* tbuf) {
   if constexpr (Argmax) update_argmax(z, pb.first_class + c, *am);  // a global class id
   if constexpr (problem<T, Tgt>::soft) {
     load_soft_targets(pb, n, c, z.size(), tbuf);
-    const_fmap t(tbuf, z.size());
+    const_amap<A> t(tbuf, z.size());
     p.mass += t.sum();
     p.dot += (t * z).sum();
   } else if (pb.k.smoothing()) {
     p.dot += pb.weights
-                 ? (z * const_fmap(load_weights(pb.weights, c, z.size(), tbuf), z.size())).sum()
+                 ? (z * const_amap<A>(load_weights(pb.weights, c, z.size(), tbuf), z.size())).sum()
                  : z.sum();
   }
 }
 
 /// Statistics of row n over classes [v0, v1): one read of the logits. With a cache (whole rows,
 /// no softcap), exp(z_j - m_c) is also stored in cache->values.
-template <bool Argmax, class T, class Tgt>
-row_partial slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, std::int64_t v1,
-                        argmax_state* am, exp_cache* cache = nullptr) {
-  alignas(64) float zbuf[policy::max_chunk];
-  alignas(64) float tbuf[policy::max_chunk];  // soft targets or class weights
+template <bool Argmax, class T, class Tgt, class A = typename problem<T, Tgt>::acc>
+basic_row_partial<A> slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0,
+                                 std::int64_t v1, basic_argmax_state<A>* am,
+                                 exp_cache<A>* cache = nullptr) {
+  alignas(64) A zbuf[policy::max_chunk];
+  alignas(64) A tbuf[policy::max_chunk];  // soft targets or class weights
   const T* x = pb.logits.row(n);
-  row_partial p;
-  // Float logits with nothing but the LSE to compute are swept in place by the packet loops; any
-  // other case converts each chunk into zbuf first (the Eigen expressions then run on it).
-  const bool direct = std::is_same<T, float>::value && pb.k.softcap == 0.0f && !Argmax &&
+  basic_row_partial<A> p;
+  // Logits of the accumulator type with nothing but the LSE to compute are swept in place by the
+  // packet loops; any other case converts each chunk into zbuf first (the Eigen expressions then
+  // run on it).
+  const bool direct = std::is_same<T, A>::value && pb.k.softcap == A(0) && !Argmax &&
                       !problem<T, Tgt>::soft && !pb.k.smoothing();
   if constexpr (!problem<T, Tgt>::soft) {  // before a cache may overwrite it
     const std::int64_t y = pb.target(n);
-    if (y >= v0 && y < v1) p.target_logit = apply_softcap(static_cast<float>(x[y]), pb.k);
+    if (y >= v0 && y < v1) p.target_logit = apply_softcap(static_cast<A>(x[y]), pb.k);
   }
-  constexpr float inf = std::numeric_limits<float>::infinity();
+  constexpr A inf = std::numeric_limits<A>::infinity();
   for (std::int64_t c = v0, i = 0; c < v1; c += pb.chunk, ++i) {
     const std::int64_t len = std::min(pb.chunk, v1 - c);
-    const float* zp =
-        direct ? reinterpret_cast<const float*>(x + c) : load_logits(x + c, len, pb.k, zbuf);
+    const A* zp = direct ? reinterpret_cast<const A*>(x + c) : load_logits(x + c, len, pb.k, zbuf);
     // Max first, then one exponential per element relative to it: the chunk is in L1, so the
     // second sweep is cheap, and it halves the exponentials of a per-element online update.
-    const float m = packet_max(zp, len);
-    if (!direct) accumulate_sides<Argmax>(pb, n, c, const_fmap(zp, len), p, am, tbuf);
-    float* e = cache ? cache->values + c : nullptr;  // may be the logits: zp is read first
-    float s;
+    const A m = packet_max(zp, len);
+    if (!direct) accumulate_sides<Argmax>(pb, n, c, const_amap<A>(zp, len), p, am, tbuf);
+    A* e = cache ? cache->values + c : nullptr;  // may be the logits: zp is read first
+    A s;
     if (m == -inf) {  // all -inf (masked) or NaN: no exp(-inf - -inf)
-      s = 0.0f;
-      for (std::int64_t j = 0; j < len; ++j) s += zp[j] != zp[j] ? zp[j] : 0.0f;  // NaN stays
-      if (e) std::fill(e, e + len, 0.0f);
+      s = A(0);
+      for (std::int64_t j = 0; j < len; ++j) s += zp[j] != zp[j] ? zp[j] : A(0);  // NaN stays
+      if (e) std::fill(e, e + len, A(0));
     } else {
       s = packet_exp_sum(zp, len, m, e);
     }
     if (cache) cache->chunk_max[i] = m;
-    p.lse.merge(online_lse::of_block(m, s));
+    p.lse.merge(basic_online_lse<A>::of_block(m, s));
   }
   return p;
 }
 
 /// sum_c w_c t'_c of a soft-target row (what backward needs before it can write a gradient).
-template <class T, class S>
-float soft_mass(const problem<T, soft_targets<S>>& pb, std::int64_t n) {
-  alignas(64) float tbuf[policy::max_chunk];
-  float mass = 0.0f;
+template <class T, class S, class A = accumulator_t<T>>
+A soft_mass(const problem<T, soft_targets<S>>& pb, std::int64_t n) {
+  alignas(64) A tbuf[policy::max_chunk];
+  A mass = A(0);
   for (std::int64_t c = 0; c < pb.logits.cols; c += pb.chunk) {
     const std::int64_t len = std::min(pb.chunk, pb.logits.cols - c);
     load_soft_targets(pb, n, c, len, tbuf);
-    mass += const_fmap(tbuf, len).sum();
+    mass += const_amap<A>(tbuf, len).sum();
   }
   return mass;
 }
@@ -208,26 +219,26 @@ void zero_slice(G* out, std::int64_t v0, std::int64_t v1) {
 
 /// d_j -= g * w_j t'_j over chunk [c, c + len): the target part of the gradient that is not the
 /// single target class (label smoothing, soft targets).
-template <class T, class Tgt>
-void subtract_target_mass(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t c, float g,
-                          fmap& d, float* tbuf) {
+template <class T, class Tgt, class A>
+void subtract_target_mass(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t c, A g,
+                          amap<A>& d, A* tbuf) {
   const std::int64_t len = d.size();
   if constexpr (problem<T, Tgt>::soft) {
     load_soft_targets(pb, n, c, len, tbuf);
-    d -= const_fmap(tbuf, len) * g;
+    d -= const_amap<A>(tbuf, len) * g;
   } else if (pb.k.smoothing()) {
     if (pb.weights)
-      d -= const_fmap(load_weights(pb.weights, c, len, tbuf), len) * (g * pb.k.smooth);
+      d -= const_amap<A>(load_weights(pb.weights, c, len, tbuf), len) * (g * pb.k.smooth);
     else
       d -= g * pb.k.smooth;
   }
 }
 
-/// The target class of a class-id row, rewritten from a float computation (class_target_gradient)
+/// The target class of a class-id row, rewritten from a computation in A (class_target_gradient)
 /// so that p_y - 1 is never formed in the output dtype.
-template <class T, class Tgt, class G>
-void write_target_gradient(const problem<T, Tgt>& pb, std::int64_t y, float x_y, float lse,
-                           float mass, float g, G* out) {
+template <class T, class Tgt, class G, class A>
+void write_target_gradient(const problem<T, Tgt>& pb, std::int64_t y, A x_y, A lse, A mass, A g,
+                           G* out) {
   out[y] = G(class_target_gradient(apply_softcap(x_y, pb.k), pb.weight(y),
                                    gradient_alpha(mass, lse, pb.k), lse, g, pb.k));
 }
@@ -236,53 +247,56 @@ void write_target_gradient(const problem<T, Tgt>& pb, std::int64_t y, float x_y,
 ///   g * (alpha * exp(z_j - lse) - w_j t'_j) * softcap'(x_j),
 /// then the target class from write_target_gradient. `out` is the row of grad; it may be the row
 /// of the logits (each chunk is read in full before it is written).
-template <class T, class Tgt, class G>
+template <class T, class Tgt, class G, class A>
 void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, std::int64_t v1,
-                    float lse, float mass, float g, G* out) {
-  alignas(64) float zbuf[policy::max_chunk];
-  alignas(64) float gbuf[policy::max_chunk];
-  alignas(64) float tbuf[policy::max_chunk];  // soft targets or class weights
+                    A lse, A mass, A g, G* out) {
+  alignas(64) A zbuf[policy::max_chunk];
+  alignas(64) A gbuf[policy::max_chunk];
+  alignas(64) A tbuf[policy::max_chunk];  // soft targets or class weights
   const T* x = pb.logits.row(n);
-  const loss_constants& k = pb.k;
-  const float ga = g * gradient_alpha(mass, lse, k);
+  const basic_loss_constants<A>& k = pb.k;
+  const A ga = g * gradient_alpha(mass, lse, k);
   const std::int64_t y = pb.target(n);
   const bool has_target = y >= v0 && y < v1;
-  const float x_y = has_target ? static_cast<float>(x[y]) : 0.0f;  // read before it is overwritten
+  const A x_y = has_target ? static_cast<A>(x[y]) : A(0);  // read before it is overwritten
   for (std::int64_t c = v0; c < v1; c += pb.chunk) {
     const std::int64_t len = std::min(pb.chunk, v1 - c);
-    const_fmap z(load_logits(x + c, len, k, zbuf), len);
-    fmap d(gbuf, len);
+    const_amap<A> z(load_logits(x + c, len, k, zbuf), len);
+    amap<A> d(gbuf, len);
     d = (z - lse).exp() * ga;
+    if constexpr (std::is_same<A,
+                               double>::value)  // exp(-inf) is not 0 in Eigen's double (packet.hpp)
+      d = (z == -std::numeric_limits<A>::infinity()).select(A(0), d);
     subtract_target_mass(pb, n, c, g, d, tbuf);
-    if (k.softcap > 0.0f) d *= 1.0f - (z * k.inv_softcap).square();
+    if (k.softcap > A(0)) d *= A(1) - (z * k.inv_softcap).square();
     convert(gbuf, len, out + c);  // a conversion only: no peeled arithmetic
   }
   if (has_target) write_target_gradient(pb, y, x_y, lse, mass, g, out);
 }
 
-/// The same gradient over a whole row from the exponentials slice_stats cached in `out` (a float
-/// row; no softcap): one multiply per element replaces the second exponential. The row was
-/// written moments ago and is still in L2.
-template <class T, class Tgt>
-void cached_row_gradient(const problem<T, Tgt>& pb, std::int64_t n, float x_y, float lse,
-                         float mass, float g, const exp_cache& cache, float* out) {
-  alignas(64) float gbuf[policy::max_chunk];
-  alignas(64) float tbuf[policy::max_chunk];  // soft targets or class weights
-  const float ga = g * gradient_alpha(mass, lse, pb.k);
+/// The same gradient over a whole row from the exponentials slice_stats cached in `out` (a row of
+/// the accumulator type; no softcap): one multiply per element replaces the second exponential.
+/// The row was written moments ago and is still in L2.
+template <class T, class Tgt, class A>
+void cached_row_gradient(const problem<T, Tgt>& pb, std::int64_t n, A x_y, A lse, A mass, A g,
+                         const exp_cache<A>& cache, A* out) {
+  alignas(64) A gbuf[policy::max_chunk];
+  alignas(64) A tbuf[policy::max_chunk];  // soft targets or class weights
+  const A ga = g * gradient_alpha(mass, lse, pb.k);
   const std::int64_t cols = pb.logits.cols;
   const bool plain = !problem<T, Tgt>::soft && !pb.k.smoothing();
   for (std::int64_t c = 0, i = 0; c < cols; c += pb.chunk, ++i) {
     const std::int64_t len = std::min(pb.chunk, cols - c);
-    const float scale = ga * std::exp(cache.chunk_max[i] - lse);  // exp(z - m_c) exp(m_c - lse)
+    const A scale = ga * std::exp(cache.chunk_max[i] - lse);  // exp(z - m_c) exp(m_c - lse)
     if (plain) {
       packet_scale(out + c, len, scale);
       continue;
     }
-    fmap d(gbuf, len);
-    d = tmap<float>(out + c, len);  // into the aligned buffer (L1/L2), computed there
+    amap<A> d(gbuf, len);
+    d = tmap<A>(out + c, len);  // into the aligned buffer (L1/L2), computed there
     d *= scale;
     subtract_target_mass(pb, n, c, g, d, tbuf);
-    tmap<float>(out + c, len) = d;
+    tmap<A>(out + c, len) = d;
   }
   if constexpr (!problem<T, Tgt>::soft)
     write_target_gradient(pb, pb.target(n), x_y, lse, mass, g, out);

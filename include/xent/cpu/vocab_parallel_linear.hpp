@@ -105,7 +105,7 @@ class vp_linear_call {
         bias_(float_bias(c_, a.bias)),
         call_(make_problem(exec, matrix_view<const float>{}, a.targets, a.opts, a.shard)),
         chunk_(call_),
-        scales_(a.up ? make_row_scales(*a.up, a.opts, normalizer_) : row_scales{}),
+        scales_(a.up ? make_row_scales(*a.up, a.opts, normalizer_) : row_scales<float>{}),
         argmax_(a.out.argmax.data || a.out.num_correct) {}
   vp_linear_call(const vp_linear_call&) = delete;
   vp_linear_call& operator=(const vp_linear_call&) = delete;
@@ -173,7 +173,7 @@ class vp_linear_call {
   void gradient(std::int64_t r0, std::int64_t n) {
     const plan pl = make_plan(exec_, n, vocab());
     const matrix_view<float> grad(logits_map(n).data(), n, vocab(), vocab());
-    row_scales scale = scales_;
+    row_scales<float> scale = scales_;
     if (scale.rows) scale.rows += r0;
     const float* merged_lse = buffer<float>(plan_.lse);
     const float* mass = buffer<float>(plan_.mass);
@@ -241,7 +241,7 @@ class vp_linear_call {
   const float* bias_;
   problem<float, Tgt> call_;   ///< the call's constants (no logits yet)
   problem<float, Tgt> chunk_;  ///< the chunk's: its logits and targets
-  row_scales scales_;
+  row_scales<float> scales_;
   bool argmax_;
   bool started_ = false;
   totals sums_;

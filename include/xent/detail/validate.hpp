@@ -91,8 +91,9 @@ inline void check_options(const char* fn, const options& opts, std::int64_t cols
   check_vector(fn, "options.class_weights", opts.class_weights, cols, true);
 }
 
-inline void check_outputs(const char* fn, const forward_outputs& out, const options& opts,
-                          std::int64_t rows, bool soft, bool loss_required) {
+template <class A>
+void check_outputs(const char* fn, const basic_forward_outputs<A>& out, const options& opts,
+                   std::int64_t rows, bool soft, bool loss_required) {
   check_vector(fn, "outputs.row_loss", out.row_loss, rows, true);
   require(!soft || out.num_correct == nullptr, fn, "outputs.num_correct",
           "counts rows whose argmax equals a class id; soft targets have none");
@@ -106,8 +107,9 @@ inline void check_outputs(const char* fn, const forward_outputs& out, const opti
     require(out.loss != nullptr, fn, "outputs.loss", "required with reduction mean or sum");
 }
 
-inline void check_upstream(const char* fn, const upstream& up, const options& opts,
-                           std::int64_t rows) {
+template <class A>
+void check_upstream(const char* fn, const basic_upstream<A>& up, const options& opts,
+                    std::int64_t rows) {
   if (opts.reduce == reduction::none) {
     check_vector(fn, "upstream.rows", up.rows, rows, true);
     require(up.scale_ptr == nullptr, fn, "upstream.scale_ptr",

@@ -13,7 +13,8 @@ namespace xent {
 
 /// How d_weight (V x D) is summed over the row chunks of a call.
 enum class dw_accumulation {
-  /// In a float V x D buffer inside the workspace, rounded to d_weight's dtype once at the end.
+  /// In a float V x D buffer inside the workspace (double for double inputs: the accumulator),
+  /// rounded to d_weight's dtype once at the end.
   /// Summing in bf16 across chunks made training diverge (Liger #512), so this is the default.
   /// When d_weight is float it is its own accumulator and costs nothing extra; otherwise the
   /// workspace holds 4 V D more bytes (1 GiB for V = 128256, D = 2048).

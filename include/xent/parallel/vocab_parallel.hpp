@@ -72,6 +72,9 @@ void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<
   static_assert(has_backend<Exec>::value &&
                     backend_traits<Exec>::template supports_dtype<std::remove_const_t<L>>,
                 "xent: unsupported logits dtype for this backend (float, bfloat16 and half are)");
+  static_assert(!std::is_same<std::remove_const_t<L>, double>::value,
+                "xent: vocab-parallel calls take float, bfloat16 and half logits; float64 is for "
+                "the single-device CPU calls");
   static_assert(target_traits<Targets>::valid,
                 "xent: targets must be vector_view<int32_t / int64_t> or soft_targets<dtype>");
   check_group(fn, group);

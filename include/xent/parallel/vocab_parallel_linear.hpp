@@ -117,6 +117,9 @@ void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<
                           vocab_shard shard, const Targets& targets, const linear_options& opts,
                           const vocab_parallel_linear_workspace& ws) {
   require_linear_types<Exec, has_vocab_parallel_linear<Exec>::value, T, Targets>();
+  static_assert(!std::is_same<T, double>::value,
+                "xent: vocab-parallel fused linear calls take float, bfloat16 and half; float64 is "
+                "for the single-device CPU calls");
   check_group(fn, group);
   // Soft targets are the shard's (N x V_local); class weights all V of them.
   check_linear_inputs(fn, hidden, weight, bias, typename target_traits<Targets>::type(targets),

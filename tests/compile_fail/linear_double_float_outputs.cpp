@@ -1,5 +1,5 @@
-// MUST NOT compile: double hidden / weight (the CPU backend computes in float from float, bfloat16
-// or half inputs; a silent narrowing would lose what the caller's doubles held).
+// MUST NOT compile: double hidden / weight accumulate in double, so the outputs are
+// basic_forward_outputs<double>, not float ones.
 #include <cstdint>
 
 #include "xent/xent.hpp"

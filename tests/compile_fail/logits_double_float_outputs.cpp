@@ -1,4 +1,5 @@
-// Must NOT compile: double logits are not a CPU dtype (float, bfloat16 and half are).
+// Must NOT compile: double logits accumulate in double, so their outputs are
+// basic_forward_outputs<double>; float outputs would round what the call computed.
 #include <cstdint>
 
 #include "xent/xent.hpp"
