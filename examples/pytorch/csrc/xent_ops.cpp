@@ -28,11 +28,12 @@ struct cpu_backend {
 };
 
 // On the CPU the upstream gradient is read where it lies. Exactly 1 (loss.backward()) leaves the
-// gradient as it is, as on CUDA; otherwise torch multiplies in float32 and rounds to grad's
+// gradient as it is, as on CUDA; otherwise torch multiplies in float32 (float64 for a float64
+// grad: the scale comes in grad's accumulator dtype, exact as a double) and rounds to grad's
 // dtype, as the CUDA kernel does.
 void scale_grad_cpu(const at::Tensor& grad, const at::Tensor& grad_output) {
-  const float scale = grad_scale_of(grad, grad_output).item<float>();
-  if (scale != 1.0f) grad.mul_(scale);
+  const double scale = grad_scale_of(grad, grad_output).item<double>();
+  if (scale != 1.0) grad.mul_(scale);
 }
 
 }  // namespace

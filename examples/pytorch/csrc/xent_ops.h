@@ -10,7 +10,9 @@
 //
 // The ops take 2-D logits (N x C, class dimension last, last dimension contiguous; any row stride
 // is passed to xent as the leading dimension); the Python wrappers flatten (..., C) inputs. Every
-// reduction and every per-row result is float32; the wrapper casts the loss to the input's dtype.
+// reduction and every per-row result is of xent's accumulator type (xent::accumulator_t): float64
+// for float64 inputs (CPU only), float32 otherwise; the wrapper casts the loss to the input's
+// dtype.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,6 +26,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include <xent/xent.hpp>
 
@@ -52,7 +55,7 @@ inline at::Tensor rows_view(const at::Tensor& input) {
 template <class T>
 xent::matrix_view<T> matrix_of(const at::Tensor& t) {
   using X = std::remove_const_t<T>;
-  static_assert(sizeof(X) == 2 || sizeof(X) == 4, "xent: 16- or 32-bit elements");
+  static_assert(sizeof(X) == 2 || sizeof(X) == 4 || sizeof(X) == 8, "xent: 16-, 32- or 64-bit");
   auto* data = reinterpret_cast<T*>(t.data_ptr());
   const std::int64_t ld = t.size(0) <= 1 ? t.size(1) : t.stride(0);
   return {data, t.size(0), t.size(1), ld};
@@ -64,12 +67,29 @@ xent::vector_view<T> vector_of(const at::Tensor& t) {
   return {reinterpret_cast<T*>(t.data_ptr()), t.numel()};
 }
 
+// float32, bfloat16 and float16 on every device; float64 on the CPU only (xent's CPU backend
+// accumulates float64 in double; the CUDA backend has no float64 kernels).
 inline void check_input_dtype(const at::Tensor& input, const char* name = "input") {
   const auto st = input.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "xent: ", name,
-                   " must be float32, bfloat16 or float16, got ", st,
-                   " (float64 is not supported: xent accumulates in float32)");
+  TORCH_CHECK_TYPE(st != at::kDouble || input.device().is_cpu(), "xent: ", name, " is float64 on ",
+                   input.device(),
+                   ": float64 runs on the CPU only (on CUDA use float32, bfloat16 or float16)");
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf || st == at::kDouble,
+                   "xent: ", name,
+                   " must be float32, bfloat16, float16 or (on the CPU) float64, got ", st);
 }
+
+// The dtype of the results of a call on x: float64 for float64 x, float32 otherwise.
+inline at::ScalarType accumulator_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Whether backend B's execution object takes float64 (the CPU's; not CUDA's, whose op bodies are
+// then compiled without a float64 case).
+template <class B>
+constexpr bool runs_float64 =
+    xent::backend_traits<std::decay_t<decltype(B::exec(std::declval<const at::Tensor&>(), false)
+                                                   .exec)>>::template supports_dtype<double>;
 
 inline void check_same_device(const at::Tensor& input, const at::Tensor& other, const char* name) {
   TORCH_CHECK_VALUE(other.device() == input.device(), "xent: ", name, " is on ", other.device(),
@@ -102,7 +122,8 @@ inline targets targets_of(const at::Tensor& target, const at::Tensor& x, std::in
   return {target.contiguous(), false};
 }
 
-// Class weights as C float32 values (empty when absent).
+// Class weights as C float32 values (empty when absent): xent::options' weights are float for
+// every dtype, float64 included (a float64 weight is rounded to float32).
 inline at::Tensor weights_of(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                              std::int64_t cols) {
   if (!weight.has_value() || !weight->defined()) return {};
@@ -144,25 +165,27 @@ inline ce_inputs ce_inputs_of(const at::Tensor& x, const at::Tensor& target,
   return in;
 }
 
-// A forward's float32 results over the N rows of x: the loss (0-d for mean / sum, (N,) for none)
-// and the per-row LSE, and xent's view of them.
+// A forward's results over the N rows of x, in its accumulator dtype (float32; float64 for
+// float64 x): the loss (0-d for mean / sum, (N,) for none) and the per-row LSE, and xent's view of
+// them for a call accumulating in A.
 struct loss_outputs {
   at::Tensor loss, lse;
 
   loss_outputs(const at::Tensor& x, xent::reduction reduce) {
     const std::int64_t n = x.size(0);
-    const auto f32 = x.options().dtype(at::kFloat);
-    loss = reduce == xent::reduction::none ? at::empty({n}, f32) : at::empty({}, f32);
-    lse = at::empty({n}, f32);
+    const auto acc = x.options().dtype(accumulator_dtype(x));
+    loss = reduce == xent::reduction::none ? at::empty({n}, acc) : at::empty({}, acc);
+    lse = at::empty({n}, acc);
   }
 
-  xent::forward_outputs view() const {
-    xent::forward_outputs out;
+  template <class A>
+  xent::basic_forward_outputs<A> view() const {
+    xent::basic_forward_outputs<A> out;
     if (loss.dim() == 0)
-      out.loss = loss.data_ptr<float>();
+      out.loss = loss.data_ptr<A>();
     else
-      out.row_loss = {loss.data_ptr<float>(), loss.numel()};
-    out.lse = {lse.data_ptr<float>(), lse.numel()};
+      out.row_loss = {loss.data_ptr<A>(), loss.numel()};
+    out.lse = {lse.data_ptr<A>(), lse.numel()};
     return out;
   }
 };
@@ -178,8 +201,8 @@ inline void check_fused_reduction(const xent::options& opts) {
 
 // Calls f(element tag, targets view) with xent's element type for the input's dtype and xent's
 // view of the targets (vector_view<const int64/int32> or soft_targets<element>): nine
-// instantiations per op (3 dtypes x 3 kinds of target).
-template <class F>
+// instantiations per op (3 dtypes x 3 kinds of target), twelve where backend B runs float64.
+template <class B, class F>
 void dispatch(const at::Tensor& input, const targets& tg, F&& f) {
   auto with_targets = [&](auto tag) {
     using T = decltype(tag);
@@ -201,6 +224,12 @@ void dispatch(const at::Tensor& input, const targets& tg, F&& f) {
     case at::kHalf:
       with_targets(Eigen::half{});
       break;
+    case at::kDouble:
+      if constexpr (runs_float64<B>) {
+        with_targets(double{});
+        break;
+      }
+      [[fallthrough]];
     default:
       check_input_dtype(input);
   }
@@ -232,36 +261,48 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd(
   const ce_inputs in =
       ce_inputs_of(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap);
   const loss_outputs out(x, in.opts.reduce);
-  dispatch(x, in.tg, [&](auto tag, auto tv) {
+  dispatch<B>(x, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     const auto call = B::exec(x, in.opts.reduce != xent::reduction::none);
-    call_xent([&] { xent::forward(call.exec, matrix_of<const T>(x), tv, in.opts, out.view()); });
+    call_xent([&] {
+      xent::forward(call.exec, matrix_of<const T>(x), tv, in.opts,
+                    out.view<xent::accumulator_t<T>>());
+    });
   });
   return {out.loss, out.lse};
 }
 
-// The per-row LSE a forward saved, as N float32 values.
+// The per-row LSE a forward saved, as N values of x's accumulator dtype.
 inline at::Tensor saved_lse(const at::Tensor& x, const at::Tensor& lse, std::int64_t n) {
   check_same_device(x, lse, "lse");
-  at::Tensor saved = lse.to(at::kFloat).contiguous();
+  at::Tensor saved = lse.to(accumulator_dtype(x)).contiguous();
   TORCH_CHECK_VALUE(saved.dim() == 1 && saved.size(0) == n, "xent: lse must be (N,)");
   return saved;
 }
 
-// The loss's gradient as xent's upstream: g_out (float32, contiguous) is 0-d for mean / sum, read
-// through upstream.scale_ptr (never .item(): on CUDA it stays on the device), and (N,) for none,
-// applied per row. g_out must outlive the call that uses the result.
-inline xent::upstream upstream_of(const at::Tensor& g_out, xent::reduction reduce, std::int64_t n) {
-  xent::upstream up;
+// The loss's gradient as xent's upstream for a call accumulating in A: g_out (of A's dtype,
+// contiguous) is 0-d for mean / sum, read through upstream.scale_ptr (never .item(): on CUDA it
+// stays on the device), and (N,) for none, applied per row. g_out must outlive the call that uses
+// the result.
+template <class A>
+xent::basic_upstream<A> upstream_of(const at::Tensor& g_out, xent::reduction reduce,
+                                    std::int64_t n) {
+  xent::basic_upstream<A> up;
   if (reduce == xent::reduction::none) {
     TORCH_CHECK_VALUE(g_out.numel() == n, "xent: grad_output of reduction none must have N = ", n,
                       " entries, got ", g_out.numel());
-    up.rows = {g_out.data_ptr<float>(), n};
+    up.rows = {g_out.data_ptr<A>(), n};
   } else {
     TORCH_CHECK_VALUE(g_out.numel() == 1, "xent: grad_output of a reduced loss must be a scalar");
-    up.scale_ptr = g_out.data_ptr<float>();
+    up.scale_ptr = g_out.data_ptr<A>();
   }
   return up;
+}
+
+// grad_output in x's accumulator dtype, contiguous, on x's device (what upstream_of reads).
+inline at::Tensor upstream_tensor(const at::Tensor& x, const at::Tensor& grad_output) {
+  check_same_device(x, grad_output, "grad_output");
+  return grad_output.to(accumulator_dtype(x)).contiguous();
 }
 
 // The gradient of the loss with respect to the logits into `grad` (the logits themselves, or a
@@ -275,17 +316,17 @@ void backward_into(const at::Tensor& grad_output, const at::Tensor& x, const at:
   const std::int64_t n = x.size(0);
   const ce_inputs in =
       ce_inputs_of(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap);
-  check_same_device(x, grad_output, "grad_output");
-  const at::Tensor g_out = grad_output.to(at::kFloat).contiguous();
+  const at::Tensor g_out = upstream_tensor(x, grad_output);
   const at::Tensor saved = saved_lse(x, lse, n);
-  const xent::upstream up = upstream_of(g_out, in.opts.reduce, n);
 
-  dispatch(x, in.tg, [&](auto tag, auto tv) {
+  dispatch<B>(x, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
-    const xent::vector_view<const float> lv(saved.data_ptr<float>(), n);
+    using A = xent::accumulator_t<T>;
+    const xent::vector_view<const A> lv(saved.data_ptr<A>(), n);
     const auto call = B::exec(x, false);
     call_xent([&] {
-      xent::backward(call.exec, matrix_of<const T>(x), tv, in.opts, lv, up, matrix_of<T>(grad));
+      xent::backward(call.exec, matrix_of<const T>(x), tv, in.opts, lv,
+                     upstream_of<A>(g_out, in.opts.reduce, n), matrix_of<T>(grad));
     });
   });
 }
@@ -337,12 +378,13 @@ loss_outputs forward_backward_into(const at::Tensor& x, const at::Tensor& target
       ce_inputs_of(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap);
   check_fused_reduction(in.opts);
   const loss_outputs out(x, in.opts.reduce);
-  dispatch(x, in.tg, [&](auto tag, auto tv) {
+  dispatch<B>(x, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
+    using A = xent::accumulator_t<T>;
     const auto call = B::exec(x, true);
     call_xent([&] {
-      xent::forward_backward(call.exec, matrix_of<const T>(x), tv, in.opts, xent::upstream{},
-                             out.view(), matrix_of<T>(grad));
+      xent::forward_backward(call.exec, matrix_of<const T>(x), tv, in.opts,
+                             xent::basic_upstream<A>{}, out.view<A>(), matrix_of<T>(grad));
     });
   });
   return out;
@@ -379,15 +421,16 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_bwd_inplace(
 }
 
 // scale_grad_(grad, grad_output): grad *= grad_output, the upstream gradient of a reduced loss (one
-// element, on grad's device), in place. Checks both and returns the scale as float32; each
-// backend reads it its own way (the CPU on the host, CUDA on the device).
+// element, on grad's device), in place. Checks both and returns the scale in grad's accumulator
+// dtype (float32; float64 for a float64 grad); each backend reads it its own way (the CPU on the
+// host, CUDA on the device).
 inline at::Tensor grad_scale_of(const at::Tensor& grad, const at::Tensor& grad_output) {
   check_input_dtype(grad, "grad");
   check_same_device(grad, grad_output, "grad_output");
   TORCH_CHECK_VALUE(grad_output.numel() == 1,
                     "xent: grad_output of a reduced loss must have one element, got ",
                     grad_output.sizes());
-  return grad_output.to(at::kFloat);
+  return grad_output.to(accumulator_dtype(grad));
 }
 
 // --- fused linear cross-entropy: logits = hidden weight^T (+ bias), never materialised ----------
@@ -448,7 +491,7 @@ inline xent::linear_workspace workspace_of(const at::Tensor& ws) {
 // with a workspace of xent's size for `pass`, and xent's errors as torch's.
 template <class B, class Run>
 void run_linear(const linear_inputs& in, xent::linear_pass pass, Run&& run) {
-  dispatch(in.hidden, in.tg, [&](auto tag, auto tv) {
+  dispatch<B>(in.hidden, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     const auto call = B::exec(in.hidden, false, true);
     const at::Tensor ws = linear_workspace_for<T>(call.exec, in, pass);
@@ -470,7 +513,8 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
   run_linear<B>(in, xent::linear_pass::forward, [&](const auto& exec, auto tag, auto tv, auto ws) {
     using T = decltype(tag);
     xent::linear_forward(exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
-                         vector_of<const T>(in.bias), tv, in.opts, out.view(), ws);
+                         vector_of<const T>(in.bias), tv, in.opts,
+                         out.view<xent::accumulator_t<T>>(), ws);
   });
   return {out.loss, out.lse};
 }
@@ -516,18 +560,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
   linear_inputs in = linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index,
                                       reduction, label_smoothing, z_loss, softcap);
   const std::int64_t n = in.hidden.size(0);
-  check_same_device(in.hidden, grad_output, "grad_output");
-  const at::Tensor g_out = grad_output.to(at::kFloat).contiguous();
+  const at::Tensor g_out = upstream_tensor(in.hidden, grad_output);
   const at::Tensor saved = saved_lse(in.hidden, lse, n);
-  const xent::upstream up = upstream_of(g_out, in.opts.reduce, n);
   const linear_grad_tensors grads(in, output_mask);
   plan_without_unused_accumulator(in, grads);
   run_linear<B>(in, xent::linear_pass::training, [&](const auto& exec, auto tag, auto tv, auto ws) {
     using T = decltype(tag);
+    using A = xent::accumulator_t<T>;
     xent::linear_backward(exec, matrix_of<const T>(in.hidden), matrix_of<const T>(in.weight),
                           vector_of<const T>(in.bias), tv, in.opts,
-                          xent::vector_view<const float>(saved.data_ptr<float>(), n), up,
-                          grads.view<T>(), ws);
+                          xent::vector_view<const A>(saved.data_ptr<A>(), n),
+                          upstream_of<A>(g_out, in.opts.reduce, n), grads.view<T>(), ws);
   });
   return {grads.d_hidden, grads.d_weight, grads.d_bias};
 }
@@ -549,9 +592,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
   plan_without_unused_accumulator(in, grads);
   run_linear<B>(in, xent::linear_pass::training, [&](const auto& exec, auto tag, auto tv, auto ws) {
     using T = decltype(tag);
+    using A = xent::accumulator_t<T>;
     xent::linear_forward_backward(exec, matrix_of<const T>(in.hidden),
                                   matrix_of<const T>(in.weight), vector_of<const T>(in.bias), tv,
-                                  in.opts, xent::upstream{}, out.view(), grads.view<T>(), ws);
+                                  in.opts, xent::basic_upstream<A>{}, out.view<A>(),
+                                  grads.view<T>(), ws);
   });
   return {out.loss, out.lse, grads.d_hidden, grads.d_weight, grads.d_bias};
 }

@@ -2,7 +2,8 @@
 extensions (softcap, z_loss) against a plain torch formula, the in-place contract, gradcheck,
 torch.library.opcheck and torch.compile(fullgraph=True), on the CPU and, when a GPU is visible and
 the extension has its CUDA kernels, on CUDA (those cases skip, saying why, otherwise). The
-reference is always torch on the CPU in float32, on the same input values.
+reference is torch on the CPU in float32, on the same input values; float64 inputs (CPU only) are
+held to torch in float64 to double precision and pass gradcheck with its default tolerances.
 
 Importing xent_torch builds the extension (about 25 s on 2 cores the first time; about 2 minutes
 with the CUDA kernels).
@@ -212,8 +213,9 @@ def test_unbatched_input(device):
 def reference_extended(x, t, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                        z_loss=0.0, softcap=None):
     """softcap and z-loss written with torch ops: per row
-    CE(softcap * tanh(x / softcap)) + z_loss * logsumexp^2 (rows not ignored), mean over W."""
-    xf = x.float()
+    CE(softcap * tanh(x / softcap)) + z_loss * logsumexp^2 (rows not ignored), mean over W; in
+    float32, or float64 for float64 x."""
+    xf = x if x.dtype == torch.float64 else x.float()
     if softcap is not None:
         xf = softcap * torch.tanh(xf / softcap)
     keep = t != ignore_index
@@ -316,39 +318,81 @@ def test_inplace_backward_with_strided_classes_falls_back_to_a_new_gradient():
 
 # --- gradcheck, opcheck, torch.compile ------------------------------------------------------------
 #
-# gradcheck normally runs in float64. xent has no float64 kernels (every path accumulates in
-# float32), and a float64 reference inside the binding would check that reference, not xent. So
-# gradcheck runs the real kernels in float32 on tiny shapes with a step (eps = 1e-2) and tolerances
-# sized for float32 central differences (truncation ~ eps^2 |f'''|, rounding ~ 1e-7 / eps ~ 1e-5):
-# atol 2e-4, rtol 2e-3, tight enough that a gradient 1% off fails. It checks xent's backward
-# against finite differences of xent's forward, independently of torch's cross_entropy (which the
-# tests above compare against).
+# gradcheck runs as torch intends, in float64 with its default step and tolerances (eps 1e-6,
+# atol 1e-5, rtol 1e-3), on the CPU backend's float64 path: xent accumulates float64 logits in
+# double everywhere, so that is xent's own code, not a reference beside it. It checks xent's
+# backward against finite differences of xent's forward, independently of torch's cross_entropy.
+# The float32 gradcheck stays, for the float32 kernels (the ones training runs): tiny shapes with a
+# step (eps = 1e-2) and tolerances sized for float32 central differences (truncation
+# ~ eps^2 |f'''|, rounding ~ 1e-7 / eps ~ 1e-5): atol 2e-4, rtol 2e-3, tight enough that a
+# gradient 1% off fails. xent has no second derivatives (its backward is not differentiable), so
+# there is no gradgradcheck.
 
-
-@pytest.mark.parametrize("kw", [
+GRADCHECK_OPTIONS = [
     dict(),
     dict(reduction="sum", weight="w", label_smoothing=0.2),
     dict(reduction="none", ignore=True, z_loss=0.05),
     dict(softcap=2.0, z_loss=0.01, label_smoothing=0.1, weight="w", ignore=True),
-])
-@pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double precision")
-def test_gradcheck_float32(kw):
+]
+
+
+def gradcheck_case(kw, dtype):
+    """Tiny logits of `dtype` requiring grad, their targets and cross_entropy's options."""
     kw = dict(kw)
-    x, t = make(n=5, c=7, scale=1.0, seed=11)
+    x, t = make(n=5, c=7, scale=1.0, seed=11, dtype=dtype)
     if kw.pop("ignore", False):
         t[2] = -100
     if kw.get("weight") == "w":
-        kw["weight"] = weights(c=7)
-    x.requires_grad_()
+        kw["weight"] = weights(c=7).to(dtype)
+    return x.requires_grad_(), t, kw
+
+
+@pytest.mark.parametrize("kw", GRADCHECK_OPTIONS)
+@pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double precision")
+def test_gradcheck_float32(kw):
+    x, t, kw = gradcheck_case(kw, torch.float32)
     fn = lambda a: xent_torch.cross_entropy(a, t, **kw)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x,), eps=1e-2, atol=2e-4, rtol=2e-3,
                                     fast_mode=False)
 
 
-def test_float64_is_refused_clearly():
+@pytest.mark.parametrize("kw", GRADCHECK_OPTIONS + [dict(soft=True, label_smoothing=0.1)])
+def test_gradcheck_float64(kw):
+    x, t, kw = gradcheck_case(kw, torch.float64)
+    if kw.pop("soft", False):
+        t = torch.softmax(torch.randn(x.shape, generator=torch.Generator().manual_seed(5),
+                                      dtype=torch.float64), dim=-1)
+    fn = lambda a: xent_torch.cross_entropy(a, t, **kw)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(weight="w", label_smoothing=0.25, ignore=True),
+    dict(z_loss=2.0**-7, softcap=4.0, ignore=True),
+])
+def test_float64_matches_torch_to_double_precision(reduction, kw):
+    # The options are float32 values for every dtype (float64 widens them exactly): the float64
+    # reference gets the same values, 0.25 and 2^-7, and weights that float32 holds.
+    kw = dict(kw, reduction=reduction)
     x, t = make(dtype=torch.float64)
-    with pytest.raises(TypeError, match="float64 is not supported"):
-        xent_torch.cross_entropy(x, t)
+    if kw.pop("ignore", False):
+        t[::4] = -100
+    if kw.get("weight") == "w":
+        kw["weight"] = weights().double()
+    loss, grad = loss_and_grad(xent_torch.cross_entropy, x, t, **kw)
+    ref_loss, ref_grad = loss_and_grad(reference_extended, x, t, **kw)
+    assert loss.dtype == grad.dtype == torch.float64
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-14)
+
+
+@requires_cuda
+def test_float64_on_cuda_is_refused_clearly():
+    x, t = make(dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64 on cuda.*runs on the CPU only"):
+        xent_torch.cross_entropy(x.cuda(), t.cuda())
 
 
 def test_opcheck_registrations():

@@ -24,7 +24,9 @@ def make(n=N, d=D, v=V, dtype=torch.float32, seed=0):
 
 
 def torch_linear_ce(hidden, weight, target, bias=None, class_weight=None, **kw):
-    logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    """In float32, or float64 for float64 inputs."""
+    dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = F.linear(hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
     return reference_extended(logits, target, weight=class_weight, **kw)
 
 
@@ -80,8 +82,46 @@ def test_three_d_hidden_and_int32_targets():
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("kw", [
+    dict(label_smoothing=0.1, z_loss=0.01),
+    dict(class_weight="w", softcap=2.0),
+])
+def test_gradcheck_float64(reduction, kw):
+    # The CPU's float64 path (logits, GEMMs and gradient sums in double) with gradcheck's default
+    # step and tolerances, over hidden, weight and bias (test_cross_entropy.py says why).
+    kw = dict(kw, reduction=reduction)
+    if kw.get("class_weight") == "w":
+        kw["class_weight"] = weights(c=7).double()
+    hidden, weight, bias, target = make(n=5, d=4, v=7, dtype=torch.float64)
+    target[1] = -100
+    args = tuple(a.clone().requires_grad_() for a in (hidden, weight, bias))
+    fn = lambda h, w, b: xent_torch.linear_cross_entropy(h, w, target, b, **kw)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_float64_matches_torch_to_double_precision(reduction):
+    kw = dict(reduction=reduction, class_weight=weights(c=V).double(), label_smoothing=0.25,
+              z_loss=2.0**-7, softcap=4.0)
+    hidden, weight, bias, target = make(dtype=torch.float64)
+    target[::5] = -100
+    got = losses_and_grads(xent_torch.linear_cross_entropy, hidden, weight, target, bias, **kw)
+    want = losses_and_grads(torch_linear_ce, hidden, weight, target, bias, **kw)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float64
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
+
+
+@requires_cuda
+def test_float64_on_cuda_is_refused_clearly():
+    hidden, weight, bias, target = make(dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64 on cuda.*runs on the CPU only"):
+        xent_torch.linear_cross_entropy(hidden.cuda(), weight.cuda(), target.cuda(), bias.cuda())
+
+
 def test_gradcheck_float32():
-    # float32 for the reason test_cross_entropy.py gives (xent has no float64 kernels).
+    # The float32 kernels, with the step and tolerances test_cross_entropy.py gives for float32.
     hidden, weight, bias, target = make(n=5, d=4, v=7)
     target[1] = -100
     args = tuple(a.clone().requires_grad_() for a in (hidden, weight, bias))

@@ -5,7 +5,8 @@ logits, and their autograd formulas are C++ too (csrc/xent_autograd.cpp: one dis
 forward, one C++ node backward, no Python in either; a training call with a reduced loss runs the
 fused *_fwd_bwd op forward and scale_grad_ backward). This module checks the arguments with
 torch's error types, flattens (..., C) inputs, registers the fake (meta) kernels torch.compile
-traces with, and casts the float32 loss to the input's dtype.
+traces with, and casts the loss (float32; float64 for float64 inputs, which run on the CPU only)
+to the input's dtype.
 """
 
 import torch
@@ -20,12 +21,22 @@ _cross_entropy_fwd = torch.ops.xent.cross_entropy_fwd.default
 _linear_cross_entropy_fwd = torch.ops.xent.linear_cross_entropy_fwd.default
 
 
+def _accumulator(dtype):
+    """The dtype of the ops' loss and LSE: xent accumulates float64 in float64, the rest in
+    float32 (xent::accumulator_t)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _loss_and_lse_fake(x, reduction):
+    n = x.shape[0]
+    acc = _accumulator(x.dtype)
+    return x.new_empty((n,) if reduction == 0 else (), dtype=acc), x.new_empty((n,), dtype=acc)
+
+
 @torch.library.register_fake("xent::cross_entropy_fwd")
 def _fwd_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap,
               inplace_backward):
-    n = input.shape[0]
-    loss = input.new_empty((n,) if reduction == 0 else (), dtype=torch.float32)
-    return loss, input.new_empty((n,), dtype=torch.float32)
+    return _loss_and_lse_fake(input, reduction)
 
 
 @torch.library.register_fake("xent::cross_entropy_bwd")
@@ -75,8 +86,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
 
     Matches torch.nn.functional.cross_entropy for weight, ignore_index, reduction and
     label_smoothing, with the class dimension LAST (language-model layout: (N, C), (B, T, C));
-    torch's own (N, C, d1, ...) layout is not accepted. input: float32, bfloat16 or float16 (no
-    float64: xent accumulates in float32), on the CPU or a CUDA device. target: class ids (...),
+    torch's own (N, C, d1, ...) layout is not accepted. input: float32, bfloat16 or float16 on the
+    CPU or a CUDA device, or float64 on the CPU (computed in float64 throughout: the reference for
+    torch.autograd.gradcheck; a float64 CUDA tensor raises TypeError). target: class ids (...),
     int64 or int32; or class probabilities of input's shape (soft targets, torch's semantics:
     label smoothing mixes them with the uniform distribution, mean divides by the row count,
     ignore_index does not apply), held in input's dtype and given no gradient. Extensions:
@@ -96,7 +108,10 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     the device (free when that is exactly 1, as in loss.backward()), in place; a backward with
     retain_graph=True (or create_graph=True) scales a copy, so a later one still works. Reduction
     none, and calls under no_grad, compute the loss alone; backward then reads the logits again.
-    The reduced loss has input's dtype; the arithmetic is float32 throughout. On CUDA nothing
+    The reduced loss has input's dtype; the arithmetic is float32 throughout (float64 for float64
+    input). The options (label_smoothing, z_loss, softcap) and class weights are float32 values
+    for every dtype, float64 included: a float64 reference should use values float32 holds
+    exactly (0.25, not 0.1). On CUDA nothing
     synchronises with the host (the op can be captured in a CUDA graph); a class id out of range
     gives that row a NaN loss and is counted by cuda_target_errors() instead of raising
     IndexError as on the CPU.
@@ -130,7 +145,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                               bool(inplace_backward))[0]
     if code == 0 and len(shape) != 2:
         loss = loss.reshape(shape[:-1])
-    return loss if input.dtype == torch.float32 else loss.to(input.dtype)
+    return loss if loss.dtype == input.dtype else loss.to(input.dtype)
 
 
 # --- fused linear cross-entropy --------------------------------------------------------------------
@@ -139,9 +154,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
 @torch.library.register_fake("xent::linear_cross_entropy_fwd")
 def _linear_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                      label_smoothing, z_loss, softcap):
-    n = hidden.shape[0]
-    loss = hidden.new_empty((n,) if reduction == 0 else (), dtype=torch.float32)
-    return loss, hidden.new_empty((n,), dtype=torch.float32)
+    return _loss_and_lse_fake(hidden, reduction)
 
 
 @torch.library.register_fake("xent::linear_cross_entropy_bwd")
@@ -170,7 +183,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
     """cross_entropy(hidden @ weight.T + bias, target, ...) without materialising the logits.
 
     hidden (..., D), weight (V, D) (an LM head), bias (V,) or None, all of one dtype (float32,
-    bfloat16 or float16); target (...) class ids, int64 or int32, or (..., V) class
+    bfloat16 or float16; or float64 on the CPU, logits, GEMMs and gradient sums all in float64);
+    target (...) class ids, int64 or int32, or (..., V) class
     probabilities as cross_entropy takes them. CPU or CUDA tensors (on CUDA: cuBLAS GEMMs with
     torch's handle, float accumulation; bf16 / fp16 logits are rounded to that dtype, as torch's
     F.linear does). class_weight is
@@ -206,7 +220,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
                                      0.0 if softcap is None else float(softcap))[0]
     if code == 0 and len(shape) != 2:
         loss = loss.reshape(shape[:-1])
-    return loss if hidden.dtype == torch.float32 else loss.to(hidden.dtype)
+    return loss if loss.dtype == hidden.dtype else loss.to(hidden.dtype)
 
 
 # --- CUDA -----------------------------------------------------------------------------------------
