@@ -591,6 +591,7 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
 TEST(CudaLaunchPlan, SmallBatchesCutEachRowOverAClusterThatHoldsIt) {
   using xent::cuda_detail::make_small_plan;
   using xent::cuda_detail::policy;
+  if (policy::small_regs == 0) GTEST_SKIP() << "no small-batch kernel (XENT_CUDA_SMALL_REGS=0)";
   const int sms = 132;
   // The seed shapes: 32 x 32000 fp32 (125 KiB rows) over 9 CTAs of 3556 classes, 32 x 50257 over
   // 13; 128 x 32000 over 8 (1024 CTAs, within 8 per SM).

@@ -250,12 +250,12 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
     }
   }
   if constexpr (P != pass::backward && !Tgt::soft) {
-    // A batch too short for the row kernel's pipelined clusters (an unsharded call). Rows that
-    // are not 16-byte aligned load element by element there: slower than the row kernel's
-    // staged copies for a forward (fp32 32 x 50257: 21.6 against 19.1 us on an H200), faster
-    // for the fused pass (23.5 against 29.2 us).
+    // A batch too short for the row kernel's pipelined clusters (an unsharded call). Forward and
+    // fused calls of a shape take the same kernel, so their losses are the same bits; rows that
+    // are not 16-byte aligned load element by element there (fp32 32 x 50257 on an H200: fused
+    // 23.5 against the row kernel's 29.2 us, forward 21.6 against 19.1).
     if (plain && args.first == 0 && args.partials == nullptr && dev.major >= 9 &&
-        args.rows <= 65535 && (aligned || P == pass::fused)) {
+        args.rows <= 65535) {
       const launch_plan small = make_small_plan(args.rows, args.cols, sizeof(T), dev.sms);
       if (small.cluster > 0 && (aligned ? launch_small_rows<true, P>(fn, exec, args, small, dev)
                                         : launch_small_rows<false, P>(fn, exec, args, small, dev)))
