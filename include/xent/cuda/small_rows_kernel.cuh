@@ -22,6 +22,7 @@
 namespace xent {
 namespace cuda_detail {
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 /// Cluster-wide split barrier: arrive (release: this CTA's shared-memory writes before it are
 /// visible to the cluster) and wait (acquire).
 __device__ __forceinline__ void cluster_arrive() {
@@ -30,6 +31,7 @@ __device__ __forceinline__ void cluster_arrive() {
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+#endif
 
 /// This thread's statistics of its vectors of a slice, merged over its warp: the warp's max,
 /// then the exponentials relative to it (the row kernel's chunk_stats, without a stage).
@@ -61,10 +63,13 @@ __device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
 }
 
 /// Grid (cluster, rows): CTA `rank` of row blockIdx.y's cluster owns classes [rank * slice,
-/// (rank + 1) * slice). Plain class-id rows of an unsharded call, forward or fused.
+/// (rank + 1) * slice). Plain class-id rows of an unsharded call, forward or fused. Clusters
+/// exist from sm_90: below it the kernel is empty, and the dispatcher never launches that build
+/// (launch_small_rows asks the binary's version).
 template <int Block, int Regs, bool Aligned, pass P, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int warps = Block / 32;
   constexpr bool want_grad = P == pass::fused;
   // Raw storage: shared memory takes no initialiser. warps parts, this CTA's (read by every CTA
@@ -147,6 +152,9 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   if (need_reduce && rank == 0)
     finish_reduction<Block>(a.workspace, a.rows, 1u, a.loss, a.num_correct, normalizer);
   if (!skip) cluster_wait();  // no CTA leaves while another may read its cta_part
+#else
+  (void)a;
+#endif
 }
 
 }  // namespace cuda_detail
