@@ -92,6 +92,19 @@ __device__ __forceinline__ const float* full_weights(const row_args<T, G, Tgt>& 
   return a.weights ? a.weights - a.first : nullptr;
 }
 
+/// Row n's forward outputs, each where the call asked for it, and its entry for the reduced loss
+/// (`reduce`): written by one thread per row, in the row kernel, the small-batch kernel and the
+/// vocab-parallel merge alike.
+template <class T, class G, class Tgt>
+__device__ __forceinline__ void write_row_outputs(const row_args<T, G, Tgt>& a, std::int64_t n,
+                                                  float loss, float lse, std::int64_t best,
+                                                  bool correct, bool reduce) {
+  if (a.row_loss) a.row_loss[n] = loss;
+  if (a.lse_out) a.lse_out[n] = lse;
+  if (a.argmax) a.argmax[n] = best;
+  if (reduce) record_row(a.workspace, a.rows, n, loss, correct);
+}
+
 /// The soft-capped logit. `Plain` kernels (class ids; no softcap, smoothing or argmax) are
 /// compiled without the option paths, so their sweeps are the bare conversion, exponential and
 /// store.
@@ -581,10 +594,8 @@ XENT_KERNEL void __launch_bounds__(
         if (rec.argmax.index >= 0) rec.argmax.index += a.first;  // a global class id
         a.partials[r.n] = rec;
       } else if (rank == 0 && threadIdx.x == 0) {
-        if (a.row_loss) a.row_loss[r.n] = loss;
-        if (a.lse_out) a.lse_out[r.n] = r.rg.lse;
-        if (a.argmax) a.argmax[r.n] = best_of(row);
-        if (need_reduce) record_row(a.workspace, a.rows, r.n, loss, best_of(row) == r.rg.y);
+        write_row_outputs(a, r.n, loss, r.rg.lse, best_of(row), best_of(row) == r.rg.y,
+                          need_reduce);
       }
     }
     if constexpr (want_grad) {
@@ -597,10 +608,7 @@ XENT_KERNEL void __launch_bounds__(
     if (rank == 0 && threadIdx.x == 0) {
       const float v = r.invalid ? NAN : 0.0f;
       if (P != pass::backward) {
-        if (a.row_loss) a.row_loss[r.n] = v;
-        if (a.lse_out) a.lse_out[r.n] = v;
-        if (a.argmax) a.argmax[r.n] = -1;
-        if (need_reduce) record_row(a.workspace, a.rows, r.n, v, false);
+        write_row_outputs(a, r.n, v, v, -1, false, need_reduce);
       }
       if (r.invalid && a.error_count) atomicAdd(a.error_count, 1);
     }

@@ -136,8 +136,8 @@ struct policy {
   /// The kernels that keep them: plain fused 16-bit rows finished before the next row's
   /// statistics (the float tile is not held across them).
   template <class T, bool Plain, bool Fused>
-  static constexpr bool keep_exps = exp_once&& Plain&& Fused && sizeof(T) == 2 &&
-                                    !overlap_rows<T, Fused>;
+  static constexpr bool keep_exps = (exp_once && Plain && Fused && sizeof(T) == 2 &&
+                                     !overlap_rows<T, Fused>);
   /// The small-batch kernel (small_rows_kernel.cuh): vectors per thread (16 KiB of a row per
   /// 256-thread CTA), and the most CTAs per SM a launch of it may span (rows x cluster), beyond
   /// which the row kernel's persistent clusters take the batch.
@@ -159,6 +159,13 @@ struct launch_plan {
   std::size_t smem_bytes = 0;   ///< dynamic shared memory per CTA
 };
 
+inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+/// Classes per CTA when `cols` are cut over `cluster` CTAs: whole vectors of `vec` elements.
+inline std::int64_t slice_classes(std::int64_t cols, std::int64_t cluster, int vec) {
+  return ceil_div(ceil_div(cols, cluster), vec) * vec;
+}
+
 /// CTAs per row for `rows` rows of `row_bytes`, from `c`: a short batch spreads each row over
 /// more CTAs so rows * c covers the SMs twice, while a slice keeps at least min_slice_bytes.
 inline std::int64_t spread_rows(std::int64_t c, std::int64_t rows, std::int64_t row_bytes, int sms,
@@ -174,7 +181,6 @@ inline std::int64_t spread_rows(std::int64_t c, std::int64_t rows, std::int64_t 
 inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms,
                                     int max_cluster) {
   const int vec = 16 / elem_bytes;
-  auto ceil_div = [](std::int64_t a, std::int64_t b) { return (a + b - 1) / b; };
   launch_plan p;
   const std::int64_t row_bytes = cols * elem_bytes;
   std::int64_t c = ceil_div(row_bytes, static_cast<std::int64_t>(policy::max_chunk_bytes));
@@ -184,7 +190,7 @@ inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int el
     c = max_cluster;  // rows too long for the cluster: each slice streams through in chunks
   }
   p.cluster = static_cast<int>(c < 1 ? 1 : c);
-  p.slice = ceil_div(ceil_div(cols, p.cluster), vec) * vec;
+  p.slice = slice_classes(cols, p.cluster, vec);
   const std::int64_t max_chunk = static_cast<std::int64_t>(policy::max_chunk_bytes) / elem_bytes;
   p.chunks = ceil_div(p.slice, max_chunk);
   p.chunk = ceil_div(ceil_div(p.slice, p.chunks), vec) * vec;
@@ -204,12 +210,12 @@ inline launch_plan make_small_plan(std::int64_t rows, std::int64_t cols, int ele
   const int vec = 16 / elem_bytes;
   const std::int64_t per_cta = std::int64_t{policy::small_regs} * 16 * policy::block;
   const std::int64_t row_bytes = cols * elem_bytes;
-  std::int64_t c = (row_bytes + per_cta - 1) / per_cta;
+  std::int64_t c = ceil_div(row_bytes, per_cta);
   if (c > policy::cluster_max) return p;
   c = spread_rows(c < 1 ? 1 : c, rows, row_bytes, sms, policy::cluster_max);
   if (rows * c > std::int64_t{policy::small_ctas_per_sm} * sms) return p;
   p.cluster = static_cast<int>(c);
-  p.slice = ((cols + c - 1) / c + vec - 1) / vec * vec;
+  p.slice = slice_classes(cols, c, vec);
   return p;
 }
 

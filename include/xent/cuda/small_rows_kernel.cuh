@@ -127,9 +127,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   if (rank == 0 && threadIdx.x == 0) {
     const float loss = skip ? (invalid ? NAN : 0.0f) : class_row_loss(row_total, w_y, a.k);
     const float lse = skip ? loss : row_total.lse.lse();
-    if (a.row_loss) a.row_loss[n] = loss;
-    if (a.lse_out) a.lse_out[n] = lse;
-    if (need_reduce) record_row(a.workspace, a.rows, n, loss, false);
+    write_row_outputs(a, n, loss, lse, -1, false, need_reduce);
     if (invalid && a.error_count) atomicAdd(a.error_count, 1);
   }
   if constexpr (want_grad) {

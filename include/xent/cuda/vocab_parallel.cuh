@@ -183,12 +183,9 @@ XENT_KERNEL void __launch_bounds__(Block) vp_merge_kernel(row_args<T, G, Tgt> a,
       mass = p.stats.mass;
       best = p.argmax.index;
     }
-    if (a.row_loss) a.row_loss[n] = loss;
-    if (a.lse_out) a.lse_out[n] = lse;
-    if (a.argmax) a.argmax[n] = best;
+    write_row_outputs(a, n, loss, lse, best, best >= 0 && best == y, need_reduce);
     x.lse_rows[n] = lse;
     x.mass_rows[n] = mass;
-    if (need_reduce) record_row(a.workspace, a.rows, n, loss, best >= 0 && best == y);
   }
   if (need_reduce)
     finish_reduction<Block>(a.workspace, a.rows, my_rows, a.loss, a.num_correct, normalizer);
