@@ -169,11 +169,7 @@ void BM_launch_floor(benchmark::State& state) {
   a.reserve(sizeof(float) * static_cast<std::size_t>(rows * cols), rows);
   check(cudaFuncSetAttribute(empty_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
         "cluster attribute");
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 9;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[1] = {xent::cuda_detail::cluster_attribute(9)};
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(9, static_cast<unsigned>(rows), 1);
   cfg.blockDim = dim3(256, 1, 1);
