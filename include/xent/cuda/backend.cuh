@@ -21,6 +21,7 @@
 #include "backward_kernel.cuh"
 #include "cuda.cuh"
 #include "dtype.cuh"
+#include "forward_kernel.cuh"
 #include "kernels.cuh"
 #include "policy.cuh"
 #include "small_rows_kernel.cuh"
@@ -215,6 +216,20 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
   return true;
 }
 
+/// A forward of plain class-id rows by the streaming forward kernel (policy::stream_forward):
+/// persistent CTAs, as many as its register bound lets every SM hold; false, launching nothing,
+/// when the batch has fewer rows than that (the row kernel's clusters then split each row).
+template <class T, class G, class Tgt>
+bool launch_stream_forward(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
+                           const device_facts& dev) {
+  const std::int64_t grid = std::int64_t{dev.sms} * policy::stream_forward_min_blocks;
+  if (args.rows < grid) return false;
+  stream_forward_kernel<policy::block, policy::stream_forward_regs>
+      <<<static_cast<unsigned>(grid), policy::block, 0, exec.stream>>>(args);
+  check_cuda(fn, cudaGetLastError());
+  return true;
+}
+
 /// Backward of class-id rows by the streaming kernel (policy::stream_backward): persistent CTAs,
 /// as many as the register bound lets every SM hold, or one per tile.
 template <bool Plain, class T, class G, class Tgt>
@@ -259,6 +274,12 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
       const launch_plan small = make_small_plan(args.rows, args.cols, sizeof(T), dev.sms);
       if (small.cluster > 0 && (aligned ? launch_small_rows<true, P>(fn, exec, args, small, dev)
                                         : launch_small_rows<false, P>(fn, exec, args, small, dev)))
+        return;
+    }
+    // A forward that gives every CTA in flight a row of its own.
+    if constexpr (P == pass::forward && policy::stream_forward) {
+      if (plain && aligned && args.first == 0 && args.partials == nullptr &&
+          launch_stream_forward(fn, exec, args, dev))
         return;
     }
   }

@@ -24,7 +24,13 @@ namespace cuda_detail {
 /// in flight per SM is well past what the memory system needs to run at its rate). The option
 /// paths' per-element smoothing and softcap terms over 16-bit tiles spilled 7 KB at 64 registers
 /// (ptxas, sm_90): two CTAs per SM for them.
-constexpr int stream_min_blocks(bool plain) { return plain ? 4 : 2; }
+constexpr int stream_min_blocks(bool plain) {
+#ifdef XENT_CUDA_STREAM_MIN_BLOCKS
+  return plain ? XENT_CUDA_STREAM_MIN_BLOCKS : 2;
+#else
+  return plain ? 4 : 2;
+#endif
+}
 
 template <int Block, int Regs, bool Plain, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
@@ -54,7 +60,9 @@ XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
     // The loads first: nothing they need depends on the row's scalars.
     tile_t tile;
     tile.load(a.logits + n * a.ld + base, count);
+    // The row's scalars with them, so their latencies overlap (the LSE is read for every row).
     const auto y = static_cast<std::int64_t>(a.targets.ids[n]);
+    const float lse = a.lse_in[n];
     const bool skip = y == a.ignore_index || y < 0 || y >= a.vocab;
     if (skip) {  // ignored or out of range: a zero gradient (and, once per row, a device error)
       for (int c = threadIdx.x; c < count; c += Block) out[base + c] = from_float<G>(0.0f);
@@ -65,7 +73,7 @@ XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
     row_gradient rg;
     rg.y = y - a.first;  // the target's column in this shard
     rg.w_y = a.weights ? full_weights(a)[y] : 1.0f;
-    rg.lse = a.lse_in[n];
+    rg.lse = lse;
     rg.g = row_scale(a, n, scalar);
     rg.alpha = gradient_alpha(class_target_mass(rg.w_y, a.k), rg.lse, a.k);
     tile_gradient<Plain, true>(a, tile, n, base, rg, out);

@@ -45,6 +45,15 @@
 #ifndef XENT_CUDA_SMALL_CTAS_PER_SM  // the most CTAs per SM a small-batch launch may span
 #define XENT_CUDA_SMALL_CTAS_PER_SM 8
 #endif
+#ifndef XENT_CUDA_STREAM_FORWARD  // 0: plain forwards by the row kernel too (see policy)
+#define XENT_CUDA_STREAM_FORWARD 1
+#endif
+#ifndef XENT_CUDA_STREAM_FORWARD_REGS  // 16-byte vectors per thread per tile of it
+#define XENT_CUDA_STREAM_FORWARD_REGS 4
+#endif
+#ifndef XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS  // CTAs per SM its registers are bounded for
+#define XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS 4
+#endif
 
 namespace xent {
 namespace cuda_detail {
@@ -143,6 +152,17 @@ struct policy {
   /// which the row kernel's persistent clusters take the batch.
   static constexpr int small_regs = XENT_CUDA_SMALL_REGS;
   static constexpr int small_ctas_per_sm = XENT_CUDA_SMALL_CTAS_PER_SM;
+  /// Whether forward calls with plain class-id rows, 16-byte aligned, run the streaming forward
+  /// kernel (forward_kernel.cuh: whole rows per CTA, tiles of stream_forward_regs vectors per
+  /// thread straight from global memory, stream_forward_min_blocks CTAs per SM) when the batch
+  /// gives each CTA in flight a row. H200, 2026-11-22, against the row kernel's whole-row forward
+  /// (shared-memory stages, three CTAs per SM), same lease: bf16 8192 x 32000 176 -> 153 us
+  /// (70.6 -> 81.1% of the copy roof), 16384 x 128256 1.061 -> 0.964 ms, 4096 x 262144 0.528 ->
+  /// 0.499 ms, fp32 8192 x 128256 0.954 -> 0.933 ms. Eight vectors per thread at three CTAs per
+  /// SM: 159 us, 0.954, 0.488, 0.928 ms.
+  static constexpr bool stream_forward = XENT_CUDA_STREAM_FORWARD != 0;
+  static constexpr int stream_forward_regs = XENT_CUDA_STREAM_FORWARD_REGS;
+  static constexpr int stream_forward_min_blocks = XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.

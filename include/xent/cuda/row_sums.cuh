@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
+#include <type_traits>
 
 #include "../loss_math.hpp"
 #include "cuda.cuh"
@@ -99,10 +100,11 @@ __device__ void write_totals(double sum, double hits, double divisor, float* los
 /// Once per CTA, after its last row: adds its row count to the counter; the CTA that completes it
 /// sums every row's entries in a fixed order (deterministic), writes the reduced loss and
 /// num_correct, and resets the counter to 0 for the next call. One fence and one atomic per CTA,
-/// not per row. `normalizer` is the mean's W (1 for a sum).
-template <int Block>
+/// not per row. `normalizer` is the mean's W (1 for a sum), or a callable that every thread of
+/// the completing CTA calls for it (a pass that needs W for nothing else sums it once, there).
+template <int Block, class Normalizer>
 __device__ void finish_reduction(void* workspace, std::int64_t rows, unsigned my_rows, float* loss,
-                                 std::int64_t* num_correct, double normalizer) {
+                                 std::int64_t* num_correct, Normalizer normalizer) {
   __shared__ bool last;
   __syncthreads();  // every record_row of this CTA is issued
   if (threadIdx.x == 0) {
@@ -122,7 +124,13 @@ __device__ void finish_reduction(void* workspace, std::int64_t rows, unsigned my
     sum += static_cast<double>(__ldcg(losses + r));  // from L2: written by other SMs
     hits += __ldcg(flags + r);
   }
-  write_totals<Block>(sum, hits, normalizer, loss, num_correct);
+  double w;
+  if constexpr (std::is_invocable_v<Normalizer>) {
+    w = normalizer();
+  } else {
+    w = normalizer;
+  }
+  write_totals<Block>(sum, hits, w, loss, num_correct);
   if (threadIdx.x == 0) header(workspace)->rows_done = 0;
 }
 

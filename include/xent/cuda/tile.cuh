@@ -83,6 +83,7 @@ __device__ __forceinline__ void store_vector(G* p, const vec_t<G, Vec>& d) {
 /// tid + Block, ... (`Regs` of them at most), so a warp's accesses are contiguous.
 template <class T, int Regs, int Block>
 struct tile_shape {
+  using elem = T;
   static constexpr int vec = 16 / static_cast<int>(sizeof(T));
   static constexpr int regs = Regs, block = Block;
   /// Element offset, within the chunk, of this thread's vector r.
@@ -171,10 +172,10 @@ struct exp_tile : tile_extent<T, Regs, Block> {
 };
 
 /// This thread's vectors of a chunk loaded straight from global memory, for a pass that reads
-/// each element once (the streaming backward, the small-batch kernel): 16-byte streaming loads
-/// (ld.global.cs: the gradient may overwrite the logits in the same kernel, so not the read-only
-/// path), the row's last partial vector element by element. `Aligned`: `src` is 16-byte aligned
-/// (otherwise every vector is read element by element).
+/// each element once (the streaming forward and backward, the small-batch kernel): 16-byte
+/// streaming loads (ld.global.cs: the gradient may overwrite the logits in the same kernel, so
+/// not the read-only path), the row's last partial vector element by element. `Aligned`: `src`
+/// is 16-byte aligned (otherwise every vector is read element by element).
 template <class T, int Regs, int Block>
 struct global_tile : tile_extent<T, Regs, Block> {
   using shape = tile_shape<T, Regs, Block>;

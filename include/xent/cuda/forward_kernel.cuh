@@ -1,0 +1,162 @@
+// The streaming forward kernel: loss and LSE of plain class-id rows, 16-byte aligned, in a batch
+// that gives every CTA in flight a row of its own (policy::stream_forward). Included only by nvcc
+// (cuda/backend.cuh).
+//
+// A forward reads each element once and keeps nothing of it, so a row needs no shared-memory
+// stage and no cluster: each CTA streams whole rows from global memory into registers, a tile of
+// Regs x Block 16-byte vectors at a time, each thread keeping a running max and its sum of
+// exponentials, and meets its own warps once per row. With few registers per thread, four CTAs
+// per SM overlap one another's loads, sweeps and row ends. The row kernel's whole-row forward
+// (two 32 KiB shared-memory stages filled by bulk copies) measured slower on every shape
+// (bench/results/cuda-notes.md).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "../loss_math.hpp"
+#include "kernels.cuh"
+#include "row_reduce.cuh"
+#include "row_sums.cuh"
+#include "tile.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+/// This thread's running statistics of a row streamed tile by tile: the largest value seen and
+/// the sum of exponentials relative to it (a tile with a larger one rescales the sum first).
+struct stream_stats {
+  float max = -HUGE_VALF;
+  float sum = 0.0f;
+
+  /// Folds in this thread's vectors of tile `t` (`Full`: every vector whole, no masks).
+  template <bool Full, class Tile>
+  __device__ __forceinline__ void add(const Tile& t) {
+    using T = typename Tile::elem;
+    float m = -HUGE_VALF;
+    if constexpr (Full && sizeof(T) == 2) {
+      // Packed 16-bit maxima in two chains (one HMNMX2 per two elements, where converting first
+      // took three instructions per element).
+      using pair = std::conditional_t<std::is_same<T, __half>::value, __half2, __nv_bfloat162>;
+      pair acc[2];
+      memcpy(&acc[0], &t.w[0][0], 4);
+      acc[1] = acc[0];
+#pragma unroll
+      for (int r = 0; r < Tile::regs; ++r)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          pair p;
+          memcpy(&p, &t.w[r][k], 4);
+          acc[k % 2] = __hmax2(acc[k % 2], p);  // passes over NaN; the sum below meets it
+        }
+      acc[0] = __hmax2(acc[0], acc[1]);
+      const float x0 = to_float(acc[0].x), x1 = to_float(acc[0].y);
+      m = x0 > x1 ? x0 : x1;
+    } else {
+#pragma unroll
+      for (int r = 0; r < Tile::regs; ++r)
+#pragma unroll
+        for (int e = 0; e < Tile::vec; ++e)  // fmaxf passes over NaN; the sum below meets it
+          if (Full || (t.has(r) && e < t.valid(r))) m = fmaxf(m, t.value(r, e));
+    }
+    if (m > max) {  // 2^-inf = 0 rescales an empty sum
+      sum *= fast_exp2((max - m) * log2e);
+      max = m;
+    }
+    const float shift = max == -HUGE_VALF ? 0.0f : max * log2e;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int r = 0; r < Tile::regs; ++r)
+#pragma unroll
+      for (int e = 0; e < Tile::vec; ++e)
+        if (Full || (t.has(r) && e < t.valid(r))) {
+          const float p = fast_exp2(fmaf(t.value(r, e), log2e, -shift));
+          if (e % 2)
+            s1 += p;
+          else
+            s0 += p;
+        }
+    sum += s0 + s1;
+  }
+};
+
+/// Persistent CTAs, each walking rows blockIdx.x, + gridDim.x, ...
+template <int Block, int Regs, class T, class G, class Tgt>
+XENT_KERNEL void __launch_bounds__(Block, policy::stream_forward_min_blocks)
+    stream_forward_kernel(row_args<T, G, Tgt> a) {
+  static_assert(!Tgt::soft, "class ids");
+  constexpr int warps = Block / 32;
+  using tile_t = global_tile<T, Regs, Block>;
+  constexpr std::int64_t span = std::int64_t{Regs} * Block * tile_t::vec;
+  // Raw storage: shared memory takes no initialiser. The warps' parts, per row parity: warps
+  // write the next row's while warp 0 may still read this one's.
+  __shared__ alignas(row_partial) unsigned char parts_bytes[sizeof(row_partial) * 2 * warps];
+  row_partial* const warp_parts = reinterpret_cast<row_partial*>(parts_bytes);
+
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t my_rows =
+      a.rows > blockIdx.x ? (a.rows - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const bool need_reduce = a.workspace && (a.loss || a.num_correct);
+
+  int merged = 0;  // rows merged so far
+  for (std::int64_t i = 0; i < my_rows; ++i) {
+    const std::int64_t n = blockIdx.x + i * gridDim.x;
+    const T* src = a.logits + n * a.ld;
+    const auto y = static_cast<std::int64_t>(a.targets.ids[n]);
+    const bool skip = y == a.ignore_index || y < 0 || y >= a.vocab;
+    if (skip) {  // ignored: loss 0; out of range: NaN, counted as a device error
+      if (threadIdx.x == 0) {
+        const bool invalid = y != a.ignore_index;
+        const float v = invalid ? NAN : 0.0f;
+        write_row_outputs(a, n, v, v, -1, false, need_reduce);
+        if (invalid && a.error_count) atomicAdd(a.error_count, 1);
+      }
+      continue;
+    }
+    stream_stats st;
+    // One tile in registers at a time (the loop is not unrolled): the other CTAs of the SM keep
+    // loads in flight while this one sweeps.
+#pragma unroll 1
+    for (std::int64_t base = 0; base < a.cols; base += span) {
+      tile_t t;
+      const int count = static_cast<int>(a.cols - base < span ? a.cols - base : span);
+      t.load(src + base, count);
+      if (count == span)
+        st.add<true>(t);
+      else
+        st.add<false>(t);
+    }
+    row_partial p;
+    p.lse = online_lse::of_block(st.max, st.sum);
+    p = warp_merge<32>(p);
+    if (threadIdx.x == 0) p.target_logit = to_float(src[y]);
+    row_partial* const parts = warp_parts + (merged++ & 1) * warps;
+    if (lane == 0) parts[warp] = p;
+    __syncthreads();
+    if (warp == 0) {
+      // Warp 0 alone finishes the row; the others go on to the next one. This parity's parts
+      // are written again two merged rows on, past the next row's barrier, which warp 0 reaches
+      // only after reading them here.
+      const row_partial row =
+          warp_merge<pow2_at_least(warps)>(lane < warps ? parts[lane] : row_partial{});
+      if (lane == 0) {
+        write_row_outputs(a, n, class_row_loss(row, a.weights ? a.weights[y] : 1.0f, a.k),
+                          row.lse.lse(), -1, false, need_reduce);
+      }
+    }
+  }
+  // The mean's normaliser, summed only by the CTA that completes the reduced loss.
+  if (need_reduce)
+    finish_reduction<Block>(
+        a.workspace, a.rows, static_cast<unsigned>(my_rows), a.loss, a.num_correct, [&] {
+          return a.reduce == reduction::mean
+                     ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, a.weights)
+                     : 1.0;
+        });
+}
+
+}  // namespace cuda_detail
+}  // namespace xent
