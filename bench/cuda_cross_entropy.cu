@@ -108,6 +108,123 @@ void BM_copy_roof(benchmark::State& state) {
   state.counters["roof_pct"] = 100.0;
 }
 
+/// How an SM-driven stream moves the copy roof's bytes (BM_copy_kernel), to set the kernels'
+/// figures beside what a kernel can reach at all: 16-byte register loads and stores (out of
+/// place, or in place as the fused pass writes), loads into registers with stores by bulk copy
+/// from shared memory, or bulk copies both ways (the TMA's 1-D form, sm_90).
+enum class copy_mode { registers = 0, registers_in_place = 1, bulk_stores = 2, bulk_both = 3 };
+
+constexpr int copy_block = 256, copy_regs = 4;  // 16 KiB per CTA per step, as the kernels' tiles
+constexpr unsigned copy_step = copy_block * copy_regs * 16;
+
+__device__ __forceinline__ void bulk_store(void* dst, const void* smem, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(xent::cuda_detail::shared_address(smem)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+/// Waits until at most N bulk stores of this thread still read shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_stores_read() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+#endif
+}
+
+/// The register modes: 16-byte loads, then 16-byte stores or a bulk store of the step.
+template <copy_mode Mode, class Stage>
+__device__ void copy_by_threads(const uint4* src, uint4* dst, std::size_t steps, Stage& stage) {
+  constexpr int per_step = copy_block * copy_regs;
+  std::size_t k = 0;
+  for (std::size_t t = blockIdx.x; t < steps; t += gridDim.x, ++k) {
+    uint4 v[copy_regs];
+#pragma unroll
+    for (int r = 0; r < copy_regs; ++r)
+      v[r] = __ldcs(src + t * per_step + r * copy_block + threadIdx.x);
+    if constexpr (Mode == copy_mode::bulk_stores) {
+      const int s = static_cast<int>(k & 1);
+      if (threadIdx.x == 0) bulk_stores_read<1>();
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < copy_regs; ++r) stage[s][r * copy_block + threadIdx.x] = v[r];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the bulk copy
+#endif
+      __syncthreads();
+      if (threadIdx.x == 0) bulk_store(dst + t * per_step, stage[s], copy_step);
+    } else {
+#pragma unroll
+      for (int r = 0; r < copy_regs; ++r) dst[t * per_step + r * copy_block + threadIdx.x] = v[r];
+    }
+  }
+  if (Mode == copy_mode::bulk_stores && threadIdx.x == 0) bulk_stores_read<0>();
+}
+
+/// `steps` steps of copy_step bytes from src to dst, dealt to persistent CTAs in order.
+template <copy_mode Mode>
+__global__ void __launch_bounds__(copy_block)
+    copy_kernel(const uint4* src, uint4* dst, std::size_t steps) {
+  constexpr int per_step = copy_block * copy_regs;  // vectors
+  __shared__ alignas(128) uint4 stage[2][per_step];
+  __shared__ unsigned long long landed[2];
+  std::size_t k = 0;
+  if constexpr (Mode == copy_mode::bulk_both) {
+    if (threadIdx.x != 0) return;
+    xent::cuda_detail::mbarrier_init(&landed[0], 1);
+    xent::cuda_detail::mbarrier_init(&landed[1], 1);
+    xent::cuda_detail::mbarrier_init_fence();
+    for (std::size_t t = blockIdx.x; t < steps; t += gridDim.x, ++k) {
+      const int s = static_cast<int>(k & 1);
+      bulk_stores_read<1>();  // the store that read this stage two steps ago is done with it
+      xent::cuda_detail::mbarrier_arrive_expect(&landed[s], copy_step);
+      xent::cuda_detail::bulk_copy(stage[s], src + t * per_step, copy_step, &landed[s]);
+      xent::cuda_detail::mbarrier_wait(&landed[s], static_cast<unsigned>(k >> 1) & 1u);
+      bulk_store(dst + t * per_step, stage[s], copy_step);
+    }
+    bulk_stores_read<0>();
+  } else {
+    copy_by_threads<Mode>(src, dst, steps, stage);
+  }
+}
+
+/// The copy roof's 2 GiB by copy_kernel (copy_mode in the argument), as a % of that roof.
+void BM_copy_kernel(benchmark::State& state) {
+  const auto mode = static_cast<copy_mode>(state.range(0));
+  const std::size_t bytes = std::size_t{2} << 30;
+  arena& a = buffers();
+  a.reserve(bytes, 1);
+  int device = 0, sms = 0;
+  check(cudaGetDevice(&device), "device");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sms");
+  const auto* src = static_cast<const uint4*>(a.logits);
+  auto* dst = static_cast<uint4*>(mode == copy_mode::registers_in_place ? a.logits : a.grad);
+  const std::size_t steps = bytes / copy_step;
+  auto launch = [&] {
+    switch (mode) {
+      case copy_mode::registers:
+      case copy_mode::registers_in_place:
+        copy_kernel<copy_mode::registers><<<sms * 4, copy_block>>>(src, dst, steps);
+        break;
+      case copy_mode::bulk_stores:
+        copy_kernel<copy_mode::bulk_stores><<<sms * 4, copy_block>>>(src, dst, steps);
+        break;
+      case copy_mode::bulk_both:
+        copy_kernel<copy_mode::bulk_both><<<sms * 6, copy_block>>>(src, dst, steps);
+        break;
+    }
+    check(cudaGetLastError(), "copy kernel");
+  };
+  launch();
+  check(cudaDeviceSynchronize(), "warm-up");
+  double total = 0.0;
+  for (auto _ : state) total += timed(state, a, launch);
+  const double rate = 2.0 * static_cast<double>(bytes) * state.iterations() / total;
+  state.SetBytesProcessed(static_cast<std::int64_t>(2 * bytes) * state.iterations());
+  state.counters["roof_pct"] = copy_roof() > 0 ? 100.0 * rate / copy_roof() : 0.0;
+}
+
 enum class op { forward, forward_backward, backward };
 
 template <class T, op Op>
@@ -196,6 +313,11 @@ void shapes(benchmark::internal::Benchmark* b, bool seed_shapes, bool training_s
 }  // namespace
 
 BENCHMARK(BM_copy_roof)->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(20);
+BENCHMARK(BM_copy_kernel)
+    ->DenseRange(0, 3)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->Iterations(20);
 BENCHMARK(BM_launch_floor)->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 #define XENT_CUDA_BENCH(T, OP, SEED, TRAIN)                                                  \
