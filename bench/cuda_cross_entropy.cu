@@ -114,7 +114,13 @@ void BM_copy_roof(benchmark::State& state) {
 /// from shared memory, or bulk copies both ways (the TMA's 1-D form, sm_90).
 enum class copy_mode { registers = 0, registers_in_place = 1, bulk_stores = 2, bulk_both = 3 };
 
-constexpr int copy_block = 256, copy_regs = 4;  // 16 KiB per CTA per step, as the kernels' tiles
+#ifndef XENT_BENCH_COPY_REGS  // 16-byte vectors per thread per step
+#define XENT_BENCH_COPY_REGS 4
+#endif
+#ifndef XENT_BENCH_COPY_CTAS  // CTAs per SM
+#define XENT_BENCH_COPY_CTAS 4
+#endif
+constexpr int copy_block = 256, copy_regs = XENT_BENCH_COPY_REGS;  // 16 KiB per CTA per step
 constexpr unsigned copy_step = copy_block * copy_regs * 16;
 
 __device__ __forceinline__ void bulk_store(void* dst, const void* smem, unsigned bytes) {
@@ -167,10 +173,14 @@ template <copy_mode Mode>
 __global__ void __launch_bounds__(copy_block)
     copy_kernel(const uint4* src, uint4* dst, std::size_t steps) {
   constexpr int per_step = copy_block * copy_regs;  // vectors
-  __shared__ alignas(128) uint4 stage[2][per_step];
+  // Two steps staged (static shared memory stops at 48 KiB: the bulk modes take 16 KiB steps).
+  constexpr bool staged = copy_regs <= 4;
+  __shared__ alignas(128) uint4 stage[2][staged ? per_step : 1];
   __shared__ unsigned long long landed[2];
   std::size_t k = 0;
-  if constexpr (Mode == copy_mode::bulk_both) {
+  if constexpr (!staged && Mode != copy_mode::registers) {
+    return;
+  } else if constexpr (Mode == copy_mode::bulk_both) {
     if (threadIdx.x != 0) return;
     xent::cuda_detail::mbarrier_init(&landed[0], 1);
     xent::cuda_detail::mbarrier_init(&landed[1], 1);
@@ -201,17 +211,24 @@ void BM_copy_kernel(benchmark::State& state) {
   const auto* src = static_cast<const uint4*>(a.logits);
   auto* dst = static_cast<uint4*>(mode == copy_mode::registers_in_place ? a.logits : a.grad);
   const std::size_t steps = bytes / copy_step;
+  if (mode >= copy_mode::bulk_stores && copy_regs > 4) {
+    state.SkipWithError("bulk modes take steps of at most 16 KiB");
+    return;
+  }
   auto launch = [&] {
     switch (mode) {
       case copy_mode::registers:
       case copy_mode::registers_in_place:
-        copy_kernel<copy_mode::registers><<<sms * 4, copy_block>>>(src, dst, steps);
+        copy_kernel<copy_mode::registers>
+            <<<sms * XENT_BENCH_COPY_CTAS, copy_block>>>(src, dst, steps);
         break;
       case copy_mode::bulk_stores:
-        copy_kernel<copy_mode::bulk_stores><<<sms * 4, copy_block>>>(src, dst, steps);
+        copy_kernel<copy_mode::bulk_stores>
+            <<<sms * XENT_BENCH_COPY_CTAS, copy_block>>>(src, dst, steps);
         break;
       case copy_mode::bulk_both:
-        copy_kernel<copy_mode::bulk_both><<<sms * 6, copy_block>>>(src, dst, steps);
+        copy_kernel<copy_mode::bulk_both>
+            <<<sms*(6 * 4 / copy_regs), copy_block>>>(src, dst, steps);  // 6 x 32 KiB of stages
         break;
     }
     check(cudaGetLastError(), "copy kernel");
