@@ -123,22 +123,6 @@ enum class copy_mode { registers = 0, registers_in_place = 1, bulk_stores = 2, b
 constexpr int copy_block = 256, copy_regs = XENT_BENCH_COPY_REGS;  // 16 KiB per CTA per step
 constexpr unsigned copy_step = copy_block * copy_regs * 16;
 
-__device__ __forceinline__ void bulk_store(void* dst, const void* smem, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-               "r"(xent::cuda_detail::shared_address(smem)), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#endif
-}
-/// Waits until at most N bulk stores of this thread still read shared memory.
-template <int N>
-__device__ __forceinline__ void bulk_stores_read() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-#endif
-}
-
 /// The register modes: 16-byte loads, then 16-byte stores or a bulk store of the step.
 template <copy_mode Mode, class Stage>
 __device__ void copy_by_threads(const uint4* src, uint4* dst, std::size_t steps, Stage& stage) {
@@ -151,21 +135,19 @@ __device__ void copy_by_threads(const uint4* src, uint4* dst, std::size_t steps,
       v[r] = __ldcs(src + t * per_step + r * copy_block + threadIdx.x);
     if constexpr (Mode == copy_mode::bulk_stores) {
       const int s = static_cast<int>(k & 1);
-      if (threadIdx.x == 0) bulk_stores_read<1>();
+      if (threadIdx.x == 0) xent::cuda_detail::bulk_stores_wait<1>();
       __syncthreads();
 #pragma unroll
       for (int r = 0; r < copy_regs; ++r) stage[s][r * copy_block + threadIdx.x] = v[r];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to the bulk copy
-#endif
+      xent::cuda_detail::fence_async_shared();  // visible to the bulk copy
       __syncthreads();
-      if (threadIdx.x == 0) bulk_store(dst + t * per_step, stage[s], copy_step);
+      if (threadIdx.x == 0) xent::cuda_detail::bulk_store(dst + t * per_step, stage[s], copy_step);
     } else {
 #pragma unroll
       for (int r = 0; r < copy_regs; ++r) dst[t * per_step + r * copy_block + threadIdx.x] = v[r];
     }
   }
-  if (Mode == copy_mode::bulk_stores && threadIdx.x == 0) bulk_stores_read<0>();
+  if (Mode == copy_mode::bulk_stores && threadIdx.x == 0) xent::cuda_detail::bulk_stores_wait<0>();
 }
 
 /// `steps` steps of copy_step bytes from src to dst, dealt to persistent CTAs in order.
@@ -187,13 +169,14 @@ __global__ void __launch_bounds__(copy_block)
     xent::cuda_detail::mbarrier_init_fence();
     for (std::size_t t = blockIdx.x; t < steps; t += gridDim.x, ++k) {
       const int s = static_cast<int>(k & 1);
-      bulk_stores_read<1>();  // the store that read this stage two steps ago is done with it
+      xent::cuda_detail::bulk_stores_wait<1>();  // the store that read this stage two steps ago is
+                                                 // done with it
       xent::cuda_detail::mbarrier_arrive_expect(&landed[s], copy_step);
       xent::cuda_detail::bulk_copy(stage[s], src + t * per_step, copy_step, &landed[s]);
       xent::cuda_detail::mbarrier_wait(&landed[s], static_cast<unsigned>(k >> 1) & 1u);
-      bulk_store(dst + t * per_step, stage[s], copy_step);
+      xent::cuda_detail::bulk_store(dst + t * per_step, stage[s], copy_step);
     }
-    bulk_stores_read<0>();
+    xent::cuda_detail::bulk_stores_wait<0>();
   } else {
     copy_by_threads<Mode>(src, dst, steps, stage);
   }

@@ -122,5 +122,42 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 #endif
 }
 
+/// One bulk copy from this CTA's shared memory to global memory (`bytes` a multiple of 16, both
+/// addresses 16-byte aligned), committed as a group of its own: a CTA's stores of a tile leave as
+/// one transfer, which on an H200 streams closer to the copy roof than 16-byte stores from
+/// registers (bench/results/2026-11-22-h200-e3c1d96/). The writer threads fence their
+/// shared-memory stores to the async proxy (fence_async_shared) and meet at a barrier first.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(shared_address(src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#else
+  (void)dst;
+  (void)src;
+  (void)bytes;
+#endif
+}
+
+/// Waits until at most N of this thread's bulk stores still read shared memory (`Done`: until at
+/// most N are still in flight at all).
+template <int N, bool Done = false>
+__device__ __forceinline__ void bulk_stores_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (Done)
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+#endif
+}
+
+/// Makes this thread's shared-memory stores visible to bulk copies (the async proxy).
+__device__ __forceinline__ void fence_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 }  // namespace cuda_detail
 }  // namespace xent

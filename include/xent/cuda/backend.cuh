@@ -230,6 +230,34 @@ bool launch_stream_forward(const char* fn, const cuda& exec, const row_args<T, G
   return true;
 }
 
+/// Backward of plain class-id rows by the bulk backward kernel (policy::bulk_backward): persistent
+/// CTAs, as many as its register and shared-memory bounds let every SM hold; false, launching
+/// nothing, where its code has no bulk copies (below sm_90) or the gradient's type differs in
+/// size from the logits' (it is written over them in the stage).
+template <class T, class G, class Tgt>
+bool launch_bulk_backward(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
+                          const device_facts& dev) {
+  if constexpr (sizeof(T) != sizeof(G)) {
+    return false;
+  } else {
+    constexpr int block = policy::block, regs = policy::stream_regs,
+                  stages = policy::bulk_backward_stages;
+    auto kernel = bulk_backward_kernel<block, regs, stages, T, G, Tgt>;
+    constexpr std::int64_t span = std::int64_t{regs} * block * (16 / static_cast<int>(sizeof(T)));
+    const int smem = static_cast<int>(stages * span * sizeof(T));
+    if (dev.major < 9 ||
+        !prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), dev.id, smem))
+      return false;
+    const std::int64_t tiles = args.rows * ((args.cols + span - 1) / span);
+    if (tiles == 0) return true;
+    const std::int64_t most = std::int64_t{dev.sms} * policy::bulk_backward_min_blocks;
+    const auto grid = static_cast<unsigned>(tiles < most ? tiles : most);
+    kernel<<<grid, block, smem, exec.stream>>>(args);
+    check_cuda(fn, cudaGetLastError());
+    return true;
+  }
+}
+
 /// Backward of class-id rows by the streaming kernel (policy::stream_backward): persistent CTAs,
 /// as many as the register bound lets every SM hold, or one per tile.
 template <bool Plain, class T, class G, class Tgt>
@@ -257,6 +285,7 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
       !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f && !args.want_argmax;
   if constexpr (P == pass::backward && !Tgt::soft && policy::stream_backward) {
     if (aligned) {
+      if (plain && policy::bulk_backward && launch_bulk_backward(fn, exec, args, dev)) return;
       if (plain)
         launch_stream_backward<true>(fn, exec, args, dev);
       else

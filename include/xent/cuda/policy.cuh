@@ -45,6 +45,15 @@
 #ifndef XENT_CUDA_SMALL_CTAS_PER_SM  // the most CTAs per SM a small-batch launch may span
 #define XENT_CUDA_SMALL_CTAS_PER_SM 8
 #endif
+#ifndef XENT_CUDA_BULK_BACKWARD  // 1: plain backward tiles moved by bulk copies both ways (sm_90)
+#define XENT_CUDA_BULK_BACKWARD 1
+#endif
+#ifndef XENT_CUDA_BULK_BACKWARD_STAGES
+#define XENT_CUDA_BULK_BACKWARD_STAGES 4
+#endif
+#ifndef XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS
+#define XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS 3
+#endif
 #ifndef XENT_CUDA_STREAM_FORWARD  // 0: plain forwards by the row kernel too (see policy)
 #define XENT_CUDA_STREAM_FORWARD 1
 #endif
@@ -163,6 +172,18 @@ struct policy {
   static constexpr bool stream_forward = XENT_CUDA_STREAM_FORWARD != 0;
   static constexpr int stream_forward_regs = XENT_CUDA_STREAM_FORWARD_REGS;
   static constexpr int stream_forward_min_blocks = XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS;
+  /// Whether backward calls with plain class-id rows, 16-byte aligned, on sm_90, move the
+  /// streaming backward's tiles by bulk copies both ways (bulk_backward_kernel: a tile staged in
+  /// one of bulk_backward_stages shared-memory stages, its gradient written back over it and
+  /// stored by one bulk copy), bulk_backward_min_blocks CTAs per SM. Register loads and stores
+  /// stop at 85-86% of the copy roof on an H200 (BM_copy_kernel), which is where the streaming
+  /// backward was. H200, 2026-11-22, same lease, bf16 backward 8192 x 32000 / 16384 x 128256 /
+  /// 4096 x 262144: streaming 296 us / 2.307 / 1.192 ms (84.0 / 86.5 / 85.5% of the roof); bulk
+  /// with 3 stages of 16 KiB at four CTAs per SM 293 / 2.291 / 1.170; 2 stages 294 / 2.296 /
+  /// 1.170; 4 stages at three CTAs per SM 279 us / 2.197 / 1.110 ms (88.8 / 90.5 / 91.5%).
+  static constexpr bool bulk_backward = XENT_CUDA_BULK_BACKWARD != 0;
+  static constexpr int bulk_backward_stages = XENT_CUDA_BULK_BACKWARD_STAGES;
+  static constexpr int bulk_backward_min_blocks = XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
