@@ -597,8 +597,15 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
     s.in_place = ld == 20000;
     check_spec<float>(s);
   }
-  // A batch of plain rows that gives every CTA in flight a row: the streaming forward
-  // (policy::stream_forward), rows of whole tiles and a partial one.
+}
+
+// A batch of plain rows that gives every CTA in flight a row: the streaming forward
+// (policy::stream_forward), rows of whole tiles and a partial one; the bulk backward's CTAs and the
+// row kernel's refill stages they have read. Under memcheck only: racecheck does not follow the
+// mbarrier hand-offs that order those refills (a stage's readers arrive, the thread that refills
+// it waits) and reports each refill as a hazard (.ci/device).
+TEST(CudaSanitizerLongBatch, PlainRowsThroughEveryPass) {
+  REQUIRE_GPU();
   int device = 0, sms = 0;
   ok(cudaGetDevice(&device));
   ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
