@@ -66,20 +66,7 @@ struct stream_stats {
       sum *= fast_exp2((max - m) * log2e);
       max = m;
     }
-    const float shift = max == -HUGE_VALF ? 0.0f : max * log2e;
-    float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-    for (int r = 0; r < Tile::regs; ++r)
-#pragma unroll
-      for (int e = 0; e < Tile::vec; ++e)
-        if (Full || (t.has(r) && e < t.valid(r))) {
-          const float p = fast_exp2(fmaf(t.value(r, e), log2e, -shift));
-          if (e % 2)
-            s1 += p;
-          else
-            s0 += p;
-        }
-    sum += s0 + s1;
+    sum += tile_exp_sum<Full>(t, max == -HUGE_VALF ? 0.0f : max * log2e);
   }
 };
 

@@ -43,6 +43,25 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+/// The sum of 2^(x log2e - shift) over this thread's elements of a register tile (`Full`: every
+/// vector of it whole, no masks), in two chains of additions.
+template <bool Full, class Tile>
+__device__ __forceinline__ float tile_exp_sum(const Tile& t, float shift) {
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int r = 0; r < Tile::regs; ++r)
+#pragma unroll
+    for (int e = 0; e < Tile::vec; ++e)
+      if (Full || (t.has(r) && e < t.valid(r))) {
+        const float p = fast_exp2(fmaf(t.value(r, e), log2e, -shift));
+        if (e % 2)
+          s1 += p;
+        else
+          s0 += p;
+      }
+  return s0 + s1;
+}
+
 /// Everything one launch needs, passed by value.
 template <class T, class G, class Tgt>
 struct row_args {

@@ -44,21 +44,9 @@ __device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
     for (int e = 0; e < Tile::vec; ++e)  // fmaxf passes over NaN; the sum below still meets it
       if (t.has(r) && e < t.valid(r)) m = fmaxf(m, t.value(r, e));
   m = warp_max(m);
-  const float shift = m == -HUGE_VALF ? 0.0f : m * log2e;
-  float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-  for (int r = 0; r < Tile::regs; ++r)
-#pragma unroll
-    for (int e = 0; e < Tile::vec; ++e)
-      if (t.has(r) && e < t.valid(r)) {
-        const float p = fast_exp2(fmaf(t.value(r, e), log2e, -shift));
-        if (e % 2)
-          s1 += p;
-        else
-          s0 += p;
-      }
   row_partial p;
-  p.lse = online_lse::of_block(m, warp_sum(s0 + s1));
+  p.lse =
+      online_lse::of_block(m, warp_sum(tile_exp_sum<false>(t, m == -HUGE_VALF ? 0.0f : m * log2e)));
   return p;
 }
 
