@@ -1,5 +1,6 @@
-// The streaming backward kernel: the gradient of class-id rows from their saved LSE, for
-// 16-byte-aligned rows (policy::stream_backward). Included only by nvcc (cuda/backend.cuh).
+// The streaming and bulk backward kernels: the gradient of class-id rows from their saved LSE,
+// for 16-byte-aligned rows (policy::stream_backward; plain rows on sm_90 take the bulk kernel,
+// policy::bulk_backward). Included only by nvcc (cuda/backend.cuh).
 //
 // Backward from a saved LSE needs no statistics of a row, so nothing has to meet: every element is
 // read once and its gradient written once. The row kernel serves it through its shared-memory
@@ -25,13 +26,7 @@ namespace cuda_detail {
 /// in flight per SM is well past what the memory system needs to run at its rate). The option
 /// paths' per-element smoothing and softcap terms over 16-bit tiles spilled 7 KB at 64 registers
 /// (ptxas, sm_90): two CTAs per SM for them.
-constexpr int stream_min_blocks(bool plain) {
-#ifdef XENT_CUDA_STREAM_MIN_BLOCKS
-  return plain ? XENT_CUDA_STREAM_MIN_BLOCKS : 2;
-#else
-  return plain ? 4 : 2;
-#endif
-}
+constexpr int stream_min_blocks(bool plain) { return plain ? 4 : 2; }
 
 /// The per-launch constants of a backward from saved LSE, as the row kernel forms them (every
 /// CTA: one launch per call): sum_c w_c into `a.k` where smoothing needs it, and the scalar
@@ -82,11 +77,9 @@ XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
     // The row's scalars with them, so their latencies overlap (the LSE is read for every row).
     const auto y = static_cast<std::int64_t>(a.targets.ids[n]);
     const float lse = a.lse_in[n];
-    const bool skip = y == a.ignore_index || y < 0 || y >= a.vocab;
-    if (skip) {  // ignored or out of range: a zero gradient (and, once per row, a device error)
+    if (skipped_target(a, y)) {  // a zero gradient (and, once per row, a device error)
       for (int c = threadIdx.x; c < count; c += Block) out[base + c] = from_float<G>(0.0f);
-      if (y != a.ignore_index && base == 0 && threadIdx.x == 0 && a.error_count)
-        atomicAdd(a.error_count, 1);
+      if (base == 0 && threadIdx.x == 0) write_skipped_row(a, n, y != a.ignore_index, false, false);
       continue;
     }
     tile_gradient<Plain, true>(a, tile, n, base, backward_row(a, n, y, lse, scalar), out);
@@ -154,13 +147,12 @@ XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
     tile_of(k, n, base, count);
     const auto y = static_cast<std::int64_t>(a.targets.ids[n]);
     const float lse = a.lse_in[n];
-    const bool skip = y == a.ignore_index || y < 0 || y >= a.vocab;
+    const bool skip = skipped_target(a, y);
     mbarrier_wait(&landed[k % Stages], static_cast<unsigned>(k / Stages) & 1u);
     T* st = stage(k);
-    if (skip) {  // ignored or out of range: a zero gradient (and, once per row, a device error)
+    if (skip) {  // a zero gradient (and, once per row, a device error)
       for (int c = threadIdx.x; c < count; c += Block) st[c] = from_float<T>(0.0f);
-      if (y != a.ignore_index && base == 0 && threadIdx.x == 0 && a.error_count)
-        atomicAdd(a.error_count, 1);
+      if (base == 0 && threadIdx.x == 0) write_skipped_row(a, n, y != a.ignore_index, false, false);
     } else {
       tile_t tile;
       tile.load(st, count);

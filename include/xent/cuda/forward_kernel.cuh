@@ -93,14 +93,8 @@ XENT_KERNEL void __launch_bounds__(Block, policy::stream_forward_min_blocks)
     const std::int64_t n = blockIdx.x + i * gridDim.x;
     const T* src = a.logits + n * a.ld;
     const auto y = static_cast<std::int64_t>(a.targets.ids[n]);
-    const bool skip = y == a.ignore_index || y < 0 || y >= a.vocab;
-    if (skip) {  // ignored: loss 0; out of range: NaN, counted as a device error
-      if (threadIdx.x == 0) {
-        const bool invalid = y != a.ignore_index;
-        const float v = invalid ? NAN : 0.0f;
-        write_row_outputs(a, n, v, v, -1, false, need_reduce);
-        if (invalid && a.error_count) atomicAdd(a.error_count, 1);
-      }
+    if (skipped_target(a, y)) {
+      if (threadIdx.x == 0) write_skipped_row(a, n, y != a.ignore_index, true, need_reduce);
       continue;
     }
     stream_stats st;

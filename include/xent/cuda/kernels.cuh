@@ -124,6 +124,26 @@ __device__ __forceinline__ void write_row_outputs(const row_args<T, G, Tgt>& a, 
   if (reduce) record_row(a.workspace, a.rows, n, loss, correct);
 }
 
+/// Whether a row with class-id target y takes no statistics and a zero gradient: y is the ignore
+/// index, or outside [0, vocab) (then its loss is NaN and it counts as a device error).
+template <class T, class G, class Tgt>
+__device__ __forceinline__ bool skipped_target(const row_args<T, G, Tgt>& a, std::int64_t y) {
+  return y == a.ignore_index || y < 0 || y >= a.vocab;
+}
+
+/// What one thread writes for row n that skipped_target leaves out: its forward outputs where
+/// `outputs` (loss and LSE 0 if ignored, NaN if out of range; no argmax) and, out of range
+/// (`invalid`), one device error.
+template <class T, class G, class Tgt>
+__device__ __forceinline__ void write_skipped_row(const row_args<T, G, Tgt>& a, std::int64_t n,
+                                                  bool invalid, bool outputs, bool reduce) {
+  if (outputs) {
+    const float v = invalid ? NAN : 0.0f;
+    write_row_outputs(a, n, v, v, -1, false, reduce);
+  }
+  if (invalid && a.error_count) atomicAdd(a.error_count, 1);
+}
+
 /// The soft-capped logit. `Plain` kernels (class ids; no softcap, smoothing or argmax) are
 /// compiled without the option paths, so their sweeps are the bare conversion, exponential and
 /// store.
@@ -564,7 +584,7 @@ XENT_KERNEL void __launch_bounds__(
     if constexpr (!Tgt::soft) {
       std::int64_t y = stage_target[k % Stages];
       if (sizeof(*a.targets.ids) == 4) y = static_cast<std::int32_t>(y & 0xffffffff);
-      r.skip = y == a.ignore_index || y < 0 || y >= a.vocab;
+      r.skip = skipped_target(a, y);
       r.invalid = r.skip && y != a.ignore_index;
       r.rg.y = y - a.first;  // the target's column in this shard
       if (!r.skip && a.weights) r.rg.w_y = full_weights(a)[y];
@@ -624,13 +644,8 @@ XENT_KERNEL void __launch_bounds__(
   };
   // An ignored or out-of-range row: zero gradient, loss 0 (ignored) or NaN (out of range).
   auto finish_skipped = [&](const row_state& r) {
-    if (rank == 0 && threadIdx.x == 0) {
-      const float v = r.invalid ? NAN : 0.0f;
-      if (P != pass::backward) {
-        write_row_outputs(a, r.n, v, v, -1, false, need_reduce);
-      }
-      if (r.invalid && a.error_count) atomicAdd(a.error_count, 1);
-    }
+    if (rank == 0 && threadIdx.x == 0)
+      write_skipped_row(a, r.n, r.invalid, P != pass::backward, need_reduce);
     if (want_grad) {
       G* out = a.grad + r.n * a.grad_ld;
       for (std::int64_t c = v0 + threadIdx.x; c < v1; c += Block) out[c] = from_float<G>(0.0f);

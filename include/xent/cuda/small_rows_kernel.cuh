@@ -74,7 +74,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const int count = v1 > v0 ? static_cast<int>(v1 - v0) : 0;
   const std::int64_t y = static_cast<std::int64_t>(a.targets.ids[n]);
   // The same on every CTA of the row, so a skipped row skips the cluster's barriers everywhere.
-  const bool skip = y == a.ignore_index || y < 0 || y >= a.vocab;
+  const bool skip = skipped_target(a, y);
   const bool invalid = skip && y != a.ignore_index;
   const float w_y = !skip && a.weights ? a.weights[y] : 1.0f;
 
@@ -112,7 +112,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
     __syncthreads();   // row_total is visible
   }
 
-  if (rank == 0 && threadIdx.x == 0) {
+  if (rank == 0 && threadIdx.x == 0) {  // selects, not write_skipped_row: one store path
     const float loss = skip ? (invalid ? NAN : 0.0f) : class_row_loss(row_total, w_y, a.k);
     const float lse = skip ? loss : row_total.lse.lse();
     write_row_outputs(a, n, loss, lse, -1, false, need_reduce);
