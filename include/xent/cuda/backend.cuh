@@ -115,8 +115,10 @@ template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
 bool prepare_kernel_attributes(int device) {
   auto kernel =
       row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
+  constexpr int stages =
+      policy::stages + (Aligned && policy::bulk_gradient<T, G, Plain, P == pass::fused> ? 1 : 0);
   return prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), device,
-                                static_cast<int>(policy::stages * policy::max_chunk_bytes));
+                                static_cast<int>(stages * policy::max_chunk_bytes));
 }
 
 /// How many clusters of this kernel fit on the device at once, for a launch shaped like `cfg`:
@@ -173,6 +175,14 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   cudaLaunchConfig_t cfg{};
   cfg.blockDim = dim3(policy::block, 1, 1);
   cfg.dynamicSmemBytes = plan.smem_bytes;
+  // Resident rows that store their gradient by bulk copy (policy::bulk_gradient: its code is
+  // sm_90's) take a gradient stage after the logits stages, and stages of a whole register
+  // tile each, whose tails the kernel fills once (exp_tile's whole tiles).
+  if (Aligned && policy::bulk_gradient<T, G, Plain, P == pass::fused> && dev.major >= 9 &&
+      plan.chunks == 1) {
+    args.chunk_bytes = policy::max_chunk_bytes;
+    cfg.dynamicSmemBytes = (policy::stages + 1) * policy::max_chunk_bytes;
+  }
   cfg.stream = exec.stream;
   static const bool log = std::getenv("XENT_CUDA_LOG") != nullptr;  // read once
   cudaLaunchAttribute attr[1] = {cluster_attribute(plan.cluster)};
@@ -191,8 +201,8 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
         fn, static_cast<long long>(args.rows), static_cast<long long>(args.cols),
         static_cast<int>(Aligned), static_cast<int>(Plain), plan.cluster,
         static_cast<long long>(plan.slice), static_cast<long long>(plan.chunk),
-        static_cast<long long>(plan.chunks), plan.smem_bytes, static_cast<long long>(grid_rows),
-        active);
+        static_cast<long long>(plan.chunks), cfg.dynamicSmemBytes,
+        static_cast<long long>(grid_rows), active);
   check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
 }
 

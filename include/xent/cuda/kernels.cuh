@@ -4,7 +4,9 @@
 // staged in shared memory (one bulk copy per chunk on sm_90, cp.async below it), loaded into
 // registers once, and swept there: a max, a sum of exponentials, and the gradient, with the
 // statistics merged over the warp, the CTA and the cluster in between. The row is read from HBM
-// once when a slice fits one chunk (resident), the normal case up to 512 KiB rows.
+// once when a slice fits one chunk (resident), the normal case up to 512 KiB rows. Plain fused
+// 16-bit resident rows on sm_90 write their gradient into a shared-memory stage and store it by
+// one bulk copy (policy::bulk_gradient); the others store it from registers.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -175,18 +177,25 @@ __device__ __forceinline__ argmax_state argmax_of(const row_partial&) { return {
 __device__ __forceinline__ argmax_state argmax_of(const slice_partial& p) { return p.argmax; }
 
 /// This thread's largest raw value of a chunk staged in shared memory (plain kernels: no softcap),
-/// in T's packed form, the tail masked to -inf.
-template <int Regs, int Block, class T>
+/// in T's packed form, the tail masked to -inf. `Whole`: every vector of the tile is read, with no
+/// test or mask (the stage holds -inf past the chunk: exp_tile).
+template <int Regs, int Block, bool Whole = false, class T>
 __device__ __forceinline__ float packed_max(const T* chunk, int count) {
   using shape = tile_shape<T, Regs, Block>;
   vec_t<T, 2> acc2[2];
   acc2[0].v[0] = acc2[0].v[1] = acc2[1].v[0] = acc2[1].v[1] = negative_infinity<T>();
   static_assert(Regs % 2 == 0, "vectors are taken in pairs");
+  if constexpr (Whole) {
+#pragma unroll
+    for (int r = 0; r < Regs; ++r)
+      fold_max(shape::template fetch<false>(chunk, count, r), acc2[r % 2]);
+  } else {
 #pragma unroll 1
-  for (int r = 0; r < Regs; r += 2) {  // two accumulators halve the dependent chain
-    if (shape::has(r, count)) fold_max(shape::template fetch<true>(chunk, count, r), acc2[0]);
-    if (shape::has(r + 1, count))
-      fold_max(shape::template fetch<true>(chunk, count, r + 1), acc2[1]);
+    for (int r = 0; r < Regs; r += 2) {  // two accumulators halve the dependent chain
+      if (shape::has(r, count)) fold_max(shape::template fetch<true>(chunk, count, r), acc2[0]);
+      if (shape::has(r + 1, count))
+        fold_max(shape::template fetch<true>(chunk, count, r + 1), acc2[1]);
+    }
   }
   fold_max(acc2[1], acc2[0]);
   const float x0 = to_float(acc2[0].v[0]), x1 = to_float(acc2[0].v[1]);
@@ -304,21 +313,33 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
 /// for the gradient (policy::exp_once): the max sweep, then one sweep that sums the exponentials
 /// relative to the warp's max and leaves them in `t` as floats, so the gradient multiplies
 /// instead of exponentiating again.
-template <int Regs, int Block, class T, class Part>
+template <int Regs, int Block, bool Whole, class T, class Part>
 __device__ __forceinline__ void chunk_stats_keeping_exps(const T* chunk, int count, Part& acc,
-                                                         exp_tile<T, Regs, Block>& t) {
+                                                         exp_tile<T, Regs, Block, Whole>& t) {
   using shape = tile_shape<T, Regs, Block>;
   constexpr int vec = shape::vec;
-  const float m = warp_max(packed_max<Regs, Block>(chunk, count));
+  const float m = warp_max(packed_max<Regs, Block, Whole>(chunk, count));
   const float shift = m == -HUGE_VALF ? 0.0f : m * log2e;
   float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
   for (int r = 0; r < Regs; ++r) {
-    if (!shape::has(r, count)) continue;
-    const vec_t<T, vec> v = shape::template fetch<true>(chunk, count, r);
+    if (!Whole && !shape::has(r, count)) continue;
+    // Whole: the vector as four words, each element widened by one shift or mask (word_element),
+    // where an element-wise vector took an extract and a shift each.
+    unsigned w[4];
+    if constexpr (Whole) {
+      const uint4 q = *reinterpret_cast<const uint4*>(chunk + shape::offset(r));
+      w[0] = q.x;
+      w[1] = q.y;
+      w[2] = q.z;
+      w[3] = q.w;
+    } else {
+      const vec_t<T, vec> v = shape::template fetch<true>(chunk, count, r);
+      memcpy(w, &v, sizeof(w));
+    }
 #pragma unroll
     for (int e = 0; e < vec; ++e) {
-      const float p = fast_exp2(fmaf(to_float(v.v[e]), log2e, -shift));
+      const float p = fast_exp2(fmaf(word_element<T>(w, e), log2e, -shift));
       t.e[r][e] = p;
       if (e % 2)
         s1 += p;
@@ -477,6 +498,16 @@ XENT_KERNEL void __launch_bounds__(
 #else
   constexpr bool bulk = false;
 #endif
+  // Fused resident rows whose gradient leaves by one bulk copy from a stage after the logits'
+  // stages (policy::bulk_gradient).
+  constexpr bool store_bulk = bulk && policy::template bulk_gradient<T, G, Plain, P == pass::fused>;
+  // Exponentials kept from the statistics for the gradient (policy::exp_once): plain fused
+  // 16-bit resident rows finished before the next row's statistics.
+  constexpr bool keep_exps = policy::template keep_exps<T, Plain, P == pass::fused>;
+  // Those with their gradient in a stage of its own read and write whole tiles (exp_tile) when
+  // the slice is whole vectors: the logits stages hold -inf past the slice (filled below, never
+  // overwritten: the row's copies cover the slice alone), so no sweep tests a vector.
+  constexpr bool whole_capable = keep_exps && store_bulk;
   using part_t = std::conditional_t<Plain, row_partial, slice_partial>;
   using tile_t = row_tile<T, Regs, Block>;
   using exchange_t = row_exchange<part_t, Block>;
@@ -495,6 +526,10 @@ XENT_KERNEL void __launch_bounds__(
   const std::int64_t v1 = v0 + a.slice < a.cols ? v0 + a.slice : a.cols;
   const int chunks = static_cast<int>(a.chunks);
   const bool resident = chunks == 1;
+  constexpr int tile_elems = Regs * Block * (16 / static_cast<int>(sizeof(T)));
+  const int slice_count = static_cast<int>(v1 - v0 < a.chunk ? (v1 > v0 ? v1 - v0 : 0) : a.chunk);
+  const bool whole = whole_capable && resident && slice_count % (16 / sizeof(T)) == 0 &&
+                     a.chunk_bytes >= tile_elems * sizeof(T);
   constexpr bool want_grad = P != pass::forward;
   // Backward needs statistics only for soft targets (their mass); the LSE comes from forward.
   constexpr bool want_stats = P != pass::backward || Tgt::soft;
@@ -507,7 +542,11 @@ XENT_KERNEL void __launch_bounds__(
   auto stage = [&](std::int64_t k) {
     return reinterpret_cast<T*>(smem + static_cast<std::size_t>(k % Stages) * a.chunk_bytes);
   };
-  auto row_of = [&](std::int64_t k) { return blockIdx.y + (k / per_row) * gridDim.y; };
+  auto gradient_stage = [&] { return reinterpret_cast<G*>(smem + Stages * a.chunk_bytes); };
+  // A resident row is one item: no division by per_row on the row's path.
+  auto row_of = [&](std::int64_t k) {
+    return blockIdx.y + (resident ? k : k / per_row) * gridDim.y;
+  };
   auto chunk_span = [&](std::int64_t k, std::int64_t& base, int& count) {
     const int c = resident ? 0 : static_cast<int>(k % per_row) % chunks;
     base = v0 + static_cast<std::int64_t>(c) * a.chunk;
@@ -525,7 +564,7 @@ XENT_KERNEL void __launch_bounds__(
   auto issue_bulk = [&](std::int64_t k) {  // thread 0 only
     if (k >= items) return;
     const std::int64_t n = row_of(k);
-    const bool first = k % per_row == 0;
+    const bool first = resident || k % per_row == 0;
     std::int64_t base;
     int count;
     chunk_span(k, base, count);
@@ -653,6 +692,11 @@ XENT_KERNEL void __launch_bounds__(
   };
 
   const bool use_cluster = a.cluster > 1 && want_stats;
+  if (whole) {  // -inf past the slice in every logits stage, before the barrier below
+    for (int s = 0; s < Stages; ++s)
+      for (int j = slice_count + static_cast<int>(threadIdx.x); j < tile_elems; j += Block)
+        stage(s)[j] = negative_infinity<T>();
+  }
   if (threadIdx.x == 0) {
     if constexpr (bulk) {
       for (int s = 0; s < Stages; ++s) {
@@ -721,77 +765,119 @@ XENT_KERNEL void __launch_bounds__(
       else if (!producer)
         i & 1 ? named_barrier_sync<4>(Block) : named_barrier_sync<3>(Block);
     };
+    // Row n's gradient, written by every thread over the gradient stage (G, count elements from
+    // v0), leaves by one bulk copy from thread 0: the writers fence their stores to the async
+    // proxy and arrive at named barrier 5, which warp 0 waits on. One barrier id serves every
+    // row: a warp reaches row i + 1's arrive only past result_wait(i + 1), which warp 0 opens
+    // after its wait here for row i. The bytes past the whole vectors go by plain stores.
+    auto store_gradient = [&](std::int64_t n, int count) {
+      fence_async_shared();
+      if (!split)
+        __syncthreads();
+      else if (warp0)
+        named_barrier_sync<5>(Block);
+      else
+        named_barrier_arrive<5>(Block);
+      if (threadIdx.x == 0) {
+        constexpr int vec = 16 / static_cast<int>(sizeof(G));
+        G* out = a.grad + n * a.grad_ld + v0;
+        const G* src = gradient_stage();
+        const int whole = count / vec * vec;
+        if (whole) bulk_store(out, src, static_cast<unsigned>(whole * sizeof(G)));
+        for (int e = whole; e < count; ++e) out[e] = src[e];
+      }
+    };
     // Row i - 1 is finished after row i's statistics (its cluster round trip hidden behind them,
     // its tile held in registers meanwhile) or before them (the tile is then live only between
     // rows: see policy::overlap_rows).
     constexpr bool overlap = policy::template overlap_rows<T, P == pass::fused>;
-    // Exponentials kept from the statistics for the gradient (policy::exp_once): plain fused
-    // 16-bit rows finished before the next row's statistics.
-    constexpr bool keep_exps = policy::template keep_exps<T, Plain, P == pass::fused>;
-    using held_t = std::conditional_t<keep_exps, exp_tile<T, Regs, Block>, tile_t>;
-    held_t tile;
-    row_state prev;
-    for (std::int64_t i = 0; i <= my_rows; ++i) {
-      const bool has_cur = i < my_rows;
-      const int slot = static_cast<int>(i & 1);
-      const bool prev_stats = want_stats && i > 0 && !prev.skip;
-      if (prev_stats) {
-        if (warp0) {
-          ex.receive(slot ^ 1, received);
-          if (want_grad) result_ready(i - 1);
-        }
-        ++received;
-      }
-      // Row i - 1's loss, outputs and gradient.
-      auto finish_prev = [&] {
-        if (i == 0) return;
-        if (prev.skip) {
-          finish_skipped(prev);
-        } else if (want_grad) {
-          if (prev_stats) result_wait(i - 1, warp0);
-          finish_stats(prev, want_stats ? ex.result(slot ^ 1) : part_t{});
-          tile_gradient<Plain, Aligned>(a, tile, prev.n, v0, prev.rg, a.grad + prev.n * a.grad_ld);
-        } else if (warp0) {  // forward: warp 0 alone writes the row's outputs
-          finish_stats(prev, ex.result(slot ^ 1));
-        }
-      };
-      if (!overlap) finish_prev();
-      row_state cur;
-      if (has_cur) {
-        wait_item(i);
-        cur = begin_row(i);
-        if (want_stats && !cur.skip) {
-          part_t part{};
-          if constexpr (keep_exps) {
-            std::int64_t base;
-            int count;
-            chunk_span(i, base, count);
-            chunk_stats_keeping_exps<Regs, Block>(stage(i), count, part, tile);
-            if (threadIdx.x == 0 && cur.rg.y >= base && cur.rg.y < base + count)
-              stats_of(part).target_logit = to_float(stage(i)[cur.rg.y - base]);
-          } else {
-            item_stats(i, cur, part);
+    // Whole tiles (exp_tile) where the stage's tail holds -inf: two copies of the loop, for
+    // slices of whole vectors (the tail filled once per launch) and for the rest.
+    auto resident_rows = [&](auto whole_tiles) {
+      using held_t =
+          std::conditional_t<keep_exps, exp_tile<T, Regs, Block, decltype(whole_tiles)::value>,
+                             tile_t>;
+      held_t tile;
+      row_state prev;
+      for (std::int64_t i = 0; i <= my_rows; ++i) {
+        const bool has_cur = i < my_rows;
+        const int slot = static_cast<int>(i & 1);
+        const bool prev_stats = want_stats && i > 0 && !prev.skip;
+        if (prev_stats) {
+          if (warp0) {
+            ex.receive(slot ^ 1, received);
+            // The gradient stage is free once the last row's bulk store has read it; the other
+            // warps write it only past result_ready.
+            if (store_bulk && threadIdx.x == 0) bulk_stores_wait<0>();
+            if (want_grad) result_ready(i - 1);
           }
-          ex.publish(warp_total(part), slot);
-          partials_handoff(i, warp0);
-          if (warp0) ex.send(slot, sent);
-          ++sent;
+          ++received;
         }
-        if (!want_grad || keep_exps) release_item(i);
-      }
-      if (overlap) finish_prev();
-      if constexpr (want_grad && !keep_exps) {
+        // Row i - 1's loss, outputs and gradient.
+        auto finish_prev = [&] {
+          if (i == 0) return;
+          if (prev.skip) {
+            finish_skipped(prev);
+          } else if (want_grad) {
+            if (prev_stats) result_wait(i - 1, warp0);
+            finish_stats(prev, want_stats ? ex.result(slot ^ 1) : part_t{});
+            if constexpr (store_bulk) {
+              tile_gradient<Plain, Aligned>(a, tile, prev.n, v0, prev.rg, gradient_stage() - v0);
+              store_gradient(prev.n, tile.count);
+            } else {
+              tile_gradient<Plain, Aligned>(a, tile, prev.n, v0, prev.rg,
+                                            a.grad + prev.n * a.grad_ld);
+            }
+          } else if (warp0) {  // forward: warp 0 alone writes the row's outputs
+            finish_stats(prev, ex.result(slot ^ 1));
+          }
+        };
+        if (!overlap) finish_prev();
+        row_state cur;
         if (has_cur) {
-          if (!cur.skip) {
-            std::int64_t base;
-            int count;
-            chunk_span(i, base, count);
-            tile.load(stage(i), count);
+          wait_item(i);
+          cur = begin_row(i);
+          if (want_stats && !cur.skip) {
+            part_t part{};
+            if constexpr (keep_exps) {
+              std::int64_t base;
+              int count;
+              chunk_span(i, base, count);
+              chunk_stats_keeping_exps<Regs, Block>(stage(i), count, part, tile);
+              if (threadIdx.x == 0 && cur.rg.y >= base && cur.rg.y < base + count)
+                stats_of(part).target_logit = to_float(stage(i)[cur.rg.y - base]);
+            } else {
+              item_stats(i, cur, part);
+            }
+            ex.publish(warp_total(part), slot);
+            partials_handoff(i, warp0);
+            if (warp0) ex.send(slot, sent);
+            ++sent;
           }
-          release_item(i);
+          if (!want_grad || keep_exps) release_item(i);
         }
+        if (overlap) finish_prev();
+        if constexpr (want_grad && !keep_exps) {
+          if (has_cur) {
+            if (!cur.skip) {
+              std::int64_t base;
+              int count;
+              chunk_span(i, base, count);
+              tile.load(stage(i), count);
+            }
+            release_item(i);
+          }
+        }
+        prev = cur;
       }
-      prev = cur;
+    };
+    if constexpr (whole_capable) {
+      if (whole)
+        resident_rows(std::true_type{});
+      else
+        resident_rows(std::false_type{});
+    } else {
+      resident_rows(std::false_type{});
     }
   } else {
     // Rows longer than a cluster holds: per chunk, statistics items, then gradient items that
@@ -857,6 +943,9 @@ XENT_KERNEL void __launch_bounds__(
     }
   }
   if constexpr (!bulk) __pipeline_wait_prior(0);  // no copy is left in flight at exit
+  if constexpr (store_bulk) {
+    if (threadIdx.x == 0) bulk_stores_wait<0, true>();
+  }
   if (need_reduce && rank == 0) {
     finish_reduction<Block>(a.workspace, a.rows, static_cast<unsigned>(my_rows), a.loss,
                             a.num_correct, normalizer);

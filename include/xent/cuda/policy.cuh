@@ -54,6 +54,9 @@
 #ifndef XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS
 #define XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS 3
 #endif
+#ifndef XENT_CUDA_BULK_GRADIENT  // fused resident rows' gradient by bulk copy (see policy)
+#define XENT_CUDA_BULK_GRADIENT 1
+#endif
 #ifndef XENT_CUDA_STREAM_FORWARD  // 0: plain forwards by the row kernel too (see policy)
 #define XENT_CUDA_STREAM_FORWARD 1
 #endif
@@ -184,6 +187,21 @@ struct policy {
   static constexpr bool bulk_backward = XENT_CUDA_BULK_BACKWARD != 0;
   static constexpr int bulk_backward_stages = XENT_CUDA_BULK_BACKWARD_STAGES;
   static constexpr int bulk_backward_min_blocks = XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS;
+  /// Whether plain fused resident rows on sm_90 write their gradient into a shared-memory stage
+  /// of its own (one chunk more per CTA) and store it by one bulk copy, instead of 16-byte
+  /// stores from registers, which stop at 85-86% of the copy roof (BM_copy_kernel). 1: the rows
+  /// that keep their exponentials (16-bit, two CTAs per SM); 2: 32-bit rows too (their three
+  /// CTAs per SM then become two: the extra stage does not fit three times); 0: never. H200,
+  /// 2026-11-22, same lease, bf16 fused 8192 x 32000 / 16384 x 128256 / 4096 x 262144: register
+  /// stores 308 us / 2.512 / 1.364 ms, the gradient stage 304 / 2.477 / 1.339; fp32 8192 x 128256
+  /// 2.355 -> 2.720 ms at 2 (so 1). The stage also lets these rows sweep whole tiles (exp_tile):
+  /// 285 us / 2.206 / 1.153 ms, a third fewer instructions per row (ncu: 1010 per warp and row,
+  /// 40% of them tests, branches and address arithmetic around the element work).
+  template <class T, class G, bool Plain, bool Fused>
+  static constexpr bool bulk_gradient = Plain&& Fused && sizeof(T) == sizeof(G) &&
+                                        (XENT_CUDA_BULK_GRADIENT >= 2 ||
+                                         (XENT_CUDA_BULK_GRADIENT == 1 &&
+                                          keep_exps<T, Plain, Fused>));
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.

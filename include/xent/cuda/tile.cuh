@@ -163,12 +163,19 @@ struct row_tile : tile_extent<T, Regs, Block> {
 
 /// This thread's exponentials of a resident chunk, 2^((z - max) log2e) with `max` the warp's, as
 /// floats (policy::exp_once): the gradient sweep multiplies them by one per-row factor. Twice the
-/// registers of a 16-bit row_tile.
-template <class T, int Regs, int Block>
+/// registers of a 16-bit row_tile. `Whole`: the tile is read and written whole, every vector of
+/// every thread, past the chunk too (the stage holds -inf there, whose exponential is 0, and the
+/// gradient written there is never stored), so its sweeps carry no per-vector test.
+template <class T, int Regs, int Block, bool Whole = false>
 struct exp_tile : tile_extent<T, Regs, Block> {
+  using extent = tile_extent<T, Regs, Block>;
   static constexpr bool holds_exps = true;
   float e[Regs][16 / sizeof(T)];
   float max = 0.0f;
+  __device__ __forceinline__ bool has(int r) const { return Whole || extent::has(r); }
+  __device__ __forceinline__ int valid(int r) const {
+    return Whole ? extent::vec : extent::valid(r);
+  }
 };
 
 /// This thread's vectors of a chunk loaded straight from global memory, for a pass that reads
