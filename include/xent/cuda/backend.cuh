@@ -175,13 +175,13 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   cudaLaunchConfig_t cfg{};
   cfg.blockDim = dim3(policy::block, 1, 1);
   cfg.dynamicSmemBytes = plan.smem_bytes;
-  // Resident rows that store their gradient by bulk copy (policy::bulk_gradient: its code is
-  // sm_90's) take a gradient stage after the logits stages, and stages of a whole register
-  // tile each, whose tails the kernel fills once (exp_tile's whole tiles).
-  if (Aligned && policy::bulk_gradient<T, G, Plain, P == pass::fused> && dev.major >= 9 &&
-      plan.chunks == 1) {
+  // Plain fused resident rows staged by bulk copies (sm_90) take stages of a whole register tile
+  // each, whose tails the kernel fills once (whole_extent), and, where they store their gradient
+  // by bulk copy (policy::bulk_gradient), a gradient stage after them.
+  if (Aligned && Plain && P == pass::fused && dev.major >= 9 && plan.chunks == 1) {
+    constexpr int gradient_stages = policy::bulk_gradient<T, G, Plain, true> ? 1 : 0;
     args.chunk_bytes = policy::max_chunk_bytes;
-    cfg.dynamicSmemBytes = (policy::stages + 1) * policy::max_chunk_bytes;
+    cfg.dynamicSmemBytes = (policy::stages + gradient_stages) * policy::max_chunk_bytes;
   }
   cfg.stream = exec.stream;
   static const bool log = std::getenv("XENT_CUDA_LOG") != nullptr;  // read once

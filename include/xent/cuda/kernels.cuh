@@ -208,9 +208,11 @@ __device__ __forceinline__ float packed_max(const T* chunk, int count) {
 /// warp's, so all lanes of a warp share it and their sums merge by plain addition; the
 /// exponentials are taken relative to it, one per element. The side sums (soft targets, label
 /// smoothing) and the argmax each take a sweep of their own, only when asked for.
-template <bool Plain, int Regs, int Block, class T, class G, class Tgt, class Part>
+template <bool Plain, int Regs, int Block, bool Whole = false, class T, class G, class Tgt,
+          class Part>
 __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const T* chunk, int count,
                                             std::int64_t n, std::int64_t base, Part& acc) {
+  static_assert(Plain || !Whole, "whole tiles: plain rows (whole_extent)");
   using shape = tile_shape<T, Regs, Block>;
   constexpr int vec = shape::vec;
   // The chunk's sum of exponentials relative to `shift` (log2 units), two chains of additions.
@@ -218,8 +220,8 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
     float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll(policy::stats_unroll)
     for (int r = 0; r < Regs; ++r) {
-      if (!shape::has(r, count)) continue;
-      const vec_t<T, vec> v = shape::template fetch<Plain>(chunk, count, r);
+      if (!Whole && !shape::has(r, count)) continue;
+      const vec_t<T, vec> v = shape::template fetch < Plain && !Whole > (chunk, count, r);
 #pragma unroll
       for (int e = 0; e < vec; ++e) {
         if (Plain || e < shape::valid(r, count)) {
@@ -250,7 +252,7 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
   }
   float m;
   if constexpr (Plain) {
-    m = packed_max<Regs, Block>(chunk, count);
+    m = packed_max<Regs, Block, Whole>(chunk, count);
   } else {
     m = -HUGE_VALF;
 #pragma unroll(policy::stats_unroll)
@@ -423,7 +425,7 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
       memcpy(&d, w, sizeof(d));
     }
     if (Aligned && t.valid(r) == vec) {
-      store_vector<G, vec>(out + t.offset(r), d);
+      if (!Tile::whole || t.stored(r)) store_vector<G, vec>(out + t.offset(r), d);
     } else {  // a row's partial last vector, or a row not 16-byte aligned: element by element
       // (unrolled: a loop indexing d at run time would put d in local memory for every vector)
 #pragma unroll
@@ -491,7 +493,8 @@ template <int Block, int Regs, int Stages, bool Aligned, bool Plain, pass P, cla
           class Tgt>
 XENT_KERNEL void __launch_bounds__(
     Block, policy::min_blocks<T, P == pass::backward,
-                              policy::template keep_exps<T, Plain, P == pass::fused>>())
+                              policy::template keep_exps<T, Plain, P == pass::fused> ||
+                                  (Aligned && Plain && P == pass::fused)>())
     row_kernel(row_args<T, G, Tgt> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool bulk = Aligned;
@@ -504,12 +507,12 @@ XENT_KERNEL void __launch_bounds__(
   // Exponentials kept from the statistics for the gradient (policy::exp_once): plain fused
   // 16-bit resident rows finished before the next row's statistics.
   constexpr bool keep_exps = policy::template keep_exps<T, Plain, P == pass::fused>;
-  // Those with their gradient in a stage of its own read and write whole tiles (exp_tile) when
-  // the slice is whole vectors: the logits stages hold -inf past the slice (filled below, never
-  // overwritten: the row's copies cover the slice alone), so no sweep tests a vector.
-  constexpr bool whole_capable = keep_exps && store_bulk;
+  // Plain fused resident rows staged by bulk copies sweep whole tiles (whole_extent) when the
+  // slice is whole vectors: the logits stages hold -inf past the slice (filled below, never
+  // overwritten: a row's copy covers its slice alone), so no sweep tests a vector. Rows that
+  // keep their exponentials need the gradient stage for it (it is written whole too).
+  constexpr bool whole_capable = bulk && Plain && P == pass::fused && (!keep_exps || store_bulk);
   using part_t = std::conditional_t<Plain, row_partial, slice_partial>;
-  using tile_t = row_tile<T, Regs, Block>;
   using exchange_t = row_exchange<part_t, Block>;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ std::int64_t stage_target[Stages];
@@ -632,12 +635,13 @@ XENT_KERNEL void __launch_bounds__(
     return r;
   };
   // Statistics of item k into `part`, with the target's logit if the chunk holds it.
-  auto item_stats = [&](std::int64_t k, const row_state& r, part_t& part) {
+  // `whole_tiles`: std::true_type where the stage holds -inf past the chunk (whole_capable).
+  auto item_stats = [&](std::int64_t k, const row_state& r, part_t& part, auto whole_tiles) {
     std::int64_t base;
     int count;
     chunk_span(k, base, count);
     const T* chunk = stage(k);
-    chunk_stats<Plain, Regs, Block>(a, chunk, count, r.n, base, part);
+    chunk_stats<Plain, Regs, Block, decltype(whole_tiles)::value>(a, chunk, count, r.n, base, part);
     if constexpr (!Tgt::soft) {
       if (threadIdx.x == 0 && r.rg.y >= base && r.rg.y < base + count)
         stats_of(part).target_logit = capped<Plain>(chunk[r.rg.y - base], a.k);
@@ -794,9 +798,9 @@ XENT_KERNEL void __launch_bounds__(
     // Whole tiles (exp_tile) where the stage's tail holds -inf: two copies of the loop, for
     // slices of whole vectors (the tail filled once per launch) and for the rest.
     auto resident_rows = [&](auto whole_tiles) {
-      using held_t =
-          std::conditional_t<keep_exps, exp_tile<T, Regs, Block, decltype(whole_tiles)::value>,
-                             tile_t>;
+      constexpr bool whole_tile = decltype(whole_tiles)::value;
+      using held_t = std::conditional_t<keep_exps, exp_tile<T, Regs, Block, whole_tile>,
+                                        row_tile<T, Regs, Block, whole_tile>>;
       held_t tile;
       row_state prev;
       for (std::int64_t i = 0; i <= my_rows; ++i) {
@@ -847,7 +851,7 @@ XENT_KERNEL void __launch_bounds__(
               if (threadIdx.x == 0 && cur.rg.y >= base && cur.rg.y < base + count)
                 stats_of(part).target_logit = to_float(stage(i)[cur.rg.y - base]);
             } else {
-              item_stats(i, cur, part);
+              item_stats(i, cur, part, whole_tiles);
             }
             ex.publish(warp_total(part), slot);
             partials_handoff(i, warp0);
@@ -895,7 +899,7 @@ XENT_KERNEL void __launch_bounds__(
       row_tile<T, Regs, Block> tile;  // the stage is released before the gradient here
       if (!cur.skip) {
         if (stats_item) {
-          item_stats(k, cur, part);
+          item_stats(k, cur, part, std::false_type{});
         } else {
           std::int64_t base;
           int count;

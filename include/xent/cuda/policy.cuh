@@ -55,7 +55,7 @@
 #define XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS 3
 #endif
 #ifndef XENT_CUDA_BULK_GRADIENT  // fused resident rows' gradient by bulk copy (see policy)
-#define XENT_CUDA_BULK_GRADIENT 1
+#define XENT_CUDA_BULK_GRADIENT 2
 #endif
 #ifndef XENT_CUDA_STREAM_FORWARD  // 0: plain forwards by the row kernel too (see policy)
 #define XENT_CUDA_STREAM_FORWARD 1
@@ -80,15 +80,18 @@ struct policy {
   static constexpr int block = XENT_CUDA_BLOCK;
   /// CTAs per SM the register budget is set for (__launch_bounds__): three (80 registers), but
   /// two (128) for the backward pass of 16-bit rows, which measured faster so (2.44 against
-  /// 2.52 ms for bf16 16384 x 128256), and for fused rows that keep their exponentials as floats
+  /// 2.52 ms for bf16 16384 x 128256), for fused rows that keep their exponentials as floats
   /// (keep_exps: a 64-register tile; at three CTAs per SM bf16 16384 x 128256 took 3.66 ms
-  /// against 2.51 at two, H200 2026-11-22).
-  template <class T, bool Backward, bool KeepExps = false>
+  /// against 2.51 at two, H200 2026-11-22), and for plain fused aligned rows (`Two`), whose whole
+  /// tiles and gradient stage are worth more than a third CTA: fp32 8192 x 128256 fused 2.355 ms
+  /// before them at three, 2.596 with whole tiles at three (172 bytes of spill), 2.270 at two,
+  /// 2.181 at two with the gradient stage (H200, 2026-11-22).
+  template <class T, bool Backward, bool Two = false>
   static constexpr int min_blocks() {
 #ifdef XENT_CUDA_MIN_BLOCKS
     return XENT_CUDA_MIN_BLOCKS;
 #else
-    return (sizeof(T) == 2 && Backward) || KeepExps ? 2 : 3;
+    return (sizeof(T) == 2 && Backward) || Two ? 2 : 3;
 #endif
   }
   /// Shared-memory stages per CTA: the next row's chunk streams in while this one is processed.
@@ -189,14 +192,15 @@ struct policy {
   static constexpr int bulk_backward_min_blocks = XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS;
   /// Whether plain fused resident rows on sm_90 write their gradient into a shared-memory stage
   /// of its own (one chunk more per CTA) and store it by one bulk copy, instead of 16-byte
-  /// stores from registers, which stop at 85-86% of the copy roof (BM_copy_kernel). 1: the rows
-  /// that keep their exponentials (16-bit, two CTAs per SM); 2: 32-bit rows too (their three
-  /// CTAs per SM then become two: the extra stage does not fit three times); 0: never. H200,
-  /// 2026-11-22, same lease, bf16 fused 8192 x 32000 / 16384 x 128256 / 4096 x 262144: register
-  /// stores 308 us / 2.512 / 1.364 ms, the gradient stage 304 / 2.477 / 1.339; fp32 8192 x 128256
-  /// 2.355 -> 2.720 ms at 2 (so 1). The stage also lets these rows sweep whole tiles (exp_tile):
-  /// 285 us / 2.206 / 1.153 ms, a third fewer instructions per row (ncu: 1010 per warp and row,
-  /// 40% of them tests, branches and address arithmetic around the element work).
+  /// stores from registers, which stop at 85-86% of the copy roof (BM_copy_kernel). 2: every
+  /// such row whose gradient has the logits' type (two CTAs per SM: min_blocks); 1: only the
+  /// 16-bit rows that keep their exponentials; 0: never. H200, 2026-11-22, same lease, bf16 fused
+  /// 8192 x 32000 / 16384 x 128256 / 4096 x 262144: register stores 308 us / 2.512 / 1.364 ms,
+  /// the gradient stage 304 / 2.477 / 1.339. It also lets the 16-bit rows sweep whole tiles
+  /// (whole_extent): 285 us / 2.206 / 1.153 ms, a third fewer instructions per row (ncu: 1010 per
+  /// warp and row, 40% of them tests, branches and address arithmetic around the element work).
+  /// fp32 8192 x 128256: 2.355 ms with register stores and three CTAs per SM, 2.720 with the
+  /// stage at two before whole tiles, 2.181 (90.5%) with both (see min_blocks).
   template <class T, class G, bool Plain, bool Fused>
   static constexpr bool bulk_gradient = Plain&& Fused && sizeof(T) == sizeof(G) &&
                                         (XENT_CUDA_BULK_GRADIENT >= 2 ||

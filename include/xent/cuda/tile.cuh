@@ -129,17 +129,33 @@ template <class T, int Regs, int Block>
 struct tile_extent : tile_shape<T, Regs, Block> {
   using shape = tile_shape<T, Regs, Block>;
   static constexpr bool holds_exps = false;  ///< values, not exponentials (see exp_tile)
+  static constexpr bool whole = false;       ///< every vector swept (see whole_extent)
   int count = 0;
   __device__ __forceinline__ bool has(int r) const { return shape::has(r, count); }
   __device__ __forceinline__ int valid(int r) const { return shape::valid(r, count); }
+  /// Whether the gradient of vector r is stored (the vectors inside the chunk).
+  __device__ __forceinline__ bool stored(int r) const { return shape::has(r, count); }
+};
+
+/// A tile swept whole (`Whole`), every vector of every thread, past the chunk too: the stage holds
+/// -inf there (its exponential is 0), so the sweeps carry no per-vector test; only the stores of
+/// the gradient keep to the chunk (stored). Slices of whole vectors only.
+template <class T, int Regs, int Block, bool Whole>
+struct whole_extent : tile_extent<T, Regs, Block> {
+  using extent = tile_extent<T, Regs, Block>;
+  static constexpr bool whole = Whole;
+  __device__ __forceinline__ bool has(int r) const { return Whole || extent::has(r); }
+  __device__ __forceinline__ int valid(int r) const {
+    return Whole ? extent::vec : extent::valid(r);
+  }
 };
 
 /// This thread's vectors of a chunk, held in registers from the moment its stage may be refilled
 /// until the gradient sweep has used them. Held as 32-bit words: an array of 16-bit elements is
 /// kept one element per register (twice the registers, and at three CTAs per SM the tile spilled
 /// to local memory).
-template <class T, int Regs, int Block>
-struct row_tile : tile_extent<T, Regs, Block> {
+template <class T, int Regs, int Block, bool Whole = false>
+struct row_tile : whole_extent<T, Regs, Block, Whole> {
   using shape = tile_shape<T, Regs, Block>;
   unsigned w[Regs][4];
 
@@ -163,19 +179,12 @@ struct row_tile : tile_extent<T, Regs, Block> {
 
 /// This thread's exponentials of a resident chunk, 2^((z - max) log2e) with `max` the warp's, as
 /// floats (policy::exp_once): the gradient sweep multiplies them by one per-row factor. Twice the
-/// registers of a 16-bit row_tile. `Whole`: the tile is read and written whole, every vector of
-/// every thread, past the chunk too (the stage holds -inf there, whose exponential is 0, and the
-/// gradient written there is never stored), so its sweeps carry no per-vector test.
+/// registers of a 16-bit row_tile.
 template <class T, int Regs, int Block, bool Whole = false>
-struct exp_tile : tile_extent<T, Regs, Block> {
-  using extent = tile_extent<T, Regs, Block>;
+struct exp_tile : whole_extent<T, Regs, Block, Whole> {
   static constexpr bool holds_exps = true;
   float e[Regs][16 / sizeof(T)];
   float max = 0.0f;
-  __device__ __forceinline__ bool has(int r) const { return Whole || extent::has(r); }
-  __device__ __forceinline__ int valid(int r) const {
-    return Whole ? extent::vec : extent::valid(r);
-  }
 };
 
 /// This thread's vectors of a chunk loaded straight from global memory, for a pass that reads
