@@ -5,8 +5,9 @@
 // registers once, and swept there: a max, a sum of exponentials, and the gradient, with the
 // statistics merged over the warp, the CTA and the cluster in between. The row is read from HBM
 // once when a slice fits one chunk (resident), the normal case up to 512 KiB rows. Plain fused
-// 16-bit resident rows on sm_90 write their gradient into a shared-memory stage and store it by
-// one bulk copy (policy::bulk_gradient); the others store it from registers.
+// resident rows on sm_90 sweep whole register tiles (the stages hold -inf past the slice) and
+// write their gradient into a shared-memory stage of its own, stored by one bulk copy
+// (policy::bulk_gradient); the others store it from registers.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -178,7 +179,7 @@ __device__ __forceinline__ argmax_state argmax_of(const slice_partial& p) { retu
 
 /// This thread's largest raw value of a chunk staged in shared memory (plain kernels: no softcap),
 /// in T's packed form, the tail masked to -inf. `Whole`: every vector of the tile is read, with no
-/// test or mask (the stage holds -inf past the chunk: exp_tile).
+/// test or mask (the stage holds -inf past the chunk: whole_extent).
 template <int Regs, int Block, bool Whole = false, class T>
 __device__ __forceinline__ float packed_max(const T* chunk, int count) {
   using shape = tile_shape<T, Regs, Block>;
@@ -221,7 +222,8 @@ __device__ __forceinline__ void chunk_stats(const row_args<T, G, Tgt>& a, const 
 #pragma unroll(policy::stats_unroll)
     for (int r = 0; r < Regs; ++r) {
       if (!Whole && !shape::has(r, count)) continue;
-      const vec_t<T, vec> v = shape::template fetch < Plain && !Whole > (chunk, count, r);
+      constexpr bool mask = Plain && !Whole;  // whole tiles: -inf past the chunk already
+      const vec_t<T, vec> v = shape::template fetch<mask>(chunk, count, r);
 #pragma unroll
       for (int e = 0; e < vec; ++e) {
         if (Plain || e < shape::valid(r, count)) {
@@ -786,16 +788,16 @@ XENT_KERNEL void __launch_bounds__(
         constexpr int vec = 16 / static_cast<int>(sizeof(G));
         G* out = a.grad + n * a.grad_ld + v0;
         const G* src = gradient_stage();
-        const int whole = count / vec * vec;
-        if (whole) bulk_store(out, src, static_cast<unsigned>(whole * sizeof(G)));
-        for (int e = whole; e < count; ++e) out[e] = src[e];
+        const int vectors = count / vec * vec;
+        if (vectors) bulk_store(out, src, static_cast<unsigned>(vectors * sizeof(G)));
+        for (int e = vectors; e < count; ++e) out[e] = src[e];
       }
     };
     // Row i - 1 is finished after row i's statistics (its cluster round trip hidden behind them,
     // its tile held in registers meanwhile) or before them (the tile is then live only between
     // rows: see policy::overlap_rows).
     constexpr bool overlap = policy::template overlap_rows<T, P == pass::fused>;
-    // Whole tiles (exp_tile) where the stage's tail holds -inf: two copies of the loop, for
+    // Whole tiles (whole_extent) where the stage's tail holds -inf: two copies of the loop, for
     // slices of whole vectors (the tail filled once per launch) and for the rest.
     auto resident_rows = [&](auto whole_tiles) {
       constexpr bool whole_tile = decltype(whole_tiles)::value;
