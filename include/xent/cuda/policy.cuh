@@ -96,7 +96,8 @@ struct policy {
   }
   /// Shared-memory stages per CTA: the next row's chunk streams in while this one is processed.
   static constexpr int stages = XENT_CUDA_STAGES;
-  /// Bytes of a stage. 2 x 32 KiB per CTA leaves room for three CTAs per SM (227 KiB).
+  /// Bytes of a stage. 2 x 32 KiB per CTA leaves room for three CTAs per SM (227 KiB); the fused
+  /// rows with a gradient stage (bulk_gradient) take three, at two CTAs per SM.
   static constexpr std::size_t max_chunk_bytes = XENT_CUDA_CHUNK_KIB * 1024;
   /// Vectors per thread in flight in a statistics sweep over shared memory: unrolling the whole
   /// chunk there would hold a second chunk in registers beside the tile.
@@ -202,7 +203,7 @@ struct policy {
   /// fp32 8192 x 128256: 2.355 ms with register stores and three CTAs per SM, 2.720 with the
   /// stage at two before whole tiles, 2.181 (90.5%) with both (see min_blocks).
   template <class T, class G, bool Plain, bool Fused>
-  static constexpr bool bulk_gradient = Plain&& Fused && sizeof(T) == sizeof(G) &&
+  static constexpr bool bulk_gradient = (Plain && Fused) && sizeof(T) == sizeof(G) &&
                                         (XENT_CUDA_BULK_GRADIENT >= 2 ||
                                          (XENT_CUDA_BULK_GRADIENT == 1 &&
                                           keep_exps<T, Plain, Fused>));
