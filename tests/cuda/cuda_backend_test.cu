@@ -29,6 +29,7 @@ struct spec {
   float spike = 0.0f;  ///< nonzero: one logit of each row, in its last columns, set to this
   bool weights = false, soft = false, some_ignored = false, all_ignored = false;
   bool in_place = true, argmax = true;
+  bool edge_targets = false;  ///< class ids at the edges of every cut of a row over 1..16 CTAs
   std::int64_t ignore_index = -100;
   std::uint64_t seed = 1;
   std::string name() const {
@@ -38,6 +39,7 @@ struct spec {
            std::to_string(softcap) + (weights ? " weights" : "") + (soft ? " soft" : "") +
            (some_ignored ? " some-ign" : "") + (all_ignored ? " all-ign" : "") +
            (in_place ? " in-place" : " out-of-place") + (argmax ? " argmax" : "") +
+           (edge_targets ? " edge-targets" : "") +
            (spike != 0.0f ? " spike " + std::to_string(spike) : "");
   }
 };
@@ -76,10 +78,26 @@ void check_spec(const spec& s) {
       }
     }
   } else {
+    // Edge targets: the first and last class of every slice a row may be cut into (1 to 16 CTAs,
+    // slices of whole 16-byte vectors), where a CTA's tile starts, ends or is padded.
+    std::vector<std::int64_t> edges{0, V - 1};
+    const std::int64_t vec = 16 / static_cast<std::int64_t>(sizeof(T));
+    for (std::int64_t c = 2; c <= 16; ++c) {
+      const std::int64_t slice = ((V + c - 1) / c + vec - 1) / vec * vec;
+      for (std::int64_t k = 1; k * slice < V; ++k) {
+        edges.push_back(k * slice - 1);
+        edges.push_back(k * slice);
+      }
+    }
     std::uniform_int_distribution<std::int64_t> cls(0, V - 1);
+    std::size_t next_edge = 0;  // edges go to the rows that are not ignored, each in turn
     for (std::int64_t n = 0; n < N; ++n) {
-      targets[n] = cls(rng);
-      if (s.all_ignored || (s.some_ignored && n % 3 == 1)) targets[n] = s.ignore_index;
+      const bool ignored = s.all_ignored || (s.some_ignored && n % 3 == 1);
+      if (!s.edge_targets)
+        targets[n] = cls(rng);
+      else if (!ignored)
+        targets[n] = edges[next_edge++ % edges.size()];
+      if (ignored) targets[n] = s.ignore_index;
     }
     pb.targets = targets;
   }
@@ -616,6 +634,27 @@ TEST(CudaSanitizerLongBatch, PlainRowsThroughEveryPass) {
   s.argmax = false;
   check_spec<Eigen::bfloat16>(s);
   check_spec<float>(s);
+}
+
+// Plain fused rows through the row kernel (a batch too long for the small-batch kernel) with every
+// target at a slice's edge: the slices of whole vectors sweep whole register tiles past the slice
+// (the stage holds -inf there), the others the tested tiles; rows padded to 16 bytes with a last
+// slice that is not whole vectors; rows that fit one CTA.
+TYPED_TEST(CudaBackend, PlainFusedRowsWithTargetsAtSliceEdges) {
+  int device = 0, sms = 0;
+  ok(cudaGetDevice(&device));
+  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  for (auto shape : {std::pair<std::int64_t, std::int64_t>{32000, 0}, {32001, 32008}, {12000, 0}}) {
+    spec s;
+    s.rows = 8 * std::int64_t{sms} + 5;
+    s.cols = shape.first;
+    s.ld = shape.second;
+    s.edge_targets = true;
+    s.some_ignored = true;
+    s.argmax = false;
+    s.seed = static_cast<std::uint64_t>(shape.first);
+    check_spec<TypeParam>(s);
+  }
 }
 
 // Host-only (runs without a GPU): the small-batch kernel's cut of a row over a cluster.
