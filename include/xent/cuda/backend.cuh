@@ -111,14 +111,20 @@ inline cudaLaunchAttribute cluster_attribute(int cluster) {
   return a;
 }
 
+/// Shared-memory stages of the row kernel at most: the logits stages, and a gradient stage after
+/// them where its rows store their gradient by bulk copy (policy::bulk_gradient).
+template <bool Aligned, bool Plain, pass P, class T, class G>
+constexpr int row_kernel_stages() {
+  return policy::stages + (Aligned && policy::bulk_gradient<T, G, Plain, P == pass::fused> ? 1 : 0);
+}
+
 template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
 bool prepare_kernel_attributes(int device) {
   auto kernel =
       row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
-  constexpr int stages =
-      policy::stages + (Aligned && policy::bulk_gradient<T, G, Plain, P == pass::fused> ? 1 : 0);
-  return prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), device,
-                                static_cast<int>(stages * policy::max_chunk_bytes));
+  return prepare_cluster_kernel(
+      reinterpret_cast<const void*>(kernel), device,
+      static_cast<int>(row_kernel_stages<Aligned, Plain, P, T, G>() * policy::max_chunk_bytes));
 }
 
 /// How many clusters of this kernel fit on the device at once, for a launch shaped like `cfg`:
@@ -179,9 +185,8 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   // each, whose tails the kernel fills once (whole_extent), and, where they store their gradient
   // by bulk copy (policy::bulk_gradient), a gradient stage after them.
   if (Aligned && Plain && P == pass::fused && dev.major >= 9 && plan.chunks == 1) {
-    constexpr int gradient_stages = policy::bulk_gradient<T, G, Plain, true> ? 1 : 0;
     args.chunk_bytes = policy::max_chunk_bytes;
-    cfg.dynamicSmemBytes = (policy::stages + gradient_stages) * policy::max_chunk_bytes;
+    cfg.dynamicSmemBytes = row_kernel_stages<Aligned, Plain, P, T, G>() * policy::max_chunk_bytes;
   }
   cfg.stream = exec.stream;
   static const bool log = std::getenv("XENT_CUDA_LOG") != nullptr;  // read once

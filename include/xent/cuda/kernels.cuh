@@ -328,19 +328,11 @@ __device__ __forceinline__ void chunk_stats_keeping_exps(const T* chunk, int cou
 #pragma unroll
   for (int r = 0; r < Regs; ++r) {
     if (!Whole && !shape::has(r, count)) continue;
-    // Whole: the vector as four words, each element widened by one shift or mask (word_element),
-    // where an element-wise vector took an extract and a shift each.
+    // The vector as four words, each element widened by one shift or mask (word_element), where
+    // an element-wise vector took an extract and a shift each.
+    const vec_t<T, vec> v = shape::template fetch<!Whole>(chunk, count, r);
     unsigned w[4];
-    if constexpr (Whole) {
-      const uint4 q = *reinterpret_cast<const uint4*>(chunk + shape::offset(r));
-      w[0] = q.x;
-      w[1] = q.y;
-      w[2] = q.z;
-      w[3] = q.w;
-    } else {
-      const vec_t<T, vec> v = shape::template fetch<true>(chunk, count, r);
-      memcpy(w, &v, sizeof(w));
-    }
+    memcpy(w, &v, sizeof(w));
 #pragma unroll
     for (int e = 0; e < vec; ++e) {
       const float p = fast_exp2(fmaf(word_element<T>(w, e), log2e, -shift));
