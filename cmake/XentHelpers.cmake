@@ -8,6 +8,7 @@ include_guard(GLOBAL)
 #   - warnings: -Wall -Wextra, plus -Werror when XENT_WERROR is ON;
 #   - XENT_SANITIZE: -fsanitize=address,undefined -fno-omit-frame-pointer
 #     -fno-sanitize-recover=all on compile and link;
+#   - -ffp-contract=off (host code), so the tests' bitwise comparisons see the code as written;
 #   - XENT_NATIVE: -march=native, so Eigen's packet math uses the host's AVX2 / AVX-512;
 #   - CXX_EXTENSIONS / CUDA_EXTENSIONS OFF.
 # CUDA sources get the host-compiler flags through -Xcompiler.
@@ -68,6 +69,15 @@ function(xent_target_options target)
     # the link takes the plain flags whichever the link language.
     target_link_options(${target} ${_scope} ${_san})
   endif()
+
+  # No contraction of a * b + c into one FMA behind the code's back. GCC contracts by default in
+  # C++ (-ffp-contract=fast), and whether it does at a given sum depends on how that template
+  # instantiation was inlined: forward with every output and forward with the loss alone, which
+  # share their arithmetic but not their inlining, then differed in the last bit on a Zen 3
+  # (AVX2) host and agreed on a Zen 4 (AVX-512) one. Explicit FMAs (Eigen's pmadd) stay FMAs.
+  target_compile_options(${target} ${_scope}
+    $<${_cxx}:-ffp-contract=off>
+    $<${_cu}:-Xcompiler=-ffp-contract=off>)
 
   # Host-specific code generation.
   if(XENT_NATIVE)

@@ -297,6 +297,56 @@ TEST(CpuEdge, NaNLogitPropagatesToItsRowOnly) {
   }
 }
 
+/// A row whose every logit is -inf: PyTorch's log_softmax is NaN there (x - max = -inf - -inf),
+/// so its loss and whole gradient row are NaN, in every dtype and through every entry point
+/// (backward from the saved LSE of -inf, forward_backward), with or without label smoothing.
+template <class T, class G>
+void expect_all_masked_row_is_nan(float eps) {
+  using A = xent::accumulator_t<T>;
+  constexpr std::int64_t rows = 2, cols = 4;
+  const T inf = T(std::numeric_limits<float>::infinity());
+  std::vector<T> logits = {T(0.5f), T(-1.0f), T(2.0f), T(0.25f), -inf, -inf, -inf, -inf};
+  const std::vector<std::int64_t> targets = {2, 1};
+  std::vector<A> row_loss(rows), lse(rows);
+  std::vector<G> grad(rows * cols), fused(rows * cols);
+  xent::options opts;
+  opts.reduce = reduction::none;
+  opts.label_smoothing = eps;
+  xent::basic_forward_outputs<A> out;
+  out.row_loss = {row_loss.data(), rows};
+  out.lse = {lse.data(), rows};
+  const xent::matrix_view<const T> L(logits.data(), rows, cols);
+  const xent::vector_view<const std::int64_t> y(targets.data(), rows);
+  std::vector<A> ones(rows, A(1));
+  xent::basic_upstream<A> up;
+  up.rows = {ones.data(), rows};
+  xent::forward(xent::cpu{1}, L, y, opts, out);
+  EXPECT_TRUE(std::isfinite(row_loss[0]));
+  EXPECT_TRUE(std::isnan(row_loss[1])) << row_loss[1];
+  EXPECT_EQ(lse[1], -std::numeric_limits<A>::infinity());
+  xent::backward(xent::cpu{1}, L, y, opts, xent::vector_view<const A>(lse.data(), rows), up,
+                 xent::matrix_view<G>(grad.data(), rows, cols));
+  xent::forward_backward(xent::cpu{1}, L, y, opts, up, out,
+                         xent::matrix_view<G>(fused.data(), rows, cols));
+  for (std::int64_t c = 0; c < cols; ++c) {
+    EXPECT_TRUE(std::isfinite(static_cast<double>(grad[c])));
+    EXPECT_TRUE(std::isnan(static_cast<double>(grad[cols + c])))
+        << "backward, class " << c << ": " << static_cast<double>(grad[cols + c]);
+    EXPECT_TRUE(std::isnan(static_cast<double>(fused[cols + c])))
+        << "forward_backward, class " << c << ": " << static_cast<double>(fused[cols + c]);
+  }
+}
+
+TEST(CpuEdge, RowOfMinusInfinityAloneIsNaNLikePyTorch) {
+  for (float eps : {0.0f, 0.5f}) {
+    SCOPED_TRACE(eps);
+    expect_all_masked_row_is_nan<float, float>(eps);
+    expect_all_masked_row_is_nan<double, double>(eps);
+    expect_all_masked_row_is_nan<double, float>(eps);
+    expect_all_masked_row_is_nan<bf16, bf16>(eps);
+  }
+}
+
 TEST(CpuEdge, Float64KeepsPyTorchsResultsAtTheEdges) {
   // Every row ignored (mean NaN, sum 0), an empty batch, masked logits, a NaN logit: the float64
   // path gives PyTorch's results as the float path does, to double precision.

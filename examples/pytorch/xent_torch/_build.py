@@ -62,7 +62,9 @@ def load(verbose=None):
     build_dir = build_dir / ("cuda" if cuda else "cpu")
     build_dir.mkdir(parents=True, exist_ok=True)
     eigen = os.environ.get("XENT_TORCH_EIGEN", "/usr/include/eigen3")
-    cflags = ["-O3", "-DNDEBUG", "-isystem", eigen]
+    # -ffp-contract=off: as xent's CMake build (cmake/XentHelpers.cmake), so entry points that
+    # share a computation give the same bits whatever GCC's inlining made of each.
+    cflags = ["-O3", "-DNDEBUG", "-ffp-contract=off", "-isystem", eigen]
     native = os.environ.get("XENT_TORCH_NATIVE", "1") != "0"
     if native:
         cflags.append("-march=native")
@@ -76,7 +78,7 @@ def load(verbose=None):
         # Eigen is a system include, as in xent's CMake build, and its two nvcc diagnostics
         # (20012: annotations on defaulted functions, 20015: constexpr host calls) are off.
         cuda_flags = ["-O3", "-DNDEBUG", "-isystem", eigen, "-diag-suppress=20012,20015",
-                      "-Xcompiler=-fvisibility=hidden"]
+                      "-Xcompiler=-fvisibility=hidden", "-Xcompiler=-ffp-contract=off"]
         # The .cu file's host code sees the same headers (Eigen, torch, xent) as the .cpp file:
         # compiled for another instruction set, their shared inline functions and Eigen's
         # alignment (64 bytes with AVX-512, 16 without) would differ between the two objects,

@@ -263,10 +263,11 @@ void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, 
     const std::int64_t len = std::min(pb.chunk, v1 - c);
     const_amap<A> z(load_logits(x + c, len, k, zbuf), len);
     amap<A> d(gbuf, len);
+    // Eigen's exponential clamps its argument: terms below the normal range (a masked class's
+    // -inf among them) are zeroed as packet_exp does. In a row of -inf alone the LSE is -inf
+    // too, every z - lse is NaN and stays so, as in PyTorch's log_softmax.
     d = (z - lse).exp() * ga;
-    if constexpr (std::is_same<A,
-                               double>::value)  // exp(-inf) is not 0 in Eigen's double (packet.hpp)
-      d = (z == -std::numeric_limits<A>::infinity()).select(A(0), d);
+    d = (z - lse < exp_underflow<A>).select(A(0), d);
     subtract_target_mass(pb, n, c, g, d, tbuf);
     if (k.softcap > A(0)) d *= A(1) - (z * k.inv_softcap).square();
     convert(gbuf, len, out + c);  // a conversion only: no peeled arithmetic
