@@ -46,8 +46,8 @@ linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shap
                                              std::size_t budget = linear_default_budget) {
   static_assert(detail::has_linear_backend<Exec>::value,
                 "xent: no fused linear backend for this execution object");
-  detail::require(shape.rows >= 0 && shape.hidden >= 0 && shape.vocab >= 0,
-                  "xent::linear_workspace_size", "shape", "negative size");
+  detail::check_linear_shape("xent::linear_workspace_size", "shape", shape);
+  detail::check_accumulation("xent::linear_workspace_size", opts);
   return linear_traits<Exec>::template workspace_size<T, G>(exec, shape, pass, opts.accumulate,
                                                             budget);
 }
@@ -77,38 +77,52 @@ void check_linear_call(const char* fn, const matrix_view<const T>& hidden,
 }
 
 /// A forward call's workspace: at least `need` bytes (`query` says how to size it), not
-/// overlapping the inputs.
+/// overlapping the inputs or the outputs. `mem` holds the call's targets and outputs.
 template <class T>
 void check_forward_workspace(const char* fn, const matrix_view<const T>& hidden,
                              const matrix_view<const T>& weight, const vector_view<const T>& bias,
-                             const linear_workspace& ws, std::size_t need, const char* query) {
+                             const linear_workspace& ws, std::size_t need, const char* query,
+                             call_memory mem) {
   check_workspace(fn, ws, need, query);
-  const span_of written[] = {span_of("workspace", ws)};
-  const span_of read[] = {span_of("hidden", hidden), span_of("weight", weight),
-                          span_of("bias", bias)};
-  check_disjoint(fn, written, read);
+  mem.reads("hidden", hidden)
+      .reads("weight", weight)
+      .reads("bias", bias)
+      .writes_bytes("workspace", ws.data, ws.bytes)
+      .check();
 }
 
 /// A training call's upstream gradient, gradients and workspace (at least `need` bytes; `query`
 /// says how to size it); nothing it writes overlaps what it reads, or anything else it writes.
+/// `mem` holds the call's targets and its outputs or saved LSE.
 template <class Exec, class T, class G, class A>
 void check_linear_training(const char* fn, const matrix_view<const T>& hidden,
                            const matrix_view<const T>& weight, const vector_view<const T>& bias,
                            const linear_options& opts, const basic_upstream<A>& up,
                            const linear_grads<G>& grads, const linear_workspace& ws,
-                           std::size_t need, const char* query) {
+                           std::size_t need, const char* query, call_memory mem) {
   static_assert(!std::is_const<G>::value, "xent: gradients must be writable");
   static_assert(backend_traits<Exec>::template supports_dtype<G>,
                 "xent: unsupported gradient dtype for this backend");
   check_upstream(fn, up, opts, hidden.rows);
   check_linear_grads(fn, grads, hidden, weight, bias);
   check_workspace(fn, ws, need, query);
-  const span_of written[] = {span_of("grads.d_hidden", grads.d_hidden),
-                             span_of("grads.d_weight", grads.d_weight),
-                             span_of("grads.d_bias", grads.d_bias), span_of("workspace", ws)};
-  const span_of read[] = {span_of("hidden", hidden), span_of("weight", weight),
-                          span_of("bias", bias)};
-  check_disjoint(fn, written, read);
+  mem.reads("hidden", hidden)
+      .reads("weight", weight)
+      .reads("bias", bias)
+      .reads_upstream(up)
+      .writes("grads.d_hidden", grads.d_hidden)
+      .writes("grads.d_weight", grads.d_weight)
+      .writes("grads.d_bias", grads.d_bias)
+      .writes_bytes("workspace", ws.data, ws.bytes)
+      .check();
+}
+
+/// The targets and class weights a linear call reads.
+template <class Targets>
+call_memory linear_memory(const char* fn, const Targets& targets, const linear_options& opts) {
+  call_memory mem(fn);
+  mem.reads_targets(typename target_traits<Targets>::type(targets), opts);
+  return mem;
 }
 
 /// The least workspace a single-device call of this shape accepts.
@@ -144,7 +158,8 @@ void linear_forward(const Exec& exec, matrix_view<H> hidden,
   detail::check_forward_workspace(
       fn, x, weight, bias, workspace,
       detail::linear_minimal<T, T>(exec, x, weight, linear_pass::forward, opts),
-      "xent::linear_workspace_size");
+      "xent::linear_workspace_size",
+      detail::linear_memory(fn, targets, opts).writes_outputs(outputs));
   linear_traits<Exec>::forward(exec, x, weight, bias,
                                typename detail::target_traits<Targets>::type(targets), opts,
                                outputs, workspace);
@@ -171,7 +186,8 @@ void linear_forward_backward(const Exec& exec, matrix_view<H> hidden,
   detail::check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
       detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, opts),
-      "xent::linear_workspace_size");
+      "xent::linear_workspace_size",
+      detail::linear_memory(fn, targets, opts).writes_outputs(outputs));
   linear_traits<Exec>::forward_backward(exec, x, weight, bias,
                                         typename detail::target_traits<Targets>::type(targets),
                                         opts, up, outputs, grads, workspace);
@@ -196,7 +212,7 @@ void linear_backward(const Exec& exec, matrix_view<H> hidden,
   detail::check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
       detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, opts),
-      "xent::linear_workspace_size");
+      "xent::linear_workspace_size", detail::linear_memory(fn, targets, opts).reads("lse", lse));
   linear_traits<Exec>::backward(exec, x, weight, bias,
                                 typename detail::target_traits<Targets>::type(targets), opts, lse,
                                 up, grads, workspace);

@@ -56,7 +56,8 @@ struct basic_forward_outputs {
   A* loss = nullptr;                    ///< reduced loss (mean or sum)
   vector_view<A> row_loss{};            ///< per-row loss, N entries (0 on ignored rows)
   vector_view<A> lse{};                 ///< per-row log-sum-exp of the (soft-capped) logits
-  vector_view<std::int64_t> argmax{};   ///< per-row index of the largest logit (first on ties)
+  vector_view<std::int64_t> argmax{};   ///< per-row index of the largest (soft-capped) logit,
+                                        ///< the first on ties
   std::int64_t* num_correct = nullptr;  ///< rows not ignored whose argmax equals the target
 };
 using forward_outputs = basic_forward_outputs<float>;

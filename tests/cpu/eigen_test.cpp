@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "harness.hpp"
@@ -114,6 +115,23 @@ TEST(CpuEigen, ViewOfBlock) {
   EXPECT_EQ(rv.data, &m(2, 0));
   EXPECT_EQ(rv.ld, 10);
   expect_same_as_reference(rows, &m(2, 0), 10);
+}
+
+TEST(CpuEigen, ViewOfStridedElementsIsRefused) {
+  // A column of a row-major matrix is a vector whose elements are a row apart (a stride Eigen
+  // knows only at run time): read as adjacent, view(ids.col(1)) would give the wrong targets.
+  Eigen::Matrix<std::int64_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> ids(3, 2);
+  ids << 0, 1, 2, 3, 4, 5;
+  try {
+    (void)xent::view(ids.col(1));
+    ADD_FAILURE() << "a strided column was viewed as adjacent elements";
+  } catch (const xent::error& e) {
+    EXPECT_EQ(e.argument(), "m") << e.what();
+    EXPECT_NE(std::string(e.what()).find("2 apart"), std::string::npos) << e.what();
+  }
+  // A row of it, and a one-element column, are adjacent.
+  EXPECT_EQ(xent::view(ids.row(1)).data, &ids(1, 0));
+  EXPECT_EQ(xent::view(ids.col(1).head(1)).size, 1);
 }
 
 TEST(CpuEigen, ViewOfRefAndBfloat16Matrix) {

@@ -405,9 +405,53 @@ TEST(CpuLinearValidation, BadArgumentsThrowNamingThemBeforeWriting) {
   auto overlap = G;
   overlap.d_weight.data = const_cast<float*>(W.data);
   expect_error("grads.d_weight", "overlaps weight", fb(X, W, B, t, opts, up, overlap, ws.ws));
-  expect_error("grads.d_hidden", "overlaps workspace",
-               fb(X, W, B, t, opts, up, G, {G.d_hidden.data, 1 << 20}));
+  // d_hidden inside the workspace (a workspace claimed from d_hidden's address onwards would
+  // also cover whatever the heap put after it, the outputs among them).
+  auto in_ws = G;
+  in_ws.d_hidden.data = static_cast<float*>(ws.ws.data) + 16;
+  expect_error("grads.d_hidden", "overlaps workspace", fb(X, W, B, t, opts, up, in_ws, ws.ws));
   expect_error("workspace", "null data", fb(X, W, B, t, opts, up, G, {nullptr, 64}));
+  // Class ids, outputs, a saved LSE and upstream gradients are read again after the call has
+  // started writing: none may lie in what it writes.
+  const auto* ids_in_ws = static_cast<const std::int64_t*>(ws.ws.data);
+  expect_error("workspace", "overlaps targets", fb(X, W, B, {ids_in_ws, 4}, opts, up, G, ws.ws));
+  auto none_opts = opts;
+  none_opts.reduce = reduction::none;
+  auto none_spec = s.ce;
+  none_spec.reduce = reduction::none;
+  xent::upstream rows_in_dw;
+  rows_in_dw.rows = {G.d_weight.data + 1, 4};
+  expect_error("grads.d_weight", "overlaps upstream.rows", [&] {
+    xent::linear_forward_backward(exec, X, W, B, t, none_opts, rows_in_dw, f.all(none_spec), G,
+                                  ws.ws);
+  });
+  expect_error("grads.d_weight", "overlaps lse", [&] {
+    xent::linear_backward(exec, X, W, B, t, opts, {G.d_weight.data, 4}, up, G, ws.ws);
+  });
+  expect_error("outputs.lse", "overlaps workspace", [&] {
+    auto o = f.all(s.ce);
+    o.lse = {static_cast<float*>(ws.ws.data) + 2, 4};
+    xent::linear_forward(exec, X, W, B, t, opts, o, ws.ws);
+  });
+  // Shapes whose sizes the plans could not compute: a 2^62-row weight of no columns is a valid
+  // view, but its N x V logits are not.
+  expect_error("weight", "at most 2^59", [&] {
+    xent::linear_forward(exec, xent::matrix_view<const float>(nullptr, 1, 0),
+                         xent::matrix_view<const float>(nullptr, std::int64_t{1} << 62, 0),
+                         xent::vector_view<const float>{},
+                         xent::vector_view<const std::int64_t>(t.data, 1), opts, f.all(s.ce),
+                         ws.ws);
+  });
+  expect_error("shape", "at most 2^59", [&] {
+    xent::linear_workspace_size<Eigen::bfloat16>(
+        exec, {1, std::int64_t{1} << 31, std::int64_t{1} << 31}, xent::linear_pass::training);
+  });
+  auto bad_accumulate = opts;
+  bad_accumulate.accumulate = static_cast<xent::dw_accumulation>(9);
+  expect_error("options.accumulate", "fp32, output", [&] {
+    xent::linear_workspace_size<float>(exec, {4, 3, 5}, xent::linear_pass::training,
+                                       bad_accumulate);
+  });
 
   // linear_forward needs the reduction's loss; linear_backward the LSE.
   expect_error("outputs.loss", "required", [&] {

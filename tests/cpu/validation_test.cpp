@@ -198,6 +198,28 @@ TEST(CpuValidation, NullDataWithNonZeroSize) {
       kBackward, "lse", [](setup& s) { s.lse_in.data = nullptr; }, "null data");
 }
 
+TEST(CpuValidation, SizesBeyondWhatSizeArithmeticHolds) {
+  // 2^32 x 2^32 logits: rows * cols wraps past 2^64 bytes; a null pointer must not pass as "empty".
+  expect_rejected(
+      kAll, "logits",
+      [](setup& s) {
+        s.L = {nullptr, std::int64_t{1} << 32, std::int64_t{1} << 32};
+      },
+      "spans more than 2^59 elements");
+  expect_rejected(
+      kAll, "logits",
+      [](setup& s) {
+        s.L = {s.logits.data(), 2, kCols, std::int64_t{1} << 60};
+      },
+      "spans more than 2^59 elements");
+  expect_rejected(
+      kAll, "targets",
+      [](setup& s) {
+        s.T = {s.t64.data(), std::int64_t{1} << 60};
+      },
+      "more than 2^59");
+}
+
 TEST(CpuValidation, TargetsLengthMismatch) {
   expect_rejected(
       kAll, "targets", [](setup& s) { s.T.size = kRows - 1; }, "expected 4");
@@ -282,6 +304,70 @@ TEST(CpuValidation, GradientPartiallyOverlappingLogits) {
   });
 }
 
+TEST(CpuValidation, WhatACallReadsOverlappingWhatItWrites) {
+  // The backends read class ids, weights, a saved LSE and upstream gradients again after they
+  // have started writing: class ids inside the gradient would be read back as gradient bits and
+  // index anywhere. Every such overlap is refused up front, naming the written argument.
+  expect_rejected(
+      kBackward | kFused, "grad",
+      [](setup& s) {
+        s.T = {reinterpret_cast<const std::int64_t*>(s.grad.data() + 8), kRows};
+      },
+      "overlaps targets");
+  expect_rejected(
+      kBackward | kFused, "grad",
+      [](setup& s) {
+        s.opts.class_weights = {s.grad.data(), kCols};
+      },
+      "overlaps options.class_weights");
+  expect_rejected(
+      kBackward, "grad",
+      [](setup& s) {
+        s.lse_in = {s.grad.data() + kCols, kRows};
+      },
+      "overlaps lse");
+  expect_rejected(
+      kBackward | kFused, "grad",
+      [](setup& s) {
+        s.opts.reduce = xent::reduction::none;
+        s.up.rows = {s.grad.data() + 1, kRows};
+      },
+      "overlaps upstream.rows");
+  expect_rejected(
+      kBackward | kFused, "grad", [](setup& s) { s.up.scale_ptr = s.grad.data() + 2; },
+      "overlaps upstream.scale_ptr");
+  // Outputs: over the logits (read), over the gradient or over each other (written).
+  expect_rejected(
+      kForward | kFused, "outputs.lse",
+      [](setup& s) {
+        s.out.lse = {s.logits.data() + kCols, kRows};
+      },
+      "overlaps logits");
+  expect_rejected(
+      kFused, "grad", [](setup& s) { s.out.loss = s.grad.data() + 3; }, "overlaps outputs.loss");
+  expect_rejected(
+      kForward | kFused, "outputs.row_loss",
+      [](setup& s) {
+        s.out.row_loss = {s.lse.data(), kRows};
+      },
+      "overlaps outputs.lse");
+  expect_rejected(
+      kForward | kFused, "outputs.loss",
+      [](setup& s) { s.out.num_correct = reinterpret_cast<std::int64_t*>(&s.loss); },
+      "overlaps outputs.num_correct");
+}
+
+TEST(CpuValidation, InPlaceGradientWithEveryOutputIsAccepted) {
+  // The one overlap allowed: the gradient written over the logits themselves.
+  setup s;
+  s.G = {s.logits.data(), kRows, kCols};
+  s.forward_backward();
+  EXPECT_TRUE(std::isfinite(s.loss));
+  setup b;
+  b.G = {b.logits.data(), kRows, kCols};
+  b.backward();
+}
+
 TEST(CpuValidation, GradientOverLogitsOfAnotherDtype) {
   // bf16 logits with a float gradient at the same address: not "in place", an overlap.
   std::vector<xt::bf16> logits(kRows * kCols * 2, xt::bf16(0.5f));
@@ -311,8 +397,8 @@ TEST(CpuValidation, LabelSmoothingOutsideZeroOne) {
 }
 
 TEST(CpuValidation, SoftcapNegativeNaNOrInfinite) {
-  for (float cap :
-       {-1.0f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()})
+  for (float cap : {-1.0f, std::numeric_limits<float>::quiet_NaN(),
+                    std::numeric_limits<float>::infinity(), 1e-40f})  // 1 / 1e-40f is inf
     expect_rejected(kAll, "options.softcap", [cap](setup& s) { s.opts.softcap = cap; });
 }
 

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <type_traits>
 
@@ -31,6 +32,16 @@ inline std::string shape(std::int64_t rows, std::int64_t cols) {
   return std::to_string(rows) + " x " + std::to_string(cols);
 }
 
+/// The most elements one array may span: 2^59, so that any count of them times the widest
+/// element a backend keeps (16 bytes), plus alignment slack, stays within int64 and size_t, and
+/// no size a backend computes from the views overflows.
+constexpr std::int64_t max_elements = std::int64_t{1} << 59;
+
+/// Whether a x b (both >= 0) is at most max_elements.
+inline bool within_max_elements(std::int64_t a, std::int64_t b) {
+  return a <= max_elements && b <= max_elements && (a == 0 || b <= max_elements / a);
+}
+
 template <class T>
 void check_matrix(const char* fn, const char* arg, const matrix_view<T>& m) {
   require(m.rows >= 0 && m.cols >= 0, fn, arg,
@@ -38,13 +49,22 @@ void check_matrix(const char* fn, const char* arg, const matrix_view<T>& m) {
   require(m.ld >= m.cols, fn, arg, [&] {
     return "leading dimension " + std::to_string(m.ld) + " < cols " + std::to_string(m.cols);
   });
-  require(m.data != nullptr || m.rows * m.cols == 0, fn, arg, "null data with non-zero size");
+  const bool empty = m.rows == 0 || m.cols == 0;
+  // (rows - 1) x ld + cols elements, within max_elements (ld >= cols >= 1 here).
+  require(empty || (m.cols <= max_elements && m.rows - 1 <= (max_elements - m.cols) / m.ld), fn,
+          arg, [&] {
+            return shape(m.rows, m.cols) + " with leading dimension " + std::to_string(m.ld) +
+                   " spans more than 2^59 elements";
+          });
+  require(m.data != nullptr || empty, fn, arg, "null data with non-zero size");
 }
 
 template <class T>
 void check_vector(const char* fn, const char* arg, const vector_view<T>& v, std::int64_t expected,
                   bool optional) {
   require(v.size >= 0, fn, arg, [&] { return "negative size " + std::to_string(v.size); });
+  require(v.size <= max_elements, fn, arg,
+          [&] { return std::to_string(v.size) + " entries: more than 2^59"; });
   if (optional && v.size == 0 && v.data == nullptr) return;
   require(v.size == expected, fn, arg, [&] {
     return "has " + std::to_string(v.size) + " entries, expected " + std::to_string(expected);
@@ -87,6 +107,14 @@ inline void check_options(const char* fn, const options& opts, std::int64_t cols
           [&] { return "must be finite and >= 0, got " + std::to_string(opts.z_loss); });
   require(opts.softcap >= 0.0f && std::isfinite(opts.softcap), fn, "options.softcap", [&] {
     return "must be finite and >= 0 (0 is off), got " + std::to_string(opts.softcap);
+  });
+  // The kernels multiply by 1 / softcap in float: below ~2.9e-39 that is infinite, and 0 x inf
+  // would turn a zero logit into NaN.
+  require(opts.softcap == 0.0f || std::isfinite(1.0f / opts.softcap), fn, "options.softcap", [&] {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", static_cast<double>(opts.softcap));
+    return std::string("must be 0 (off) or at least 2.9e-39 (1 / softcap finite in float), got ") +
+           text;
   });
   check_vector(fn, "options.class_weights", opts.class_weights, cols, true);
 }

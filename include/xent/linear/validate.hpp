@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "../detail/disjoint.hpp"
 #include "../detail/validate.hpp"
 #include "../options.hpp"
 #include "../views.hpp"
@@ -14,73 +15,50 @@
 namespace xent {
 namespace detail {
 
-/// The bytes a view spans ([begin, end), both null when it is empty), for overlap checks.
-struct span_of {
-  const char* name;
-  const char* begin = nullptr;
-  const char* end = nullptr;
+/// A fused linear shape whose buffers' sizes the plans can compute: no negative size, and the
+/// N x V logits of every row, the V x D weight and the N x D hidden rows within max_elements
+/// each (chunks exist so that N x V need not fit in memory, but the search for the largest chunk
+/// sizes every row's).
+inline void check_linear_shape(const char* fn, const char* arg, const linear_shape& s) {
+  require(s.rows >= 0 && s.hidden >= 0 && s.vocab >= 0, fn, arg, "negative size");
+  require(within_max_elements(s.rows, s.vocab) && within_max_elements(s.vocab, s.hidden) &&
+              within_max_elements(s.rows, s.hidden),
+          fn, arg, [&] {
+            return "N = " + std::to_string(s.rows) + ", D = " + std::to_string(s.hidden) +
+                   ", V = " + std::to_string(s.vocab) +
+                   ": N x V, V x D and N x D must each be at most 2^59 elements";
+          });
+}
 
-  template <class T>
-  span_of(const char* name_, const matrix_view<T>& m) : name(name_) {
-    if (m.empty() || m.data == nullptr) return;
-    begin = reinterpret_cast<const char*>(m.data);
-    end = reinterpret_cast<const char*>(m.row(m.rows - 1) + m.cols);
-  }
-  template <class T>
-  span_of(const char* name_, const vector_view<T>& v) : name(name_) {
-    if (v.empty() || v.data == nullptr) return;
-    begin = reinterpret_cast<const char*>(v.data);
-    end = reinterpret_cast<const char*>(v.data + v.size);
-  }
-  span_of(const char* name_, const linear_workspace& w) : name(name_) {
-    if (w.data == nullptr || w.bytes == 0) return;
-    begin = static_cast<const char*>(w.data);
-    end = begin + w.bytes;
-  }
-
-  bool overlaps(const span_of& o) const {
-    return begin && o.begin && begin < o.end && o.begin < end;
-  }
-};
-
-/// Each written span must miss every input and every other written span: a call reads the
-/// weight and the hidden rows again after it has started writing. (Arrays rather than
-/// initializer_lists of temporaries: nvcc's front end mistranslates the latter.)
-template <std::size_t Written, std::size_t Read>
-void check_disjoint(const char* fn, const span_of (&written)[Written],
-                    const span_of (&read)[Read]) {
-  for (std::size_t w = 0; w < Written; ++w) {
-    for (const span_of& r : read)
-      require(!written[w].overlaps(r), fn, written[w].name,
-              [&] { return std::string("overlaps ") + r.name; });
-    for (std::size_t o = w + 1; o < Written; ++o)
-      require(!written[w].overlaps(written[o]), fn, written[w].name,
-              [&] { return std::string("overlaps ") + written[o].name; });
-  }
+inline void check_accumulation(const char* fn, const linear_options& opts) {
+  require(opts.accumulate == dw_accumulation::fp32 || opts.accumulate == dw_accumulation::output,
+          fn, "options.accumulate", "not one of fp32, output");
 }
 
 /// hidden N x D, weight V_w x D (the same D), bias V_w or absent, targets for N rows (soft
 /// targets: N x V_w, a probability per weight row), the loss options for `vocab` classes: V_w
-/// unsharded, the whole vocabulary when the weight is a vocab-parallel rank's shard of it.
+/// unsharded, the whole vocabulary (`vocab_arg`, named in errors) when the weight is a
+/// vocab-parallel rank's shard of it.
 template <class T, class Tgt>
 void check_linear_inputs(const char* fn, const matrix_view<const T>& hidden,
                          const matrix_view<const T>& weight, const vector_view<const T>& bias,
-                         const Tgt& targets, const linear_options& opts, std::int64_t vocab) {
+                         const Tgt& targets, const linear_options& opts, std::int64_t vocab,
+                         const char* vocab_arg = "weight") {
   check_matrix(fn, "hidden", hidden);
   check_matrix(fn, "weight", weight);
   require(weight.cols == hidden.cols, fn, "weight", [&] {
     return "is " + shape(weight.rows, weight.cols) + ", hidden is " +
            shape(hidden.rows, hidden.cols) + ": both need D columns";
   });
-  require(vocab >= 1 || hidden.rows == 0, fn, "weight", [&] {
+  require(vocab >= 1 || hidden.rows == 0, fn, vocab_arg, [&] {
     return "a row needs at least one class (the vocabulary has 0 rows, hidden has " +
            std::to_string(hidden.rows) + ")";
   });
+  check_linear_shape(fn, "weight", {hidden.rows, hidden.cols, weight.rows});
   check_vector(fn, "bias", bias, weight.rows, true);
   check_targets(fn, targets, hidden.rows, weight.rows);
   check_options(fn, opts, vocab);
-  require(opts.accumulate == dw_accumulation::fp32 || opts.accumulate == dw_accumulation::output,
-          fn, "options.accumulate", "not one of fp32, output");
+  check_accumulation(fn, opts);
 }
 
 /// An optional gradient matrix: absent when null and 0 x 0, else exactly rows x cols.

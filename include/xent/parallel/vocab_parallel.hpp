@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "../backend.hpp"
+#include "../detail/disjoint.hpp"
 #include "../detail/validate.hpp"
 #include "../options.hpp"
 #include "../targets.hpp"
@@ -57,6 +58,8 @@ inline void check_shard(const char* fn, vocab_shard shard, std::int64_t cols, st
   require(shard.vocab >= 1 || rows == 0, fn, "shard.vocab", [&] {
     return "a row needs at least one class (vocab = " + std::to_string(shard.vocab) + ")";
   });
+  require(shard.vocab <= max_elements, fn, "shard.vocab",
+          [&] { return std::to_string(shard.vocab) + " classes: more than 2^59"; });
   require(shard.first >= 0 && shard.first <= shard.vocab - cols, fn, "shard.first", [&] {
     return "the shard's classes [" + std::to_string(shard.first) + ", " +
            std::to_string(shard.first + cols) + ") (first, first + columns) are not inside [0, " +
@@ -99,6 +102,7 @@ void vocab_parallel_forward(const Exec& exec, const Group& group, matrix_view<L>
   constexpr const char* fn = "xent::vocab_parallel_forward";
   detail::check_vocab_parallel<Exec>(fn, group, logits, shard, targets, opts);
   detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft, true);
+  detail::check_forward_memory(fn, logits, targets, opts, outputs);
   using T = std::remove_const_t<L>;
   vocab_parallel_traits<Exec>::forward(exec, group, matrix_view<const T>(logits), shard,
                                        typename detail::target_traits<Targets>::type(targets), opts,
@@ -122,6 +126,7 @@ void vocab_parallel_backward(const Exec& exec, const Group& group, matrix_view<L
   detail::check_vector(fn, "lse", lse, logits.rows, false);
   detail::check_upstream(fn, up, opts, logits.rows);
   detail::check_gradient(fn, logits, grad);
+  detail::check_gradient_memory(fn, logits, targets, opts, lse, up, forward_outputs{}, grad);
   using T = std::remove_const_t<L>;
   vocab_parallel_traits<Exec>::backward(exec, group, matrix_view<const T>(logits), shard,
                                         typename detail::target_traits<Targets>::type(targets),
@@ -145,6 +150,8 @@ void vocab_parallel_forward_backward(const Exec& exec, const Group& group, matri
                         false);
   detail::check_upstream(fn, up, opts, logits.rows);
   detail::check_gradient(fn, logits, grad);
+  detail::check_gradient_memory(fn, logits, targets, opts, vector_view<const float>{}, up, outputs,
+                                grad);
   using T = std::remove_const_t<L>;
   vocab_parallel_traits<Exec>::forward_backward(
       exec, group, matrix_view<const T>(logits), shard,

@@ -123,7 +123,7 @@ void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<
   check_group(fn, group);
   // Soft targets are the shard's (N x V_local); class weights all V of them.
   check_linear_inputs(fn, hidden, weight, bias, typename target_traits<Targets>::type(targets),
-                      opts, shard.vocab);
+                      opts, shard.vocab, "shard.vocab");
   check_shard(fn, shard, weight.rows, hidden.rows);
   require(
       ws.chunk_rows >= 1 || (hidden.rows == 0 && ws.chunk_rows == 0), fn, "workspace.chunk_rows",
@@ -151,19 +151,21 @@ vp_linear_args<T, G, typename target_traits<Targets>::type> vp_args(
   return a;
 }
 
-/// A training call's checks (the call's, its upstream, gradients and workspace) and its
-/// arguments with the upstream and the gradients set.
+/// A training call's checks (the call's, its upstream, gradients and workspace; `mem` holds its
+/// targets and its outputs or saved LSE) and its arguments with the upstream and the gradients
+/// set.
 template <class Exec, class Group, class T, class Targets, class G>
 vp_linear_args<T, G, typename target_traits<Targets>::type> vp_training_args(
     const char* fn, const Exec& exec, const Group& group, const matrix_view<const T>& x,
     const matrix_view<const T>& weight, const vector_view<const T>& bias, vocab_shard shard,
     const Targets& targets, const linear_options& opts, const upstream& up,
-    const linear_grads<G>& grads, const vocab_parallel_linear_workspace& workspace) {
+    const linear_grads<G>& grads, const vocab_parallel_linear_workspace& workspace,
+    call_memory mem) {
   check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
   check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
       vp_linear_need<T, G>(exec, group.size(), x, weight, linear_pass::training, opts, workspace),
-      vp_linear_query);
+      vp_linear_query, mem);
   auto a = vp_args<T, G>(x, weight, bias, shard, targets, opts, workspace, group.size());
   a.up = &up;
   a.grads = grads;
@@ -189,10 +191,12 @@ linear_workspace_sizes vocab_parallel_linear_workspace_size(
   static_assert(detail::has_vocab_parallel_linear<Exec>::value,
                 "xent: no vocab-parallel fused linear backend for this execution object");
   constexpr const char* fn = "xent::vocab_parallel_linear_workspace_size";
-  detail::require(shape.rows >= 0 && shape.hidden >= 0 && shape.vocab >= 0, fn, "shape",
-                  "negative size");
+  detail::check_linear_shape(fn, "shape", shape);
+  detail::check_accumulation(fn, opts);
   detail::require(ranks >= 1, fn, "ranks",
                   [&] { return "must be >= 1, got " + std::to_string(ranks); });
+  detail::require(vocab <= detail::max_elements, fn, "vocab",
+                  [&] { return std::to_string(vocab) + " classes: more than 2^59"; });
   detail::require(vocab >= shape.vocab, fn, "vocab", [&] {
     return "the whole vocabulary (" + std::to_string(vocab) +
            ") is smaller than this rank's shard (shape.vocab = " + std::to_string(shape.vocab) +
@@ -222,7 +226,7 @@ void vocab_parallel_linear_forward(const Exec& exec, const Group& group, matrix_
       fn, x, weight, bias, workspace,
       detail::vp_linear_need<T, T>(exec, group.size(), x, weight, linear_pass::forward, opts,
                                    workspace),
-      detail::vp_linear_query);
+      detail::vp_linear_query, detail::linear_memory(fn, targets, opts).writes_outputs(outputs));
   auto a = detail::vp_args<T, T>(x, weight, bias, shard, targets, opts, workspace, group.size());
   a.out = outputs;
   detail::run_vp_linear<detail::vp_linear_mode::forward>(fn, exec, group, a);
@@ -243,9 +247,10 @@ void vocab_parallel_linear_forward_backward(
   constexpr const char* fn = "xent::vocab_parallel_linear_forward_backward";
   using T = std::remove_const_t<H>;
   const matrix_view<const T> x(hidden);
-  auto a = detail::vp_training_args(fn, exec, group, x, weight, bias, shard, targets, opts, up,
-                                    grads, workspace);
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, false);
+  auto a = detail::vp_training_args(
+      fn, exec, group, x, weight, bias, shard, targets, opts, up, grads, workspace,
+      detail::linear_memory(fn, targets, opts).writes_outputs(outputs));
   a.out = outputs;
   detail::run_vp_linear<detail::vp_linear_mode::fused>(fn, exec, group, a);
 }
@@ -265,9 +270,10 @@ void vocab_parallel_linear_backward(const Exec& exec, const Group& group, matrix
   constexpr const char* fn = "xent::vocab_parallel_linear_backward";
   using T = std::remove_const_t<H>;
   const matrix_view<const T> x(hidden);
-  auto a = detail::vp_training_args(fn, exec, group, x, weight, bias, shard, targets, opts, up,
-                                    grads, workspace);
   detail::check_vector(fn, "lse", lse, x.rows, false);
+  auto a = detail::vp_training_args(fn, exec, group, x, weight, bias, shard, targets, opts, up,
+                                    grads, workspace,
+                                    detail::linear_memory(fn, targets, opts).reads("lse", lse));
   a.lse = lse;
   detail::run_vp_linear<detail::vp_linear_mode::backward>(fn, exec, group, a);
 }
