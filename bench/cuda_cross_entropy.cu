@@ -275,6 +275,13 @@ void BM_cross_entropy(benchmark::State& state) {
 
 __global__ void empty_kernel() {}
 
+/// The seed shapes' refresh between timed calls, as BM_cross_entropy's for fp32 logits: new
+/// random logits, then the 256 MiB overwrite that leaves L2 cold.
+void refresh_small(arena& a, std::int64_t elements, std::uint64_t& seed) {
+  fill_kernel<float><<<4096, 256>>>(static_cast<float*>(a.logits), elements, seed++, 2.0f);
+  check(cudaMemsetAsync(a.flush, static_cast<int>(seed & 0xff), a.flush_bytes), "flush");
+}
+
 /// The harness's floor for the seed shapes: an empty kernel of the small-batch kernel's geometry
 /// for fp32 32 x 32000 (32 rows x 9 CTAs of 256 threads, in clusters of 9 or without clusters),
 /// after the same refresh and timed between the same events. A seed-shape line's time above this
@@ -297,11 +304,41 @@ void BM_launch_floor(benchmark::State& state) {
   launch();
   check(cudaDeviceSynchronize(), "warm-up");
   for (auto _ : state) {
-    fill_kernel<float><<<4096, 256>>>(static_cast<float*>(a.logits), rows * cols, seed++, 2.0f);
-    check(cudaMemsetAsync(a.flush, static_cast<int>(seed & 0xff), a.flush_bytes), "flush");
+    refresh_small(a, rows * cols, seed);
     timed(state, a, launch);
   }
   state.counters["cluster"] = clusters ? 9 : 1;
+}
+
+/// The seed shapes' floor for moving their bytes: a kernel that reads every fp32 logit once and
+/// writes it back in place (copy_kernel's register mode, one 16 KiB step per CTA, the last step
+/// rounded up past the logits), after the same refresh, timed between the same events. It does
+/// what a fused pass must at the least (one read, one write, every SM busy, no cluster); a fused
+/// line's time above it is what the statistics, the cluster exchange and the dependent gradient
+/// stores add. roof_pct: the fused pass's minimum traffic against the 2 GiB copy roof, as on the
+/// fused lines.
+void BM_pass_floor(benchmark::State& state) {
+  const std::int64_t rows = state.range(0), cols = state.range(1);
+  const std::size_t bytes = sizeof(float) * static_cast<std::size_t>(rows * cols);
+  const std::size_t steps = (bytes + copy_step - 1) / copy_step;
+  arena& a = buffers();
+  a.reserve(steps * copy_step, rows);
+  auto* p = static_cast<uint4*>(a.logits);
+  auto launch = [&] {
+    copy_kernel<copy_mode::registers><<<static_cast<unsigned>(steps), copy_block>>>(p, p, steps);
+    check(cudaGetLastError(), "copy kernel");
+  };
+  std::uint64_t seed = 1;
+  launch();
+  check(cudaDeviceSynchronize(), "warm-up");
+  double total = 0.0;
+  for (auto _ : state) {
+    refresh_small(a, rows * cols, seed);
+    total += timed(state, a, launch);
+  }
+  xent_bench::report_traffic(
+      state, xent_bench::min_traffic_bytes(xent_bench::pass::forward_backward, rows, cols, 4),
+      rows * cols, total, copy_roof());
 }
 
 void shapes(benchmark::internal::Benchmark* b, bool seed_shapes, bool training_shapes) {
@@ -319,6 +356,7 @@ BENCHMARK(BM_copy_kernel)
     ->Unit(benchmark::kMicrosecond)
     ->Iterations(20);
 BENCHMARK(BM_launch_floor)->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_pass_floor)->Apply([](benchmark::internal::Benchmark* b) { shapes(b, true, false); });
 
 #define XENT_CUDA_BENCH(T, OP, SEED, TRAIN)                                                  \
   BENCHMARK_TEMPLATE(BM_cross_entropy, T, OP)->Apply([](benchmark::internal::Benchmark* b) { \
