@@ -74,10 +74,14 @@ inline device_facts query_device(const char* fn) {
 
 /// Per kernel and device, asked once: whether its code was built for sm_90+ (clusters exist in
 /// it), after raising its dynamic shared-memory limit to `dynamic_smem` bytes and allowing
-/// non-portable cluster sizes. Function attributes belong to one device's context, so a process
-/// that calls xent on several GPUs (one thread per GPU, as NCCL's single-process groups do) sets
-/// them on each: set on device 0 alone, the first launch on device 1 asking for more than 48 KiB
-/// failed.
+/// non-portable cluster sizes. The kernels compile their cluster, bulk-copy and mbarrier paths
+/// under __CUDA_ARCH__ >= 900, which follows the PTX the code came from (ptxVersion), not the
+/// machine code it became (binaryVersion): code JIT-compiled on an H100 from compute_80 PTX (a
+/// build for sm_80 alone) is sm_90 machine code without those paths, and launched as if it had
+/// them it would skip its work (the small-batch and bulk backward kernels are empty there).
+/// Function attributes belong to one device's context, so a process that calls xent on several GPUs
+/// (one thread per GPU, as NCCL's single-process groups do) sets them on each: set on device 0
+/// alone, the first launch on device 1 asking for more than 48 KiB failed.
 inline bool prepare_cluster_kernel(const void* kernel, int device, int dynamic_smem) {
   struct entry {
     const void* kernel;
@@ -93,7 +97,7 @@ inline bool prepare_cluster_kernel(const void* kernel, int device, int dynamic_s
   bool clusters = false;
   if (cudaFuncGetAttributes(&attr, kernel) == cudaSuccess) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_smem);
-    clusters = attr.binaryVersion >= 90 &&
+    clusters = attr.ptxVersion >= 90 && attr.binaryVersion >= 90 &&
                cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
                    cudaSuccess;
   }

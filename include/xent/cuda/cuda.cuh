@@ -42,8 +42,10 @@ namespace cuda_detail {
 
 /// The workspace layout: a header, then one float and one flag per row.
 struct workspace_header {
-  unsigned int rows_done;  ///< rows finished by the running call; the last resets it to 0
-  unsigned int pad[3];
+  /// Rows finished by the running call; the last resets it to 0. 64 bits: a call may have 2^32
+  /// rows or more (a 32-bit count would wrap and let a CTA finish the reduction early).
+  unsigned long long rows_done;
+  unsigned long long pad;
 };
 
 __host__ __device__ inline std::size_t align_up(std::size_t n, std::size_t a) {

@@ -132,7 +132,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::stream_forward_min_blocks)
   // The mean's normaliser, summed only by the CTA that completes the reduced loss.
   if (need_reduce)
     finish_reduction<Block>(
-        a.workspace, a.rows, static_cast<unsigned>(my_rows), a.loss, a.num_correct, [&] {
+        a.workspace, a.rows, static_cast<std::uint64_t>(my_rows), a.loss, a.num_correct, [&] {
           return a.reduce == reduction::mean
                      ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, a.weights)
                      : 1.0;

@@ -945,7 +945,7 @@ XENT_KERNEL void __launch_bounds__(
     if (threadIdx.x == 0) bulk_stores_wait<0, true>();
   }
   if (need_reduce && rank == 0) {
-    finish_reduction<Block>(a.workspace, a.rows, static_cast<unsigned>(my_rows), a.loss,
+    finish_reduction<Block>(a.workspace, a.rows, static_cast<std::uint64_t>(my_rows), a.loss,
                             a.num_correct, normalizer);
   }
 }

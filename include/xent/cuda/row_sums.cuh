@@ -103,14 +103,15 @@ __device__ void write_totals(double sum, double hits, double divisor, float* los
 /// not per row. `normalizer` is the mean's W (1 for a sum), or a callable that every thread of
 /// the completing CTA calls for it (a pass that needs W for nothing else sums it once, there).
 template <int Block, class Normalizer>
-__device__ void finish_reduction(void* workspace, std::int64_t rows, unsigned my_rows, float* loss,
-                                 std::int64_t* num_correct, Normalizer normalizer) {
+__device__ void finish_reduction(void* workspace, std::int64_t rows, std::uint64_t my_rows,
+                                 float* loss, std::int64_t* num_correct, Normalizer normalizer) {
   __shared__ bool last;
   __syncthreads();  // every record_row of this CTA is issued
   if (threadIdx.x == 0) {
     __threadfence();  // this CTA's entries are visible before the count says so
-    const unsigned before = atomicAdd(&header(workspace)->rows_done, my_rows);
-    last = before + my_rows == static_cast<unsigned>(rows);
+    const unsigned long long before =
+        atomicAdd(&header(workspace)->rows_done, static_cast<unsigned long long>(my_rows));
+    last = before + my_rows == static_cast<unsigned long long>(rows);
   }
   __syncthreads();  // `last` is visible
   if (!last) return;

@@ -148,10 +148,10 @@ XENT_KERNEL void __launch_bounds__(Block) vp_merge_kernel(row_args<T, G, Tgt> a,
       a.reduce == reduction::mean && need_reduce
           ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, weights)
           : 1.0;
-  unsigned my_rows = 0;
+  std::uint64_t my_rows = 0;
   for (std::int64_t base = blockIdx.x * std::int64_t{Block}; base < a.rows;
        base += std::int64_t{gridDim.x} * Block) {
-    my_rows += static_cast<unsigned>(a.rows - base < Block ? a.rows - base : Block);
+    my_rows += static_cast<std::uint64_t>(a.rows - base < Block ? a.rows - base : Block);
     const std::int64_t n = base + threadIdx.x;
     if (n >= a.rows) continue;
     std::int64_t y = -1;
