@@ -121,7 +121,7 @@ void check_linear_training(const char* fn, const matrix_view<const T>& hidden,
 template <class Targets>
 call_memory linear_memory(const char* fn, const Targets& targets, const linear_options& opts) {
   call_memory mem(fn);
-  mem.reads_targets(typename target_traits<Targets>::type(targets), opts);
+  mem.reads_targets(targets, opts);
   return mem;
 }
 

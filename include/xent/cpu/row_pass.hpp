@@ -266,8 +266,7 @@ void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, 
     // Eigen's exponential clamps its argument: terms below the normal range (a masked class's
     // -inf among them) are zeroed as packet_exp does. In a row of -inf alone the LSE is -inf
     // too, every z - lse is NaN and stays so, as in PyTorch's log_softmax.
-    d = (z - lse).exp() * ga;
-    d = (z - lse < exp_underflow<A>).select(A(0), d);
+    d = (z - lse < exp_underflow<A>).select(A(0), (z - lse).exp() * ga);  // one pass
     subtract_target_mass(pb, n, c, g, d, tbuf);
     if (k.softcap > A(0)) d *= A(1) - (z * k.inv_softcap).square();
     convert(gbuf, len, out + c);  // a conversion only: no peeled arithmetic

@@ -78,7 +78,8 @@ class call_memory {
     return in_place ? *this : reads("logits", logits);
   }
 
-  /// Class ids or soft-target probabilities, and the class weights of `opts`.
+  /// Class ids or soft-target probabilities (any targets type target_traits accepts), and the
+  /// class weights of `opts`.
   template <class I>
   call_memory& reads_targets(const vector_view<I>& ids, const options& opts) {
     return reads("targets", ids).reads("options.class_weights", opts.class_weights);
@@ -136,11 +137,7 @@ class call_memory {
 template <class L, class Targets, class B>
 void check_forward_memory(const char* fn, const matrix_view<L>& logits, const Targets& targets,
                           const options& opts, const basic_forward_outputs<B>& out) {
-  call_memory(fn)
-      .reads("logits", logits)
-      .reads_targets(typename target_traits<Targets>::type(targets), opts)
-      .writes_outputs(out)
-      .check();
+  call_memory(fn).reads("logits", logits).reads_targets(targets, opts).writes_outputs(out).check();
 }
 
 /// A call that writes a gradient: the logits (unless in place), targets, class weights, a saved
@@ -153,7 +150,7 @@ void check_gradient_memory(const char* fn, const matrix_view<L>& logits, const T
                            const matrix_view<G>& grad) {
   call_memory(fn)
       .reads_logits(logits, grad)
-      .reads_targets(typename target_traits<Targets>::type(targets), opts)
+      .reads_targets(targets, opts)
       .reads("lse", lse)
       .reads_upstream(up)
       .writes("grad", grad)
