@@ -30,6 +30,7 @@ struct spec {
   bool weights = false, soft = false, some_ignored = false, all_ignored = false;
   bool in_place = true, argmax = true;
   bool edge_targets = false;  ///< class ids at the edges of every cut of a row over 1..16 CTAs
+  int edge_cluster = 0;       ///< nonzero: the edges of the cut over this many CTAs alone
   std::int64_t ignore_index = -100;
   std::uint64_t seed = 1;
   std::string name() const {
@@ -83,6 +84,7 @@ void check_spec(const spec& s) {
     std::vector<std::int64_t> edges{0, V - 1};
     const std::int64_t vec = 16 / static_cast<std::int64_t>(sizeof(T));
     for (std::int64_t c = 2; c <= 16; ++c) {
+      if (s.edge_cluster != 0 && c != s.edge_cluster) continue;
       const std::int64_t slice = ((V + c - 1) / c + vec - 1) / vec * vec;
       for (std::int64_t k = 1; k * slice < V; ++k) {
         edges.push_back(k * slice - 1);
@@ -653,6 +655,28 @@ TYPED_TEST(CudaBackend, PlainFusedRowsWithTargetsAtSliceEdges) {
     s.some_ignored = true;
     s.argmax = false;
     s.seed = static_cast<std::uint64_t>(shape.first);
+    check_spec<TypeParam>(s);
+  }
+}
+
+// Plain fused rows longer than eight default chunks (policy::wide_rows): CTAs of twice the threads
+// and chunks, one per SM, clusters of up to 16 holding rows of up to 1 MiB; just past 1 MiB the
+// default shape streams them in chunks. Targets at every slice's edge, rows ignored, in place and
+// not, a spike in the last columns.
+TYPED_TEST(CudaBackend, PlainFusedLongRowsTakeTheWideShape) {
+  constexpr std::int64_t bytes = sizeof(TypeParam);
+  for (std::int64_t row_bytes : {(256 << 10) + 16, 600000, 1 << 20, (1 << 20) + 16}) {
+    spec s;
+    s.rows = 60;  // enough clusters that the plan does not spread a row over more CTAs
+    s.cols = row_bytes / bytes;
+    s.edge_targets = true;
+    s.edge_cluster = static_cast<int>((row_bytes + (64 << 10) - 1) / (64 << 10));  // wide cut
+    if (s.edge_cluster > 16) s.edge_cluster = 16;
+    s.some_ignored = true;
+    s.argmax = false;
+    s.in_place = row_bytes != 600000;
+    s.spike = row_bytes == 1 << 20 ? 60.0f : 0.0f;
+    s.seed = static_cast<std::uint64_t>(row_bytes);
     check_spec<TypeParam>(s);
   }
 }

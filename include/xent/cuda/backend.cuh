@@ -122,19 +122,22 @@ constexpr int row_kernel_stages() {
   return policy::stages + (Aligned && policy::bulk_gradient<T, G, Plain, P == pass::fused> ? 1 : 0);
 }
 
-template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
+/// The row kernel of one CTA shape (row_shape).
+template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
+constexpr auto row_kernel_of =
+    row_kernel<Shape::block, Shape::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
+
+template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
 bool prepare_kernel_attributes(int device) {
-  auto kernel =
-      row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
   return prepare_cluster_kernel(
-      reinterpret_cast<const void*>(kernel), device,
-      static_cast<int>(row_kernel_stages<Aligned, Plain, P, T, G>() * policy::max_chunk_bytes));
+      reinterpret_cast<const void*>(row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt>), device,
+      static_cast<int>(row_kernel_stages<Aligned, Plain, P, T, G>() * Shape::chunk_bytes));
 }
 
 /// How many clusters of this kernel fit on the device at once, for a launch shaped like `cfg`:
 /// the occupancy query costs microseconds of host time, so answers are kept per instantiation
 /// (keyed by device, cluster size and shared memory).
-template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
+template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
 int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_facts& dev) {
   struct entry {
     int device, cluster;
@@ -150,13 +153,12 @@ int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_
       if (e.device == dev.id && e.cluster == cluster && e.smem == cfg.dynamicSmemBytes)
         return e.active;
   }
-  auto kernel =
-      row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
+  auto kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt>;
   int active = 0;
   if (cluster > 1) {
     check_cuda(fn, cudaOccupancyMaxActiveClusters(&active, kernel, &cfg));
   } else {
-    check_cuda(fn, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&active, kernel, policy::block,
+    check_cuda(fn, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&active, kernel, Shape::block,
                                                                  cfg.dynamicSmemBytes));
     active *= dev.sms;
   }
@@ -165,32 +167,33 @@ int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_
   return active;
 }
 
-template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
+template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt,
+          class Shape = default_shape>
 void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
                  const device_facts& dev) {
-  auto kernel =
-      row_kernel<policy::block, policy::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
+  auto kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt>;
   const bool clusters =
-      prepare_kernel_attributes<Aligned, Plain, P, T, G, Tgt>(dev.id) && dev.major >= 9;
+      prepare_kernel_attributes<Shape, Aligned, Plain, P, T, G, Tgt>(dev.id) && dev.major >= 9;
   const bool whole_rows =
       P == pass::forward && policy::whole_rows > 0 &&
       args.rows >= std::int64_t{policy::whole_rows} * dev.sms * policy::min_blocks<T, false>();
-  const launch_plan plan = make_launch_plan(args.rows, args.cols, sizeof(T), dev.sms,
-                                            clusters && !whole_rows ? policy::cluster_max : 1);
+  const launch_plan plan =
+      make_launch_plan(args.rows, args.cols, sizeof(T), dev.sms,
+                       clusters && !whole_rows ? policy::cluster_max : 1, Shape::chunk_bytes);
   args.cluster = plan.cluster;
   args.slice = plan.slice;
   args.chunk = plan.chunk;
   args.chunks = plan.chunks;
   args.chunk_bytes = plan.chunk_bytes;
   cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(policy::block, 1, 1);
+  cfg.blockDim = dim3(Shape::block, 1, 1);
   cfg.dynamicSmemBytes = plan.smem_bytes;
   // Plain fused resident rows staged by bulk copies (sm_90) take stages of a whole register tile
   // each, whose tails the kernel fills once (whole_extent), and, where they store their gradient
   // by bulk copy (policy::bulk_gradient), a gradient stage after them.
   if (Aligned && Plain && P == pass::fused && dev.major >= 9 && plan.chunks == 1) {
-    args.chunk_bytes = policy::max_chunk_bytes;
-    cfg.dynamicSmemBytes = row_kernel_stages<Aligned, Plain, P, T, G>() * policy::max_chunk_bytes;
+    args.chunk_bytes = Shape::chunk_bytes;
+    cfg.dynamicSmemBytes = row_kernel_stages<Aligned, Plain, P, T, G>() * Shape::chunk_bytes;
   }
   cfg.stream = exec.stream;
   static const bool log = std::getenv("XENT_CUDA_LOG") != nullptr;  // read once
@@ -199,7 +202,7 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   cfg.numAttrs = plan.cluster > 1 ? 1 : 0;
   // Persistent clusters: as many as fit at once, each walking its share of the rows.
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), 1, 1);
-  const int active = active_clusters<Aligned, Plain, P, T, G, Tgt>(fn, cfg, dev);
+  const int active = active_clusters<Shape, Aligned, Plain, P, T, G, Tgt>(fn, cfg, dev);
   const std::int64_t grid_rows = args.rows < active ? args.rows : (active > 0 ? active : 1);
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(grid_rows), 1);
   if (log)
@@ -330,6 +333,11 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
           launch_stream_forward(fn, exec, args, dev))
         return;
     }
+  }
+  if constexpr (P == pass::fused && !Tgt::soft && policy::wide_rows) {
+    if (aligned && plain && dev.major >= 9 &&
+        wide_rows_for(args.cols * static_cast<std::int64_t>(sizeof(T))))
+      return launch_rows<true, true, P, T, G, Tgt, wide_shape>(fn, exec, args, dev);
   }
   if (!aligned)
     launch_rows<false, false, P>(fn, exec, args, dev);

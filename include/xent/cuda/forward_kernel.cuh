@@ -89,14 +89,24 @@ XENT_KERNEL void __launch_bounds__(Block, policy::stream_forward_min_blocks)
   const bool need_reduce = a.workspace && (a.loss || a.num_correct);
 
   int merged = 0;  // rows merged so far
+  // Each row's target is read one row ahead, and its target logit (thread 0) as the row starts:
+  // read where they were needed, each was a cold read that stalled the whole CTA once per row
+  // (bf16 8192 x 32000 forward at 82% of the copy roof, where rows 4x longer reach 98%).
+  auto target_of = [&](std::int64_t i) {
+    return i < my_rows ? static_cast<std::int64_t>(a.targets.ids[blockIdx.x + i * gridDim.x])
+                       : std::int64_t{0};
+  };
+  std::int64_t y_next = target_of(0);
   for (std::int64_t i = 0; i < my_rows; ++i) {
     const std::int64_t n = blockIdx.x + i * gridDim.x;
     const T* src = a.logits + n * a.ld;
-    const auto y = static_cast<std::int64_t>(a.targets.ids[n]);
+    const std::int64_t y = y_next;
+    y_next = target_of(i + 1);
     if (skipped_target(a, y)) {
       if (threadIdx.x == 0) write_skipped_row(a, n, y != a.ignore_index, true, need_reduce);
       continue;
     }
+    const float z_y = threadIdx.x == 0 ? to_float(src[y]) : 0.0f;
     stream_stats st;
     // One tile in registers at a time (the loop is not unrolled): the other CTAs of the SM keep
     // loads in flight while this one sweeps.
@@ -113,7 +123,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::stream_forward_min_blocks)
     row_partial p;
     p.lse = online_lse::of_block(st.max, st.sum);
     p = warp_merge<32>(p);
-    if (threadIdx.x == 0) p.target_logit = to_float(src[y]);
+    if (threadIdx.x == 0) p.target_logit = z_y;
     row_partial* const parts = warp_parts + (merged++ & 1) * warps;
     if (lane == 0) parts[warp] = p;
     __syncthreads();

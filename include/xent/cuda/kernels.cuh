@@ -486,9 +486,10 @@ struct row_state {
 template <int Block, int Regs, int Stages, bool Aligned, bool Plain, pass P, class T, class G,
           class Tgt>
 XENT_KERNEL void __launch_bounds__(
-    Block, policy::min_blocks<T, P == pass::backward,
-                              policy::template keep_exps<T, Plain, P == pass::fused> ||
-                                  (Aligned && Plain && P == pass::fused)>())
+    Block, row_shape<Block, Regs>::blocks_at(
+               policy::min_blocks<T, P == pass::backward,
+                                  policy::template keep_exps<T, Plain, P == pass::fused> ||
+                                      (Aligned && Plain && P == pass::fused)>()))
     row_kernel(row_args<T, G, Tgt> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool bulk = Aligned;

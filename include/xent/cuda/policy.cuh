@@ -57,6 +57,9 @@
 #ifndef XENT_CUDA_BULK_GRADIENT  // fused resident rows' gradient by bulk copy (see policy)
 #define XENT_CUDA_BULK_GRADIENT 2
 #endif
+#ifndef XENT_CUDA_WIDE_ROWS  // 0: long plain fused rows keep the default CTA shape (see policy)
+#define XENT_CUDA_WIDE_ROWS 1
+#endif
 #ifndef XENT_CUDA_STREAM_FORWARD  // 0: plain forwards by the row kernel too (see policy)
 #define XENT_CUDA_STREAM_FORWARD 1
 #endif
@@ -207,11 +210,43 @@ struct policy {
                                         (XENT_CUDA_BULK_GRADIENT >= 2 ||
                                          (XENT_CUDA_BULK_GRADIENT == 1 &&
                                           keep_exps<T, Plain, Fused>));
+  /// Whether plain fused aligned rows on sm_90 longer than wide_from_bytes (the default shape
+  /// would cut them over more than 8 CTAs) and at most cluster_max wide chunks take the wide
+  /// shape (wide_shape: CTAs of twice the threads, each holding a chunk twice as large, one CTA
+  /// per SM at the same registers per thread): clusters of at most 8 where they were 16, of
+  /// which the GPCs fit 14 per 132 SMs at two CTAs per SM (224 of 264 CTA slots), and rows up to
+  /// 1 MiB held on chip where the default shape streams them through twice. H200, 2026-11-24,
+  /// the same shape applied to every kernel (bench/cuda_variants.sh), bf16 fused 4096 x 262144:
+  /// 1.162 -> 1.088 ms (87.5 -> 93.3% of the copy roof); the other kernels were slower so.
+  static constexpr bool wide_rows = XENT_CUDA_WIDE_ROWS != 0;
+  static constexpr std::int64_t wide_from_bytes = 8 * max_chunk_bytes;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
   static constexpr std::int64_t min_slice_bytes = 4096;
 };
+
+/// A shape of the row kernel's CTAs: threads, and 16-byte vectors per thread of a chunk (a stage
+/// holds Block x Regs vectors).
+template <int Block, int Regs>
+struct row_shape {
+  static constexpr int block = Block, regs = Regs;
+  static constexpr std::size_t chunk_bytes = std::size_t{16} * Block * Regs;
+  /// CTAs per SM that `min_blocks` CTAs of the default shape's registers per thread come to.
+  static constexpr int blocks_at(int min_blocks) {
+    return min_blocks * policy::block / Block > 0 ? min_blocks * policy::block / Block : 1;
+  }
+};
+using default_shape = row_shape<policy::block, policy::regs>;
+using wide_shape = row_shape<2 * policy::block, policy::regs>;
+static_assert(default_shape::chunk_bytes == policy::max_chunk_bytes, "the default chunk");
+
+/// Whether plain fused aligned rows of `row_bytes` take the wide shape (policy::wide_rows).
+inline bool wide_rows_for(std::int64_t row_bytes) {
+  return policy::wide_rows && row_bytes > policy::wide_from_bytes &&
+         row_bytes <=
+             std::int64_t{policy::cluster_max} * static_cast<std::int64_t>(wide_shape::chunk_bytes);
+}
 
 /// What the dispatcher decided for one call.
 struct launch_plan {
@@ -240,14 +275,15 @@ inline std::int64_t spread_rows(std::int64_t c, std::int64_t rows, std::int64_t 
 }
 
 /// Cuts rows of `cols` elements of `elem_bytes` over a cluster: `sms` multiprocessors,
-/// `max_cluster` 1 without clusters or when each CTA streams whole rows. Slices and chunks are
-/// whole 16-byte vectors (the register tiles' unit).
+/// `max_cluster` 1 without clusters or when each CTA streams whole rows, stages of at most
+/// `max_chunk_bytes`. Slices and chunks are whole 16-byte vectors (the register tiles' unit).
 inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms,
-                                    int max_cluster) {
+                                    int max_cluster,
+                                    std::size_t max_chunk_bytes = policy::max_chunk_bytes) {
   const int vec = 16 / elem_bytes;
   launch_plan p;
   const std::int64_t row_bytes = cols * elem_bytes;
-  std::int64_t c = ceil_div(row_bytes, static_cast<std::int64_t>(policy::max_chunk_bytes));
+  std::int64_t c = ceil_div(row_bytes, static_cast<std::int64_t>(max_chunk_bytes));
   if (c <= max_cluster) {
     c = spread_rows(c, rows, row_bytes, sms, max_cluster);  // resident rows
   } else {
@@ -255,7 +291,7 @@ inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int el
   }
   p.cluster = static_cast<int>(c < 1 ? 1 : c);
   p.slice = slice_classes(cols, p.cluster, vec);
-  const std::int64_t max_chunk = static_cast<std::int64_t>(policy::max_chunk_bytes) / elem_bytes;
+  const std::int64_t max_chunk = static_cast<std::int64_t>(max_chunk_bytes) / elem_bytes;
   p.chunks = ceil_div(p.slice, max_chunk);
   p.chunk = ceil_div(ceil_div(p.slice, p.chunks), vec) * vec;
   p.chunk_bytes = static_cast<std::size_t>(ceil_div(p.chunk * elem_bytes, 16) * 16);

@@ -72,15 +72,20 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const std::int64_t v0 = rank * a.slice;
   const std::int64_t v1 = v0 + a.slice < a.cols ? v0 + a.slice : a.cols;
   const int count = v1 > v0 ? static_cast<int>(v1 - v0) : 0;
+  // The slice is loaded before the row's target is known, skipped row or not: two cold reads one
+  // after the other (the target, then the logits it decides on) were the launch's longest chain.
+  global_tile<T, Regs, Block> tile;
+  tile.template load<Aligned>(a.logits + n * a.ld + v0, count);
   const std::int64_t y = static_cast<std::int64_t>(a.targets.ids[n]);
   // The same on every CTA of the row, so a skipped row skips the cluster's barriers everywhere.
   const bool skip = skipped_target(a, y);
   const bool invalid = skip && y != a.ignore_index;
   const float w_y = !skip && a.weights ? a.weights[y] : 1.0f;
-
-  global_tile<T, Regs, Block> tile;
-  if (!skip) tile.template load<Aligned>(a.logits + n * a.ld + v0, count);
+  // The target's logit, by the thread that merges it, read beside the slice rather than after it.
+  const bool has_target = threadIdx.x == 0 && !skip && y >= v0 && y < v1;
+  const float z_y = has_target ? to_float(a.logits[n * a.ld + y]) : 0.0f;
   const bool need_reduce = a.workspace && (a.loss || a.num_correct);
+  if (need_reduce && rank == 0 && threadIdx.x == 0) prefetch_workspace(a.workspace);
   // The mean's normaliser (every CTA sums it, as the row kernel's do) while the loads fly.
   const double normalizer =
       a.reduce == reduction::mean && (want_grad || need_reduce)
@@ -89,8 +94,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
 
   if (!skip) {
     row_partial p = tile_warp_stats(tile);
-    if (threadIdx.x == 0 && y >= v0 && y < v1)
-      p.target_logit = to_float(a.logits[n * a.ld + y]);  // read before any gradient store
+    if (has_target) p.target_logit = z_y;  // read before any gradient store
     if (lane == 0) warp_parts[warp] = p;
     __syncthreads();
     if (warp == 0) {

@@ -212,11 +212,20 @@ struct global_tile : tile_extent<T, Regs, Block> {
         w[r][2] = q.z;
         w[r][3] = q.w;
       } else {
-        // Packed as a 16-byte load would have them (element e in bits 8 sizeof(T) e of the
-        // vector), so word_element reads them the same way.
-        unsigned char bytes[16] = {};
-        memcpy(bytes, src + shape::offset(r), sizeof(T) * static_cast<std::size_t>(this->valid(r)));
-        memcpy(w[r], bytes, 16);
+        // Element by element, packed as a 16-byte load would have them (element e in bits
+        // 8 sizeof(T) e of the vector), so word_element reads them the same way. Unrolled raw
+        // loads of T's width: a memcpy of a run-time length was a byte loop through local memory
+        // (fp32 32 x 50257, rows 4-byte aligned: 23.6 us against 12.0 for 32 x 32000).
+        using raw = std::conditional_t<sizeof(T) == 4, unsigned, unsigned short>;
+        constexpr int per_word = 4 / static_cast<int>(sizeof(T));
+        const raw* s = reinterpret_cast<const raw*>(src + shape::offset(r));
+        const int valid = this->valid(r);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[r][k] = 0u;
+#pragma unroll
+        for (int e = 0; e < shape::vec; ++e)
+          if (e < valid)
+            w[r][e / per_word] |= static_cast<unsigned>(s[e]) << (8 * sizeof(T) * (e % per_word));
       }
     }
   }
