@@ -617,6 +617,14 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
     s.in_place = ld == 20000;
     check_spec<float>(s);
   }
+  // Plain fused rows of 280 KB: the row kernel's wide shape (policy::wide_rows), each row spread
+  // over a cluster of 16 CTAs of 512 threads.
+  spec s;
+  s.rows = 3;
+  s.cols = 140000;
+  s.some_ignored = true;
+  s.argmax = false;
+  check_spec<Eigen::bfloat16>(s);
 }
 
 // A batch of plain rows that gives every CTA in flight a row: the streaming forward
