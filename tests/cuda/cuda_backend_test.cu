@@ -667,15 +667,16 @@ TYPED_TEST(CudaBackend, PlainFusedRowsWithTargetsAtSliceEdges) {
   }
 }
 
-// Plain fused rows longer than eight default chunks (policy::wide_rows): CTAs of twice the threads
-// and chunks, one per SM, clusters of up to 16 holding rows of up to 1 MiB; just past 1 MiB the
-// default shape streams them in chunks. Targets at every slice's edge, rows ignored, in place and
-// not, a spike in the last columns.
+// Plain fused rows longer than 128 KiB (policy::wide_rows): CTAs of twice the threads and chunks,
+// one per SM, clusters of up to 16 holding rows of up to 1 MiB; just past 1 MiB the default shape
+// streams them in chunks. Targets at every slice's edge, rows ignored, in place and not, a spike
+// in the last columns.
 TYPED_TEST(CudaBackend, PlainFusedLongRowsTakeTheWideShape) {
   constexpr std::int64_t bytes = sizeof(TypeParam);
-  for (std::int64_t row_bytes : {(256 << 10) + 16, 600000, 1 << 20, (1 << 20) + 16}) {
+  for (std::int64_t row_bytes :
+       {(128 << 10) + 16, (256 << 10) + 16, 600000, 1 << 20, (1 << 20) + 16}) {
     spec s;
-    s.rows = 60;  // enough clusters that the plan does not spread a row over more CTAs
+    s.rows = 90;  // enough clusters that the plan does not spread a row over more CTAs
     s.cols = row_bytes / bytes;
     s.edge_targets = true;
     s.edge_cluster = static_cast<int>((row_bytes + (64 << 10) - 1) / (64 << 10));  // wide cut
@@ -684,6 +685,7 @@ TYPED_TEST(CudaBackend, PlainFusedLongRowsTakeTheWideShape) {
     s.argmax = false;
     s.in_place = row_bytes != 600000;
     s.spike = row_bytes == 1 << 20 ? 60.0f : 0.0f;
+    if (row_bytes < 256 << 10) s.rows = 89;  // 3 CTAs per row
     s.seed = static_cast<std::uint64_t>(row_bytes);
     check_spec<TypeParam>(s);
   }

@@ -60,6 +60,9 @@
 #ifndef XENT_CUDA_WIDE_ROWS  // 0: long plain fused rows keep the default CTA shape (see policy)
 #define XENT_CUDA_WIDE_ROWS 1
 #endif
+#ifndef XENT_CUDA_WIDE_FROM_KIB  // rows longer than this take the wide shape
+#define XENT_CUDA_WIDE_FROM_KIB 128
+#endif
 #ifndef XENT_CUDA_STREAM_FORWARD  // 0: plain forwards by the row kernel too (see policy)
 #define XENT_CUDA_STREAM_FORWARD 1
 #endif
@@ -210,16 +213,19 @@ struct policy {
                                         (XENT_CUDA_BULK_GRADIENT >= 2 ||
                                          (XENT_CUDA_BULK_GRADIENT == 1 &&
                                           keep_exps<T, Plain, Fused>));
-  /// Whether plain fused aligned rows on sm_90 longer than wide_from_bytes (the default shape
-  /// would cut them over more than 8 CTAs) and at most cluster_max wide chunks take the wide
-  /// shape (wide_shape: CTAs of twice the threads, each holding a chunk twice as large, one CTA
-  /// per SM at the same registers per thread): clusters of at most 8 where they were 16, of
-  /// which the GPCs fit 14 per 132 SMs at two CTAs per SM (224 of 264 CTA slots), and rows up to
-  /// 1 MiB held on chip where the default shape streams them through twice. H200, 2026-11-24,
-  /// the same shape applied to every kernel (bench/cuda_variants.sh), bf16 fused 4096 x 262144:
-  /// 1.162 -> 1.088 ms (87.5 -> 93.3% of the copy roof); the other kernels were slower so.
+  /// Whether plain fused aligned rows on sm_90 longer than wide_from_bytes and at most
+  /// cluster_max wide chunks take the wide shape (wide_shape: CTAs of twice the threads, each
+  /// holding a chunk twice as large, one CTA per SM at the same registers per thread): half the
+  /// CTAs per row, so clusters of 16 become 8, which pack where the GPCs fit 14 of 16 at two CTAs
+  /// per SM (224 of 264 CTA slots), and rows up to 1 MiB are held on chip where the default shape
+  /// streams them through twice. H200, 2026-11-24, bf16 fused 4096 x 262144: 1.162 -> 1.088 ms
+  /// (87.5 -> 93.3% of the copy roof; the shape applied to every kernel by bench/cuda_variants.sh
+  /// made the others slower, so it is chosen here alone); from 256 KiB, fp32 8192 x 128256 2.190
+  /// -> 2.091 ms; from 128 KiB, bf16 16384 x 128256 (clusters of 4 where they were 8) 2.198 ->
+  /// 2.113 ms (90.2 -> 93.5%). From 32 KiB, bf16 8192 x 32000 (one wide CTA per row) went 284 ->
+  /// 281 us in one lease, too little to take it there unmeasured elsewhere.
   static constexpr bool wide_rows = XENT_CUDA_WIDE_ROWS != 0;
-  static constexpr std::int64_t wide_from_bytes = 8 * max_chunk_bytes;
+  static constexpr std::int64_t wide_from_bytes = std::int64_t{XENT_CUDA_WIDE_FROM_KIB} * 1024;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
