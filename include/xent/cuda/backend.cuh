@@ -73,15 +73,17 @@ inline device_facts query_device(const char* fn) {
 }
 
 /// Per kernel and device, asked once: whether its code was built for sm_90+ (clusters exist in
-/// it), after raising its dynamic shared-memory limit to `dynamic_smem` bytes and allowing
-/// non-portable cluster sizes. The kernels compile their cluster, bulk-copy and mbarrier paths
-/// under __CUDA_ARCH__ >= 900, which follows the PTX the code came from (ptxVersion), not the
-/// machine code it became (binaryVersion): code JIT-compiled on an H100 from compute_80 PTX (a
-/// build for sm_80 alone) is sm_90 machine code without those paths, and launched as if it had
-/// them it would skip its work (the small-batch and bulk backward kernels are empty there).
-/// Function attributes belong to one device's context, so a process that calls xent on several GPUs
-/// (one thread per GPU, as NCCL's single-process groups do) sets them on each: set on device 0
-/// alone, the first launch on device 1 asking for more than 48 KiB failed.
+/// it) and the device lets it have `dynamic_smem` bytes of dynamic shared memory (a part with
+/// less shared memory per block than an H100's, as sm_120's 99 KiB, refuses the wide row shape's
+/// 192 KiB: the caller then takes another kernel rather than a launch that fails), after raising
+/// its limit to that and allowing non-portable cluster sizes. The kernels compile their cluster,
+/// bulk-copy and mbarrier paths under __CUDA_ARCH__ >= 900, which follows the PTX the code came
+/// from (ptxVersion), not the machine code it became (binaryVersion): code JIT-compiled on an H100
+/// from compute_80 PTX (a build for sm_80 alone) is sm_90 machine code without those paths, and
+/// launched as if it had them it would skip its work (the small-batch and bulk backward kernels are
+/// empty there). Function attributes belong to one device's context, so a process that calls xent
+/// on several GPUs (one thread per GPU, as NCCL's single-process groups do) sets them on each: set
+/// on device 0 alone, the first launch on device 1 asking for more than 48 KiB failed.
 inline bool prepare_cluster_kernel(const void* kernel, int device, int dynamic_smem) {
   struct entry {
     const void* kernel;
@@ -93,14 +95,18 @@ inline bool prepare_cluster_kernel(const void* kernel, int device, int dynamic_s
   std::lock_guard<std::mutex> hold(lock);
   for (const entry& e : known)
     if (e.kernel == kernel && e.device == device) return e.clusters;
+  // A refused call leaves its error for the next cudaGetLastError, where a later launch's check
+  // would report it as its own: taken back at once.
+  auto ok = [](cudaError_t e) {
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return e == cudaSuccess;
+  };
   cudaFuncAttributes attr{};
-  bool clusters = false;
-  if (cudaFuncGetAttributes(&attr, kernel) == cudaSuccess) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_smem);
-    clusters = attr.ptxVersion >= 90 && attr.binaryVersion >= 90 &&
-               cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-                   cudaSuccess;
-  }
+  const bool clusters =
+      ok(cudaFuncGetAttributes(&attr, kernel)) &&
+      ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_smem)) &&
+      attr.ptxVersion >= 90 && attr.binaryVersion >= 90 &&
+      ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   known.push_back({kernel, device, clusters});
   return clusters;
 }
@@ -336,7 +342,8 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
   }
   if constexpr (P == pass::fused && !Tgt::soft && policy::wide_rows) {
     if (aligned && plain && dev.major >= 9 &&
-        wide_rows_for(args.cols * static_cast<std::int64_t>(sizeof(T))))
+        wide_rows_for(args.cols * static_cast<std::int64_t>(sizeof(T))) &&
+        prepare_kernel_attributes<wide_shape, true, true, P, T, G, Tgt>(dev.id))
       return launch_rows<true, true, P, T, G, Tgt, wide_shape>(fn, exec, args, dev);
   }
   if (!aligned)
