@@ -720,6 +720,43 @@ TEST(CudaLaunchPlan, SmallBatchesCutEachRowOverAClusterThatHoldsIt) {
       }
 }
 
+// Host-only (runs without a GPU): which fused rows take the wide shape (policy::wide_rows), and
+// its cut of them: every such row held on chip (one chunk per CTA) by a cluster of at most 16.
+TEST(CudaLaunchPlan, LongFusedRowsTakeTheWideShapeUpTo1MiB) {
+  using xent::cuda_detail::make_launch_plan;
+  using xent::cuda_detail::policy;
+  using xent::cuda_detail::wide_rows_for;
+  using xent::cuda_detail::wide_shape;
+  if (!policy::wide_rows) GTEST_SKIP() << "no wide shape (XENT_CUDA_WIDE_ROWS=0)";
+  const std::int64_t most =
+      std::int64_t{policy::cluster_max} * static_cast<std::int64_t>(wide_shape::chunk_bytes);
+  EXPECT_FALSE(wide_rows_for(policy::wide_from_bytes));
+  EXPECT_TRUE(wide_rows_for(policy::wide_from_bytes + 16));
+  EXPECT_TRUE(wide_rows_for(most));
+  EXPECT_FALSE(wide_rows_for(most + 16));
+  const int sms = 132;
+  auto wide = [&](std::int64_t rows, std::int64_t cols, int bytes) {
+    return make_launch_plan(rows, cols, bytes, sms, policy::cluster_max, wide_shape::chunk_bytes);
+  };
+  // The benchmark's shapes: bf16 4096 x 262144 over 8 CTAs (16 of the default shape), 16384 x
+  // 128256 over 4, fp32 8192 x 128256 over 8.
+  EXPECT_EQ(wide(4096, 262144, 2).cluster, 8);
+  EXPECT_EQ(wide(16384, 128256, 2).cluster, 4);
+  EXPECT_EQ(wide(8192, 128256, 4).cluster, 8);
+  for (std::int64_t rows : {1, 3, 60, 4096})
+    for (std::int64_t row_bytes : {policy::wide_from_bytes + 16, std::int64_t{600000}, most})
+      for (int bytes : {2, 4}) {
+        const std::int64_t cols = row_bytes / bytes;
+        ASSERT_TRUE(wide_rows_for(cols * bytes));
+        const auto p = wide(rows, cols, bytes);
+        EXPECT_EQ(p.chunks, 1) << rows << " x " << cols;
+        EXPECT_LE(p.cluster, policy::cluster_max);
+        EXPECT_EQ(p.slice % (16 / bytes), 0);
+        EXPECT_GE(p.slice * p.cluster, cols);
+        EXPECT_LE(p.slice * bytes, static_cast<std::int64_t>(wide_shape::chunk_bytes));
+      }
+}
+
 /// 16384 x 131073 bf16 = 2.1e9 elements (> 2^31): 64-bit offsets end to end. Rows are checked by
 /// sampling against the oracle.
 TEST(CudaBackendLarge, MoreThan2Pow31ElementsIndexCorrectly) {
