@@ -757,6 +757,26 @@ TEST(CudaLaunchPlan, LongFusedRowsTakeTheWideShapeUpTo1MiB) {
       }
 }
 
+TEST(CudaLaunchPlan, PersistentGridsWalkEvenShares) {
+  using xent::cuda_detail::ceil_div;
+  using xent::cuda_detail::persistent_grid;
+  using xent::cuda_detail::policy;
+  EXPECT_EQ(persistent_grid(0, 396), 0);
+  EXPECT_EQ(persistent_grid(7, 396), 7);
+  EXPECT_EQ(persistent_grid(396, 396), 396);
+  EXPECT_EQ(persistent_grid(5, 0), 1);  // a device that holds none still gets one
+  // bf16 8192 x 32000 backward in 8 KiB tiles over three CTAs per SM of 132: 65536 tiles.
+  EXPECT_EQ(persistent_grid(65536, 396), policy::balanced_grid ? 395 : 396);
+  for (std::int64_t units : {397, 1000, 32768, 65536, 1000003})
+    for (std::int64_t most : {1, 2, 132, 396, 528}) {
+      const std::int64_t grid = persistent_grid(units, most);
+      ASSERT_GE(grid, 1);
+      EXPECT_LE(grid, most);
+      // No CTA walks more units than with the largest grid, and the grid covers them all.
+      EXPECT_EQ(ceil_div(units, grid), ceil_div(units, most)) << units << " over " << most;
+    }
+}
+
 /// 16384 x 131073 bf16 = 2.1e9 elements (> 2^31): 64-bit offsets end to end. Rows are checked by
 /// sampling against the oracle.
 TEST(CudaBackendLarge, MoreThan2Pow31ElementsIndexCorrectly) {

@@ -268,7 +268,7 @@ bool launch_bulk_backward(const char* fn, const cuda& exec, const row_args<T, G,
   if constexpr (sizeof(T) != sizeof(G)) {
     return false;
   } else {
-    constexpr int block = policy::block, regs = policy::stream_regs,
+    constexpr int block = policy::block, regs = policy::bulk_backward_regs,
                   stages = policy::bulk_backward_stages;
     auto kernel = bulk_backward_kernel<block, regs, stages, T, G, Tgt>;
     constexpr std::int64_t span = std::int64_t{regs} * block * (16 / static_cast<int>(sizeof(T)));
@@ -279,7 +279,7 @@ bool launch_bulk_backward(const char* fn, const cuda& exec, const row_args<T, G,
     const std::int64_t tiles = args.rows * ((args.cols + span - 1) / span);
     if (tiles == 0) return true;
     const std::int64_t most = std::int64_t{dev.sms} * policy::bulk_backward_min_blocks;
-    const auto grid = static_cast<unsigned>(tiles < most ? tiles : most);
+    const auto grid = static_cast<unsigned>(persistent_grid(tiles, most));
     kernel<<<grid, block, smem, exec.stream>>>(args);
     check_cuda(fn, cudaGetLastError());
     return true;

@@ -89,6 +89,26 @@ XENT_KERNEL void __launch_bounds__(Block, policy::stream_forward_min_blocks)
   const bool need_reduce = a.workspace && (a.loss || a.num_correct);
 
   int merged = 0;  // rows merged so far
+  // Row m's parts are handed to warp 0 by named barrier 1 + m % 2 (warps 1.. arrive and go on to
+  // the next row, warp 0 waits), and warp 0 hands the parity back by barrier 3 + m % 2 once it
+  // has read them (warps 1.. wait for it only before writing that parity again, two rows on):
+  // a CTA barrier per row made every warp wait for the slowest warp's last tile of the row. The
+  // sanitizer build takes full barriers (policy::split_barriers).
+  constexpr bool split = policy::split_barriers && policy::stream_forward_handoff;
+  auto parts_handoff = [](int m, bool consumer) {
+    if (!split)
+      __syncthreads();
+    else if (consumer)
+      m & 1 ? named_barrier_sync<2>(Block) : named_barrier_sync<1>(Block);
+    else
+      m & 1 ? named_barrier_arrive<2>(Block) : named_barrier_arrive<1>(Block);
+  };
+  auto parts_read = [](int m) {  // warp 0, after reading row m's parts
+    if (split) m & 1 ? named_barrier_arrive<4>(Block) : named_barrier_arrive<3>(Block);
+  };
+  auto parts_read_wait = [](int m) {  // warps 1.., before writing row m + 2's parts
+    if (split) m & 1 ? named_barrier_sync<4>(Block) : named_barrier_sync<3>(Block);
+  };
   // Each row's target is read one row ahead, and its target logit (thread 0) as the row starts:
   // read where they were needed, each was a cold read that stalled the whole CTA once per row
   // (bf16 8192 x 32000 forward at 82% of the copy roof, where rows 4x longer reach 98%).
@@ -124,21 +144,26 @@ XENT_KERNEL void __launch_bounds__(Block, policy::stream_forward_min_blocks)
     p.lse = online_lse::of_block(st.max, st.sum);
     p = warp_merge<32>(p);
     if (threadIdx.x == 0) p.target_logit = z_y;
-    row_partial* const parts = warp_parts + (merged++ & 1) * warps;
+    const int m = merged++;
+    row_partial* const parts = warp_parts + (m & 1) * warps;
+    // Warps 1.. write this parity's parts again only once warp 0 has read them two rows ago.
+    if (warp != 0 && m >= 2) parts_read_wait(m - 2);
     if (lane == 0) parts[warp] = p;
-    __syncthreads();
+    parts_handoff(m, warp == 0);
     if (warp == 0) {
-      // Warp 0 alone finishes the row; the others go on to the next one. This parity's parts
-      // are written again two merged rows on, past the next row's barrier, which warp 0 reaches
-      // only after reading them here.
+      // Warp 0 alone finishes the row; the others go on to the next one.
       const row_partial row =
           warp_merge<pow2_at_least(warps)>(lane < warps ? parts[lane] : row_partial{});
+      parts_read(m);
       if (lane == 0) {
         write_row_outputs(a, n, class_row_loss(row, a.weights ? a.weights[y] : 1.0f, a.k),
                           row.lse.lse(), -1, false, need_reduce);
       }
     }
   }
+  // Every parts_read of warp 0 is met: warps 1.. wait on the last two rows' here.
+  if (warp != 0)
+    for (int m = merged >= 2 ? merged - 2 : 0; m < merged; ++m) parts_read_wait(m);
   // The mean's normaliser, summed only by the CTA that completes the reduced loss.
   if (need_reduce)
     finish_reduction<Block>(

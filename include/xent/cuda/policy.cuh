@@ -48,8 +48,11 @@
 #ifndef XENT_CUDA_BULK_BACKWARD  // 1: plain backward tiles moved by bulk copies both ways (sm_90)
 #define XENT_CUDA_BULK_BACKWARD 1
 #endif
+#ifndef XENT_CUDA_BULK_BACKWARD_REGS  // 16-byte vectors per thread of its tiles
+#define XENT_CUDA_BULK_BACKWARD_REGS 2
+#endif
 #ifndef XENT_CUDA_BULK_BACKWARD_STAGES
-#define XENT_CUDA_BULK_BACKWARD_STAGES 4
+#define XENT_CUDA_BULK_BACKWARD_STAGES 8
 #endif
 #ifndef XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS
 #define XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS 3
@@ -71,6 +74,12 @@
 #endif
 #ifndef XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS  // CTAs per SM its registers are bounded for
 #define XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS 4
+#endif
+#ifndef XENT_CUDA_STREAM_FORWARD_HANDOFF  // 0: its rows end in a CTA barrier (see policy)
+#define XENT_CUDA_STREAM_FORWARD_HANDOFF 1
+#endif
+#ifndef XENT_CUDA_BALANCED_GRID  // 0: the bulk backward's grid as large as the SMs hold
+#define XENT_CUDA_BALANCED_GRID 1
 #endif
 
 namespace xent {
@@ -185,6 +194,22 @@ struct policy {
   static constexpr bool stream_forward = XENT_CUDA_STREAM_FORWARD != 0;
   static constexpr int stream_forward_regs = XENT_CUDA_STREAM_FORWARD_REGS;
   static constexpr int stream_forward_min_blocks = XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS;
+  /// Whether the streaming forward hands each row's warp parts to warp 0 by named barriers (warps
+  /// 1.. go on to the next row) rather than a CTA barrier, where every warp waited for the
+  /// slowest warp's last tile of the row (split_barriers as well). H200, 2026-11-24, same lease,
+  /// bf16 forward 8192 x 32000: 149 -> 148 us, 153 -> 151 with the balanced grid below; the
+  /// longer rows unchanged (16384 x 128256 1.008-1.023 ms both ways). Asking L2 for the tiles
+  /// ahead (prefetch.global.L2, one line per thread) made it slower at every distance measured:
+  /// 148 us without, 156 one tile ahead, 158 two, 167 four, 215 eight.
+  static constexpr bool stream_forward_handoff = XENT_CUDA_STREAM_FORWARD_HANDOFF != 0;
+  /// Whether the bulk backward's persistent grid takes as few CTAs as walk the same most tiles
+  /// each (persistent_grid) rather than as many as the SMs hold. H200, 2026-11-24, same lease, bf16
+  /// backward 8192 x 32000: 278 -> 275 us (two runs each; 16384 x 128256 and 4096 x 262144
+  /// unchanged). The same cut of the streaming forward's rows (8192 over 512 CTAs, not 528) made
+  /// it slower, 148 -> 151 us: there the rows each SM walks set the time (its CTAs share its
+  /// load slots), and 512 CTAs put 64 rows on some SMs where 528 put at most 63. The row kernel's
+  /// clusters: no change (bf16 fused 8192 x 32000 283 -> 284 us).
+  static constexpr bool balanced_grid = XENT_CUDA_BALANCED_GRID != 0;
   /// Whether backward calls with plain class-id rows, 16-byte aligned, on sm_90, move the
   /// streaming backward's tiles by bulk copies both ways (bulk_backward_kernel: a tile staged in
   /// one of bulk_backward_stages shared-memory stages, its gradient written back over it and
@@ -194,7 +219,13 @@ struct policy {
   /// 4096 x 262144: streaming 296 us / 2.307 / 1.192 ms (84.0 / 86.5 / 85.5% of the roof); bulk
   /// with 3 stages of 16 KiB at four CTAs per SM 293 / 2.291 / 1.170; 2 stages 294 / 2.296 /
   /// 1.170; 4 stages at three CTAs per SM 279 us / 2.197 / 1.110 ms (88.8 / 90.5 / 91.5%).
+  /// Tiles of bulk_backward_regs vectors per thread: H200, 2026-11-24, same lease, two runs each
+  /// (with the balanced grid), 16 KiB tiles x 4 stages 275 us / 2.185 / 1.099 ms; 8 KiB x 8
+  /// stages 271-272 us / 2.106-2.122 / 1.104 ms; 12 KiB x 6 stages 312 us / 2.286 / 1.167; 16
+  /// KiB x 3 stages at four CTAs per SM 291 us / 2.274 / 1.160. The same bytes in flight in
+  /// smaller tiles (not profiled: a CTA's first tile lands sooner, its gradient leaves sooner).
   static constexpr bool bulk_backward = XENT_CUDA_BULK_BACKWARD != 0;
+  static constexpr int bulk_backward_regs = XENT_CUDA_BULK_BACKWARD_REGS;
   static constexpr int bulk_backward_stages = XENT_CUDA_BULK_BACKWARD_STAGES;
   static constexpr int bulk_backward_min_blocks = XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS;
   /// Whether plain fused resident rows on sm_90 write their gradient into a shared-memory stage
@@ -265,6 +296,15 @@ struct launch_plan {
 };
 
 inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+/// Persistent CTAs (or clusters) for `units` of work when at most `most` are in flight at once
+/// (policy::balanced_grid): the fewest that give none more units than the largest grid does, so
+/// every one walks the same count or one fewer at the end of the grid, not half of them.
+inline std::int64_t persistent_grid(std::int64_t units, std::int64_t most) {
+  if (most < 1) most = 1;
+  if (units <= most) return units;
+  return policy::balanced_grid ? ceil_div(units, ceil_div(units, most)) : most;
+}
 
 /// Classes per CTA when `cols` are cut over `cluster` CTAs: whole vectors of `vec` elements.
 inline std::int64_t slice_classes(std::int64_t cols, std::int64_t cluster, int vec) {
