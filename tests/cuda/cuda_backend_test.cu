@@ -627,18 +627,20 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
   check_spec<Eigen::bfloat16>(s);
 }
 
-// A batch of plain rows that gives every CTA in flight a row: the streaming forward
-// (policy::stream_forward), rows of whole tiles and a partial one; the bulk backward's CTAs and the
-// row kernel's refill stages they have read. Under memcheck only: racecheck does not follow the
-// mbarrier hand-offs that order those refills (a stage's readers arrive, the thread that refills
-// it waits) and reports each refill as a hazard (.ci/device).
+// A batch of plain rows that gives every CTA in flight several rows: the streaming forward
+// (policy::stream_forward), rows of whole tiles and a partial one, each CTA's row parts handed to
+// warp 0 through two parities that every CTA reuses (six rows a CTA, some ignored, so parities are
+// reused across skipped rows too); the bulk backward's CTAs and the row kernel's refill stages they
+// have read. Under memcheck only: racecheck does not follow the mbarrier hand-offs that order those
+// refills (a stage's readers arrive, the thread that refills it waits) and reports each refill as
+// a hazard (.ci/device). The non-sanitizer build runs it with the named-barrier hand-offs.
 TEST(CudaSanitizerLongBatch, PlainRowsThroughEveryPass) {
   REQUIRE_GPU();
   int device = 0, sms = 0;
   ok(cudaGetDevice(&device));
   ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   spec s;
-  s.rows = 4 * std::int64_t{sms} + 5;
+  s.rows = 24 * std::int64_t{sms} + 5;  // the streaming forward runs 4 * sms CTAs
   s.cols = 9000;  // one 8192-element bf16 tile and a partial one; two fp32 tiles and a partial one
   s.some_ignored = true;
   s.argmax = false;

@@ -95,14 +95,6 @@ XENT_KERNEL void __launch_bounds__(Block, policy::stream_forward_min_blocks)
   // a CTA barrier per row made every warp wait for the slowest warp's last tile of the row. The
   // sanitizer build takes full barriers (policy::split_barriers).
   constexpr bool split = policy::split_barriers && policy::stream_forward_handoff;
-  auto parts_handoff = [](int m, bool consumer) {
-    if (!split)
-      __syncthreads();
-    else if (consumer)
-      m & 1 ? named_barrier_sync<2>(Block) : named_barrier_sync<1>(Block);
-    else
-      m & 1 ? named_barrier_arrive<2>(Block) : named_barrier_arrive<1>(Block);
-  };
   auto parts_read = [](int m) {  // warp 0, after reading row m's parts
     if (split) m & 1 ? named_barrier_arrive<4>(Block) : named_barrier_arrive<3>(Block);
   };
@@ -149,7 +141,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::stream_forward_min_blocks)
     // Warps 1.. write this parity's parts again only once warp 0 has read them two rows ago.
     if (warp != 0 && m >= 2) parts_read_wait(m - 2);
     if (lane == 0) parts[warp] = p;
-    parts_handoff(m, warp == 0);
+    parity_handoff<1, Block, split>(m, warp == 0);
     if (warp == 0) {
       // Warp 0 alone finishes the row; the others go on to the next one.
       const row_partial row =

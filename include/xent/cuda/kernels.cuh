@@ -740,12 +740,7 @@ XENT_KERNEL void __launch_bounds__(
   // full CTA barrier.
   constexpr bool split = policy::split_barriers;
   auto partials_handoff = [](std::int64_t i, bool consumer) {
-    if (!split)
-      __syncthreads();
-    else if (consumer)
-      i & 1 ? named_barrier_sync<2>(Block) : named_barrier_sync<1>(Block);
-    else
-      i & 1 ? named_barrier_arrive<2>(Block) : named_barrier_arrive<1>(Block);
+    parity_handoff<1, Block, split>(i, consumer);
   };
   if (resident) {
     // Iteration i takes row i's statistics and finishes row i - 1 (prev), whose values wait in

@@ -210,5 +210,18 @@ __device__ __forceinline__ void named_barrier_arrive(int threads) {
   asm volatile("bar.arrive %0, %1;" ::"n"(Id), "r"(threads) : "memory");
 }
 
+/// Row `i`'s parts handed over inside a CTA of `Block` threads by named barrier First + i % 2: the
+/// consumer waits for them, the producers arrive and move on. Without split barriers
+/// (policy::split_barriers: the sanitizer build) a full CTA barrier.
+template <int First, int Block, bool Split>
+__device__ __forceinline__ void parity_handoff(long long i, bool consumer) {
+  if (!Split)
+    __syncthreads();
+  else if (consumer)
+    i & 1 ? named_barrier_sync<First + 1>(Block) : named_barrier_sync<First>(Block);
+  else
+    i & 1 ? named_barrier_arrive<First + 1>(Block) : named_barrier_arrive<First>(Block);
+}
+
 }  // namespace cuda_detail
 }  // namespace xent
