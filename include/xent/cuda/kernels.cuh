@@ -47,15 +47,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 /// The sum of 2^(x log2e - shift) over this thread's elements of a register tile (`Full`: every
-/// vector of it whole, no masks), in two chains of additions.
-template <bool Full, class Tile>
+/// vector of it whole, no masks; `WholeVectors`: each vector whole or absent, one test per
+/// vector), in two chains of additions.
+template <bool Full, class Tile, bool WholeVectors = false>
 __device__ __forceinline__ float tile_exp_sum(const Tile& t, float shift) {
   float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
   for (int r = 0; r < Tile::regs; ++r)
 #pragma unroll
     for (int e = 0; e < Tile::vec; ++e)
-      if (Full || (t.has(r) && e < t.valid(r))) {
+      if (Full || (t.has(r) && (WholeVectors || e < t.valid(r)))) {
         const float p = fast_exp2(fmaf(t.value(r, e), log2e, -shift));
         if (e % 2)
           s1 += p;
