@@ -51,8 +51,7 @@ struct stream_stats {
       if constexpr (full) {
         memcpy(&acc[0], &t.w[0][0], 4);
       } else {  // vector 0 may be absent from a last tile
-        const unsigned both = std::is_same<T, __half>::value ? 0xfc00fc00u
-                                                                               : 0xff80ff80u;
+        const unsigned both = std::is_same<T, __half>::value ? 0xfc00fc00u : 0xff80ff80u;
         memcpy(&acc[0], &both, 4);
       }
       acc[1] = acc[0];
