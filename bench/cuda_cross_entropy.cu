@@ -6,6 +6,7 @@
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -271,6 +272,15 @@ void BM_cross_entropy(benchmark::State& state) {
   const auto p = Op == op::forward ? xent_bench::pass::forward : xent_bench::pass::forward_backward;
   xent_bench::report_traffic(state, xent_bench::min_traffic_bytes(p, rows, cols, sizeof(T)),
                              rows * cols, total, copy_roof());
+  // The loss of one call on logits of a fixed seed: the same (to float rounding) for every
+  // variant of a kernel (bench/cuda_variants.sh compares builds by it), never non-finite.
+  seed = 0;
+  refresh();
+  call();
+  float loss = 0.0f;
+  check(cudaMemcpy(&loss, a.loss, sizeof(float), cudaMemcpyDeviceToHost), "loss");
+  state.counters["loss"] = loss;
+  if (!std::isfinite(loss)) state.SkipWithError("the loss is not finite");
 }
 
 __global__ void empty_kernel() {}

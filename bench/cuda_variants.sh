@@ -38,6 +38,7 @@ for spec in "$@"; do
   "build/variants/$name" --benchmark_filter="copy_roof|$filter" --benchmark_out="$OUT/variant-$name.json" \
     --benchmark_out_format=json --benchmark_min_time="${XENT_VARIANT_MIN_TIME:-0.3s}" \
     >"$OUT/variant-$name.txt" 2>&1
-  awk -v n="$name" '/manual_time/ && !/copy_roof/ {printf "%-8s %-75s %10s %s  roof %s%%\n", n, $1, $2, $3, $NF}' \
+  awk -v n="$name" '/manual_time/ && !/copy_roof/ {l = ""; for (i = 1; i <= NF; i++) if ($i ~ /^loss=/) l = $i
+    printf "%-8s %-75s %10s %s  roof %s%% %s\n", n, $1, $2, $3, $NF, l}' \
     "$OUT/variant-$name.txt"
 done
