@@ -33,10 +33,12 @@
 // One chunk of every row: training with the float accumulator needs none when all the rows fit
 // one chunk (linear_plan.cuh, plan_linear): its d_weight GEMM writes d_weight directly.
 //
-// Overlap: the issue asks that one chunk's cross-entropy pass overlap the next chunk's GEMMs.
-// With the one stream of the execution object every launch waits for the previous one; a second
-// stream would need the caller to lend it and a pair of events (xent creates neither in a call),
-// and two logits buffers in the workspace. Not done yet: each chunk's steps run back to back.
+// Each chunk's steps run back to back on exec.stream. Running a chunk's cross-entropy pass on a
+// caller-lent second stream beside the next chunk's GEMMs (two logits buffers of half the rows,
+// events between the streams) was built and measured slower on every line, also at equal chunk
+// size (H200: 8192 x 4096 x 128256 forward 13.19 -> 13.73 ms; bench/results/
+// 2026-11-24-h200-side-stream/ has the patch), likely because a GEMM leaves no room on an SM for
+// a kernel beside it (not profiled).
 #pragma once
 
 #include <cublas_v2.h>
