@@ -339,6 +339,18 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleWhenCtasStreamWholeRows) {
       s.seed = seed++;
       check_spec<TypeParam>(s);
     }
+  // Longer rows in every dtype (140 KiB of bf16): with policy::stream_forward_wide_from_kib at
+  // 128 the streaming forward takes CTAs of twice the threads for them (and for fp32 rows of
+  // 50000 above).
+  for (float spike : {0.0f, 200.0f}) {
+    spec s;
+    s.rows = 4 * std::int64_t{sms} + 5;
+    s.cols = 70000;
+    s.spike = spike;
+    s.some_ignored = true;
+    s.seed = seed++;
+    check_spec<TypeParam>(s);
+  }
 }
 
 TEST(CudaBackendSemantics, AllIgnoredGivesNanMeanZeroSumAndZeroGradient) {

@@ -244,18 +244,34 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
   return true;
 }
 
+/// The streaming forward in CTAs of Block threads, MinBlocks per SM: false, launching nothing,
+/// when the batch has fewer rows than that grid has CTAs.
+template <int Block, int MinBlocks, class T, class G, class Tgt>
+bool launch_stream_forward_as(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
+                              const device_facts& dev) {
+  const std::int64_t grid = std::int64_t{dev.sms} * MinBlocks;
+  if (args.rows < grid) return false;
+  stream_forward_kernel<Block, policy::stream_forward_regs, MinBlocks>
+      <<<static_cast<unsigned>(grid), Block, 0, exec.stream>>>(args);
+  check_cuda(fn, cudaGetLastError());
+  return true;
+}
+
 /// A forward of plain class-id rows by the streaming forward kernel (policy::stream_forward):
-/// persistent CTAs, as many as its register bound lets every SM hold; false, launching nothing,
-/// when the batch has fewer rows than that (the row kernel's clusters then split each row).
+/// persistent CTAs, as many as its register bound lets every SM hold (twice as wide and half as
+/// many for rows longer than policy::stream_forward_wide_from_kib, when set); false, launching
+/// nothing, when the batch has fewer rows than that (the row kernel's clusters then split each
+/// row).
 template <class T, class G, class Tgt>
 bool launch_stream_forward(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
                            const device_facts& dev) {
-  const std::int64_t grid = std::int64_t{dev.sms} * policy::stream_forward_min_blocks;
-  if (args.rows < grid) return false;
-  stream_forward_kernel<policy::block, policy::stream_forward_regs>
-      <<<static_cast<unsigned>(grid), policy::block, 0, exec.stream>>>(args);
-  check_cuda(fn, cudaGetLastError());
-  return true;
+  constexpr int block = policy::stream_forward_block, blocks = policy::stream_forward_min_blocks;
+  if constexpr (policy::stream_forward_wide_from_kib > 0) {
+    if (args.cols * static_cast<std::int64_t>(sizeof(T)) >
+        std::int64_t{policy::stream_forward_wide_from_kib} * 1024)
+      return launch_stream_forward_as<2 * block, (blocks + 1) / 2>(fn, exec, args, dev);
+  }
+  return launch_stream_forward_as<block, blocks>(fn, exec, args, dev);
 }
 
 /// Backward of plain class-id rows by the bulk backward kernel (policy::bulk_backward): persistent

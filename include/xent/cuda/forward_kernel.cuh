@@ -85,10 +85,9 @@ struct stream_stats {
   }
 };
 
-/// Persistent CTAs, each walking rows blockIdx.x, + gridDim.x, ...
-template <int Block, int Regs, class T, class G, class Tgt>
-XENT_KERNEL void __launch_bounds__(Block, policy::stream_forward_min_blocks)
-    stream_forward_kernel(row_args<T, G, Tgt> a) {
+/// Persistent CTAs, each walking rows blockIdx.x, + gridDim.x, ... (MinBlocks per SM).
+template <int Block, int Regs, int MinBlocks, class T, class G, class Tgt>
+XENT_KERNEL void __launch_bounds__(Block, MinBlocks) stream_forward_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft, "class ids");
   constexpr int warps = Block / 32;
   using tile_t = global_tile<T, Regs, Block>;
