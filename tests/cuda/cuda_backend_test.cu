@@ -351,6 +351,24 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleWhenCtasStreamWholeRows) {
     s.seed = seed++;
     check_spec<TypeParam>(s);
   }
+  // Many short rows (several per CTA, 32 per SM): rows of whole vectors (3000), and rows padded
+  // to 16 bytes whose last vector is partial (1001 of ld 1008: the streaming forward's
+  // element-masked last tile).
+  for (const auto& shape : {std::pair<std::int64_t, std::int64_t>{3000, 3000}, {1001, 1008}})
+    for (int options : {0, 2}) {
+      spec s;
+      s.rows = 32 * std::int64_t{sms} + 7;
+      s.cols = shape.first;
+      s.ld = shape.second;
+      s.argmax = false;
+      s.spike = options == 0 ? 200.0f : 0.0f;
+      s.weights = options == 2;
+      s.z_loss = options == 2 ? 1e-3f : 0.0f;
+      s.reduce = options == 2 ? xent::reduction::sum : xent::reduction::mean;
+      s.some_ignored = true;
+      s.seed = seed++;
+      check_spec<TypeParam>(s);
+    }
 }
 
 TEST(CudaBackendSemantics, AllIgnoredGivesNanMeanZeroSumAndZeroGradient) {

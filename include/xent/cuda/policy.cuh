@@ -79,7 +79,7 @@
 #define XENT_CUDA_STREAM_FORWARD_BLOCK XENT_CUDA_BLOCK
 #endif
 #ifndef XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB  // longer rows take its wide CTAs; 0: none (policy)
-#define XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB 0
+#define XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB 128
 #endif
 #ifndef XENT_CUDA_STREAM_FORWARD_HANDOFF  // 0: its rows end in a CTA barrier (see policy)
 #define XENT_CUDA_STREAM_FORWARD_HANDOFF 1
@@ -206,9 +206,9 @@ struct policy {
   /// lease, 256 x 4 against 512 x 2 (and 128 x 8): bf16 16384 x 128256 1013 -> 994 us (1020),
   /// 4096 x 262144 538 -> 529 (540), fp32 8192 x 128256 993 -> 969 (999), but 8192 x 32000 (64 KiB
   /// rows) 146 -> 155 (150; not profiled: a short row then has fewer, longer tiles, more of it in
-  /// the masked last one, and half as many rows in flight per SM). Off (0) until the CUDA tests
-  /// have run with it on a GPU (the lease that measured it had no time left for them): 128 is the
-  /// setting to test and adopt (bench/results/2026-11-24-h200-stream-forward-block/).
+  /// the masked last one, and half as many rows in flight per SM). Measured again 2026-11-24
+  /// (later lease): 1013 -> 994 us, 538 -> 529, 993 -> 970, 146 -> 146 (its rows stay on 256
+  /// threads) (bench/results/2026-11-24-h200-stream-forward-block/, -warp-rows/).
   static constexpr int stream_forward_wide_from_kib = XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB;
   /// Whether the streaming forward hands each row's warp parts to warp 0 by named barriers (warps
   /// 1.. go on to the next row) rather than a CTA barrier, where every warp waited for the
