@@ -30,6 +30,11 @@
 // split-K reductions (cuBLAS's default allows them when C is bf16 / fp16), so every sum is float
 // until its one rounding; the mode is restored after.
 //
+// The forward on Hopper (sm_90a builds): bf16 calls without bias, label smoothing, softcap or
+// argmax / num_correct take stats_gemm.cuh instead of steps 1-2, a GEMM whose epilogue keeps
+// each row's max and sum of exponentials per 256 columns, so the logits are never written (and
+// stay float: the losses differ from the cuBLAS path's by its rounding of each logit to T).
+//
 // One chunk of every row: training with the float accumulator needs none when all the rows fit
 // one chunk (linear_plan.cuh, plan_linear): its d_weight GEMM writes d_weight directly.
 //
@@ -65,6 +70,8 @@
 #include "dtype.cuh"
 #include "linear_kernels.cuh"
 #include "linear_plan.cuh"
+#include "policy.cuh"
+#include "stats_gemm.cuh"
 
 namespace xent {
 
@@ -427,6 +434,61 @@ void finish_totals(const char* fn, cudaStream_t stream, const linear_totals& t, 
   check_cuda(fn, cudaGetLastError());
 }
 
+/// The forward by the Hopper GEMM whose epilogue keeps each row's statistics (stats_gemm.cuh),
+/// where it applies: bf16 operands, class-id targets without label smoothing, softcap, bias or an
+/// argmax asked for (num_correct), D a multiple of 8 and 16-byte aligned operands, on an sm_90
+/// device running the kernel's sm_90a build (policy::stats_gemm). The row partials and target
+/// logits go where the chunk logits would (the workspace's logits buffer), as many rows per
+/// launch as they fit; the merge writes each row's loss and LSE as the core does, so the
+/// reduced loss is formed after as on the cuBLAS path. Logits stay float here (the cuBLAS path
+/// rounds them to bf16 first, as PyTorch eager does): the losses differ by that rounding. False,
+/// enqueuing nothing, where the path does not apply.
+template <class T, class G, class I>
+bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targets,
+                   const linear_options& opts, const linear_totals& t, const forward_outputs& out) {
+  namespace sg = stats_gemm;
+  using DT = typename linear_call<T, G>::DT;
+  if constexpr (!std::is_same<DT, __nv_bfloat16>::value || !policy::stats_gemm) {
+    return false;
+  } else {
+    const std::int64_t N = c.rows(), D = c.dim(), V = c.vocab();
+    if (c.bias || opts.label_smoothing != 0.0f || opts.softcap != 0.0f || t.argmax || N == 0 ||
+        D % 8 != 0 || D > INT_MAX || V > INT_MAX || !aligned16(c.hidden.data, c.hidden.ld * 2) ||
+        !aligned16(c.weight.data, c.weight.ld * 2))
+      return false;
+    const device_facts dev = query_device(fn);
+    if (!sg::ready<true, I>(dev.id)) return false;
+    const int col_tiles = static_cast<int>((V + sg::tile_n - 1) / sg::tile_n);
+    const std::size_t room = sizeof(DT) * static_cast<std::size_t>(c.plan.chunk_rows) *
+                             static_cast<std::size_t>(c.plan.ld);
+    const std::size_t per_row = sizeof(sg::partial) * static_cast<std::size_t>(col_tiles) + 4;
+    const std::int64_t most = std::min<std::int64_t>(static_cast<std::int64_t>(room / per_row),
+                                                     INT_MAX / sg::tile_m * sg::tile_m);
+    if (most < 1) return false;
+    const loss_constants k = make_loss_constants(opts, V, static_cast<float>(V));
+    for (std::int64_t r0 = 0; r0 < N; r0 += most) {
+      const std::int64_t n = std::min(most, N - r0);
+      sg::args<I> a{};
+      a.rows = static_cast<int>(n);
+      a.cols = static_cast<int>(V);
+      a.depth = static_cast<int>(D);
+      a.col_tiles = col_tiles;
+      a.targets = targets.ids + r0;
+      a.partials = reinterpret_cast<sg::partial*>(c.logits());
+      a.target_logit = reinterpret_cast<float*>(a.partials + n * col_tiles);
+      sg::launch<true>(fn, c.hidden.data + r0 * c.hidden.ld, c.hidden.ld, c.weight.data,
+                       c.weight.ld, a, dev.sms, c.exec.stream);
+      const auto blocks = static_cast<unsigned>((n * 32 + linear_threads - 1) / linear_threads);
+      sg::merge_kernel<<<blocks, linear_threads, 0, c.exec.stream>>>(
+          a.partials, a.target_logit, col_tiles, n, a.targets, opts.ignore_index, V,
+          opts.class_weights.data, k, t.row_loss ? t.row_loss + r0 : nullptr,
+          out.lse.data ? out.lse.data + r0 : nullptr, c.exec.error_count);
+      check_cuda(fn, cudaGetLastError());
+    }
+    return true;
+  }
+}
+
 template <linear_mode Mode, class T, class G, class Tgt>
 void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
                 matrix_view<const T> weight, vector_view<const T> bias, const Tgt& targets,
@@ -448,6 +510,12 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
   const linear_totals totals =
       start_totals(fn, c, dt, N, V, opts, up, Mode == linear_mode::backward ? nullptr : &out);
 
+  if constexpr (Mode == linear_mode::forward && !decltype(dt)::soft) {
+    if (stats_forward(fn, c, dt, opts, totals, out)) {
+      finish_totals(fn, exec.stream, totals, dt, N, V, opts, out);
+      return;
+    }
+  }
   // The core sees each chunk as a problem of its own with reduction none; the reduced loss and
   // num_correct are formed after the chunks from every row's loss and argmax.
   options core = opts;

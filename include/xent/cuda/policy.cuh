@@ -81,6 +81,9 @@
 #ifndef XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB  // longer rows take its wide CTAs; 0: none (policy)
 #define XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB 128
 #endif
+#ifndef XENT_CUDA_STATS_GEMM  // 0: the fused linear forward always by cuBLAS (see policy)
+#define XENT_CUDA_STATS_GEMM 1
+#endif
 #ifndef XENT_CUDA_STREAM_FORWARD_HANDOFF  // 0: its rows end in a CTA barrier (see policy)
 #define XENT_CUDA_STREAM_FORWARD_HANDOFF 1
 #endif
@@ -218,6 +221,12 @@ struct policy {
   /// ahead (prefetch.global.L2, one line per thread) made it slower at every distance measured:
   /// 148 us without, 156 one tile ahead, 158 two, 167 four, 215 eight.
   static constexpr bool stream_forward_handoff = XENT_CUDA_STREAM_FORWARD_HANDOFF != 0;
+  /// Whether the fused linear forward takes the Hopper GEMM that keeps each row's statistics in
+  /// its epilogue (stats_gemm.cuh; sm_90a builds, bf16, plain options) rather than cuBLAS and the
+  /// cross-entropy pass over each chunk's logits. H200, 2026-11-24, against cuBLAS's X . W^T alone
+  /// in the same run (bench/lse_gemm_bench.cu, four runs): 8192 x 4096 x 128256 1.009-1.045x,
+  /// 16384 x 2304 x 256000 1.042-1.113x; the cuBLAS path measured 1.08x and 1.21x.
+  static constexpr bool stats_gemm = XENT_CUDA_STATS_GEMM != 0;
   /// Whether the bulk backward's persistent grid takes as few CTAs as walk the same most tiles
   /// each (persistent_grid) rather than as many as the SMs hold. H200, 2026-11-24, same lease, bf16
   /// backward 8192 x 32000: 278 -> 275 us (two runs each; 16384 x 128256 and 4096 x 262144

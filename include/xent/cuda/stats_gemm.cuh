@@ -1,0 +1,466 @@
+// The fused linear forward's Hopper path (sm_90a): logits = X . W^T computed tile by tile by
+// wgmma, each tile's epilogue turning a row's 256 logits into their max and sum of exponentials
+// (and picking up the target's logit), so the N x V logits are never written or read back; a
+// second kernel merges each row's N x V/256 partials into its LSE and loss. The cuBLAS path
+// (linear.cuh) writes each chunk's logits and the cross-entropy pass reads them again: on an H200
+// that read was 4-7% of the forward's time above the GEMM alone (bench/results/cuda-notes.md).
+// Included only by nvcc (cuda/linear.cuh).
+//
+// The GEMM kernel: persistent CTAs (one per SM) of three warpgroups. Warpgroup 0 (one thread)
+// loads 128 x 64 tiles of X and 256 x 64 tiles of W by tensor copies (TMA, 128-byte swizzle) into
+// four shared-memory stages; warpgroups 1 and 2 each multiply 64 of the tile's 128 rows by all 256
+// columns with wgmma m64n256k16 (128 float accumulators per thread), keep one stage's products in
+// flight while the next is issued, and release each stage when its products are done. Tiles are
+// walked 8 row tiles at a time (Triton's grouped order), so the tiles in flight share their X and
+// W tiles in L2. Its body exists only in an sm_90a build (wgmma, setmaxnreg): a build without it
+// leaves an empty kernel, which stats_gemm_ready() recognises by its lack of static shared memory
+// (the real kernel's mbarriers).
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../error.hpp"
+#include "async_copy.cuh"
+#include "backend.cuh"
+
+namespace xent {
+namespace cuda_detail {
+namespace stats_gemm {
+
+constexpr int tile_m = 128, tile_n = 256, tile_k = 64, stages = 4, group_m = 8;
+constexpr int threads = 384;  // producer warpgroup + two consumer warpgroups
+constexpr int a_bytes = tile_m * tile_k * 2, b_bytes = tile_n * tile_k * 2;
+constexpr int stage_bytes = a_bytes + b_bytes;
+constexpr int smem_bytes = stages * stage_bytes + 1024;  // + the 128-byte swizzle's alignment
+
+/// One row's partial over a 256-column tile: the largest logit and the sum of exp(z - max).
+struct partial {
+  float max, sum;
+};
+
+/// What the GEMM reads and writes beside its operands. Stats: `partials` (rows x col_tiles) and
+/// `target_logit` (one per row whose target is a class in [0, cols), written by the tile holding
+/// it); otherwise (measuring the main loop: bench/lse_gemm_bench.cu) `logits`, rows x cols bf16.
+template <class I>
+struct args {
+  int rows, cols, depth;  // N, V, D of this launch
+  int col_tiles;
+  const I* targets;
+  partial* partials;
+  float* target_logit;
+  __nv_bfloat16* logits;
+};
+
+/// A 2-D tensor copy of the box at (column c0, row c1) of `map` into shared memory, counted on
+/// `bar`.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                            unsigned long long* bar) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3}], [%4];" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(shared_address(bar))
+      : "memory");
+#else
+  (void)dst;
+  (void)map;
+  (void)c0;
+  (void)c1;
+  (void)bar;
+#endif
+}
+
+/// The wgmma descriptor of a K-major tile in shared memory as the tensor copy's 128-byte swizzle
+/// lays it out: rows of 128 bytes, 8-row atoms 1024 bytes apart (the stride byte offset).
+__device__ __forceinline__ std::uint64_t smem_descriptor(const void* p) {
+  const std::uint64_t addr = shared_address(p);
+  return ((addr & 0x3FFFF) >> 4) | (std::uint64_t{1} << 16) | (std::uint64_t{1024 >> 4} << 32) |
+         (std::uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+
+/// Keeps the accumulators' registers live across wgmma's asynchronous writes (the compiler may
+/// not move their uses before wgmma_wait).
+__device__ __forceinline__ void fence_operands(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/// D (64 x 256, float) += A (64 x 16, bf16, K-major) * B (256 x 16, bf16, K-major)^T, both
+/// from shared memory; `accumulate` 0 overwrites D.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t desc_a,
+                                                 std::uint64_t desc_b, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+      "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
+      "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
+      "%63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, "
+      "%81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, "
+      "%99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, "
+      "%114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, "
+      "%129, p, 1, 1, 0, "
+      "0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#else
+  (void)d;
+  (void)desc_a;
+  (void)desc_b;
+  (void)accumulate;
+#endif
+}
+
+/// Tile t of the grouped order: 8 row tiles at a time, each group's column tiles in turn.
+__device__ __forceinline__ void tile_at(int t, int row_tiles, int col_tiles, int& m, int& n) {
+  const int per_group = group_m * col_tiles;
+  const int first = t / per_group * group_m;
+  const int height = row_tiles - first < group_m ? row_tiles - first : group_m;
+  const int in_group = t % per_group;
+  m = first + in_group % height;
+  n = in_group / height;
+}
+
+/// One consumer thread's epilogue (Stats): its two rows' max and sum of exponentials over its 64
+/// of the tile's 256 columns, merged over the four threads that share the rows; the target's
+/// logit where this tile holds it. Accumulator layout of m64nNk16: thread lane of warp w holds
+/// rows 16 w + lane / 4 and + 8, columns 8 j + 2 (lane % 4) + {0, 1}, in d[4 j + {0, 1}] and
+/// d[4 j + {2, 3}].
+template <class I>
+__device__ __forceinline__ void tile_stats(float (&d)[128], const args<I>& a, int row0, int col0,
+                                           int col_tile, const std::int64_t (&targets)[2]) {
+  const int lane = static_cast<int>(threadIdx.x) % 32,
+            warp = static_cast<int>(threadIdx.x) / 32 % 4;
+  const int quad = lane % 4;
+  if (col0 + tile_n > a.cols) {  // the last column tile: columns past V (zero-filled) become -inf
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (col0 + 8 * j + 2 * quad + e % 2 >= a.cols) d[4 * j + e] = -HUGE_VALF;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 16 * warp + lane / 4 + 8 * h;
+    // Four independent chains each for the max and the sum: one chain of 64 dependent
+    // instructions per row left most of the epilogue's cycles waiting on latency.
+    float mc[4] = {-HUGE_VALF, -HUGE_VALF, -HUGE_VALF, -HUGE_VALF};
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) mc[j % 4] = fmaxf(mc[j % 4], d[4 * j + 2 * h + e]);
+    float m = fmaxf(fmaxf(mc[0], mc[1]), fmaxf(mc[2], mc[3]));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float shift = m * log2e;
+    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) sc[j % 4] += fast_exp2(fmaf(d[4 * j + 2 * h + e], log2e, -shift));
+    float s = (sc[0] + sc[1]) + (sc[2] + sc[3]);
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (row < a.rows) {
+      if (quad == 0) a.partials[static_cast<std::int64_t>(row) * a.col_tiles + col_tile] = {m, s};
+      const std::int64_t off = targets[h] - col0;
+      if (off >= 0 && off < tile_n && off % 8 / 2 == quad) {  // one tile of the row's
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          if (off / 8 == j)  // both candidates read at compile-time indices (no local copy of d)
+            a.target_logit[row] = off % 2 ? d[4 * j + 2 * h + 1] : d[4 * j + 2 * h];
+      }
+    }
+  }
+}
+
+/// One consumer thread's epilogue (plain GEMM): its logits rounded to bf16 and stored.
+template <class I>
+__device__ __forceinline__ void tile_store(const float (&d)[128], const args<I>& a, int row0,
+                                           int col0) {
+  const int lane = static_cast<int>(threadIdx.x) % 32,
+            warp = static_cast<int>(threadIdx.x) / 32 % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 16 * warp + lane / 4 + 8 * h;
+    if (row >= a.rows) continue;
+    __nv_bfloat16* out = a.logits + static_cast<std::int64_t>(row) * a.cols;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = col0 + 8 * j + 2 * (lane % 4);
+      if (col + 1 < a.cols)
+        *reinterpret_cast<__nv_bfloat162*>(out + col) =
+            __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+      else if (col < a.cols)
+        out[col] = __float2bfloat16_rn(d[4 * j + 2 * h]);
+    }
+  }
+}
+
+/// The GEMM over every tile (Stats: row partials; otherwise bf16 logits). One CTA per SM.
+template <bool Stats, class I>
+__global__ void __launch_bounds__(threads, 1)
+    stats_gemm_kernel(const __grid_constant__ CUtensorMap x_map,
+                      const __grid_constant__ CUtensorMap w_map, args<I> a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  // Static shared memory only in this build: stats_gemm_ready() reads its presence.
+  __shared__ unsigned long long full[stages], empty[stages];
+  // 1024-byte aligned stages: the 128-byte swizzle's atoms.
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+  auto stage_a = [&](int s) { return smem + s * stage_bytes; };
+  auto stage_b = [&](int s) { return smem + s * stage_bytes + a_bytes; };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbarrier_init(&full[s], 1);   // the producer's expect_tx; the copies' bytes
+      mbarrier_init(&empty[s], 8);  // one arrival per consumer warp (wgmma waits are per warp)
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  const int row_tiles = (a.rows + tile_m - 1) / tile_m;
+  const int tiles = row_tiles * a.col_tiles;
+  const int k_blocks = (a.depth + tile_k - 1) / tile_k;
+  const int group = static_cast<int>(threadIdx.x) / 128;
+  if (group == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+    if (threadIdx.x == 0) {
+      int s = 0;
+      unsigned phase = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int m, n;
+        tile_at(t, row_tiles, a.col_tiles, m, n);
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          mbarrier_wait(&empty[s], phase ^ 1);  // a fresh barrier's "previous phase" is complete
+          mbarrier_arrive_expect(&full[s], stage_bytes);
+          tma_load_2d(stage_a(s), &x_map, kb * tile_k, m * tile_m, &full[s]);
+          tma_load_2d(stage_b(s), &w_map, kb * tile_k, n * tile_n, &full[s]);
+          if (++s == stages) {
+            s = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+    const int c = group - 1;  // rows 64 c .. 64 c + 63 of each tile
+    const bool leader =
+        threadIdx.x % 32 == 0;  // each warp releases a stage once its products are done
+    float d[128];
+    int s = 0;
+    unsigned phase = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      int m, n;
+      tile_at(t, row_tiles, a.col_tiles, m, n);
+      int held = -1;  // the stage whose products are still in flight
+      // This thread's two rows' targets, read now and used after the main loop (a load in the
+      // epilogue stalled every thread on it).
+      std::int64_t targets[2] = {-1, -1};
+      if constexpr (Stats) {
+        const int lane = static_cast<int>(threadIdx.x) % 32,
+                  warp = static_cast<int>(threadIdx.x) / 32 % 4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m * tile_m + c * 64 + 16 * warp + lane / 4 + 8 * h;
+          if (row < a.rows) {
+            const auto y = static_cast<std::int64_t>(a.targets[row]);
+            targets[h] = y >= 0 && y < a.cols ? y : -1;  // others take no target logit
+          }
+        }
+      }
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbarrier_wait(&full[s], phase);
+        const std::uint64_t da = smem_descriptor(stage_a(s) + c * (a_bytes / 2));
+        const std::uint64_t db = smem_descriptor(stage_b(s));
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < tile_k / 16; ++k)  // 16 columns = 32 bytes = 2 descriptor units
+          wgmma_m64n256k16(d, da + 2 * k, db + 2 * k, kb > 0 || k > 0);
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous stage's products are done: release it
+        fence_operands(d);
+        if (held >= 0 && leader) mbarrier_arrive(&empty[held]);
+        held = s;
+        if (++s == stages) {
+          s = 0;
+          phase ^= 1;
+        }
+      }
+      wgmma_wait<0>();
+      fence_operands(d);
+      if (held >= 0 && leader) mbarrier_arrive(&empty[held]);
+      const int row0 = m * tile_m + c * 64, col0 = n * tile_n;
+      if constexpr (Stats)
+        tile_stats(d, a, row0, col0, n, targets);
+      else
+        tile_store(d, a, row0, col0);
+    }
+  }
+#else
+  (void)x_map;
+  (void)w_map;
+  (void)a;
+#endif
+}
+
+/// Row outputs of a launch's rows from their partials, one warp per row: the merged LSE (online,
+/// in the partials' column order), the row loss as the core computes it for plain class-id rows
+/// (class_row_loss: weights and z-loss; no smoothing or softcap on this path), both written at
+/// the row's place in the call's buffers (`lse` may be null). An ignored row gets loss and LSE 0,
+/// a target outside [0, vocab) NaN and one device error, as in the core (write_skipped_row).
+template <class I>
+XENT_KERNEL void merge_kernel(const partial* partials, const float* target_logit, int col_tiles,
+                              std::int64_t rows, const I* targets, std::int64_t ignore_index,
+                              std::int64_t vocab, const float* weights, loss_constants k,
+                              float* row_loss, float* lse, int* error_count) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t row = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (row >= rows) return;
+  const auto y = static_cast<std::int64_t>(targets[row]);
+  if (y == ignore_index || y < 0 || y >= vocab) {
+    if (lane == 0) {
+      const bool invalid = y != ignore_index;
+      const float v = invalid ? NAN : 0.0f;
+      if (row_loss) row_loss[row] = v;
+      if (lse) lse[row] = v;
+      if (invalid && error_count) atomicAdd(error_count, 1);
+    }
+    return;
+  }
+  const partial* p = partials + row * col_tiles;
+  float m = -HUGE_VALF, s = 0.0f;
+  // Merges (om, os) into (m, s); two empty parts (-inf, 0) stay empty (2^(-inf + inf) is NaN).
+  auto merge = [&](float om, float os) {
+    const float top = fmaxf(m, om);
+    if (top == -HUGE_VALF) return;
+    s = s * fast_exp2((m - top) * log2e) + os * fast_exp2((om - top) * log2e);
+    m = top;
+  };
+  for (int i = lane; i < col_tiles; i += 32) merge(p[i].max, p[i].sum);
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) {
+    const float om = __shfl_xor_sync(0xffffffffu, m, mask);
+    const float os = __shfl_xor_sync(0xffffffffu, s, mask);
+    merge(om, os);
+  }
+  if (lane == 0) {
+    row_partial r;
+    r.lse = online_lse::of_block(m, s);
+    r.target_logit = target_logit[row];
+    const float loss = class_row_loss(r, weights ? weights[y] : 1.0f, k);
+    if (row_loss) row_loss[row] = loss;
+    if (lse) lse[row] = r.lse.lse();
+  }
+}
+
+/// A 2-D tensor map of a row-major bf16 matrix (rows x cols, leading dimension ld elements) in
+/// boxes of box_rows x 64, 128-byte swizzled; rows and columns past the matrix read as zeros.
+inline CUtensorMap make_map(const char* fn, const void* p, std::int64_t rows, std::int64_t cols,
+                            std::int64_t ld, int box_rows) {
+  static const auto encode = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                           cudaEnableDefault, &q);
+    return e == cudaSuccess && q == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f)
+               : nullptr;
+  }();
+  if (!encode) throw error(fn, "hidden", "cuTensorMapEncodeTiled is missing from the CUDA driver");
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint32_t box[2] = {tile_k, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r =
+      encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p), dims, strides, box,
+             elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw error(fn, "hidden",
+                "cuTensorMapEncodeTiled refused a " + std::to_string(rows) + " x " +
+                    std::to_string(cols) + " operand (CUresult " + std::to_string(r) + ")");
+  return map;
+}
+
+/// Whether this build runs the GEMM on device `dev`: its sm_90a body was compiled (it alone has
+/// static shared memory) and the device grants the dynamic shared memory. Once per device and
+/// kernel; no stream work, so it may run under graph capture.
+template <bool Stats, class I>
+bool ready(int dev) {
+  static int known[64] = {};  // 0 unknown, 1 yes, 2 no (a launch is on one host thread per call)
+  if (dev >= 0 && dev < 64 && known[dev]) return known[dev] == 1;
+  auto kernel = stats_gemm_kernel<Stats, I>;
+  cudaFuncAttributes attr{};
+  int major = 0;
+  bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+            major == 9 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
+            attr.sharedSizeBytes > 0 &&
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) ==
+                cudaSuccess;
+  if (!ok) (void)cudaGetLastError();  // a refused query is an answer, not a sticky error
+  if (dev >= 0 && dev < 64) known[dev] = ok ? 1 : 2;
+  return ok;
+}
+
+/// Enqueues the GEMM over X (a.rows x a.depth, leading dimension ldx) and W (a.cols x a.depth,
+/// leading dimension ldw), one CTA per SM; ready<Stats, I>(device) must hold.
+template <bool Stats, class I>
+void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std::int64_t ldw,
+            const args<I>& a, int sms, cudaStream_t stream) {
+  const CUtensorMap xm = make_map(fn, x, a.rows, a.depth, ldx, tile_m);
+  const CUtensorMap wm = make_map(fn, w, a.cols, a.depth, ldw, tile_n);
+  const int tiles = (a.rows + tile_m - 1) / tile_m * a.col_tiles;
+  const int grid = tiles < sms ? tiles : sms;
+  stats_gemm_kernel<Stats, I><<<grid, threads, smem_bytes, stream>>>(xm, wm, a);
+  check_cuda(fn, cudaGetLastError());
+}
+
+}  // namespace stats_gemm
+}  // namespace cuda_detail
+}  // namespace xent
