@@ -14,17 +14,13 @@
 #include <vector>
 #include <xent/xent.hpp>
 
+#include "common/cuda_check.hpp"
 #include "common/device_fill.cuh"
 #include "common/traffic.hpp"
 
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+using xent_bench::check;
 
 using xent_bench::fill_kernel;
 using xent_bench::targets_kernel;

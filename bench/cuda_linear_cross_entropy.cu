@@ -35,21 +35,11 @@
 #include <vector>
 #include <xent/xent.hpp>
 
+#include "common/cuda_check.hpp"
+
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-
-void check(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) {
-    std::fprintf(stderr, "%s: %s\n", what, cublasGetStatusString(s));
-    std::exit(1);
-  }
-}
+using xent_bench::check;
 
 using bf16 = __nv_bfloat16;
 

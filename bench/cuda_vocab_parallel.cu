@@ -23,16 +23,12 @@
 #include <xent/parallel/nccl_group.cuh>
 #include <xent/xent.hpp>
 
+#include "common/cuda_check.hpp"
 #include "common/device_fill.cuh"
 
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+using xent_bench::check;
 
 void check(ncclResult_t r, const char* what) {
   if (r != ncclSuccess) {

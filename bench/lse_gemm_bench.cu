@@ -23,39 +23,14 @@
 #include <xent/cuda/stats_gemm.cuh>
 #include <xent/xent.hpp>
 
+#include "common/cuda_check.hpp"
+#include "common/device_fill.cuh"
+
 namespace {
 
 namespace sg = xent::cuda_detail::stats_gemm;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-void check(cublasStatus_t e, const char* what) {
-  if (e != CUBLAS_STATUS_SUCCESS) {
-    std::fprintf(stderr, "%s: cuBLAS status %d\n", what, static_cast<int>(e));
-    std::exit(1);
-  }
-}
-
-__global__ void fill_kernel(__nv_bfloat16* p, std::int64_t n, std::uint64_t seed, float scale) {
-  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += std::int64_t{gridDim.x} * blockDim.x) {
-    std::uint64_t z = (static_cast<std::uint64_t>(i) + seed) * 0x9E3779B97F4A7C15ull;
-    z ^= z >> 31;
-    z *= 0xBF58476D1CE4E5B9ull;
-    z ^= z >> 29;
-    const float u = static_cast<float>(z >> 40) / 16777216.0f;  // [0, 1)
-    p[i] = __float2bfloat16_rn(scale * (2.0f * u - 1.0f));
-  }
-}
-
-__global__ void targets_kernel(std::int64_t* y, int n, int v) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) y[i] = (static_cast<std::int64_t>(i) * 2654435761ll) % v;
-}
+using xent_bench::check;
 
 /// Row LSE and target logit of float logits, one CTA per row, in double: the reference.
 __global__ void reference_kernel(const float* logits, const std::int64_t* y, int cols, double* lse,
@@ -119,9 +94,11 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
   check(cudaMalloc(&w, sizeof(bf16) * V * std::int64_t{D}), "w");
   check(cudaMalloc(&logits, sizeof(bf16) * N * std::int64_t{V}), "logits");
   check(cudaMalloc(&y, sizeof(std::int64_t) * N), "y");
-  fill_kernel<<<4096, 256>>>(x, N * std::int64_t{D}, 1, 1.0f);
-  fill_kernel<<<4096, 256>>>(w, V * std::int64_t{D}, 2, 6.0f / std::sqrt(static_cast<float>(D)));
-  targets_kernel<<<(N + 255) / 256, 256>>>(y, N, V);
+  // Logits ~ N(0, 2^2): X ~ N(0, 1), W ~ N(0, 4 / D).
+  xent_bench::fill_kernel<<<4096, 256>>>(x, N * std::int64_t{D}, 1, 1.0f);
+  xent_bench::fill_kernel<<<4096, 256>>>(w, V * std::int64_t{D}, 2,
+                                         2.0f / std::sqrt(static_cast<float>(D)));
+  xent_bench::targets_kernel<<<(N + 255) / 256, 256>>>(y, std::int64_t{N}, std::int64_t{V});
   sg::args<std::int64_t> a{};
   a.rows = N;
   a.cols = V;

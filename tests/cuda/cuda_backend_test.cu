@@ -324,51 +324,36 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleWhenCtasStreamWholeRows) {
   ok(cudaGetDevice(&device));
   ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   std::uint64_t seed = 7;
-  for (float spike : {0.0f, 60.0f, 200.0f})
-    for (int options : {0, 1, 2}) {  // plain; argmax and smoothing; plain with weights, z-loss
-      spec s;
-      s.rows = 4 * std::int64_t{sms} + 5;  // more than a row per CTA at up to four CTAs per SM
-      s.cols = 50000;                      // four or seven 32 KiB chunks
-      s.spike = spike;
-      s.argmax = options == 1;
-      s.smoothing = options == 1 ? 0.1f : 0.0f;
-      s.weights = options == 2;
-      s.z_loss = options == 2 ? 1e-3f : 0.0f;
-      s.reduce = options == 2 ? xent::reduction::sum : xent::reduction::mean;
-      s.some_ignored = true;
-      s.seed = seed++;
-      check_spec<TypeParam>(s);
-    }
-  // Longer rows in every dtype (140 KiB of bf16): with policy::stream_forward_wide_from_kib at
-  // 128 the streaming forward takes CTAs of twice the threads for them (and for fp32 rows of
-  // 50000 above).
-  for (float spike : {0.0f, 200.0f}) {
+  // One case, some rows ignored. options 0: plain; 1: argmax and smoothing; 2: plain with weights,
+  // z-loss and reduction sum. ld 0: cols.
+  auto run = [&](std::int64_t rows, std::int64_t cols, std::int64_t ld, float spike, int options) {
     spec s;
-    s.rows = 4 * std::int64_t{sms} + 5;
-    s.cols = 70000;
+    s.rows = rows;
+    s.cols = cols;
+    s.ld = ld;
     s.spike = spike;
+    s.argmax = options == 1;
+    s.smoothing = options == 1 ? 0.1f : 0.0f;
+    s.weights = options == 2;
+    s.z_loss = options == 2 ? 1e-3f : 0.0f;
+    s.reduce = options == 2 ? xent::reduction::sum : xent::reduction::mean;
     s.some_ignored = true;
     s.seed = seed++;
     check_spec<TypeParam>(s);
-  }
+  };
+  // More than a row per CTA at up to four CTAs per SM; four or seven 32 KiB chunks.
+  for (float spike : {0.0f, 60.0f, 200.0f})
+    for (int options : {0, 1, 2}) run(4 * std::int64_t{sms} + 5, 50000, 0, spike, options);
+  // Longer rows in every dtype (140 KiB of bf16): rows over policy::stream_forward_wide_from_kib
+  // (128) take the streaming forward's CTAs of twice the threads (as fp32 rows of 50000 above).
+  for (float spike : {0.0f, 200.0f}) run(4 * std::int64_t{sms} + 5, 70000, 0, spike, 0);
   // Many short rows (several per CTA, 32 per SM): rows of whole vectors (3000), and rows padded
   // to 16 bytes whose last vector is partial (1001 of ld 1008: the streaming forward's
   // element-masked last tile).
   for (const auto& shape : {std::pair<std::int64_t, std::int64_t>{3000, 3000}, {1001, 1008}})
-    for (int options : {0, 2}) {
-      spec s;
-      s.rows = 32 * std::int64_t{sms} + 7;
-      s.cols = shape.first;
-      s.ld = shape.second;
-      s.argmax = false;
-      s.spike = options == 0 ? 200.0f : 0.0f;
-      s.weights = options == 2;
-      s.z_loss = options == 2 ? 1e-3f : 0.0f;
-      s.reduce = options == 2 ? xent::reduction::sum : xent::reduction::mean;
-      s.some_ignored = true;
-      s.seed = seed++;
-      check_spec<TypeParam>(s);
-    }
+    for (int options : {0, 2})
+      run(32 * std::int64_t{sms} + 7, shape.first, shape.second, options == 0 ? 200.0f : 0.0f,
+          options);
 }
 
 TEST(CudaBackendSemantics, AllIgnoredGivesNanMeanZeroSumAndZeroGradient) {
