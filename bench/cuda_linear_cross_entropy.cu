@@ -75,7 +75,7 @@ struct problem {
   float *loss = nullptr, *lse = nullptr;
   void* ws = nullptr;
   std::size_t ws_bytes = 0;
-  cudaEvent_t start{}, stop{};
+  xent_bench::event_timer timer;
   cublasHandle_t handle{};
 
   problem(const shape& s_, bool training, bool floor,
@@ -103,8 +103,6 @@ struct problem {
       ws_bytes = xent::linear_workspace_size<bf16>(exec, {s.n, s.d, s.v}, pass, {}, budget).bytes;
       check(cudaMalloc(&ws, ws_bytes), "malloc workspace");
     }
-    check(cudaEventCreate(&start), "event");
-    check(cudaEventCreate(&stop), "event");
     check(cublasCreate(&handle), "cublasCreate");
     check(cudaDeviceSynchronize(), "fill");
   }
@@ -113,8 +111,6 @@ struct problem {
                     static_cast<void*>(dw), static_cast<void*>(logits), static_cast<void*>(targets),
                     static_cast<void*>(loss), static_cast<void*>(lse), ws})
       cudaFree(p);
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
     cublasDestroy(handle);
   }
   problem(const problem&) = delete;
@@ -123,13 +119,7 @@ struct problem {
   /// Device seconds of `work`, between two events.
   template <class Work>
   double timed(Work&& work) {
-    check(cudaEventRecord(start), "record");
-    work();
-    check(cudaEventRecord(stop), "record");
-    check(cudaEventSynchronize(stop), "sync");
-    float ms = 0.0f;
-    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    return ms * 1e-3;
+    return timer.ms(work) * 1e-3;
   }
 
   /// C (m x n, column-major) = op_a(A) op_b(B), bf16 in and out, float accumulation: the GEMMs a

@@ -64,23 +64,11 @@ __global__ void reference_kernel(const float* logits, const std::int64_t* y, int
 
 template <class F>
 std::vector<float> time_ms(F&& f, int reps) {
-  cudaEvent_t a, b;
-  check(cudaEventCreate(&a), "event");
-  check(cudaEventCreate(&b), "event");
+  xent_bench::event_timer timer;
   f();  // warm-up
   check(cudaDeviceSynchronize(), "warm-up");
   std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    check(cudaEventRecord(a), "record");
-    f();
-    check(cudaEventRecord(b), "record");
-    check(cudaEventSynchronize(b), "sync");
-    float ms = 0.0f;
-    check(cudaEventElapsedTime(&ms, a, b), "elapsed");
-    t.push_back(ms);
-  }
-  check(cudaEventDestroy(a), "event");
-  check(cudaEventDestroy(b), "event");
+  for (int i = 0; i < reps; ++i) t.push_back(timer.ms(f));
   std::sort(t.begin(), t.end());
   return t;
 }
