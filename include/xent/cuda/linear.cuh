@@ -462,8 +462,10 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
     const std::size_t room = sizeof(DT) * static_cast<std::size_t>(c.plan.chunk_rows) *
                              static_cast<std::size_t>(c.plan.ld);
     const std::size_t per_row = sizeof(sg::partial) * static_cast<std::size_t>(col_tiles) + 4;
-    const std::int64_t most = std::min<std::int64_t>(static_cast<std::int64_t>(room / per_row),
-                                                     INT_MAX / sg::tile_m * sg::tile_m);
+    // Rows per launch: as many as the buffer holds, with the launch's rows and tile count in int.
+    const std::int64_t most = std::min<std::int64_t>(
+        {static_cast<std::int64_t>(room / per_row), INT_MAX / sg::tile_m * sg::tile_m,
+         std::int64_t{INT_MAX} / col_tiles * sg::tile_m});
     if (most < 1) return false;
     const loss_constants k = make_loss_constants(opts, V, static_cast<float>(V));
     for (std::int64_t r0 = 0; r0 < N; r0 += most) {

@@ -13,7 +13,7 @@
 // flight while the next is issued, and release each stage when its products are done. Tiles are
 // walked 8 row tiles at a time (Triton's grouped order), so the tiles in flight share their X and
 // W tiles in L2. Its body exists only in an sm_90a build (wgmma, setmaxnreg): a build without it
-// leaves an empty kernel, which stats_gemm_ready() recognises by its lack of static shared memory
+// leaves an empty kernel, which ready() recognises by its lack of static shared memory
 // (the real kernel's mbarriers).
 #pragma once
 
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(threads, 1)
                       const __grid_constant__ CUtensorMap w_map, args<I> a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  // Static shared memory only in this build: stats_gemm_ready() reads its presence.
+  // Static shared memory only in this build: ready() reads its presence.
   __shared__ unsigned long long full[stages], empty[stages];
   // 1024-byte aligned stages: the 128-byte swizzle's atoms.
   unsigned char* smem = reinterpret_cast<unsigned char*>(
@@ -428,24 +428,16 @@ inline CUtensorMap make_map(const char* fn, const void* p, std::int64_t rows, st
   return map;
 }
 
-/// Whether this build runs the GEMM on device `dev`: its sm_90a body was compiled (it alone has
-/// static shared memory) and the device grants the dynamic shared memory. Once per device and
-/// kernel; no stream work, so it may run under graph capture.
+/// Whether this build runs the GEMM on device `dev`: its sm_90a body was compiled for the code the
+/// device runs (it alone has static shared memory) and the device grants the dynamic shared
+/// memory (prepare_cluster_kernel: once per kernel and device, no stream work, so it may run
+/// under graph capture).
 template <bool Stats, class I>
 bool ready(int dev) {
-  static int known[64] = {};  // 0 unknown, 1 yes, 2 no (a launch is on one host thread per call)
-  if (dev >= 0 && dev < 64 && known[dev]) return known[dev] == 1;
-  auto kernel = stats_gemm_kernel<Stats, I>;
+  const auto kernel = reinterpret_cast<const void*>(stats_gemm_kernel<Stats, I>);
   cudaFuncAttributes attr{};
-  int major = 0;
-  bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-            major == 9 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-            attr.sharedSizeBytes > 0 &&
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) ==
-                cudaSuccess;
-  if (!ok) (void)cudaGetLastError();  // a refused query is an answer, not a sticky error
-  if (dev >= 0 && dev < 64) known[dev] = ok ? 1 : 2;
-  return ok;
+  return prepare_cluster_kernel(kernel, dev, smem_bytes) &&
+         cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.sharedSizeBytes > 0;
 }
 
 /// Enqueues the GEMM over X (a.rows x a.depth, leading dimension ldx) and W (a.cols x a.depth,
