@@ -108,13 +108,19 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
         "cublasGemmEx");
   };
   const char* fn = "lse_gemm_bench";
-  const xent::loss_constants k =
-      xent::make_loss_constants(xent::options{}, V, static_cast<float>(V));
+  // The merge's row arguments: every row's loss and LSE, default options.
+  xent::cuda_detail::row_args<bf16, bf16, xent::cuda_detail::class_ids<std::int64_t>> m{};
+  m.rows = N;
+  m.cols = m.vocab = V;
+  m.targets.ids = y;
+  m.k = xent::make_loss_constants(xent::options{}, V, static_cast<float>(V));
+  m.ignore_index = -100;
+  m.row_loss = loss;
+  m.lse_out = lse;
   auto plain = [&] { sg::launch<false>(fn, x, D, w, D, a, sms, nullptr); };
   auto forward = [&] {
     sg::launch<true>(fn, x, D, w, D, a, sms, nullptr);
-    sg::merge_kernel<<<(N * 32 + 255) / 256, 256>>>(a.partials, a.target_logit, a.col_tiles, N, y,
-                                                    -100, V, nullptr, k, loss, lse, nullptr);
+    sg::merge_kernel<<<(N * 32 + 255) / 256, 256>>>(m, a.partials, a.target_logit, a.col_tiles);
   };
 
   // Checks: the plain kernel's logits and the forward's LSE and target logit against cuBLAS's

@@ -467,7 +467,14 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
         {static_cast<std::int64_t>(room / per_row), INT_MAX / sg::tile_m * sg::tile_m,
          std::int64_t{INT_MAX} / col_tiles * sg::tile_m});
     if (most < 1) return false;
-    const loss_constants k = make_loss_constants(opts, V, static_cast<float>(V));
+    // The merge's view of the call: the core's row arguments, outputs only (no reduction here).
+    row_args<DT, DT, class_ids<I>> m{};
+    m.cols = m.vocab = V;
+    m.weights = opts.class_weights.data;
+    m.k = make_loss_constants(opts, V, static_cast<float>(V));
+    m.ignore_index = opts.ignore_index;
+    m.reduce = reduction::none;
+    m.error_count = c.exec.error_count;
     for (std::int64_t r0 = 0; r0 < N; r0 += most) {
       const std::int64_t n = std::min(most, N - r0);
       sg::args<I> a{};
@@ -480,11 +487,13 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
       a.target_logit = reinterpret_cast<float*>(a.partials + n * col_tiles);
       sg::launch<true>(fn, c.hidden.data + r0 * c.hidden.ld, c.hidden.ld, c.weight.data,
                        c.weight.ld, a, dev.sms, c.exec.stream);
+      m.rows = n;
+      m.targets.ids = a.targets;
+      m.row_loss = t.row_loss ? t.row_loss + r0 : nullptr;
+      m.lse_out = out.lse.data ? out.lse.data + r0 : nullptr;
       const auto blocks = static_cast<unsigned>((n * 32 + linear_threads - 1) / linear_threads);
-      sg::merge_kernel<<<blocks, linear_threads, 0, c.exec.stream>>>(
-          a.partials, a.target_logit, col_tiles, n, a.targets, opts.ignore_index, V,
-          opts.class_weights.data, k, t.row_loss ? t.row_loss + r0 : nullptr,
-          out.lse.data ? out.lse.data + r0 : nullptr, c.exec.error_count);
+      sg::merge_kernel<<<blocks, linear_threads, 0, c.exec.stream>>>(m, a.partials, a.target_logit,
+                                                                     col_tiles);
       check_cuda(fn, cudaGetLastError());
     }
     return true;

@@ -39,10 +39,9 @@ constexpr int a_bytes = tile_m * tile_k * 2, b_bytes = tile_n * tile_k * 2;
 constexpr int stage_bytes = a_bytes + b_bytes;
 constexpr int smem_bytes = stages * stage_bytes + 1024;  // + the 128-byte swizzle's alignment
 
-/// One row's partial over a 256-column tile: the largest logit and the sum of exp(z - max).
-struct partial {
-  float max, sum;
-};
+/// One row's partial over a 256-column tile: the largest logit and the sum of exp(z - max), as
+/// the core's mergeable state.
+using partial = online_lse;
 
 /// What the GEMM reads and writes beside its operands. Stats: `partials` (rows x col_tiles) and
 /// `target_logit` (one per row whose target is a class in [0, cols), written by the tile holding
@@ -204,7 +203,9 @@ __device__ __forceinline__ void tile_stats(float (&d)[128], const args<I>& a, in
     s += __shfl_xor_sync(0xffffffffu, s, 1);
     s += __shfl_xor_sync(0xffffffffu, s, 2);
     if (row < a.rows) {
-      if (quad == 0) a.partials[static_cast<std::int64_t>(row) * a.col_tiles + col_tile] = {m, s};
+      if (quad == 0)
+        a.partials[static_cast<std::int64_t>(row) * a.col_tiles + col_tile] =
+            partial::of_block(m, s);
       const std::int64_t off = targets[h] - col0;
       if (off >= 0 && off < tile_n && off % 8 / 2 == quad) {  // one tile of the row's
 #pragma unroll
@@ -348,53 +349,31 @@ __global__ void __launch_bounds__(threads, 1)
 #endif
 }
 
-/// Row outputs of a launch's rows from their partials, one warp per row: the merged LSE (online,
-/// in the partials' column order), the row loss as the core computes it for plain class-id rows
-/// (class_row_loss: weights and z-loss; no smoothing or softcap on this path), both written at
-/// the row's place in the call's buffers (`lse` may be null). An ignored row gets loss and LSE 0,
-/// a target outside [0, vocab) NaN and one device error, as in the core (write_skipped_row).
-template <class I>
-XENT_KERNEL void merge_kernel(const partial* partials, const float* target_logit, int col_tiles,
-                              std::int64_t rows, const I* targets, std::int64_t ignore_index,
-                              std::int64_t vocab, const float* weights, loss_constants k,
-                              float* row_loss, float* lse, int* error_count) {
+/// Row outputs of a launch's rows from their partials, one warp per row, by the core's own pieces:
+/// each lane merges its partials (online_lse), the lanes by warp_merge, the loss by class_row_loss
+/// (weights and z-loss; no smoothing or softcap on this path), the outputs by write_row_outputs,
+/// and an ignored or out-of-range row by write_skipped_row. `a` holds the launch's rows (rows,
+/// targets and outputs offset to them), no reduced outputs.
+template <class T, class G, class Tgt>
+XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, const partial* partials,
+                              const float* target_logit, int col_tiles) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t row = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (row >= rows) return;
-  const auto y = static_cast<std::int64_t>(targets[row]);
-  if (y == ignore_index || y < 0 || y >= vocab) {
-    if (lane == 0) {
-      const bool invalid = y != ignore_index;
-      const float v = invalid ? NAN : 0.0f;
-      if (row_loss) row_loss[row] = v;
-      if (lse) lse[row] = v;
-      if (invalid && error_count) atomicAdd(error_count, 1);
-    }
+  if (row >= a.rows) return;
+  const auto y = static_cast<std::int64_t>(a.targets.ids[row]);
+  if (skipped_target(a, y)) {
+    if (lane == 0) write_skipped_row(a, row, y != a.ignore_index, true, false);
     return;
   }
-  const partial* p = partials + row * col_tiles;
-  float m = -HUGE_VALF, s = 0.0f;
-  // Merges (om, os) into (m, s); two empty parts (-inf, 0) stay empty (2^(-inf + inf) is NaN).
-  auto merge = [&](float om, float os) {
-    const float top = fmaxf(m, om);
-    if (top == -HUGE_VALF) return;
-    s = s * fast_exp2((m - top) * log2e) + os * fast_exp2((om - top) * log2e);
-    m = top;
-  };
-  for (int i = lane; i < col_tiles; i += 32) merge(p[i].max, p[i].sum);
-#pragma unroll
-  for (int mask = 16; mask > 0; mask >>= 1) {
-    const float om = __shfl_xor_sync(0xffffffffu, m, mask);
-    const float os = __shfl_xor_sync(0xffffffffu, s, mask);
-    merge(om, os);
-  }
+  online_lse acc;
+  for (int i = lane; i < col_tiles; i += 32) acc.merge(partials[row * col_tiles + i]);
+  row_partial r;
+  r.lse = acc;
+  r = warp_merge<32>(r);
   if (lane == 0) {
-    row_partial r;
-    r.lse = online_lse::of_block(m, s);
     r.target_logit = target_logit[row];
-    const float loss = class_row_loss(r, weights ? weights[y] : 1.0f, k);
-    if (row_loss) row_loss[row] = loss;
-    if (lse) lse[row] = r.lse.lse();
+    write_row_outputs(a, row, class_row_loss(r, a.weights ? a.weights[y] : 1.0f, a.k), r.lse.lse(),
+                      -1, false, false);
   }
 }
 
