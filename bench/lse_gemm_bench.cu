@@ -4,7 +4,8 @@
 // loop's speed), and the kernel with its statistics epilogue plus the merge of the row partials
 // (the forward's two launches, logits never written).
 // Checks first, against cuBLAS's float logits: the kernel's bf16 logits, and each row's LSE and
-// target logit. Prints one JSON object per shape (and writes them to $OUT/lse_gemm.json).
+// target logit (of those logits rounded to bf16). Prints one JSON object per shape (and writes them
+// to $OUT/lse_gemm.json).
 //   lse_gemm_bench [N D V ...]   (default: 8192 4096 128256 and 16384 2304 256000)
 // Needs an sm_90a build (CMake: xent_bench_lse_gemm, built when CMAKE_CUDA_ARCHITECTURES names
 // 90a); elsewhere it says so and exits.
@@ -32,13 +33,17 @@ namespace sg = xent::cuda_detail::stats_gemm;
 
 using xent_bench::check;
 
-/// Row LSE and target logit of float logits, one CTA per row, in double: the reference.
+/// Row LSE and target logit of float logits rounded to bf16 (the forward's statistics are of the
+/// rounded logits, stats_gemm.cuh), one CTA per row, in double: the reference.
 __global__ void reference_kernel(const float* logits, const std::int64_t* y, int cols, double* lse,
                                  double* target) {
   const float* row = logits + static_cast<std::int64_t>(blockIdx.x) * cols;
+  auto at = [&](std::int64_t c) {
+    return static_cast<double>(__bfloat162float(__float2bfloat16_rn(row[c])));
+  };
   __shared__ double red[256];
   double m = -HUGE_VAL;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmax(m, static_cast<double>(row[c]));
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) m = fmax(m, at(c));
   red[threadIdx.x] = m;
   __syncthreads();
   for (int k = 128; k > 0; k >>= 1) {
@@ -49,7 +54,7 @@ __global__ void reference_kernel(const float* logits, const std::int64_t* y, int
   m = red[0];
   __syncthreads();
   double s = 0.0;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) s += exp(static_cast<double>(row[c]) - m);
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) s += exp(at(c) - m);
   red[threadIdx.x] = s;
   __syncthreads();
   for (int k = 128; k > 0; k >>= 1) {
@@ -58,7 +63,7 @@ __global__ void reference_kernel(const float* logits, const std::int64_t* y, int
   }
   if (threadIdx.x == 0) {
     lse[blockIdx.x] = m + log(red[0]);
-    target[blockIdx.x] = row[y[blockIdx.x]];
+    target[blockIdx.x] = at(y[blockIdx.x]);
   }
 }
 
@@ -170,7 +175,10 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
     const double dl = std::fabs(gl[r] - rl[r]), dz = std::fabs(gz[r] - rz[r]);
     lse_err = grow(lse_err, dl);
     z_err = grow(z_err, dz);
-    if (first_bad < 0 && !(dl < 1e-3 && dz < 1e-3)) first_bad = r;
+    // A target logit may round to the neighbouring bf16 where cuBLAS's sum and the kernel's
+    // differ in the last float bits at a rounding boundary: one bf16 ulp (<= |z| / 128) allowed.
+    if (first_bad < 0 && !(dl < 1e-3 && dz <= std::max(1e-3, std::fabs(rz[r]) / 128)))
+      first_bad = r;
     mean_loss += gloss[r] / N;
   }
   if (first_bad >= 0)

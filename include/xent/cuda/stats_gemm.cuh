@@ -6,15 +6,23 @@
 // that read was 4-7% of the forward's time above the GEMM alone (bench/results/cuda-notes.md).
 // Included only by nvcc (cuda/linear.cuh).
 //
-// The GEMM kernel: persistent CTAs (one per SM) of three warpgroups. Warpgroup 0 (one thread)
+// The GEMM kernel: persistent CTAs (one per SM) of three warpgroups. Warpgroup 0's first thread
 // loads 128 x 64 tiles of X and 256 x 64 tiles of W by tensor copies (TMA, 128-byte swizzle) into
-// four shared-memory stages; warpgroups 1 and 2 each multiply 64 of the tile's 128 rows by all 256
-// columns with wgmma m64n256k16 (128 float accumulators per thread), keep one stage's products in
-// flight while the next is issued, and release each stage when its products are done. Tiles are
-// walked 8 row tiles at a time (Triton's grouped order), so the tiles in flight share their X and
-// W tiles in L2. Its body exists only in an sm_90a build (wgmma, setmaxnreg): a build without it
-// leaves an empty kernel, which ready() recognises by its lack of static shared memory
-// (the real kernel's mbarriers).
+// three shared-memory stages; warpgroups 1 and 2 each multiply 64 of the tile's 128 rows by all
+// 256 columns with wgmma m64n256k16 (128 float accumulators per thread), keep one stage's products
+// in flight while the next is issued, and release each stage when its products are done. At a
+// tile's end they round its logits to bf16 into a shared-memory staging tile (16 matrix stores
+// per thread) and go on to the next tile; warpgroup 0's other three warps turn the staged tile
+// into each row's max and sum of exponentials meanwhile. When the consumer warpgroups computed
+// the statistics themselves, the tensor cores stood idle through them (one MUFU exponential per
+// logit): several percent of the GEMM's time (bench/results/2026-11-24-h200-lse-gemm/). Tiles are
+// walked 8 row tiles at a time (Triton's grouped order), so the tiles in flight share their X and W
+// tiles in L2. Its body exists only in an sm_90a build (wgmma, setmaxnreg): a build without it
+// leaves an empty kernel, which ready() recognises by its lack of static shared memory (the real
+// kernel's mbarriers).
+//
+// The statistics are of the logits rounded to bf16, as the cuBLAS path (which stores them so) and
+// PyTorch eager have them: both paths give the same losses up to the order of the sums.
 #pragma once
 
 #include <cuda.h>
@@ -33,11 +41,27 @@ namespace xent {
 namespace cuda_detail {
 namespace stats_gemm {
 
-constexpr int tile_m = 128, tile_n = 256, tile_k = 64, stages = 4, group_m = 8;
-constexpr int threads = 384;  // producer warpgroup + two consumer warpgroups
+/// Three stages of 64 columns beside the 64 KiB staging tile (H200, bench/lse_gemm_bench.cu, two
+/// runs each, X . W^T's time against cuBLAS's: 8192 x 4096 x 128256 1.035x / 1.023x,
+/// 16384 x 2304 x 256000 1.128x / 1.166x). Measured against it: four stages beside half a tile
+/// staged at a time, the second half handed over two k-blocks into the next tile (1.074x /
+/// 1.069x, 1.147x / 1.138x) or eight (1.043x / 1.048x, 1.128x / 1.104x); six stages of 32
+/// columns (64-byte swizzle) with the whole tile, 1.069x / 1.135x and 1.130x / 1.136x.
+constexpr int tile_m = 128, tile_n = 256, tile_k = 64, stages = 3, group_m = 8;
+constexpr int threads = 384;  // producer + statistics warpgroup, two consumer warpgroups
+/// The producer warpgroup's warps 1-3 compute the statistics (warp 0's thread 0 issues the
+/// copies). A fourth warpgroup of its own would leave ptxas 128 registers per thread for the
+/// whole kernel, too few for wgmma's 128 accumulators.
+constexpr int stats_threads = 96;
 constexpr int a_bytes = tile_m * tile_k * 2, b_bytes = tile_n * tile_k * 2;
 constexpr int stage_bytes = a_bytes + b_bytes;
-constexpr int smem_bytes = stages * stage_bytes + 1024;  // + the 128-byte swizzle's alignment
+/// The staging tile: the tile's logits as bf16, 512-byte rows whose 16-byte chunks are swizzled
+/// by the row's low three bits, so that the 8 rows of a matrix store and the 8 rows a quarter
+/// warp reads fall in distinct banks.
+constexpr int staged_pitch = tile_n * 2;
+constexpr int staged_bytes = tile_m * staged_pitch;
+constexpr int smem_bytes = stages * stage_bytes + staged_bytes + 1024;  // + the swizzle's alignment
+static_assert(smem_bytes + 128 <= 227 * 1024, "sm_90's shared memory per CTA (static included)");
 
 /// One row's partial over a 256-column tile: the largest logit and the sum of exp(z - max), as
 /// the core's mergeable state.
@@ -162,59 +186,89 @@ __device__ __forceinline__ void tile_at(int t, int row_tiles, int col_tiles, int
   n = in_group / height;
 }
 
-/// One consumer thread's epilogue (Stats): its two rows' max and sum of exponentials over its 64
-/// of the tile's 256 columns, merged over the four threads that share the rows; the target's
-/// logit where this tile holds it. Accumulator layout of m64nNk16: thread lane of warp w holds
-/// rows 16 w + lane / 4 and + 8, columns 8 j + 2 (lane % 4) + {0, 1}, in d[4 j + {0, 1}] and
-/// d[4 j + {2, 3}].
-template <class I>
-__device__ __forceinline__ void tile_stats(float (&d)[128], const args<I>& a, int row0, int col0,
-                                           int col_tile, const std::int64_t (&targets)[2]) {
+/// Where `chunk` (16 bytes) of staging row `row` lives.
+__device__ __forceinline__ int staged_offset(int row, int chunk) {
+  return row * staged_pitch + ((chunk ^ (row & 7)) << 4);
+}
+
+/// One consumer thread's epilogue (Stats): its logits rounded to bf16 into the staging tile by 16
+/// matrix stores. Accumulator layout of m64nNk16: thread lane of warp w holds rows 16 w + lane / 4
+/// and + 8, columns 8 j + 2 (lane % 4) + {0, 1}, in d[4 j + {0, 1}] and d[4 j + {2, 3}]: each
+/// 8 x 8 block is a matrix in stmatrix's fragment layout, and d[8 i .. 8 i + 7] are the blocks
+/// (2 i, rows +0), (2 i, +8), (2 i + 1, +0), (2 i + 1, +8), whose row addresses lanes 0-7, 8-15,
+/// 16-23 and 24-31 give. `rows`: the staging rows of this consumer warpgroup.
+__device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char* rows) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const int lane = static_cast<int>(threadIdx.x) % 32,
             warp = static_cast<int>(threadIdx.x) / 32 % 4;
-  const int quad = lane % 4;
-  if (col0 + tile_n > a.cols) {  // the last column tile: columns past V (zero-filled) become -inf
+  const int q = lane / 8, row = 16 * warp + 8 * (q % 2) + lane % 8;
+  const unsigned base = shared_address(rows);
+  auto pair = [&](int k) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(d[2 * k], d[2 * k + 1]);
+    return *reinterpret_cast<const unsigned*>(&v);
+  };
 #pragma unroll
-    for (int j = 0; j < 32; ++j)
+  for (int i = 0; i < 16; ++i)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                     base + staged_offset(row, 2 * i + q / 2)),
+                 "r"(pair(4 * i)), "r"(pair(4 * i + 1)), "r"(pair(4 * i + 2)), "r"(pair(4 * i + 3))
+                 : "memory");
+#else
+  (void)d;
+  (void)rows;
+#endif
+}
+
+/// A statistics thread's work on one staged row (staging row `row` of a tile whose first `valid`
+/// columns are logits): the partial of the row's max and sum of exponentials, and the logit of
+/// column `target` (-1: another tile's) into `z`. Columns past V (W's rows there read as zeros)
+/// are outside `valid`.
+__device__ __forceinline__ partial staged_row_stats(const unsigned char* staged, int row, int valid,
+                                                    std::int64_t target, float& z) {
+  auto at = [&](int c) {
+    return __bfloat162float(
+        *reinterpret_cast<const __nv_bfloat16*>(staged + staged_offset(row, c / 8) + 2 * (c % 8)));
+  };
+  if (target >= 0 && target < valid) z = at(static_cast<int>(target));
+  float m = -HUGE_VALF, s = 0.0f;
+  if (valid == tile_n) {
+    auto lo = [](unsigned u) { return __uint_as_float(u << 16); };
+    auto hi = [](unsigned u) { return __uint_as_float(u & 0xffff0000u); };
+    // A whole row in the order its chunks are stored (the swizzle only permutes them), at
+    // constant offsets. Four independent chains each for the max and the sum (one chain of 256
+    // dependent instructions would wait on latency); the max on bf16 pairs, exact.
+    const auto* v = reinterpret_cast<const uint4*>(staged + row * staged_pitch);
+    __nv_bfloat162 mc[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (col0 + 8 * j + 2 * quad + e % 2 >= a.cols) d[4 * j + e] = -HUGE_VALF;
-  }
+    for (int k = 0; k < 4; ++k) mc[k] = __float2bfloat162_rn(-HUGE_VALF);
+#pragma unroll 4  // 16 registers of loads in flight: the statistics warps have 64 in all
+    for (int i = 0; i < tile_n / 8; ++i) {
+      const uint4 q = v[i];
+      const unsigned u[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + 16 * warp + lane / 4 + 8 * h;
-    // Four independent chains each for the max and the sum: one chain of 64 dependent
-    // instructions per row left most of the epilogue's cycles waiting on latency.
-    float mc[4] = {-HUGE_VALF, -HUGE_VALF, -HUGE_VALF, -HUGE_VALF};
-#pragma unroll
-    for (int j = 0; j < 32; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) mc[j % 4] = fmaxf(mc[j % 4], d[4 * j + 2 * h + e]);
-    float m = fmaxf(fmaxf(mc[0], mc[1]), fmaxf(mc[2], mc[3]));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      for (int k = 0; k < 4; ++k)
+        mc[k] = __hmax2(mc[k], *reinterpret_cast<const __nv_bfloat162*>(&u[k]));
+    }
+    const __nv_bfloat162 m2 = __hmax2(__hmax2(mc[0], mc[1]), __hmax2(mc[2], mc[3]));
+    m = fmaxf(__low2float(m2), __high2float(m2));
     const float shift = m * log2e;
     float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int i = 0; i < tile_n / 8; ++i) {
+      const uint4 q = v[i];
+      const unsigned u[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-    for (int j = 0; j < 32; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) sc[j % 4] += fast_exp2(fmaf(d[4 * j + 2 * h + e], log2e, -shift));
-    float s = (sc[0] + sc[1]) + (sc[2] + sc[3]);
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    if (row < a.rows) {
-      if (quad == 0)
-        a.partials[static_cast<std::int64_t>(row) * a.col_tiles + col_tile] =
-            partial::of_block(m, s);
-      const std::int64_t off = targets[h] - col0;
-      if (off >= 0 && off < tile_n && off % 8 / 2 == quad) {  // one tile of the row's
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-          if (off / 8 == j)  // both candidates read at compile-time indices (no local copy of d)
-            a.target_logit[row] = off % 2 ? d[4 * j + 2 * h + 1] : d[4 * j + 2 * h];
-      }
+      for (int k = 0; k < 4; ++k)
+        sc[k] +=
+            fast_exp2(fmaf(lo(u[k]), log2e, -shift)) + fast_exp2(fmaf(hi(u[k]), log2e, -shift));
     }
+    s = (sc[0] + sc[1]) + (sc[2] + sc[3]);
+  } else {  // the last column tile: element by element (one tile of the row's)
+    for (int c = 0; c < valid; ++c) m = fmaxf(m, at(c));
+    const float shift = m * log2e;
+    for (int c = 0; c < valid; ++c) s += fast_exp2(fmaf(at(c), log2e, -shift));
   }
+  return partial::of_block(m, s);
 }
 
 /// One consumer thread's epilogue (plain GEMM): its logits rounded to bf16 and stored.
@@ -248,17 +302,20 @@ __global__ void __launch_bounds__(threads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   // Static shared memory only in this build: ready() reads its presence.
-  __shared__ unsigned long long full[stages], empty[stages];
-  // 1024-byte aligned stages: the 128-byte swizzle's atoms.
+  __shared__ unsigned long long full[stages], empty[stages], staged_full, staged_empty;
+  // 1024-byte aligned stages: the swizzle's atoms.
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
   auto stage_a = [&](int s) { return smem + s * stage_bytes; };
   auto stage_b = [&](int s) { return smem + s * stage_bytes + a_bytes; };
+  unsigned char* const staged = smem + stages * stage_bytes;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       mbarrier_init(&full[s], 1);   // the producer's expect_tx; the copies' bytes
       mbarrier_init(&empty[s], 8);  // one arrival per consumer warp (wgmma waits are per warp)
     }
+    mbarrier_init(&staged_full, 256);             // every consumer thread, after its matrix stores
+    mbarrier_init(&staged_empty, stats_threads);  // every statistics thread, after its reads
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -267,8 +324,11 @@ __global__ void __launch_bounds__(threads, 1)
   const int tiles = row_tiles * a.col_tiles;
   const int k_blocks = (a.depth + tile_k - 1) / tile_k;
   const int group = static_cast<int>(threadIdx.x) / 128;
+  // Registers: setmaxnreg moves them within the CTA's own allocation (168 per thread, ptxas's
+  // limit for 384 threads: 504 per warpgroup slot), so 64 + 2 x 216 = 496; asking for more
+  // leaves the consumers' increase waiting forever.
   if (group == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
     if (threadIdx.x == 0) {
       int s = 0;
       unsigned phase = 0;
@@ -286,34 +346,53 @@ __global__ void __launch_bounds__(threads, 1)
           }
         }
       }
+    } else if (threadIdx.x >= 32) {
+      if constexpr (Stats) {
+        // Warps 1-3: thread i takes rows i and i + 96 of each tile.
+        const int r = static_cast<int>(threadIdx.x) - 32;
+        unsigned phase = 0;
+        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+          int m, n;
+          tile_at(t, row_tiles, a.col_tiles, m, n);
+          const int col0 = n * tile_n;
+          const int valid = a.cols - col0 < tile_n ? a.cols - col0 : tile_n;
+          std::int64_t target[2] = {-1, -1};  // read while the tile is computed
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = m * tile_m + r + stats_threads * h;
+            if (r + stats_threads * h < tile_m && row < a.rows) {
+              const auto y = static_cast<std::int64_t>(a.targets[row]);
+              target[h] = y >= col0 && y < col0 + valid ? y - col0 : -1;  // this tile's only
+            }
+          }
+          mbarrier_wait(&staged_full, phase);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int in_tile = r + stats_threads * h, row = m * tile_m + in_tile;
+            if (in_tile < tile_m && row < a.rows) {
+              float z = 0.0f;
+              a.partials[static_cast<std::int64_t>(row) * a.col_tiles + n] =
+                  staged_row_stats(staged, in_tile, valid, target[h], z);
+              if (target[h] >= 0) a.target_logit[row] = z;
+            }
+          }
+          mbarrier_arrive(&staged_empty);
+          phase ^= 1;
+        }
+      }
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
     const int c = group - 1;  // rows 64 c .. 64 c + 63 of each tile
     const bool leader =
         threadIdx.x % 32 == 0;  // each warp releases a stage once its products are done
     float d[128];
     int s = 0;
-    unsigned phase = 0;
+    unsigned phase = 0, staged_phase = 0;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       int m, n;
       tile_at(t, row_tiles, a.col_tiles, m, n);
       int held = -1;  // the stage whose products are still in flight
-      // This thread's two rows' targets, read now and used after the main loop (a load in the
-      // epilogue stalled every thread on it).
-      std::int64_t targets[2] = {-1, -1};
-      if constexpr (Stats) {
-        const int lane = static_cast<int>(threadIdx.x) % 32,
-                  warp = static_cast<int>(threadIdx.x) / 32 % 4;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = m * tile_m + c * 64 + 16 * warp + lane / 4 + 8 * h;
-          if (row < a.rows) {
-            const auto y = static_cast<std::int64_t>(a.targets[row]);
-            targets[h] = y >= 0 && y < a.cols ? y : -1;  // others take no target logit
-          }
-        }
-      }
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbarrier_wait(&full[s], phase);
         const std::uint64_t da = smem_descriptor(stage_a(s) + c * (a_bytes / 2));
@@ -335,11 +414,16 @@ __global__ void __launch_bounds__(threads, 1)
       wgmma_wait<0>();
       fence_operands(d);
       if (held >= 0 && leader) mbarrier_arrive(&empty[held]);
-      const int row0 = m * tile_m + c * 64, col0 = n * tile_n;
-      if constexpr (Stats)
-        tile_stats(d, a, row0, col0, n, targets);
-      else
-        tile_store(d, a, row0, col0);
+      if constexpr (Stats) {
+        // The statistics warps finished the previous tile long ago (they need a few percent of
+        // a main loop's time), so this wait rarely waits.
+        mbarrier_wait(&staged_empty, staged_phase ^ 1);
+        stage_tile(d, staged + c * 64 * staged_pitch);
+        mbarrier_arrive(&staged_full);
+        staged_phase ^= 1;
+      } else {
+        tile_store(d, a, m * tile_m + c * 64, n * tile_n);
+      }
     }
   }
 #else
@@ -378,7 +462,8 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, const partial* partials,
 }
 
 /// A 2-D tensor map of a row-major bf16 matrix (rows x cols, leading dimension ld elements) in
-/// boxes of box_rows x 64, 128-byte swizzled; rows and columns past the matrix read as zeros.
+/// boxes of box_rows x 64, 128-byte swizzled; rows and columns past the matrix
+/// read as zeros.
 inline CUtensorMap make_map(const char* fn, const void* p, std::int64_t rows, std::int64_t cols,
                             std::int64_t ld, int box_rows) {
   static const auto encode = [] {
