@@ -32,8 +32,9 @@
 //
 // The forward on Hopper (sm_90a builds): bf16 calls without bias, label smoothing, softcap or
 // argmax / num_correct take stats_gemm.cuh instead of steps 1-2, a GEMM whose epilogue keeps
-// each row's max and sum of exponentials per 256 columns, so the logits are never written (and
-// stay float: the losses differ from the cuBLAS path's by its rounding of each logit to T).
+// each row's max and sum of exponentials per 256 columns, so the logits are never written (its
+// statistics are of the logits rounded to T, as this path's: the same losses up to the order of
+// the sums).
 //
 // One chunk of every row: training with the float accumulator needs none when all the rows fit
 // one chunk (linear_plan.cuh, plan_linear): its d_weight GEMM writes d_weight directly.
@@ -440,9 +441,9 @@ void finish_totals(const char* fn, cudaStream_t stream, const linear_totals& t, 
 /// device running the kernel's sm_90a build (policy::stats_gemm). The row partials and target
 /// logits go where the chunk logits would (the workspace's logits buffer), as many rows per
 /// launch as they fit; the merge writes each row's loss and LSE as the core does, so the
-/// reduced loss is formed after as on the cuBLAS path. Logits stay float here (the cuBLAS path
-/// rounds them to bf16 first, as PyTorch eager does): the losses differ by that rounding. False,
-/// enqueuing nothing, where the path does not apply.
+/// reduced loss is formed after as on the cuBLAS path. The statistics are of the logits rounded
+/// to bf16, as the cuBLAS path stores them and PyTorch eager has them. False, enqueuing nothing,
+/// where the path does not apply.
 template <class T, class G, class I>
 bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targets,
                    const linear_options& opts, const linear_totals& t, const forward_outputs& out) {
