@@ -16,8 +16,8 @@
 // into each row's max and sum of exponentials meanwhile. When the consumer warpgroups computed
 // the statistics themselves, the tensor cores stood idle through them (one MUFU exponential per
 // logit): several percent of the GEMM's time (bench/results/2026-11-24-h200-lse-gemm/). Tiles are
-// walked 8 row tiles at a time (Triton's grouped order), so the tiles in flight share their X and W
-// tiles in L2. Its body exists only in an sm_90a build (wgmma, setmaxnreg): a build without it
+// walked 16 row tiles at a time (Triton's grouped order), so the tiles in flight share their X and
+// W tiles in L2. Its body exists only in an sm_90a build (wgmma, setmaxnreg): a build without it
 // leaves an empty kernel, which ready() recognises by its lack of static shared memory (the real
 // kernel's mbarriers).
 //
@@ -47,7 +47,11 @@ namespace stats_gemm {
 /// staged at a time, the second half handed over two k-blocks into the next tile (1.074x /
 /// 1.069x, 1.147x / 1.138x) or eight (1.043x / 1.048x, 1.128x / 1.104x); six stages of 32
 /// columns (64-byte swizzle) with the whole tile, 1.069x / 1.135x and 1.130x / 1.136x.
-constexpr int tile_m = 128, tile_n = 256, tile_k = 64, stages = 3, group_m = 8;
+/// Tiles walk 16 row tiles at a time (group_m): two runs each at 8 / 16 / 32 / 64 row tiles,
+/// forward against cuBLAS at 8192 x 4096 x 128256 1.018-1.023x / 0.983-1.015x / 0.996-1.033x /
+/// 1.052-1.077x, at 16384 x 2304 x 256000 1.086-1.129x / 1.076-1.081x / 1.079x / 1.130-1.135x
+/// (H200, bench/results/2026-11-24-h200-staged-stats/group_m.txt).
+constexpr int tile_m = 128, tile_n = 256, tile_k = 64, stages = 3, group_m = 16;
 constexpr int threads = 384;  // producer + statistics warpgroup, two consumer warpgroups
 /// The producer warpgroup's warps 1-3 compute the statistics (warp 0's thread 0 issues the
 /// copies). A fourth warpgroup of its own would leave ptxas 128 registers per thread for the
@@ -176,7 +180,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t 
 #endif
 }
 
-/// Tile t of the grouped order: 8 row tiles at a time, each group's column tiles in turn.
+/// Tile t of the grouped order: group_m row tiles at a time, each group's column tiles in turn.
 __device__ __forceinline__ void tile_at(int t, int row_tiles, int col_tiles, int& m, int& n) {
   const int per_group = group_m * col_tiles;
   const int first = t / per_group * group_m;
