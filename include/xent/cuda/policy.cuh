@@ -224,9 +224,9 @@ struct policy {
   /// Whether the fused linear forward takes the Hopper GEMM that keeps each row's statistics in
   /// its epilogue (stats_gemm.cuh; sm_90a builds, bf16, plain options) rather than cuBLAS and the
   /// cross-entropy pass over each chunk's logits. H200, 2026-11-24, linear_forward against
-  /// cuBLAS's X . W^T alone in the same run (xent_bench_cuda_linear, 28f9215): 8192 x 4096 x
-  /// 128256 1.015x, 16384 x 2304 x 256000 1.041x, where the cuBLAS path measured 1.08x and 1.21x
-  /// (9b4cb64; bench/results/2026-11-24-h200-staged-stats/).
+  /// cuBLAS's X . W^T alone in the same run (xent_bench_cuda_linear, f6d4e74): 8192 x 4096 x
+  /// 128256 0.980x, 16384 x 2304 x 256000 1.015x, where the cuBLAS path measured 1.08x and 1.21x
+  /// (9b4cb64; bench/results/2026-11-24-h200-f6d4e74/).
   static constexpr bool stats_gemm = XENT_CUDA_STATS_GEMM != 0;
   /// Whether the bulk backward's persistent grid takes as few CTAs as walk the same most tiles
   /// each (persistent_grid) rather than as many as the SMs hold. H200, 2026-11-24, same lease, bf16
