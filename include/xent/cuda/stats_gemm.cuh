@@ -43,14 +43,14 @@ namespace stats_gemm {
 
 /// Three stages of 64 columns beside the 64 KiB staging tile (H200, bench/lse_gemm_bench.cu, two
 /// runs each, X . W^T's time against cuBLAS's: 8192 x 4096 x 128256 1.035x / 1.023x,
-/// 16384 x 2304 x 256000 1.128x / 1.166x). Measured against it: four stages beside half a tile
-/// staged at a time, the second half handed over two k-blocks into the next tile (1.074x /
-/// 1.069x, 1.147x / 1.138x) or eight (1.043x / 1.048x, 1.128x / 1.104x); six stages of 32
-/// columns (64-byte swizzle) with the whole tile, 1.069x / 1.135x and 1.130x / 1.136x.
-/// Tiles walk 16 row tiles at a time (group_m): two runs each at 8 / 16 / 32 / 64 row tiles,
-/// forward against cuBLAS at 8192 x 4096 x 128256 1.018-1.023x / 0.983-1.015x / 0.996-1.033x /
-/// 1.052-1.077x, at 16384 x 2304 x 256000 1.086-1.129x / 1.076-1.081x / 1.079x / 1.130-1.135x
-/// (H200, bench/results/2026-11-24-h200-staged-stats/group_m.txt).
+/// 16384 x 2304 x 256000 1.128x / 1.166x; bench/results/2026-11-24-h200-staged-stats/). Measured
+/// against it: four stages beside half a tile staged at a time, the second half handed over two
+/// k-blocks into the next tile (1.074x / 1.069x, 1.147x / 1.138x) or eight (1.043x / 1.048x, 1.128x
+/// / 1.104x); six stages of 32 columns (64-byte swizzle) with the whole tile, 1.069x / 1.135x
+/// and 1.130x / 1.136x. Tiles walk 16 row tiles at a time (group_m): two runs each at 8 / 16 / 32 /
+/// 64 row tiles, forward against cuBLAS at 8192 x 4096 x 128256 1.018-1.023x / 0.983-1.015x /
+/// 0.996-1.033x / 1.052-1.077x, at 16384 x 2304 x 256000 1.086-1.129x / 1.076-1.081x / 1.079x
+/// / 1.130-1.135x (H200, bench/results/2026-11-24-h200-staged-stats/group_m.txt).
 constexpr int tile_m = 128, tile_n = 256, tile_k = 64, stages = 3, group_m = 16;
 constexpr int threads = 384;  // producer + statistics warpgroup, two consumer warpgroups
 /// The producer warpgroup's warps 1-3 compute the statistics (warp 0's thread 0 issues the
