@@ -236,8 +236,6 @@ __device__ __forceinline__ partial staged_row_stats(const unsigned char* staged,
   if (target >= 0 && target < valid) z = at(static_cast<int>(target));
   float m = -HUGE_VALF, s = 0.0f;
   if (valid == tile_n) {
-    auto lo = [](unsigned u) { return __uint_as_float(u << 16); };
-    auto hi = [](unsigned u) { return __uint_as_float(u & 0xffff0000u); };
     // A whole row in the order its chunks are stored (the swizzle only permutes them), at
     // constant offsets. Four independent chains each for the max and the sum (one chain of 256
     // dependent instructions would wait on latency); the max on bf16 pairs, exact.
@@ -262,9 +260,9 @@ __device__ __forceinline__ partial staged_row_stats(const unsigned char* staged,
       const uint4 q = v[i];
       const unsigned u[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        sc[k] +=
-            fast_exp2(fmaf(lo(u[k]), log2e, -shift)) + fast_exp2(fmaf(hi(u[k]), log2e, -shift));
+      for (int k = 0; k < 4; ++k)  // the pair of word k, as tile.cuh's word_element unpacks it
+        sc[k] += fast_exp2(fmaf(word_element<__nv_bfloat16>(u, 2 * k), log2e, -shift)) +
+                 fast_exp2(fmaf(word_element<__nv_bfloat16>(u, 2 * k + 1), log2e, -shift));
     }
     s = (sc[0] + sc[1]) + (sc[2] + sc[3]);
   } else {  // the last column tile: element by element (one tile of the row's)
