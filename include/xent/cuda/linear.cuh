@@ -66,6 +66,7 @@
 #include "../options.hpp"
 #include "../targets.hpp"
 #include "../views.hpp"
+#include "accumulate_gemm.cuh"
 #include "backend.cuh"
 #include "cuda.cuh"
 #include "dtype.cuh"
@@ -241,9 +242,17 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
   const float beta = first ? 0.0f : 1.0f;
   if (c.d_weight.data) {
     if (float* acc = c.dw_accumulator(); acc && c.plan.dw_block == 0) {
-      // dw_accumulation::fp32 with G not float: the float V x D accumulator.
-      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta, acc,
-           CUDA_R_32F, sizeof(float), D);
+      // dw_accumulation::fp32 with G not float: the float V x D accumulator, by cuBLASLt with
+      // the tile chosen for it (accumulate_gemm.cuh) where it offers one.
+      bool added = false;
+      if constexpr (policy::accumulate_by_lt && !std::is_same<DT, float>::value)
+        added = c.plan.lt_work != linear_absent &&
+                accumulate_gemm(c.blas.handle(), s, cublas_type<DT>(), D, V, n, x, c.hidden.ld,
+                                grad, ld, beta, acc, c.template buffer<void>(c.plan.lt_work),
+                                linear_lt_workspace);
+      if (!added)
+        gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta, acc,
+             CUDA_R_32F, sizeof(float), D);
     } else if (c.plan.dw_block == 0) {
       // A float d_weight is its own accumulator; dw_accumulation::output with G == T adds in G.
       gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta,

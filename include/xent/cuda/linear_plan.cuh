@@ -14,6 +14,8 @@
 //             or dw_block x D floats (dw_accumulation::output with G neither float nor T): one
 //             weight block's contribution before it is added to d_weight
 //   db        V floats (training, G not float): d_bias's accumulator
+//   lt_work   linear_lt_workspace bytes (with dw as the V x D float accumulator): cuBLASLt's
+//             workspace for the accumulating d_weight GEMM (accumulate_gemm.cuh)
 #pragma once
 
 #include <algorithm>
@@ -39,6 +41,10 @@ constexpr std::size_t linear_absent = ~std::size_t{0};
 /// the scratch at 4 KiB per hidden unit (16 MiB for D = 4096). Not tuned: a rare combination.
 constexpr std::int64_t linear_dw_block_rows = 1024;
 
+/// Device memory lent to cuBLASLt for the accumulating d_weight GEMM (accumulate_gemm.cuh); the
+/// algorithms it chooses there ask for a few bytes (split-K counters), 1 MiB leaves them room.
+constexpr std::size_t linear_lt_workspace = std::size_t{1} << 20;
+
 /// The logits' leading dimension: V rounded up to 16 bytes, so every row starts 16-byte aligned
 /// (the core's bulk copies and vector stores take the aligned path; cuBLAS's kernels want it too).
 template <class T>
@@ -60,6 +66,7 @@ struct linear_plan {
   std::size_t dx = linear_absent;
   std::size_t dw = linear_absent;
   std::size_t db = linear_absent;
+  std::size_t lt_work = linear_absent;
   std::size_t end = 0;    ///< the end of the last buffer, from the aligned base
   std::size_t bytes = 0;  ///< what the call needs, alignment slack included
 };
@@ -99,6 +106,7 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
     p.dw = take(sizeof(float) * static_cast<std::size_t>(p.dw_block) * D, true);
   }
   p.db = take(sizeof(float) * V, training && narrow_grads);
+  p.lt_work = take(linear_lt_workspace, p.dw != linear_absent && p.dw_block == 0);
   p.end = at;
   p.bytes = at + linear_alignment;  // room to align whatever address the caller's buffer has
   return p;
