@@ -43,9 +43,9 @@ class lt_descriptors {
   cublasLtMatmulPreference_t pref = nullptr;
 };
 
-/// acc (column-major m x n floats, ld m) = A · Bᵀ + beta acc, with A column-major m x k (lda) and
-/// B column-major n x k (ldb), bf16 or fp16 (`type`), float accumulation, on `stream` with
-/// `work_bytes` of device memory at `work` lent to it (linear_plan's lt_work), by
+/// acc (column-major m x n floats, leading dimension ldc) = A · Bᵀ + beta acc, with A column-major
+/// m x k (lda) and B column-major n x k (ldb), bf16 or fp16 (`type`), float accumulation, on
+/// `stream` with `work_bytes` of device memory at `work` lent to it (linear_plan's lt_work), by
 /// cuBLASLt through `handle` (a cuBLAS handle is a cuBLASLt handle: PyTorch passes its own so).
 /// Returns false, having enqueued nothing, when cuBLASLt offers no algorithm: the caller then
 /// takes cublasGemmEx. Host work only (descriptors and the heuristic): no device memory is
@@ -53,7 +53,7 @@ class lt_descriptors {
 inline bool accumulate_gemm(cublasHandle_t handle, cudaStream_t stream, cudaDataType_t type,
                             std::int64_t m, std::int64_t n, std::int64_t k, const void* a,
                             std::int64_t lda, const void* b, std::int64_t ldb, float beta,
-                            float* acc, void* work, std::size_t work_bytes) {
+                            float* acc, std::int64_t ldc, void* work, std::size_t work_bytes) {
   if (m == 0 || n == 0 || k == 0) return false;  // cublasGemmEx's caller handles empty products
   const auto lt = reinterpret_cast<cublasLtHandle_t>(handle);
   lt_descriptors d;
@@ -67,7 +67,7 @@ inline bool accumulate_gemm(cublasHandle_t handle, cudaStream_t stream, cudaData
       !ok(cublasLtMatrixLayoutCreate(&d.b, type, static_cast<std::uint64_t>(n),
                                      static_cast<std::uint64_t>(k), ldb)) ||
       !ok(cublasLtMatrixLayoutCreate(&d.c, CUDA_R_32F, static_cast<std::uint64_t>(m),
-                                     static_cast<std::uint64_t>(n), m)) ||
+                                     static_cast<std::uint64_t>(n), ldc)) ||
       !ok(cublasLtMatmulPreferenceCreate(&d.pref)) ||
       !ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                &work_bytes, sizeof work_bytes)))

@@ -241,20 +241,28 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
   const DT* x = c.hidden.row(r0);
   const float beta = first ? 0.0f : 1.0f;
   if (c.d_weight.data) {
-    if (float* acc = c.dw_accumulator(); acc && c.plan.dw_block == 0) {
-      // dw_accumulation::fp32 with G not float: the float V x D accumulator, by cuBLASLt with
-      // the tile chosen for it (accumulate_gemm.cuh) where it offers one.
-      bool added = false;
-      if constexpr (policy::accumulate_by_lt && !std::is_same<DT, float>::value)
-        added = c.plan.lt_work != linear_absent &&
-                accumulate_gemm(c.blas.handle(), s, cublas_type<DT>(), D, V, n, x, c.hidden.ld,
-                                grad, ld, beta, acc, c.template buffer<void>(c.plan.lt_work),
-                                linear_lt_workspace);
-      if (!added)
-        gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta, acc,
-             CUDA_R_32F, sizeof(float), D);
+    // The float V x D sum (dw_accumulation::fp32's accumulator with G not float, or a float
+    // d_weight, its own accumulator), by cuBLASLt with the tile chosen for it where it offers one
+    // (accumulate_gemm.cuh).
+    float* acc = c.dw_accumulator();
+    std::int64_t ld_acc = D;
+    if constexpr (linear_call<T, G>::float_grads) {
+      acc = c.d_weight.data;
+      ld_acc = c.d_weight.ld;
+    }
+    bool added = false;
+    if constexpr (policy::accumulate_by_lt && !std::is_same<DT, float>::value)
+      added = acc && c.plan.dw_block == 0 && c.plan.lt_work != linear_absent &&
+              accumulate_gemm(c.blas.handle(), s, cublas_type<DT>(), D, V, n, x, c.hidden.ld, grad,
+                              ld, beta, acc, ld_acc, c.template buffer<void>(c.plan.lt_work),
+                              linear_lt_workspace);
+    if (added) {
+      // done
+    } else if (acc && c.plan.dw_block == 0) {
+      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta, acc,
+           CUDA_R_32F, sizeof(float), ld_acc);
     } else if (c.plan.dw_block == 0) {
-      // A float d_weight is its own accumulator; dw_accumulation::output with G == T adds in G.
+      // dw_accumulation::output with G == T adds in G.
       gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta,
            c.d_weight.data, cublas_type<DG>(), sizeof(DG), c.d_weight.ld);
     } else {

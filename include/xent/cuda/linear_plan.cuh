@@ -14,8 +14,9 @@
 //             or dw_block x D floats (dw_accumulation::output with G neither float nor T): one
 //             weight block's contribution before it is added to d_weight
 //   db        V floats (training, G not float): d_bias's accumulator
-//   lt_work   linear_lt_workspace bytes (with dw as the V x D float accumulator): cuBLASLt's
-//             workspace for the accumulating d_weight GEMM (accumulate_gemm.cuh)
+//   lt_work   linear_lt_workspace bytes (training with dw as the V x D float accumulator, or a
+//             float d_weight from bf16 / fp16 inputs): cuBLASLt's workspace for the
+//             accumulating d_weight GEMM (accumulate_gemm.cuh)
 #pragma once
 
 #include <algorithm>
@@ -106,7 +107,11 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
     p.dw = take(sizeof(float) * static_cast<std::size_t>(p.dw_block) * D, true);
   }
   p.db = take(sizeof(float) * V, training && narrow_grads);
-  p.lt_work = take(linear_lt_workspace, p.dw != linear_absent && p.dw_block == 0);
+  // The accumulating d_weight GEMM's: into the float accumulator, or into a float d_weight
+  // (its own accumulator) from 16-bit inputs.
+  constexpr bool float_dw_from_narrow = !narrow_grads && !std::is_same<DT, float>::value;
+  p.lt_work = take(linear_lt_workspace, (p.dw != linear_absent && p.dw_block == 0) ||
+                                            (training && float_dw_from_narrow));
   p.end = at;
   p.bytes = at + linear_alignment;  // room to align whatever address the caller's buffer has
   return p;
