@@ -1,8 +1,9 @@
 // CUDA benchmarks: forward, forward_backward (in place) and backward on the shapes of ANCHORS.md,
 // timed with CUDA events (manual time), bytes/s of the minimum traffic and % of a device-to-device
-// copy roof measured by this binary in this run. Each timed call starts from freshly written random
-// logits and a cold L2 (a 256 MiB buffer is overwritten in between, untimed), as triton's do_bench
-// does for the anchors' figures.
+// copy roof measured by this binary in this run (roof_pct: a 2 GiB cudaMemcpyAsync; copy_same_pct:
+// a copy of the line's own traffic, which pays the same ramp and tail). Each timed call starts from
+// freshly written random logits and a cold L2 (a 256 MiB buffer is overwritten in between,
+// untimed), as triton's do_bench does for the anchors' figures.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
@@ -72,18 +73,25 @@ arena& buffers() {
   return a;
 }
 
-/// Runs `work` between two events and reports its device time as the iteration's manual time;
-/// returns it in seconds.
+/// Seconds of device time of `work`, between two events.
 template <class Work>
-double timed(benchmark::State& state, arena& a, Work&& work) {
+double event_seconds(arena& a, Work&& work) {
   check(cudaEventRecord(a.start), "record");
   work();
   check(cudaEventRecord(a.stop), "record");
   check(cudaEventSynchronize(a.stop), "sync");
   float ms = 0.0f;
   check(cudaEventElapsedTime(&ms, a.start, a.stop), "elapsed");
-  state.SetIterationTime(ms * 1e-3);
   return ms * 1e-3;
+}
+
+/// Runs `work` between two events and reports its device time as the iteration's manual time;
+/// returns it in seconds.
+template <class Work>
+double timed(benchmark::State& state, arena& a, Work&& work) {
+  const double s = event_seconds(a, work);
+  state.SetIterationTime(s);
+  return s;
 }
 
 double& copy_roof() {  // bytes/s, read + written
@@ -266,8 +274,27 @@ void BM_cross_entropy(benchmark::State& state) {
     total += timed(state, a, call);
   }
   const auto p = Op == op::forward ? xent_bench::pass::forward : xent_bench::pass::forward_backward;
-  xent_bench::report_traffic(state, xent_bench::min_traffic_bytes(p, rows, cols, sizeof(T)),
-                             rows * cols, total, copy_roof());
+  const std::int64_t traffic = xent_bench::min_traffic_bytes(p, rows, cols, sizeof(T));
+  xent_bench::report_traffic(state, traffic, rows * cols, total, copy_roof());
+  // copy_same_pct: against a copy of this line's size, cudaMemcpyAsync moving the same bytes (half
+  // read, half written) after the same refresh, as many times: whether the 2 GiB roof, which
+  // amortises a pass's ramp and tail, is fair to a smaller matrix. (H200: at bf16 8192 x 32000 the
+  // same-size copy ran at 98-99.6% of the 2 GiB copy's rate, a read of the matrix with no work at
+  // 90-93%; bench/row_read_probe.cu, bench/results/2026-11-24-h200-row-read/.) One untimed copy
+  // first: the first write of a fresh allocation ran 10% slower there.
+  check(cudaMemcpyAsync(a.grad, a.logits, static_cast<std::size_t>(traffic / 2),
+                        cudaMemcpyDeviceToDevice),
+        "copy");
+  double copy_total = 0.0;
+  for (std::int64_t i = 0; i < state.iterations(); ++i) {
+    refresh();
+    copy_total += event_seconds(a, [&] {
+      check(cudaMemcpyAsync(a.grad, a.logits, static_cast<std::size_t>(traffic / 2),
+                            cudaMemcpyDeviceToDevice),
+            "copy");
+    });
+  }
+  state.counters["copy_same_pct"] = 100.0 * copy_total / total;
   // The loss of one call on logits of a fixed seed: the same (to float rounding) for every
   // variant of a kernel (bench/cuda_variants.sh compares builds by it), never non-finite.
   seed = 0;
