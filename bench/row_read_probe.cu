@@ -5,8 +5,9 @@
 // benchmarks: the whole matrix as one flat stream; whole rows per CTA with nothing at a row's end;
 // whole rows with a CTA-wide sum at each row's end (the forward's merge of its warps); whole rows
 // with the forward's arithmetic (packed max, then exp2 sum on a second sweep of registers) and the
-// CTA-wide merge. Against cudaMemcpyAsync's rate (read + written bytes per second), as the
-// benchmarks' roof_pct; and the copy at the matrix's own size (its bytes read and written; the
+// CTA-wide merge; the same with the next tile's loads issued before a tile's arithmetic (within a
+// row, or across rows too). Against cudaMemcpyAsync's rate (read + written bytes per second), as
+// the benchmarks' roof_pct; and the copy at the matrix's own size (its bytes read and written; the
 // first of each shape writes a fresh allocation, which ran 10% slower on an H200: read the second).
 // The matrix holds random bf16 values (PROBE_CONSTANT=1: a constant fill, for comparison).
 // Prints one JSON object per line.
@@ -27,7 +28,7 @@ using xent_bench::check;
 
 constexpr int threads = 256, in_flight = 4;
 
-enum class mode { flat, rows, rows_merge, rows_forward };
+enum class mode { flat, rows, rows_merge, rows_forward, forward_ahead, forward_ahead_rows };
 
 __device__ __forceinline__ float block_sum(float v, float* red) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -136,6 +137,71 @@ __global__ void __launch_bounds__(threads)
   if (acc == 0x12345678u) out[0] = 1.0f;  // keeps the loads
 }
 
+/// The forward's arithmetic with the next tile's loads issued before this tile's arithmetic:
+/// within a row (forward_ahead), or also across a row's end (forward_ahead_rows: the next row's
+/// first tile loads during this row's last tile and its merge).
+template <mode M>
+__global__ void __launch_bounds__(threads)
+    ahead_kernel(const uint4* data, long long rows, long long row_vectors, float* out) {
+  __shared__ float red[threads / 32];
+  constexpr long long span = static_cast<long long>(threads) * in_flight;
+  const long long tiles = (row_vectors + span - 1) / span;
+  auto load = [&](long long r, long long t, uint4(&v)[in_flight], int& live) {
+    const uint4* row = data + r * row_vectors;
+    live = 0;
+#pragma unroll
+    for (int k = 0; k < in_flight; ++k) {
+      const long long i = t * span + threadIdx.x + static_cast<long long>(k) * threads;
+      if (i < row_vectors) {
+        v[k] = __ldcs(row + i);
+        live = k + 1;
+      } else {
+        v[k] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  long long r = blockIdx.x, t = 0;
+  if (r >= rows) return;
+  uint4 cur[in_flight];
+  int live = 0;
+  load(r, t, cur, live);
+  float m = -1e30f, s = 0.0f;
+  for (;;) {
+    long long nr = r, nt = t + 1;
+    if (nt == tiles) {
+      nt = 0;
+      nr = r + gridDim.x;
+    }
+    uint4 nxt[in_flight];
+    int next_live = 0;
+    const bool early = nr < rows && (M == mode::forward_ahead_rows || nr == r);
+    if (early) load(nr, nt, nxt, next_live);
+    const float old = m;
+    const float tile_sum = row_work(cur, live, m);
+    s = s * exp2f((old - m) * 1.4426950f) + tile_sum;
+    if (nt == 0) {  // the row's end: its merge, as rows_forward's
+      float mm = m;
+      for (int o = 16; o > 0; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+      if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mm;
+      __syncthreads();
+      float row_max = red[0];
+      for (int w = 1; w < threads / 32; ++w) row_max = fmaxf(row_max, red[w]);
+      __syncthreads();
+      const float total = block_sum(s * exp2f((m - row_max) * 1.4426950f), red);
+      if (threadIdx.x == 0) out[r] = row_max + log2f(total) / 1.4426950f;
+      m = -1e30f;
+      s = 0.0f;
+    }
+    if (nr >= rows) break;
+    if (!early) load(nr, nt, nxt, next_live);
+    r = nr;
+    t = nt;
+#pragma unroll
+    for (int k = 0; k < in_flight; ++k) cur[k] = nxt[k];
+    live = next_live;
+  }
+}
+
 /// Random-looking bf16 values (a hash of the index), as the benchmarks' logits: a constant fill
 /// changes neither the bytes nor the requests, but the data-dependent power does change with it.
 __global__ void fill_random(unsigned* out, long long words, unsigned seed) {
@@ -232,6 +298,8 @@ int main(int argc, char** argv) {
       run("rows", read_kernel<mode::rows>);
       run("rows_merge", read_kernel<mode::rows_merge>);
       run("rows_forward", read_kernel<mode::rows_forward>);
+      run("forward_ahead", ahead_kernel<mode::forward_ahead>);
+      run("forward_ahead_rows", ahead_kernel<mode::forward_ahead_rows>);
     }
     check(cudaFree(copy), "free");
     check(cudaFree(data), "free");
