@@ -1,13 +1,13 @@
-// The fused linear training's d_weight GEMM into its float accumulator (dw_accumulation::fp32
-// over several chunks), by cuBLASLt with a tile chosen for it. Each chunk adds G_cᵀ · X_c into the
-// V x D float accumulator, so the GEMM reads and writes 8 V D bytes beside its 2 V D K flops
-// (K: the chunk's rows). cublasGemmEx's heuristic gives it 192 x 192 tiles, one CTA per SM, whose
-// epilogue reads and writes the accumulator while the tensor cores wait; 128 x 160 tiles, two
-// CTAs per SM, overlap one CTA's epilogue with the other's main loop. H200, bench/dw_gemm_bench.cu,
-// V = 256000, D = 2304, K = 2048 (bench/results/2026-11-24-h200-dw-gemm/), two machines:
-// cublasGemmEx 3.86 / 4.30 ms, 128 x 160 3.50 / 3.55 ms, 128 x 128 3.50 / 3.55 ms (the
-// heuristic's other six 3.8-4.3 ms); at K = 4096 128 x 160 7.26 ms against 7.28. Included only by
-// nvcc (cuda/linear.cuh).
+// The fused linear training's d_weight GEMM into a float sum over chunks (dw_accumulation::fp32's
+// accumulator, or a float d_weight from bf16 / fp16 inputs), by cuBLASLt with a tile chosen for it.
+// Each chunk adds G_cᵀ · X_c into the V x D float accumulator, so the GEMM reads and writes 8 V D
+// bytes beside its 2 V D K flops (K: the chunk's rows). cublasGemmEx's heuristic gives it 192 x 192
+// tiles, one CTA per SM, whose epilogue reads and writes the accumulator while the tensor cores
+// wait; 128 x 160 tiles, two CTAs per SM, overlap one CTA's epilogue with the other's main loop.
+// H200, bench/dw_gemm_bench.cu, V = 256000, D = 2304, K = 2048
+// (bench/results/2026-11-24-h200-dw-gemm/), two machines: cublasGemmEx 3.86 / 4.30 ms, 128 x
+// 160 3.50 / 3.55 ms, 128 x 128 3.50 / 3.55 ms (the heuristic's other six 3.8-4.3 ms); at K = 4096
+// 128 x 160 7.26 ms against 7.28. Included only by nvcc (cuda/linear.cuh).
 #pragma once
 
 #include <cublasLt.h>
