@@ -72,6 +72,20 @@ __device__ __forceinline__ float row_work(const uint4 (&v)[in_flight], int live,
   return s;
 }
 
+/// A row's LSE from every thread's (max, sum of exp2 relative to it): the row's max first, then
+/// every thread's sum rescaled to it (the forward's merge of its warps). Every thread calls it.
+__device__ __forceinline__ float row_lse(float m, float s, float* red) {
+  float mm = m;
+  for (int o = 16; o > 0; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mm;
+  __syncthreads();
+  float row_max = red[0];
+  for (int w = 1; w < threads / 32; ++w) row_max = fmaxf(row_max, red[w]);
+  __syncthreads();
+  const float total = block_sum(s * exp2f((m - row_max) * 1.4426950f), red);
+  return row_max + log2f(total) / 1.4426950f;
+}
+
 template <mode M>
 __global__ void __launch_bounds__(threads)
     read_kernel(const uint4* data, long long rows, long long row_vectors, float* out) {
@@ -121,16 +135,8 @@ __global__ void __launch_bounds__(threads)
         const float total = block_sum(static_cast<float>(acc & 0xff), red);
         if (threadIdx.x == 0) out[r] = total;
       } else if constexpr (M == mode::rows_forward) {
-        // The row's max first, then every thread's sum rescaled to it (the forward's merge).
-        float mm = m;
-        for (int o = 16; o > 0; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
-        if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mm;
-        __syncthreads();
-        float row_max = red[0];
-        for (int w = 1; w < threads / 32; ++w) row_max = fmaxf(row_max, red[w]);
-        __syncthreads();
-        const float total = block_sum(s * exp2f((m - row_max) * 1.4426950f), red);
-        if (threadIdx.x == 0) out[r] = row_max + log2f(total) / 1.4426950f;
+        const float lse = row_lse(m, s, red);
+        if (threadIdx.x == 0) out[r] = lse;
       }
     }
   }
@@ -180,15 +186,8 @@ __global__ void __launch_bounds__(threads)
     const float tile_sum = row_work(cur, live, m);
     s = s * exp2f((old - m) * 1.4426950f) + tile_sum;
     if (nt == 0) {  // the row's end: its merge, as rows_forward's
-      float mm = m;
-      for (int o = 16; o > 0; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
-      if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mm;
-      __syncthreads();
-      float row_max = red[0];
-      for (int w = 1; w < threads / 32; ++w) row_max = fmaxf(row_max, red[w]);
-      __syncthreads();
-      const float total = block_sum(s * exp2f((m - row_max) * 1.4426950f), red);
-      if (threadIdx.x == 0) out[r] = row_max + log2f(total) / 1.4426950f;
+      const float lse = row_lse(m, s, red);
+      if (threadIdx.x == 0) out[r] = lse;
       m = -1e30f;
       s = 0.0f;
     }
