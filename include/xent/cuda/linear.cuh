@@ -250,16 +250,17 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
       acc = c.d_weight.data;
       ld_acc = c.d_weight.ld;
     }
-    if (acc && c.plan.dw_block == 0) {
-      bool added = false;
-      if constexpr (policy::accumulate_by_lt && !std::is_same<DT, float>::value)
-        added = c.plan.lt_work != linear_absent &&
-                accumulate_gemm(c.blas.handle(), s, cublas_type<DT>(), D, V, n, x, c.hidden.ld,
-                                grad, ld, beta, acc, ld_acc,
-                                c.template buffer<void>(c.plan.lt_work), linear_lt_workspace);
-      if (!added)
-        gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta, acc,
-             CUDA_R_32F, sizeof(float), ld_acc);
+    bool added = false;
+    if constexpr (policy::accumulate_by_lt && !std::is_same<DT, float>::value)
+      added = acc && c.plan.dw_block == 0 && c.plan.lt_work != linear_absent &&
+              accumulate_gemm(c.blas.handle(), s, cublas_type<DT>(), D, V, n, x, c.hidden.ld, grad,
+                              ld, beta, acc, ld_acc, c.template buffer<void>(c.plan.lt_work),
+                              linear_lt_workspace);
+    if (added) {
+      // done
+    } else if (acc && c.plan.dw_block == 0) {
+      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta, acc,
+           CUDA_R_32F, sizeof(float), ld_acc);
     } else if (c.plan.dw_block == 0) {
       // dw_accumulation::output with G == T adds in G.
       gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta,
