@@ -282,17 +282,16 @@ void BM_cross_entropy(benchmark::State& state) {
   // same-size copy ran at 98-99.6% of the 2 GiB copy's rate, a read of the matrix with no work at
   // 90-93%; bench/row_read_probe.cu, bench/results/2026-11-24-h200-row-read/.) One untimed copy
   // first: the first write of a fresh allocation ran 10% slower there.
-  check(cudaMemcpyAsync(a.grad, a.logits, static_cast<std::size_t>(traffic / 2),
-                        cudaMemcpyDeviceToDevice),
-        "copy");
+  auto copy_traffic = [&] {
+    check(cudaMemcpyAsync(a.grad, a.logits, static_cast<std::size_t>(traffic / 2),
+                          cudaMemcpyDeviceToDevice),
+          "copy");
+  };
+  copy_traffic();
   double copy_total = 0.0;
   for (std::int64_t i = 0; i < state.iterations(); ++i) {
     refresh();
-    copy_total += event_seconds(a, [&] {
-      check(cudaMemcpyAsync(a.grad, a.logits, static_cast<std::size_t>(traffic / 2),
-                            cudaMemcpyDeviceToDevice),
-            "copy");
-    });
+    copy_total += event_seconds(a, copy_traffic);
   }
   state.counters["copy_same_pct"] = 100.0 * copy_total / total;
   // The loss of one call on logits of a fixed seed: the same (to float rounding) for every

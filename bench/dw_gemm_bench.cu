@@ -1,11 +1,11 @@
-// What the fused linear training's d_weight GEMM costs for adding into its float accumulator.
-// Each chunk of rows does acc (V x D, float) += G_cᵀ · X_c (linear.cuh, chunk_grads): the GEMM
-// reads and writes the whole accumulator once per chunk, 8 V D bytes, against 2 V D K flops of
-// products (K = the chunk's rows). This times, for each shape, the GEMM with beta = 0 and beta = 1
-// (cublasGemmEx as the library calls it), the same with a bf16 C (the issue's floor writes bf16),
-// and every algorithm cuBLASLt's heuristic offers for beta = 1 (its tile, stages, cluster shape
-// and split-K beside its time), so the accumulation's cost and the best algorithm are measured in
-// one run. Prints one JSON object per line (and writes them to $OUT/dw_gemm.json).
+// What a chunk of fused linear training costs in its three GEMMs, and which algorithm suits each.
+// Each chunk of K rows computes the logits X_c Wᵀ, d_hidden = G W (float C) and acc (V x D,
+// float) += G_cᵀ X_c (linear.cuh, chunk_grads); the last reads and writes the whole accumulator
+// once per chunk, 8 V D bytes, against 2 V D K flops of products. For each shape this times every
+// GEMM (d_weight with beta = 1 and, as the first chunk has it, beta = 0) by cublasGemmEx as the
+// library calls it and by every algorithm cuBLASLt's heuristic offers (its tile, stages, split-K
+// and swizzle beside its time): what chose cuda/accumulate_gemm.cuh's tiles. Prints one JSON
+// object per line (and writes them to $OUT/dw_gemm.json).
 //   dw_gemm_bench [V D K ...]   (default: 256000 2304 2048, 256000 2304 4096, 128256 4096 2048)
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -18,6 +18,8 @@
 #include <fstream>
 #include <string>
 #include <vector>
+
+#include <xent/cuda/accumulate_gemm.cuh>
 
 #include "common/cuda_check.hpp"
 #include "common/device_fill.cuh"
@@ -79,32 +81,32 @@ void run_problem(cublasHandle_t handle, cublasLtHandle_t lt, const gemm_problem&
   std::puts(line);
   json << line << "\n";
 
-  cublasLtMatmulDesc_t op;
-  check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-  check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &p.ta, sizeof p.ta), "ta");
-  check(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &p.tb, sizeof p.tb), "tb");
-  cublasLtMatrixLayout_t la, lb, lc;
+  xent::cuda_detail::lt_descriptors d;  // the library's owner of cuBLASLt's descriptors
+  check(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+  check(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &p.ta, sizeof p.ta),
+        "ta");
+  check(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &p.tb, sizeof p.tb),
+        "tb");
   const bool ta = p.ta != CUBLAS_OP_N, tb = p.tb != CUBLAS_OP_N;
-  check(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, ta ? p.k : p.m, ta ? p.m : p.k, p.lda), "la");
-  check(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, tb ? p.n : p.k, tb ? p.k : p.n, p.ldb), "lb");
-  check(cublasLtMatrixLayoutCreate(&lc, p.c_type, p.m, p.n, p.ldc), "lc");
-  cublasLtMatmulPreference_t pref;
-  check(cublasLtMatmulPreferenceCreate(&pref), "pref");
-  check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+  check(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, ta ? p.k : p.m, ta ? p.m : p.k, p.lda), "la");
+  check(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, tb ? p.n : p.k, tb ? p.k : p.n, p.ldb), "lb");
+  check(cublasLtMatrixLayoutCreate(&d.c, p.c_type, p.m, p.n, p.ldc), "lc");
+  check(cublasLtMatmulPreferenceCreate(&d.pref), "pref");
+  check(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                              &work_bytes, sizeof work_bytes),
         "pref ws");
   constexpr int want = 24;
   cublasLtMatmulHeuristicResult_t found[want];
   int count = 0;
-  check(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, want, found, &count),
+  check(cublasLtMatmulAlgoGetHeuristic(lt, d.op, d.a, d.b, d.c, d.c, d.pref, want, found, &count),
         "heuristic");
   for (int i = 0; i < count; ++i) {
     if (found[i].state != CUBLAS_STATUS_SUCCESS) continue;
     const cublasLtMatmulAlgo_t& algo = found[i].algo;
     bool failed = false;
     const double ms = time_ms([&] {
-      if (cublasLtMatmul(lt, op, &one, p.a, la, p.b, lb, &p.beta, p.c, lc, p.c, lc, &algo, work,
-                         work_bytes, 0) != CUBLAS_STATUS_SUCCESS)
+      if (cublasLtMatmul(lt, d.op, &one, p.a, d.a, p.b, d.b, &p.beta, p.c, d.c, p.c, d.c, &algo,
+                         work, work_bytes, 0) != CUBLAS_STATUS_SUCCESS)
         failed = true;
     });
     std::snprintf(line, sizeof line,
@@ -122,11 +124,6 @@ void run_problem(cublasHandle_t handle, cublasLtHandle_t lt, const gemm_problem&
     std::puts(line);
     json << line << "\n";
   }
-  cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatrixLayoutDestroy(la);
-  cublasLtMatrixLayoutDestroy(lb);
-  cublasLtMatrixLayoutDestroy(lc);
-  cublasLtMatmulDescDestroy(op);
 }
 
 /// A chunk of K rows of the fused linear training at vocabulary V and hidden size D: its three
