@@ -232,7 +232,9 @@ void BM_copy_kernel(benchmark::State& state) {
 
 enum class op { forward, forward_backward, backward };
 
-template <class T, op Op>
+/// Reduction R: mean (the default), sum (no normaliser) or none (each row's loss only, no sum
+/// across rows).
+template <class T, op Op, xent::reduction R = xent::reduction::mean>
 void BM_cross_entropy(benchmark::State& state) {
   const std::int64_t rows = state.range(0), cols = state.range(1);
   const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(rows * cols);
@@ -247,9 +249,11 @@ void BM_cross_entropy(benchmark::State& state) {
   xent::matrix_view<T> L(logits, rows, cols);
   xent::vector_view<const std::int64_t> y(a.targets, rows);
   xent::options opts;
+  opts.reduce = R;
+  constexpr bool rows_only = R == xent::reduction::none;
   xent::forward_outputs out;
-  out.loss = a.loss;
-  out.lse = {a.lse, rows};
+  out.loss = rows_only ? nullptr : a.loss;
+  (rows_only ? out.row_loss : out.lse) = {a.lse, rows};
   auto call = [&] {
     if constexpr (Op == op::forward)
       xent::forward(exec, L, y, opts, out);
@@ -299,8 +303,9 @@ void BM_cross_entropy(benchmark::State& state) {
   seed = 0;
   refresh();
   call();
-  float loss = 0.0f;
-  check(cudaMemcpy(&loss, a.loss, sizeof(float), cudaMemcpyDeviceToHost), "loss");
+  float loss = 0.0f;  // reduction none: row 0's
+  check(cudaMemcpy(&loss, rows_only ? a.lse : a.loss, sizeof(float), cudaMemcpyDeviceToHost),
+        "loss");
   state.counters["loss"] = loss;
   if (!std::isfinite(loss)) state.SkipWithError("the loss is not finite");
 }
@@ -397,6 +402,14 @@ BENCHMARK(BM_pass_floor)->Apply([](benchmark::internal::Benchmark* b) { shapes(b
 
 XENT_CUDA_BENCH(float, op::forward_backward, true, false);
 XENT_CUDA_BENCH(float, op::forward, true, false);
+// The seed shapes by reduction: what the mean's normaliser and the cross-row sum cost there.
+#define XENT_CUDA_SEED_BENCH(OP, R)                  \
+  BENCHMARK_TEMPLATE(BM_cross_entropy, float, OP, R) \
+      ->Apply([](benchmark::internal::Benchmark* b) { shapes(b, true, false); })
+XENT_CUDA_SEED_BENCH(op::forward_backward, xent::reduction::sum);
+XENT_CUDA_SEED_BENCH(op::forward, xent::reduction::sum);
+XENT_CUDA_SEED_BENCH(op::forward_backward, xent::reduction::none);
+XENT_CUDA_SEED_BENCH(op::forward, xent::reduction::none);
 XENT_CUDA_BENCH(__nv_bfloat16, op::forward_backward, false, true);
 XENT_CUDA_BENCH(__nv_bfloat16, op::forward, false, true);
 XENT_CUDA_BENCH(__nv_bfloat16, op::backward, false, true);

@@ -38,7 +38,13 @@ for spec in "$@"; do
   "build/variants/$name" --benchmark_filter="copy_roof|$filter" --benchmark_out="$OUT/variant-$name.json" \
     --benchmark_out_format=json --benchmark_min_time="${XENT_VARIANT_MIN_TIME:-0.3s}" \
     >"$OUT/variant-$name.txt" 2>&1
-  awk -v n="$name" '/manual_time/ && !/copy_roof/ {l = ""; for (i = 1; i <= NF; i++) if ($i ~ /^loss=/) l = $i
-    printf "%-8s %-75s %10s %s  roof %s%% %s\n", n, $1, $2, $3, $NF, l}' \
+  # A line's name may hold spaces (template arguments): it ends at the field "*manual_time".
+  awk -v n="$name" '/manual_time/ && !/copy_roof/ {l = ""; r = ""; t = 0
+    for (i = 1; i <= NF; i++) {
+      if ($i ~ /^loss=/) l = $i
+      if ($i ~ /^roof_pct=/) r = $i
+      if (!t && $i ~ /manual_time$/) { t = i; name = $1; for (j = 2; j <= i; j++) name = name $j }
+    }
+    printf "%-8s %-90s %10s %s %s %s\n", n, name, $(t + 1), $(t + 2), r, l}' \
     "$OUT/variant-$name.txt"
 done

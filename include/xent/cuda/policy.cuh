@@ -42,6 +42,15 @@
 #ifndef XENT_CUDA_SMALL_REGS  // 16-byte vectors per thread of the small-batch kernel (0: off)
 #define XENT_CUDA_SMALL_REGS 4
 #endif
+#ifndef XENT_CUDA_SMALL_PUSH  // 1: the small-batch kernel pushes partials (st.async), 0: barriers
+#define XENT_CUDA_SMALL_PUSH 1
+#endif
+#ifndef XENT_CUDA_SMALL_EARLY_COUNT  // 1: its reduced loss counted before the gradient
+#define XENT_CUDA_SMALL_EARLY_COUNT 1
+#endif
+#ifndef XENT_CUDA_SMALL_ONE_NORMALIZER  // 1: with SMALL_PUSH, W summed by each row's rank 0 only
+#define XENT_CUDA_SMALL_ONE_NORMALIZER 1
+#endif
 #ifndef XENT_CUDA_SMALL_CTAS_PER_SM  // the most CTAs per SM a small-batch launch may span
 #define XENT_CUDA_SMALL_CTAS_PER_SM 8
 #endif
@@ -195,6 +204,15 @@ struct policy {
   /// which the row kernel's persistent clusters take the batch.
   static constexpr int small_regs = XENT_CUDA_SMALL_REGS;
   static constexpr int small_ctas_per_sm = XENT_CUDA_SMALL_CTAS_PER_SM;
+  /// How its row's partials cross the cluster (pushed, or barriers and reads), whether rank 0
+  /// alone sums the mean's normaliser, and whether its reduced loss is counted before the
+  /// gradient (small_rows_kernel.cuh). H100, 2026-11-24, bench/cuda_variants.sh, fp32 fused
+  /// 32 x 32000 / 128 x 32000 / 32 x 50257 (round 2): all three 11.5 / 23.9 / 16.0 us, pushed
+  /// with every CTA summing W 12.2 / 25.7 / 17.6, neither 12.3 / 26.1 / 19.0; forward 10.5 /
+  /// 16.9 / 11.6 against 11.5 / 18.6 / 12.7 (bench/results/2026-11-24-h100-small-push/).
+  static constexpr bool small_push = XENT_CUDA_SMALL_PUSH != 0;
+  static constexpr bool small_early_count = XENT_CUDA_SMALL_EARLY_COUNT != 0;
+  static constexpr bool small_one_normalizer = XENT_CUDA_SMALL_ONE_NORMALIZER != 0;
   /// Whether forward calls with plain class-id rows, 16-byte aligned, run the streaming forward
   /// kernel (forward_kernel.cuh: whole rows per CTA, tiles of stream_forward_regs vectors per
   /// thread straight from global memory, stream_forward_min_blocks CTAs per SM) when the batch

@@ -102,24 +102,31 @@ __host__ __device__ constexpr int pow2_at_least(int n) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-/// This CTA's partial into slot `from` of set `set` in CTA `to`: st.async stores into the remote
-/// shared memory count their bytes on the remote mbarrier, so the receiver learns of them
-/// without a cluster barrier or a memory fence.
-template <class P, int Warps>
-__device__ inline void send_partial(row_exchange_state<P, Warps>& x, int set, const P& v, int from,
-                                    int to) {
-  unsigned slot = shared_address(&x.slots[set][from]);
-  unsigned mbar = shared_address(&x.arrived[set]);
+/// `Words` 32-bit words into `dst` in CTA `to` of the cluster (dst and `bar` name this CTA's
+/// shared memory; the same offsets in CTA `to` are written): st.async stores count their bytes
+/// on the receiver's mbarrier, so it learns of them without a cluster barrier or a memory fence.
+template <int Words>
+__device__ inline void push_words(void* dst, const unsigned (&w)[Words], unsigned long long* bar,
+                                  int to) {
+  unsigned slot = shared_address(dst);
+  unsigned mbar = shared_address(bar);
   asm volatile("mapa.shared::cluster.u32 %0, %0, %1;" : "+r"(slot) : "r"(to));
   asm volatile("mapa.shared::cluster.u32 %0, %0, %1;" : "+r"(mbar) : "r"(to));
-  unsigned w[sizeof(P) / 4];
-  memcpy(w, &v, sizeof(P));
 #pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(P) / 4); ++i)
+  for (int i = 0; i < Words; ++i)
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
                      slot + 4 * i),
                  "r"(w[i]), "r"(mbar)
                  : "memory");
+}
+
+/// This CTA's partial into slot `from` of set `set` in CTA `to`.
+template <class P, int Warps>
+__device__ inline void send_partial(row_exchange_state<P, Warps>& x, int set, const P& v, int from,
+                                    int to) {
+  unsigned w[sizeof(P) / 4];
+  memcpy(w, &v, sizeof(P));
+  push_words(&x.slots[set][from], w, &x.arrived[set], to);
 }
 
 /// Arms this CTA's mbarrier of `set` for `bytes` incoming and waits (acquire at cluster scope)
@@ -175,13 +182,14 @@ struct row_exchange {
     if (lane == 0) x.result[slot] = block;
     __syncwarp();  // the warp may read the result next
   }
-  /// Warp 0: the row sent as `exchange` from slot `slot`, into result[slot].
-  __device__ void receive(int slot, int exchange) {
+  /// Warp 0: the row sent as `exchange` from slot `slot`, into result[slot]. `extra_bytes`: what
+  /// else the senders push counted on the same mbarrier (push_words on arrived[exchange % 4]).
+  __device__ void receive(int slot, int exchange, unsigned extra_bytes = 0) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cluster_size > 1) {
       const int lane = threadIdx.x % 32, set = exchange % 4;
       if (lane == 0)
-        await_partials(x, set, static_cast<unsigned>(cluster_size * sizeof(P)),
+        await_partials(x, set, static_cast<unsigned>(cluster_size * sizeof(P)) + extra_bytes,
                        static_cast<unsigned>(exchange / 4) & 1u);
       __syncwarp();  // lane 0 saw the phase complete; its acquire covers the warp after this
       asm volatile("fence.acq_rel.cta;" ::: "memory");
@@ -192,6 +200,7 @@ struct row_exchange {
 #else
     (void)slot;
     (void)exchange;
+    (void)extra_bytes;
 #endif
   }
   /// Every thread, after the barrier that follows receive.

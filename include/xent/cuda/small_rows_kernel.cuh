@@ -61,18 +61,33 @@ __device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
 /// (rank + 1) * slice). Plain class-id rows of an unsharded call, forward or fused. Clusters
 /// exist from sm_90: below it the kernel is empty, and the dispatcher never launches that build
 /// (launch_small_rows asks the binary's version).
+///
+/// The row's partials cross the cluster by policy::small_push: each CTA pushes its partial into
+/// every rank's shared memory (row_exchange: st.async counted on the receiver's mbarrier), or
+/// (off) a cluster barrier, a read of each rank's partial and a second barrier before exit. With
+/// policy::small_early_count, rank 0 publishes its row's record and counts it (fence, atomic)
+/// before the gradient, and one warp of the CTA that completes the count sums the records after
+/// it; otherwise finish_reduction after the gradient (its fence then waits for the gradient's
+/// stores).
 template <int Block, int Regs, bool Aligned, pass P, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int warps = Block / 32;
   constexpr bool want_grad = P == pass::fused;
-  // Raw storage: shared memory takes no initialiser. warps parts, this CTA's (read by every CTA
-  // of the cluster), the row's.
-  __shared__ alignas(row_partial) unsigned char parts_bytes[sizeof(row_partial) * (warps + 2)];
+  constexpr bool push = policy::small_push;
+  constexpr bool early_count = policy::small_early_count;
+  constexpr bool one_w = push && policy::small_one_normalizer;
+  using exchange_t = row_exchange<row_partial, Block>;
+  using exchange_state = row_exchange_state<row_partial, exchange_t::warps>;
+  // Raw storage: shared memory takes no initialiser. Pushed: the exchange's slots and mbarriers.
+  // Read: warps parts, this CTA's (read by every CTA of the cluster), the row's.
+  __shared__ alignas(exchange_state) unsigned char
+      parts_bytes[push ? sizeof(exchange_state) : sizeof(row_partial) * (warps + 2)];
   row_partial* const warp_parts = reinterpret_cast<row_partial*>(parts_bytes);
   row_partial& cta_part = warp_parts[warps];
-  row_partial& row_total = warp_parts[warps + 1];
+  exchange_t ex{*reinterpret_cast<exchange_state*>(parts_bytes), static_cast<int>(gridDim.x)};
+  row_partial total_part;  // the row's, in every thread
   const int rank = static_cast<int>(blockIdx.x);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t n = blockIdx.y;
@@ -83,8 +98,17 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   // after the other (the target, then the logits it decides on) were the launch's longest chain.
   global_tile<T, Regs, Block> tile;
   tile.template load<Aligned>(a.logits + n * a.ld + v0, count);
+  if constexpr (push) {
+    // Every rank's mbarrier is set up before any partial is pushed to it: the cluster's arrive
+    // here, its wait just before the push, with the loads in flight in between.
+    if (threadIdx.x == 0) {
+      ex.init();
+      mbarrier_init_fence();
+    }
+    cluster_arrive_relaxed();
+  }
   const std::int64_t y = static_cast<std::int64_t>(a.targets.ids[n]);
-  // The same on every CTA of the row, so a skipped row skips the cluster's barriers everywhere.
+  // The same on every CTA of the row, so a skipped row skips the cluster's exchange everywhere.
   const bool skip = skipped_target(a, y);
   const bool invalid = skip && y != a.ignore_index;
   const float w_y = !skip && a.weights ? a.weights[y] : 1.0f;
@@ -93,13 +117,41 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const float z_y = has_target ? to_float(a.logits[n * a.ld + y]) : 0.0f;
   const bool need_reduce = a.workspace && (a.loss || a.num_correct);
   if (need_reduce && rank == 0 && threadIdx.x == 0) prefetch_workspace(a.workspace);
-  // The mean's normaliser (every CTA sums it, as the row kernel's do) while the loads fly.
-  const double normalizer =
-      a.reduce == reduction::mean && (want_grad || need_reduce)
+  // The mean's normaliser W while the loads fly: summed by every CTA, as the row kernel's do, or
+  // with one_w by rank 0 alone, which pushes it to the others beside its partial (the forward's
+  // other ranks need none: rank 0 finishes the reduction). Every CTA reading every target and
+  // summing them cost 0.4-1.1 us of the fused seed shapes (policy::small_one_normalizer).
+  const bool need_w = a.reduce == reduction::mean && (want_grad || need_reduce);
+  double normalizer =
+      need_w && (!one_w || rank == 0)
           ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, a.weights)
           : 1.0;
+  const bool w_pushed = one_w && want_grad && need_w;  // rank 0 pushes W to the other ranks
+  __shared__ double rank0_w;
 
-  if (!skip) {
+  if constexpr (push) {
+    if (!skip) {
+      row_partial p = tile_warp_stats(tile);
+      if (has_target) p.target_logit = z_y;  // read before any gradient store
+      ex.publish(p, 0);
+      __syncthreads();  // the warps' parts are in shared memory
+      cluster_wait();   // every rank's mbarrier is ready
+      if (warp == 0) {
+        ex.send(0, 0);
+        if (w_pushed && rank == 0 && lane > 0 && lane < static_cast<int>(gridDim.x)) {
+          unsigned w[2];
+          memcpy(w, &normalizer, sizeof(w));
+          push_words(&rank0_w, w, &ex.x.arrived[0], lane);
+        }
+        ex.receive(0, 0, w_pushed && rank != 0 ? sizeof(double) : 0u);
+      }
+      __syncthreads();  // the row's total (and W from rank 0) is in shared memory
+      total_part = ex.result(0);
+      if (w_pushed && rank != 0) normalizer = rank0_w;
+    } else {
+      cluster_wait();  // the arrive above is matched before the CTA leaves
+    }
+  } else if (!skip) {
     row_partial p = tile_warp_stats(tile);
     if (has_target) p.target_logit = z_y;  // read before any gradient store
     if (lane == 0) warp_parts[warp] = p;
@@ -117,17 +169,20 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       row_partial q{};
       if (lane < ranks) q = *cooperative_groups::this_cluster().map_shared_rank(&cta_part, lane);
       q = warp_merge<policy::cluster_max>(q);
-      if (lane == 0) row_total = q;
+      if (lane == 0) warp_parts[warps + 1] = q;
     }
     cluster_arrive_relaxed();  // done reading the others' shared memory (waited for before exit)
-    __syncthreads();           // row_total is visible
+    __syncthreads();           // the row's total is visible
+    total_part = warp_parts[warps + 1];
   }
 
+  unsigned long long counted = 0;       // rank 0's thread 0, early_count: the count before its row
   if (rank == 0 && threadIdx.x == 0) {  // selects, not write_skipped_row: one store path
-    const float loss = skip ? (invalid ? NAN : 0.0f) : class_row_loss(row_total, w_y, a.k);
-    const float lse = skip ? loss : row_total.lse.lse();
+    const float loss = skip ? (invalid ? NAN : 0.0f) : class_row_loss(total_part, w_y, a.k);
+    const float lse = skip ? loss : total_part.lse.lse();
     write_row_outputs(a, n, loss, lse, -1, false, need_reduce);
     if (invalid && a.error_count) atomicAdd(a.error_count, 1);
+    if (early_count && need_reduce) counted = count_rows(a.workspace, 1u);
   }
   if constexpr (want_grad) {
     G* out = a.grad + n * a.grad_ld;
@@ -140,15 +195,21 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       row_gradient rg;
       rg.y = y;
       rg.w_y = w_y;
-      rg.lse = row_total.lse.lse();
+      rg.lse = total_part.lse.lse();
       rg.g = row_scale(a, n, scalar);
       rg.alpha = gradient_alpha(class_target_mass(w_y, a.k), rg.lse, a.k);
       tile_gradient<true, Aligned>(a, tile, n, v0, rg, out);
     }
   }
-  if (need_reduce && rank == 0)
-    finish_reduction<Block>(a.workspace, a.rows, 1u, a.loss, a.num_correct, normalizer);
-  if (!skip) cluster_wait();  // no CTA leaves while another may read its cta_part
+  if (need_reduce && rank == 0) {
+    if constexpr (early_count) {
+      if (warp == 0 && __shfl_sync(0xffffffffu, rows_complete(counted, 1u, a.rows) ? 1 : 0, 0))
+        warp_finish_reduction(a.workspace, a.rows, a.loss, a.num_correct, normalizer);
+    } else {
+      finish_reduction<Block>(a.workspace, a.rows, 1u, a.loss, a.num_correct, normalizer);
+    }
+  }
+  if (!push && !skip) cluster_wait();  // no CTA leaves while another may read its cta_part
 #else
   (void)a;
 #endif
