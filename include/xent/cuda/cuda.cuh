@@ -40,7 +40,9 @@ struct cuda {
 
 namespace cuda_detail {
 
-/// The workspace layout: a header, then one float and one flag per row.
+/// The workspace layout: a header, one float and one flag per row, then one 8-byte record per
+/// row for the small-batch kernel's polled sum (its loss and a ready flag in one word; zero
+/// between calls).
 struct workspace_header {
   /// Rows finished by the running call; the last resets it to 0. 64 bits: a call may have 2^32
   /// rows or more (a 32-bit count would wrap and let a CTA finish the reduction early).
@@ -53,11 +55,13 @@ __host__ __device__ inline std::size_t align_up(std::size_t n, std::size_t a) {
 }
 
 struct workspace_layout {
-  std::size_t row_loss = 0, correct = 0, total = 0;
+  std::size_t row_loss = 0, correct = 0, records = 0, total = 0;
   __host__ __device__ explicit workspace_layout(std::int64_t rows) {
+    const auto n = static_cast<std::size_t>(rows);
     row_loss = align_up(sizeof(workspace_header), 256);
-    correct = align_up(row_loss + sizeof(float) * static_cast<std::size_t>(rows), 256);
-    total = align_up(correct + static_cast<std::size_t>(rows), 256);
+    correct = align_up(row_loss + sizeof(float) * n, 256);
+    records = align_up(correct + n, 256);
+    total = align_up(records + sizeof(unsigned long long) * n, 256);
   }
 };
 

@@ -178,5 +178,49 @@ __device__ inline void warp_finish_reduction(void* workspace, std::int64_t rows,
   }
 }
 
+/// The small-batch kernel's polled sum (no fence, no counter): each row's loss goes into its
+/// record with a ready flag in the same 64-bit word, so one relaxed store publishes it and a
+/// relaxed load that sees the flag sees the loss. One warp of one CTA polls every record, sums
+/// them in a fixed order, writes the totals and zeroes the records for the next call.
+__device__ __forceinline__ unsigned long long* row_records(void* workspace, std::int64_t rows) {
+  return reinterpret_cast<unsigned long long*>(static_cast<char*>(workspace) +
+                                               workspace_layout(rows).records);
+}
+__device__ __forceinline__ void publish_record(void* workspace, std::int64_t rows, std::int64_t n,
+                                               float loss) {
+  const unsigned long long word =
+      (1ull << 32) | static_cast<unsigned long long>(__float_as_uint(loss));
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(row_records(workspace, rows) + n),
+               "l"(word)
+               : "memory");
+}
+/// Every lane of one warp. The rows' writers run beside it in the same launch (a CTA that polls
+/// holds one slot while the rest of the grid is scheduled around it).
+__device__ inline void warp_poll_reduction(void* workspace, std::int64_t rows, float* loss,
+                                           std::int64_t* num_correct, double normalizer) {
+  unsigned long long* records = row_records(workspace, rows);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  double sum = 0.0;
+  for (std::int64_t r = lane; r < rows; r += 32) {
+    unsigned long long word;
+    for (;;) {
+      asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];"
+                   : "=l"(word)
+                   : "l"(records + r)
+                   : "memory");
+      if (word >> 32) break;
+      __nanosleep(32);
+    }
+    sum += static_cast<double>(__uint_as_float(static_cast<unsigned>(word)));
+  }
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+  for (std::int64_t r = lane; r < rows; r += 32) records[r] = 0ull;
+  if (lane == 0) {
+    if (loss) *loss = static_cast<float>(sum / normalizer);
+    if (num_correct) *num_correct = 0;  // plain rows only: no argmax, nothing counted
+  }
+}
+
 }  // namespace cuda_detail
 }  // namespace xent

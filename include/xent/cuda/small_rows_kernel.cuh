@@ -65,10 +65,12 @@ __device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
 /// The row's partials cross the cluster by policy::small_push: each CTA pushes its partial into
 /// every rank's shared memory (row_exchange: st.async counted on the receiver's mbarrier), or
 /// (off) a cluster barrier, a read of each rank's partial and a second barrier before exit. With
-/// policy::small_early_count, rank 0 publishes its row's record and counts it (fence, atomic)
-/// before the gradient, and one warp of the CTA that completes the count sums the records after
-/// it; otherwise finish_reduction after the gradient (its fence then waits for the gradient's
-/// stores).
+/// policy::small_reduction 2, rank 0 publishes its row's loss in a record with a ready flag and
+/// one warp of the last row's rank 0 polls them all (no fence or atomic: two fewer round trips
+/// to L2 on the launch's last path); 1, rank 0 publishes its row's record and counts it (fence,
+/// atomic) before the gradient, and one warp of the CTA that completes the count sums the
+/// records after it; 0, finish_reduction after the gradient (its fence then waits for the
+/// gradient's stores).
 template <int Block, int Regs, bool Aligned, pass P, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
@@ -76,7 +78,8 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   constexpr int warps = Block / 32;
   constexpr bool want_grad = P == pass::fused;
   constexpr bool push = policy::small_push;
-  constexpr bool early_count = policy::small_early_count;
+  constexpr bool early_count = policy::small_reduction == 1;
+  constexpr bool polled = policy::small_reduction == 2;
   constexpr bool one_w = push && policy::small_one_normalizer;
   using exchange_t = row_exchange<row_partial, Block>;
   using exchange_state = row_exchange_state<row_partial, exchange_t::warps>;
@@ -180,8 +183,9 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   if (rank == 0 && threadIdx.x == 0) {  // selects, not write_skipped_row: one store path
     const float loss = skip ? (invalid ? NAN : 0.0f) : class_row_loss(total_part, w_y, a.k);
     const float lse = skip ? loss : total_part.lse.lse();
-    write_row_outputs(a, n, loss, lse, -1, false, need_reduce);
+    write_row_outputs(a, n, loss, lse, -1, false, need_reduce && !polled);
     if (invalid && a.error_count) atomicAdd(a.error_count, 1);
+    if (polled && need_reduce) publish_record(a.workspace, a.rows, n, loss);
     if (early_count && need_reduce) counted = count_rows(a.workspace, 1u);
   }
   if constexpr (want_grad) {
@@ -202,7 +206,12 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
     }
   }
   if (need_reduce && rank == 0) {
-    if constexpr (early_count) {
+    if constexpr (polled) {
+      // The last row's rank 0, among the launch's last CTAs to start, so the rows it waits for
+      // are mostly done; it holds one CTA slot while the rest of the grid runs around it.
+      if (n == a.rows - 1 && warp == 0)
+        warp_poll_reduction(a.workspace, a.rows, a.loss, a.num_correct, normalizer);
+    } else if constexpr (early_count) {
       if (warp == 0 && __shfl_sync(0xffffffffu, rows_complete(counted, 1u, a.rows) ? 1 : 0, 0))
         warp_finish_reduction(a.workspace, a.rows, a.loss, a.num_correct, normalizer);
     } else {
