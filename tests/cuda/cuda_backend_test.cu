@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -406,6 +407,44 @@ TEST(CudaBackendSemantics, OutOfRangeTargetGivesNanRowZeroGradientAndCountsAnErr
   }
 }
 
+// One workspace for calls of different batch sizes in turn, as a training loop with a last short
+// batch has them: the reduced loss of each is its own, whichever kernel takes it (the small-batch
+// kernel's records and the other kernels' per-row entries must not see each other's leftovers).
+TEST(CudaBackendSemantics, OneWorkspaceServesBatchesOfEverySizeInTurn) {
+  REQUIRE_GPU();
+  const std::int64_t V = 100, most = 4000;
+  std::vector<float> x(most * V);
+  std::vector<std::int64_t> y(most);
+  for (std::int64_t r = 0; r < most; ++r) {
+    y[r] = (r * 7) % V;
+    for (std::int64_t c = 0; c < V; ++c) x[r * V + c] = 3.0f * std::sin(0.37f * r + 0.11f * c);
+  }
+  dbuf<float> dx(x), dl(1);
+  dbuf<std::int64_t> dy(y);
+  dbuf<char> ws(xent::cuda_workspace_size(most));
+  const xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
+  xent::options opts;
+  opts.reduce = xent::reduction::sum;
+  xent::forward_outputs out;
+  out.loss = dl.ptr;
+  // 4000 rows: more than the small-batch kernel takes; 32 and 700: it takes them.
+  for (std::int64_t rows : {most, std::int64_t{32}, std::int64_t{700}, std::int64_t{32}, most}) {
+    double want = 0.0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double m = -HUGE_VAL, s = 0.0;
+      for (std::int64_t c = 0; c < V; ++c) m = std::max(m, static_cast<double>(x[r * V + c]));
+      for (std::int64_t c = 0; c < V; ++c) s += std::exp(static_cast<double>(x[r * V + c]) - m);
+      want += m + std::log(s) - static_cast<double>(x[r * V + y[r]]);
+    }
+    for (int repeat = 0; repeat < 2; ++repeat) {
+      xent::forward(exec, xent::matrix_view<const float>(dx.ptr, rows, V),
+                    xent::vector_view<const std::int64_t>(dy.ptr, rows), opts, out);
+      ok(cudaDeviceSynchronize());
+      EXPECT_NEAR(dl.download()[0], want, 1e-5 * want) << rows << " rows, call " << repeat;
+    }
+  }
+}
+
 TEST(CudaBackendSemantics, ZeroRowsGiveNanMeanAndZeroSum) {
   REQUIRE_GPU();
   dbuf<float> dl(std::vector<float>{5.0f});
@@ -720,9 +759,12 @@ TEST(CudaLaunchPlan, SmallBatchesCutEachRowOverAClusterThatHoldsIt) {
   EXPECT_EQ(make_small_plan(32, 32000, 4, sms).slice, 3556);
   EXPECT_EQ(make_small_plan(32, 50257, 4, sms).cluster, 13);
   EXPECT_EQ(make_small_plan(128, 32000, 4, sms).cluster, 8);
-  // Not small: too many rows, or rows longer than 16 CTAs hold.
+  // Not small: too many rows, or rows longer than 16 CTAs hold, or more rows than the workspace
+  // keeps records for (however many SMs there are).
   EXPECT_EQ(make_small_plan(8192, 32000, 2, sms).cluster, 0);
   EXPECT_EQ(make_small_plan(4, 262144, 4, sms).cluster, 0);
+  EXPECT_GT(make_small_plan(xent::cuda_detail::workspace_records, 3, 4, 1000).cluster, 0);
+  EXPECT_EQ(make_small_plan(xent::cuda_detail::workspace_records + 1, 3, 4, 1000).cluster, 0);
   for (std::int64_t rows : {1, 2, 7, 32, 100})
     for (std::int64_t cols : {1, 3, 255, 4097, 32000, 50257, 65536})
       for (int bytes : {2, 4}) {

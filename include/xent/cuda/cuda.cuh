@@ -40,9 +40,10 @@ struct cuda {
 
 namespace cuda_detail {
 
-/// The workspace layout: a header, one float and one flag per row, then one 8-byte record per
-/// row for the small-batch kernel's polled sum (its loss and a ready flag in one word; zero
-/// between calls).
+/// The workspace layout: a header; the small-batch kernel's records (one 8-byte word per row,
+/// its loss and a ready flag, zero between calls) at a fixed place for at most
+/// workspace_records rows, so that no call of any row count writes there otherwise; then one
+/// float and one flag per row.
 struct workspace_header {
   /// Rows finished by the running call; the last resets it to 0. 64 bits: a call may have 2^32
   /// rows or more (a 32-bit count would wrap and let a CTA finish the reduction early).
@@ -54,14 +55,17 @@ __host__ __device__ inline std::size_t align_up(std::size_t n, std::size_t a) {
   return (n + a - 1) / a * a;
 }
 
+/// The most rows a small-batch launch (small_rows_kernel.cuh) may have: 8 KiB of records.
+constexpr std::int64_t workspace_records = 1024;
+
 struct workspace_layout {
-  std::size_t row_loss = 0, correct = 0, records = 0, total = 0;
+  std::size_t records = 0, row_loss = 0, correct = 0, total = 0;
   __host__ __device__ explicit workspace_layout(std::int64_t rows) {
     const auto n = static_cast<std::size_t>(rows);
-    row_loss = align_up(sizeof(workspace_header), 256);
+    records = align_up(sizeof(workspace_header), 256);
+    row_loss = records + sizeof(unsigned long long) * static_cast<std::size_t>(workspace_records);
     correct = align_up(row_loss + sizeof(float) * n, 256);
-    records = align_up(correct + n, 256);
-    total = align_up(records + sizeof(unsigned long long) * n, 256);
+    total = align_up(correct + n, 256);
   }
 };
 

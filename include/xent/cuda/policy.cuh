@@ -4,6 +4,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda.cuh"
+
 // The defaults below; a benchmark build may define others to measure alternatives.
 #ifndef XENT_CUDA_BLOCK
 #define XENT_CUDA_BLOCK 256
@@ -402,8 +404,8 @@ inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int el
 
 /// The small-batch kernel's cut of rows of `cols` elements of `elem_bytes` over a cluster (each
 /// CTA's slice whole 16-byte vectors, at most small_regs of them per thread), or cluster 0 when
-/// the batch is not small: a row longer than a cluster holds so, or more CTAs than
-/// small_ctas_per_sm per SM.
+/// the batch is not small: a row longer than a cluster holds so, more CTAs than
+/// small_ctas_per_sm per SM, or more rows than the workspace keeps records for.
 inline launch_plan make_small_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms) {
   launch_plan p;
   p.cluster = 0;
@@ -412,7 +414,7 @@ inline launch_plan make_small_plan(std::int64_t rows, std::int64_t cols, int ele
   const std::int64_t per_cta = std::int64_t{policy::small_regs} * 16 * policy::block;
   const std::int64_t row_bytes = cols * elem_bytes;
   std::int64_t c = ceil_div(row_bytes, per_cta);
-  if (c > policy::cluster_max) return p;
+  if (c > policy::cluster_max || rows > workspace_records) return p;
   c = spread_rows(c < 1 ? 1 : c, rows, row_bytes, sms, policy::cluster_max);
   if (rows * c > std::int64_t{policy::small_ctas_per_sm} * sms) return p;
   p.cluster = static_cast<int>(c);
