@@ -44,15 +44,6 @@
 #ifndef XENT_CUDA_SMALL_REGS  // 16-byte vectors per thread of the small-batch kernel (0: off)
 #define XENT_CUDA_SMALL_REGS 4
 #endif
-#ifndef XENT_CUDA_SMALL_PUSH  // 1: the small-batch kernel pushes partials (st.async), 0: barriers
-#define XENT_CUDA_SMALL_PUSH 1
-#endif
-#ifndef XENT_CUDA_SMALL_REDUCTION    // its reduced loss: 0 counted after the gradient, 1 before,
-#define XENT_CUDA_SMALL_REDUCTION 2  // 2 records polled by one warp
-#endif
-#ifndef XENT_CUDA_SMALL_ONE_NORMALIZER  // 1: with SMALL_PUSH, W summed by each row's rank 0 only
-#define XENT_CUDA_SMALL_ONE_NORMALIZER 1
-#endif
 #ifndef XENT_CUDA_SMALL_CTAS_PER_SM  // the most CTAs per SM a small-batch launch may span
 #define XENT_CUDA_SMALL_CTAS_PER_SM 8
 #endif
@@ -206,19 +197,6 @@ struct policy {
   /// which the row kernel's persistent clusters take the batch.
   static constexpr int small_regs = XENT_CUDA_SMALL_REGS;
   static constexpr int small_ctas_per_sm = XENT_CUDA_SMALL_CTAS_PER_SM;
-  /// How its row's partials cross the cluster (pushed, or barriers and reads), whether rank 0
-  /// alone sums the mean's normaliser, and how its reduced loss is summed (small_rows_kernel.cuh;
-  /// "counted before the gradient" below is small_reduction 1). H100, 2026-11-24,
-  /// bench/cuda_variants.sh, fp32 fused 32 x 32000 / 128 x 32000 / 32 x 50257 (round 2): all
-  /// three 11.5 / 23.9 / 16.0 us, pushed with every CTA summing W 12.2 / 25.7 / 17.6, neither 12.3
-  /// / 26.1 / 19.0; forward 10.5 / 16.9 / 11.6 against 11.5 / 18.6 / 12.7
-  /// (bench/results/2026-11-24-h100-small-push/). The records polled (small_reduction 2)
-  /// against counted before the gradient (1), three rounds in one lease: fused 10.2 / 21.3 /
-  /// 12.8 against 11.7 / 23.9 / 15.8 us, forward 10.1 / 16.6 / 11.3 against 10.6 / 17.1 / 11.8
-  /// (bench/results/2026-11-24-h100-small-poll/).
-  static constexpr bool small_push = XENT_CUDA_SMALL_PUSH != 0;
-  static constexpr int small_reduction = XENT_CUDA_SMALL_REDUCTION;
-  static constexpr bool small_one_normalizer = XENT_CUDA_SMALL_ONE_NORMALIZER != 0;
   /// Whether forward calls with plain class-id rows, 16-byte aligned, run the streaming forward
   /// kernel (forward_kernel.cuh: whole rows per CTA, tiles of stream_forward_regs vectors per
   /// thread straight from global memory, stream_forward_min_blocks CTAs per SM) when the batch

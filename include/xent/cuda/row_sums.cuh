@@ -104,33 +104,6 @@ __device__ void write_totals(double sum, double hits, double divisor, float* los
   }
 }
 
-/// Publishes the calling thread's records (its fence) and adds `my_rows` to the call's count:
-/// the count before it, which is `rows - my_rows` in the one thread that completes the call.
-/// The atomic's result is needed only by rows_complete, so a caller that does other work between
-/// the two hides the atomic's round trip behind it.
-__device__ __forceinline__ unsigned long long count_rows(void* workspace, std::uint64_t my_rows) {
-  __threadfence();  // this thread's entries are visible before the count says so
-  return atomicAdd(&header(workspace)->rows_done, static_cast<unsigned long long>(my_rows));
-}
-__device__ __forceinline__ bool rows_complete(unsigned long long before, std::uint64_t my_rows,
-                                              std::int64_t rows) {
-  return before + my_rows == static_cast<unsigned long long>(rows);
-}
-
-/// This thread's share of the recorded rows r = first, first + stride, ...: their losses and
-/// correct flags summed in that order, read from L2 (other SMs wrote them).
-__device__ inline void sum_records(const void* workspace, std::int64_t rows, std::int64_t first,
-                                   std::int64_t stride, double& sum, double& hits) {
-  const workspace_layout layout(rows);
-  const char* ws = static_cast<const char*>(workspace);
-  const float* losses = reinterpret_cast<const float*>(ws + layout.row_loss);
-  const signed char* flags = reinterpret_cast<const signed char*>(ws + layout.correct);
-  for (std::int64_t r = first; r < rows; r += stride) {
-    sum += static_cast<double>(__ldcg(losses + r));
-    hits += __ldcg(flags + r);
-  }
-}
-
 /// Once per CTA, after its last row: adds its row count to the counter; the CTA that completes it
 /// sums every row's entries in a fixed order (deterministic), writes the reduced loss and
 /// num_correct, and resets the counter to 0 for the next call. One fence and one atomic per CTA,
@@ -141,12 +114,24 @@ __device__ void finish_reduction(void* workspace, std::int64_t rows, std::uint64
                                  float* loss, std::int64_t* num_correct, Normalizer normalizer) {
   __shared__ bool last;
   __syncthreads();  // every record_row of this CTA is issued
-  if (threadIdx.x == 0) last = rows_complete(count_rows(workspace, my_rows), my_rows, rows);
+  if (threadIdx.x == 0) {
+    __threadfence();  // this CTA's entries are visible before the count says so
+    const unsigned long long before =
+        atomicAdd(&header(workspace)->rows_done, static_cast<unsigned long long>(my_rows));
+    last = before + my_rows == static_cast<unsigned long long>(rows);
+  }
   __syncthreads();  // `last` is visible
   if (!last) return;
   __threadfence();
+  const workspace_layout layout(rows);
+  const char* ws = static_cast<const char*>(workspace);
+  const float* losses = reinterpret_cast<const float*>(ws + layout.row_loss);
+  const signed char* flags = reinterpret_cast<const signed char*>(ws + layout.correct);
   double sum = 0.0, hits = 0.0;
-  sum_records(workspace, rows, threadIdx.x, Block, sum, hits);
+  for (std::int64_t r = threadIdx.x; r < rows; r += Block) {
+    sum += static_cast<double>(__ldcg(losses + r));  // from L2: written by other SMs
+    hits += __ldcg(flags + r);
+  }
   double w;
   if constexpr (std::is_invocable_v<Normalizer>) {
     w = normalizer();
@@ -155,27 +140,6 @@ __device__ void finish_reduction(void* workspace, std::int64_t rows, std::uint64
   }
   write_totals<Block>(sum, hits, w, loss, num_correct);
   if (threadIdx.x == 0) header(workspace)->rows_done = 0;
-}
-
-/// finish_reduction's sums by one warp of the CTA whose count completed the call (the caller
-/// learnt that from count_rows): for a launch of few rows, where the warp's loads are a few
-/// lines and no CTA barrier is needed. Every lane of the warp calls it.
-__device__ inline void warp_finish_reduction(void* workspace, std::int64_t rows, float* loss,
-                                             std::int64_t* num_correct, double normalizer) {
-  __threadfence();
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  double sum = 0.0, hits = 0.0;
-  sum_records(workspace, rows, lane, 32, sum, hits);
-#pragma unroll
-  for (int mask = 16; mask > 0; mask >>= 1) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, mask);
-    hits += __shfl_xor_sync(0xffffffffu, hits, mask);
-  }
-  if (lane == 0) {
-    if (loss) *loss = static_cast<float>(sum / normalizer);
-    if (num_correct) *num_correct = static_cast<std::int64_t>(hits);
-    header(workspace)->rows_done = 0;
-  }
 }
 
 /// The small-batch kernel's polled sum (no fence, no counter): each row's loss goes into its
