@@ -74,13 +74,6 @@ __device__ __forceinline__ workspace_header* header(void* ws) {
   return static_cast<workspace_header*>(ws);
 }
 
-/// Brings the workspace header's line into L2 (and its page into this SM's TLB) ahead of
-/// finish_reduction's atomic: in a short launch that atomic, on a line the previous call's
-/// traffic evicted, is the last link of the critical chain.
-__device__ __forceinline__ void prefetch_workspace(const void* workspace) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(workspace));
-}
-
 /// Records row n's loss and correctness in the workspace (plain stores; published by
 /// finish_reduction's fence).
 __device__ inline void record_row(void* workspace, std::int64_t rows, std::int64_t n, float loss,

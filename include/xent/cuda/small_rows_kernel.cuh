@@ -107,7 +107,6 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const bool has_target = threadIdx.x == 0 && !skip && y >= v0 && y < v1;
   const float z_y = has_target ? to_float(a.logits[n * a.ld + y]) : 0.0f;
   const bool need_reduce = a.workspace && (a.loss || a.num_correct);
-  if (need_reduce && rank == 0 && threadIdx.x == 0) prefetch_workspace(a.workspace);
   // The mean's normaliser W, by rank 0 while the loads fly: the fused pass's other ranks take it
   // from rank 0's push, the forward's need none (rank 0 records the row; the poll divides).
   const bool need_w = a.reduce == reduction::mean && (want_grad || need_reduce);
