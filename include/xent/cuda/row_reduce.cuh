@@ -57,8 +57,8 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-template <int Width = 32>
-__device__ __forceinline__ float warp_sum(float v) {
+template <int Width = 32, class V>
+__device__ __forceinline__ V warp_sum(V v) {  // float or double
 #pragma unroll
   for (int mask = Width / 2; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
   return v;

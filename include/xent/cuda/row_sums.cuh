@@ -11,6 +11,7 @@
 
 #include "../loss_math.hpp"
 #include "cuda.cuh"
+#include "row_reduce.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -139,23 +140,22 @@ __device__ void finish_reduction(void* workspace, std::int64_t rows, std::uint64
 /// record with a ready flag in the same 64-bit word, so one relaxed store publishes it and a
 /// relaxed load that sees the flag sees the loss. One warp of one CTA polls every record, sums
 /// them in a fixed order, writes the totals and zeroes the records for the next call.
-__device__ __forceinline__ unsigned long long* row_records(void* workspace, std::int64_t rows) {
+/// Where the records start: the same place for every row count (workspace_layout).
+__device__ __forceinline__ unsigned long long* row_records(void* workspace) {
   return reinterpret_cast<unsigned long long*>(static_cast<char*>(workspace) +
-                                               workspace_layout(rows).records);
+                                               workspace_layout(0).records);
 }
-__device__ __forceinline__ void publish_record(void* workspace, std::int64_t rows, std::int64_t n,
-                                               float loss) {
+__device__ __forceinline__ void publish_record(void* workspace, std::int64_t n, float loss) {
   const unsigned long long word =
       (1ull << 32) | static_cast<unsigned long long>(__float_as_uint(loss));
-  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(row_records(workspace, rows) + n),
-               "l"(word)
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(row_records(workspace) + n), "l"(word)
                : "memory");
 }
 /// Every lane of one warp. The rows' writers run beside it in the same launch (a CTA that polls
 /// holds one slot while the rest of the grid is scheduled around it).
 __device__ inline void warp_poll_reduction(void* workspace, std::int64_t rows, float* loss,
                                            std::int64_t* num_correct, double normalizer) {
-  unsigned long long* records = row_records(workspace, rows);
+  unsigned long long* records = row_records(workspace);
   const int lane = static_cast<int>(threadIdx.x % 32);
   double sum = 0.0;
   for (std::int64_t r = lane; r < rows; r += 32) {
@@ -170,8 +170,7 @@ __device__ inline void warp_poll_reduction(void* workspace, std::int64_t rows, f
     }
     sum += static_cast<double>(__uint_as_float(static_cast<unsigned>(word)));
   }
-#pragma unroll
-  for (int mask = 16; mask > 0; mask >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+  sum = warp_sum(sum);
   for (std::int64_t r = lane; r < rows; r += 32) records[r] = 0ull;
   if (lane == 0) {
     if (loss) *loss = static_cast<float>(sum / normalizer);

@@ -142,7 +142,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
     const float lse = skip ? loss : total_part.lse.lse();
     write_row_outputs(a, n, loss, lse, -1, false, false);
     if (invalid && a.error_count) atomicAdd(a.error_count, 1);
-    if (need_reduce) publish_record(a.workspace, a.rows, n, loss);
+    if (need_reduce) publish_record(a.workspace, n, loss);
   }
   if constexpr (want_grad) {
     G* out = a.grad + n * a.grad_ld;
