@@ -413,6 +413,15 @@ XENT_CUDA_SEED_BENCH(op::forward, xent::reduction::none);
 XENT_CUDA_BENCH(__nv_bfloat16, op::forward_backward, false, true);
 XENT_CUDA_BENCH(__nv_bfloat16, op::forward, false, true);
 XENT_CUDA_BENCH(__nv_bfloat16, op::backward, false, true);
+// The shortest training rows with no reduction: what the reduced loss costs the pass there.
+BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward, xent::reduction::none)
+    ->Args({8192, 32000})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward_backward, xent::reduction::none)
+    ->Args({8192, 32000})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward_backward)
     ->Args({8192, 128256})
     ->UseManualTime()

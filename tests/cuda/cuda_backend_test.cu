@@ -326,7 +326,8 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleWhenCtasStreamWholeRows) {
   ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   std::uint64_t seed = 7;
   // One case, some rows ignored. options 0: plain; 1: argmax and smoothing; 2: plain with weights,
-  // z-loss and reduction sum. ld 0: cols.
+  // z-loss and reduction sum; 3: plain with weights and reduction mean (the streaming forward sums
+  // the normaliser through its CTAs' shares). ld 0: cols.
   auto run = [&](std::int64_t rows, std::int64_t cols, std::int64_t ld, float spike, int options) {
     spec s;
     s.rows = rows;
@@ -335,7 +336,7 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleWhenCtasStreamWholeRows) {
     s.spike = spike;
     s.argmax = options == 1;
     s.smoothing = options == 1 ? 0.1f : 0.0f;
-    s.weights = options == 2;
+    s.weights = options >= 2;
     s.z_loss = options == 2 ? 1e-3f : 0.0f;
     s.reduce = options == 2 ? xent::reduction::sum : xent::reduction::mean;
     s.some_ignored = true;
@@ -352,7 +353,7 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleWhenCtasStreamWholeRows) {
   // to 16 bytes whose last vector is partial (1001 of ld 1008: the streaming forward's
   // element-masked last tile).
   for (const auto& shape : {std::pair<std::int64_t, std::int64_t>{3000, 3000}, {1001, 1008}})
-    for (int options : {0, 2})
+    for (int options : {0, 2, 3})
       run(32 * std::int64_t{sms} + 7, shape.first, shape.second, options == 0 ? 200.0f : 0.0f,
           options);
 }

@@ -43,10 +43,12 @@ namespace cuda_detail {
 /// The workspace layout: a header; the small-batch kernel's records (one 8-byte word per row,
 /// its loss and a ready flag, zero between calls) at a fixed place for at most
 /// workspace_records rows, so that no call of any row count writes there otherwise; then one
-/// float and one flag per row.
+/// float and one flag per row (the row kernels' reduced loss); then one share of the reduced loss
+/// per CTA (the streaming forward's: two doubles, at most one CTA per row).
 struct workspace_header {
-  /// Rows finished by the running call; the last resets it to 0. 64 bits: a call may have 2^32
-  /// rows or more (a 32-bit count would wrap and let a CTA finish the reduction early).
+  /// Rows (or, in the streaming forward, CTAs) finished by the running call; the last resets it
+  /// to 0. 64 bits: a call may have 2^32 rows or more (a 32-bit count would wrap and let a CTA
+  /// finish the reduction early).
   unsigned long long rows_done;
   unsigned long long pad;
 };
@@ -59,13 +61,14 @@ __host__ __device__ inline std::size_t align_up(std::size_t n, std::size_t a) {
 constexpr std::int64_t workspace_records = 1024;
 
 struct workspace_layout {
-  std::size_t records = 0, row_loss = 0, correct = 0, total = 0;
+  std::size_t records = 0, row_loss = 0, correct = 0, shares = 0, total = 0;
   __host__ __device__ explicit workspace_layout(std::int64_t rows) {
     const auto n = static_cast<std::size_t>(rows);
     records = align_up(sizeof(workspace_header), 256);
     row_loss = records + sizeof(unsigned long long) * static_cast<std::size_t>(workspace_records);
     correct = align_up(row_loss + sizeof(float) * n, 256);
-    total = align_up(correct + n, 256);
+    shares = align_up(correct + n, 256);
+    total = align_up(shares + 2 * sizeof(double) * n, 256);
   }
 };
 

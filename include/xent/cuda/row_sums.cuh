@@ -7,7 +7,6 @@
 
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
-#include <type_traits>
 
 #include "../loss_math.hpp"
 #include "cuda.cuh"
@@ -98,24 +97,30 @@ __device__ void write_totals(double sum, double hits, double divisor, float* los
   }
 }
 
+/// Every thread of the CTA, once this CTA's part of the reduced loss is stored (by any of its
+/// threads): adds `count` to the call's counter in the workspace header; true in the CTA that
+/// brings it to `total`, which then, after a fence of its own, sees every other CTA's part (each
+/// is fenced before its count).
+__device__ inline bool completes_count(void* workspace, unsigned long long count,
+                                       unsigned long long total) {
+  __shared__ bool last;
+  __syncthreads();  // the CTA's part is issued
+  if (threadIdx.x == 0) {
+    __threadfence();  // the part is visible before the count says so
+    last = atomicAdd(&header(workspace)->rows_done, count) + count == total;
+  }
+  __syncthreads();  // `last` is visible
+  return last;
+}
+
 /// Once per CTA, after its last row: adds its row count to the counter; the CTA that completes it
 /// sums every row's entries in a fixed order (deterministic), writes the reduced loss and
 /// num_correct, and resets the counter to 0 for the next call. One fence and one atomic per CTA,
-/// not per row. `normalizer` is the mean's W (1 for a sum), or a callable that every thread of
-/// the completing CTA calls for it (a pass that needs W for nothing else sums it once, there).
-template <int Block, class Normalizer>
+/// not per row. `normalizer` is the mean's W (1 for a sum).
+template <int Block>
 __device__ void finish_reduction(void* workspace, std::int64_t rows, std::uint64_t my_rows,
-                                 float* loss, std::int64_t* num_correct, Normalizer normalizer) {
-  __shared__ bool last;
-  __syncthreads();  // every record_row of this CTA is issued
-  if (threadIdx.x == 0) {
-    __threadfence();  // this CTA's entries are visible before the count says so
-    const unsigned long long before =
-        atomicAdd(&header(workspace)->rows_done, static_cast<unsigned long long>(my_rows));
-    last = before + my_rows == static_cast<unsigned long long>(rows);
-  }
-  __syncthreads();  // `last` is visible
-  if (!last) return;
+                                 float* loss, std::int64_t* num_correct, double normalizer) {
+  if (!completes_count(workspace, my_rows, static_cast<unsigned long long>(rows))) return;
   __threadfence();
   const workspace_layout layout(rows);
   const char* ws = static_cast<const char*>(workspace);
@@ -126,13 +131,44 @@ __device__ void finish_reduction(void* workspace, std::int64_t rows, std::uint64
     sum += static_cast<double>(__ldcg(losses + r));  // from L2: written by other SMs
     hits += __ldcg(flags + r);
   }
-  double w;
-  if constexpr (std::is_invocable_v<Normalizer>) {
-    w = normalizer();
-  } else {
-    w = normalizer;
+  write_totals<Block>(sum, hits, normalizer, loss, num_correct);
+  if (threadIdx.x == 0) header(workspace)->rows_done = 0;
+}
+
+/// A CTA's share of the reduced loss (the streaming forward's): the sums over its rows of their
+/// losses and of their weights in the mean's normaliser, in its row order (deterministic).
+struct loss_share {
+  double loss, w;
+};
+static_assert(sizeof(loss_share) == 2 * sizeof(double), "workspace_layout's share slot");
+
+/// Once per CTA of a call over `rows` rows, every thread calling, thread 0 holding the CTA's
+/// share `mine` (slot `slot` of `ctas`, at most `rows`): stores the share and adds one to the
+/// counter; the CTA that completes it sums the shares in slot order (deterministic), writes the
+/// reduced loss (over the shares' w for reduction::mean; num_correct 0: plain rows count nothing)
+/// and resets the counter for the next call. Against finish_reduction's entry per row, this last
+/// CTA's sum is of one share per CTA, and no CTA sums the normaliser from every target: bf16 8192 x
+/// 32000 forward 198 -> 195 us, where reduction none takes 192 (H100,
+/// bench/results/2026-11-25-h100-loss-shares/). The row kernels keep finish_reduction: a share
+/// summed on their row path (in registers or shared memory) spilled the fused pass's register tile,
+/// and one summed from the row entries at each CTA's end measured slower there (fused 378 -> 381
+/// us).
+template <int Block>
+__device__ void finish_shares(void* workspace, std::int64_t rows, std::int64_t slot,
+                              std::int64_t ctas, const loss_share& mine, reduction reduce,
+                              float* loss, std::int64_t* num_correct) {
+  loss_share* const shares =
+      reinterpret_cast<loss_share*>(static_cast<char*>(workspace) + workspace_layout(rows).shares);
+  if (threadIdx.x == 0) shares[slot] = mine;
+  if (!completes_count(workspace, 1, static_cast<unsigned long long>(ctas))) return;
+  __threadfence();
+  double sum = 0.0, w = 0.0;
+  for (std::int64_t c = threadIdx.x; c < ctas; c += Block) {
+    sum += __ldcg(&shares[c].loss);  // from L2: written by other SMs
+    w += __ldcg(&shares[c].w);
   }
-  write_totals<Block>(sum, hits, w, loss, num_correct);
+  w = reduce == reduction::mean ? block_sum<Block>(w) : 1.0;
+  write_totals<Block>(sum, 0.0, w, loss, num_correct);
   if (threadIdx.x == 0) header(workspace)->rows_done = 0;
 }
 
