@@ -413,15 +413,18 @@ XENT_CUDA_SEED_BENCH(op::forward, xent::reduction::none);
 XENT_CUDA_BENCH(__nv_bfloat16, op::forward_backward, false, true);
 XENT_CUDA_BENCH(__nv_bfloat16, op::forward, false, true);
 XENT_CUDA_BENCH(__nv_bfloat16, op::backward, false, true);
-// The shortest training rows with no reduction: what the reduced loss costs the pass there.
-BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward, xent::reduction::none)
-    ->Args({8192, 32000})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward_backward, xent::reduction::none)
-    ->Args({8192, 32000})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
+// The shortest training rows by reduction: what the reduced loss costs the pass there (none),
+// and how much of it is the mean's normaliser, which the fused pass needs before any gradient
+// (sum needs none).
+#define XENT_CUDA_SHORT_ROWS_BENCH(OP, R)                    \
+  BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, OP, R) \
+      ->Args({8192, 32000})                                  \
+      ->UseManualTime()                                      \
+      ->Unit(benchmark::kMicrosecond)
+XENT_CUDA_SHORT_ROWS_BENCH(op::forward, xent::reduction::none);
+XENT_CUDA_SHORT_ROWS_BENCH(op::forward_backward, xent::reduction::none);
+XENT_CUDA_SHORT_ROWS_BENCH(op::forward, xent::reduction::sum);
+XENT_CUDA_SHORT_ROWS_BENCH(op::forward_backward, xent::reduction::sum);
 BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward_backward)
     ->Args({8192, 128256})
     ->UseManualTime()
