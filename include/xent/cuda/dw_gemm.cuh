@@ -9,14 +9,14 @@
 // order: the sums are the same run to run. Included only by nvcc (cuda/linear.cuh).
 //
 // The kernel: persistent CTAs (one per SM) of three warpgroups, as stats_gemm.cuh. Warpgroup 0's
-// first thread loads, for each 64-row k-block, G's 64 rows x 128 weight rows and X's 64 rows x 256
+// first thread loads, for each 64-row k-block, G's 64 rows x 128 weight rows and X's 64 rows x 192
 // columns by tensor copies (128-byte swizzle; both operands MN-major, which wgmma reads with its
 // transpose bits) into three stages; warpgroups 1 and 2 each multiply 64 of the tile's 128 weight
-// rows by its 256 columns (wgmma m64n256k16). At a tile's end each consumer warpgroup stages half
-// of its 64 x 256 floats at a time (32 KiB: the stages leave room for no more) and its first
-// thread issues four 32-column tensor adds (or stores, for the first chunk). Tiles walk a weight
-// row tile's D / 256 column tiles in turn, so the CTAs in flight share G's tiles in L2; X_c (9.4
-// MB at 2048 x 2304) stays in L2 throughout.
+// rows by its 192 columns (wgmma m64n192k16). At a tile's end each consumer warpgroup stages its
+// 64 x 192 floats (48 KiB) and its first thread issues six 32-column tensor adds (or stores, for
+// the first chunk), read out while the next tile is computed. Tiles walk a weight row tile's
+// D / 192 column tiles in turn, so the CTAs in flight share G's tiles in L2; X_c (9.4 MB at 2048
+// x 2304) stays in L2 throughout.
 #pragma once
 
 #include <cuda.h>
@@ -35,16 +35,22 @@ namespace dw_gemm {
 
 using namespace hopper;
 
-constexpr int tile_m = 128, tile_n = 256, tile_k = 64, stages = 3;
+/// 128 x 192 tiles: the stages and a whole tile's staging fit beside each other (3 x 40 KiB + 2 x
+/// 48 KiB), so a tile's adds drain while the next tile is computed. With 128 x 256 tiles only half
+/// a tile fitted beside three stages, and each warpgroup waited in its epilogue until the tensor
+/// copies had read the first half: adds 4.57 ms against 3.75 for stores of the same tiles at
+/// V = 256000, D = 2304, 2048 rows (H200, 5850231).
+constexpr int tile_m = 128, tile_n = 192, tile_k = 64, stages = 3;
 constexpr int threads = 384;  // producer warpgroup, two consumer warpgroups
 /// Operand boxes: 64 elements of M (or N), 128 bytes, by the k-block's 64 rows.
 constexpr int box = 64, box_bytes = box * tile_k * 2;
 constexpr int a_bytes = tile_m * tile_k * 2, b_bytes = tile_n * tile_k * 2;
 constexpr int stage_bytes = a_bytes + b_bytes;
-/// The epilogue's boxes: 32 floats (128 bytes, the swizzle's row) by a warpgroup's 64 rows; four
-/// make the half tile a warpgroup stages at a time.
-constexpr int out_cols = 32, out_box_bytes = 64 * out_cols * 4, out_boxes = 4;
+/// The epilogue's boxes: 32 floats (128 bytes, the swizzle's row) by a warpgroup's 64 rows, six
+/// to a warpgroup's 64 x 192 products.
+constexpr int out_cols = 32, out_box_bytes = 64 * out_cols * 4, out_boxes = tile_n / out_cols;
 constexpr int staging_bytes = out_boxes * out_box_bytes;
+constexpr int acc_regs = tile_n / 2;  // wgmma's accumulators per consumer thread
 constexpr int smem_bytes = stages * stage_bytes + 2 * staging_bytes + 1024;  // + the alignment
 static_assert(smem_bytes + 128 <= 227 * 1024, "sm_90's shared memory per CTA (static included)");
 
@@ -55,52 +61,48 @@ struct args {
   bool add;
 };
 
-/// One consumer warpgroup's epilogue: its 64 x 256 products (wgmma's accumulator layout: thread
+/// One consumer warpgroup's epilogue: its 64 x 192 products (wgmma's accumulator layout: thread
 /// lane of warp w holds rows 16 w + lane / 4 and + 8, columns 8 j + 2 (lane % 4) + {0, 1} in
-/// d[4 j + {0, 1}] and d[4 j + {2, 3}]) to acc rows row0.., columns col0.., half a tile at a time
-/// through `staging`, four boxes of 64 rows x 32 floats in the tensor copy's 128-byte swizzle
-/// (16-byte chunk c of row r at chunk c ^ (r % 8): a warp's eight rows of float2 stores fall in
-/// distinct banks, two wavefronts for its 256 bytes). Thread 0 of the warpgroup issues the copies
-/// and, before the staging is written again, waits until they have read it.
-__device__ __forceinline__ void add_tile(const float (&d)[128], unsigned char* staging,
+/// d[4 j + {0, 1}] and d[4 j + {2, 3}]) to acc rows row0.., columns col0.., through `staging`: six
+/// boxes of 64 rows x 32 floats in the tensor copy's 128-byte swizzle (16-byte chunk c of row r at
+/// chunk c ^ (r % 8): a warp's eight rows of float2 stores fall in distinct banks, two wavefronts
+/// for its 256 bytes). Thread 0 of the warpgroup issues the copies; before the staging is written
+/// again, a tile later, it waits until they have read it.
+__device__ __forceinline__ void add_tile(const float (&d)[acc_regs], unsigned char* staging,
                                          const CUtensorMap* acc_map, int row0, int col0, int cols,
                                          bool add, int barrier) {
   const int t = static_cast<int>(threadIdx.x) % 128, lane = t % 32, warp = t / 32;
   const int r = 16 * warp + lane / 4;
+  if (t == 0) bulk_stores_wait<0>();  // the previous tile's copies have read the staging
+  named_barrier_sync(barrier, 128);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (t == 0) bulk_stores_wait<0>();  // the staging's previous half has been read
-    named_barrier_sync(barrier, 128);
+  for (int j = 0; j < tile_n / 8; ++j) {
+    unsigned char* out = staging + (j / 4) * out_box_bytes;
+    const int chunk = 2 * (j % 4) + (lane % 4) / 2;
 #pragma unroll
-    for (int jj = 0; jj < 16; ++jj) {
-      const int j = 16 * h + jj;
-      unsigned char* out = staging + (jj / 4) * out_box_bytes;
-      const int chunk = 2 * (jj % 4) + (lane % 4) / 2;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = r + 8 * e;
-        *reinterpret_cast<float2*>(out + row * 128 + ((chunk ^ (row & 7)) << 4) + 8 * (lane % 2)) =
-            make_float2(d[4 * j + 2 * e], d[4 * j + 2 * e + 1]);
-      }
+    for (int e = 0; e < 2; ++e) {
+      const int row = r + 8 * e;
+      *reinterpret_cast<float2*>(out + row * 128 + ((chunk ^ (row & 7)) << 4) + 8 * (lane % 2)) =
+          make_float2(d[4 * j + 2 * e], d[4 * j + 2 * e + 1]);
     }
-    fence_async_shared();
-    named_barrier_sync(barrier, 128);
-    if (t == 0) {
+  }
+  fence_async_shared();
+  named_barrier_sync(barrier, 128);
+  if (t == 0) {
 #pragma unroll
-      for (int b = 0; b < out_boxes; ++b) {
-        const int col = col0 + 128 * h + out_cols * b;
-        if (col >= cols) break;  // past D: the tensor copy would write nothing
-        if (add)
-          tma_store_2d<true>(acc_map, col, row0, staging + b * out_box_bytes);
-        else
-          tma_store_2d<false>(acc_map, col, row0, staging + b * out_box_bytes);
-      }
-      bulk_commit();
+    for (int b = 0; b < out_boxes; ++b) {
+      const int col = col0 + out_cols * b;
+      if (col >= cols) break;  // past D: the tensor copy would write nothing
+      if (add)
+        tma_store_2d<true>(acc_map, col, row0, staging + b * out_box_bytes);
+      else
+        tma_store_2d<false>(acc_map, col, row0, staging + b * out_box_bytes);
     }
+    bulk_commit();
   }
 }
 
-/// acc (a.m x a.n) = or += Gᵀ X over every 128 x 256 tile. One CTA per SM. AB: the operands'
+/// acc (a.m x a.n) = or += Gᵀ X over every 128 x 192 tile. One CTA per SM. AB: the operands'
 /// dtype, bf16 (the wgmma form here); a template so that the header may be included anywhere.
 template <class AB>
 __global__ void __launch_bounds__(threads, 1)
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(threads, 1)
     const int c = group - 1;  // weight rows 64 c .. 64 c + 63 of each tile
     const bool leader = threadIdx.x % 32 == 0;
     unsigned char* const staging = smem + stages * stage_bytes + c * staging_bytes;
-    float d[128];
+    float d[acc_regs];
     int s = 0;
     unsigned phase = 0;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -168,13 +170,13 @@ __global__ void __launch_bounds__(threads, 1)
       int held = -1;  // the stage whose products are still in flight
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbarrier_wait(&full[s], phase);
-        // A: this warpgroup's box of G (64 weight rows); B: X's four boxes of 64 columns.
+        // A: this warpgroup's box of G (64 weight rows); B: X's three boxes of 64 columns.
         const std::uint64_t da = smem_descriptor_mn(stage_a(s) + c * box_bytes, box_bytes);
         const std::uint64_t db = smem_descriptor_mn(stage_b(s), box_bytes);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < tile_k / 16; ++k)  // 16 rows = two 1024-byte atoms = 128 units
-          wgmma_m64n256k16<1, 1>(d, da + 128 * k, db + 128 * k, kb > 0 || k > 0);
+          wgmma_m64n192k16<1, 1>(d, da + 128 * k, db + 128 * k, kb > 0 || k > 0);
         wgmma_commit();
         wgmma_wait<1>();  // the previous stage's products are done: release it
         fence_operands(d);
