@@ -4,9 +4,7 @@
 // once per chunk, 8 V D bytes, against 2 V D K flops of products. For each shape this times every
 // GEMM (d_weight with beta = 1 and, as the first chunk has it, beta = 0) by cublasGemmEx as the
 // library calls it and by every algorithm cuBLASLt's heuristic offers (its tile, stages, split-K
-// and swizzle beside its time): what chose cuda/accumulate_gemm.cuh's tiles; and the d_weight GEMM
-// by the library's Hopper kernel (cuda/dw_gemm.cuh, "how": "wgmma"), with its largest difference
-// from cuBLAS's products relative to their largest magnitude ("rel_err"). Prints one JSON
+// and swizzle beside its time): what chose cuda/accumulate_gemm.cuh's tiles. Prints one JSON
 // object per line (and writes them to $OUT/dw_gemm.json).
 //   dw_gemm_bench [V D K ...]   (default: 256000 2304 2048, 256000 2304 4096, 128256 4096 2048)
 #include <cublasLt.h>
@@ -17,13 +15,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include <xent/cuda/accumulate_gemm.cuh>
-#include <xent/cuda/dw_gemm.cuh>
 
 #include "common/cuda_check.hpp"
 #include "common/device_fill.cuh"
@@ -130,70 +126,6 @@ void run_problem(cublasHandle_t handle, cublasLtHandle_t lt, const gemm_problem&
   }
 }
 
-/// Largest |a - scale b| and largest |b| over n floats, as float bits (non-negative floats order as
-/// their bits do).
-__global__ void max_diff_kernel(const float* a, const float* b, float scale, long long n,
-                                unsigned* diff, unsigned* mag) {
-  float d = 0.0f, m = 0.0f;
-  for (long long i = blockIdx.x * 256LL + threadIdx.x; i < n; i += 256LL * gridDim.x) {
-    d = fmaxf(d, fabsf(a[i] - scale * b[i]));
-    m = fmaxf(m, fabsf(b[i]));
-  }
-  atomicMax(diff, __float_as_uint(d));
-  atomicMax(mag, __float_as_uint(m));
-}
-
-/// The d_weight GEMM by dw_gemm.cuh: acc = Gᵀ X (the first chunk's store) and acc += Gᵀ X (the
-/// others' add), each timed, then acc against twice cuBLAS's products (`ref`, beta = 0).
-void run_hopper(const __nv_bfloat16* g, const __nv_bfloat16* x, float* acc, const float* ref, int v,
-                int d, int k, const std::string& shape, std::ofstream& json) {
-  namespace dg = xent::cuda_detail::dw_gemm;
-  int dev = 0, sms = 0;
-  check(cudaGetDevice(&dev), "device");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sms");
-  char line[512];
-  if (!dg::ready(dev)) {
-    std::snprintf(line, sizeof line,
-                  "{\"shape\": \"%s\", \"gemm\": \"d_weight\", \"how\": \"wgmma\", "
-                  "\"skipped\": \"no sm_90a kernel for this device\"}",
-                  shape.c_str());
-    std::puts(line);
-    json << line << "\n";
-    return;
-  }
-  const double flops = 2.0 * v * static_cast<double>(d) * k;
-  for (const bool add : {true, false}) {
-    const dg::args a{v, d, k, add};
-    const double ms =
-        time_ms([&] { dg::launch("dw_gemm_bench", g, v, x, d, acc, d, a, sms, nullptr); });
-    std::snprintf(line, sizeof line,
-                  "{\"shape\": \"%s\", \"gemm\": \"d_weight\", \"beta\": %d, \"how\": "
-                  "\"wgmma\", \"ms\": %.4f, \"tflops\": %.1f}",
-                  shape.c_str(), add ? 1 : 0, ms, flops / ms / 1e9);
-    std::puts(line);
-    json << line << "\n";
-  }
-  dg::launch("dw_gemm_bench", g, v, x, d, acc, d, dg::args{v, d, k, false}, sms, nullptr);
-  dg::launch("dw_gemm_bench", g, v, x, d, acc, d, dg::args{v, d, k, true}, sms, nullptr);
-  unsigned* m;
-  check(cudaMalloc(&m, 2 * sizeof(unsigned)), "malloc");
-  check(cudaMemset(m, 0, 2 * sizeof(unsigned)), "memset");
-  max_diff_kernel<<<1024, 256>>>(acc, ref, 2.0f, static_cast<long long>(v) * d, m, m + 1);
-  unsigned host[2];
-  check(cudaMemcpy(host, m, sizeof host, cudaMemcpyDeviceToHost), "copy");
-  cudaFree(m);
-  float diff, mag;
-  std::memcpy(&diff, &host[0], 4);
-  std::memcpy(&mag, &host[1], 4);
-  std::snprintf(line, sizeof line,
-                "{\"shape\": \"%s\", \"gemm\": \"d_weight\", \"how\": \"wgmma\", "
-                "\"check\": \"store then add against 2 x cuBLAS\", \"max_abs_diff\": %.3g, "
-                "\"max_abs_ref\": %.3g, \"rel_err\": %.3g}",
-                shape.c_str(), diff, mag, mag > 0 ? diff / mag : diff);
-  std::puts(line);
-  json << line << "\n";
-}
-
 /// A chunk of K rows of the fused linear training at vocabulary V and hidden size D: its three
 /// GEMMs as linear.cuh calls them (row-major operands as column-major transposes).
 void run_shape(cublasHandle_t handle, cublasLtHandle_t lt, long long V, long long D, long long K,
@@ -225,12 +157,6 @@ void run_shape(cublasHandle_t handle, cublasLtHandle_t lt, long long V, long lon
       {"d_weight", CUBLAS_OP_N, CUBLAS_OP_T, d, v, k, d, v, d, x, g, acc, CUDA_R_32F, 0.0f},
   };
   for (const gemm_problem& p : problems) run_problem(handle, lt, p, shape, work, work_bytes, json);
-  // cuBLAS's products alone (the last problem, beta = 0, left them in acc) for the check.
-  float* ref;
-  check(cudaMalloc(&ref, sizeof(float) * V * D), "malloc ref");
-  check(cudaMemcpy(ref, acc, sizeof(float) * V * D, cudaMemcpyDeviceToDevice), "copy ref");
-  run_hopper(g, x, acc, ref, v, d, k, shape, json);
-  cudaFree(ref);
   cudaFree(x);
   cudaFree(w);
   cudaFree(g);

@@ -264,30 +264,6 @@ TEST_F(CudaLinearTest, Bfloat16ForwardWithoutArgmaxMatchesOracle) {
     }
 }
 
-/// Training's d_weight by the sm_90a GEMM (cuda/dw_gemm.cuh) where a build and GPU have it: bf16
-/// inputs with 16-byte row pitches (D and the padding multiples of 8), into the float accumulator
-/// (bf16 gradients) or into a float d_weight (its own accumulator). Partial weight-row and column
-/// tiles (V 1000 to 50000, D 64 to 520), chunks of one row, of a few rows and of every row (the
-/// first chunk's stores, then adds), chunks that are not whole 64-row k-blocks, more tiles than a
-/// GPU has SMs (20000 x 520: 471 tiles of 128 x 256), padded leading dimensions, bias or not.
-/// Elsewhere cuBLAS answers the same cases.
-TEST_F(CudaLinearTest, Bfloat16TrainingByTheHopperWeightGemmMatchesOracle) {
-  xt::case_budget b;
-  std::uint64_t seed = 1300;
-  const std::int64_t shapes[][3] = {
-      {70, 520, 1000}, {129, 136, 4100}, {300, 64, 50000}, {64, 520, 20000}};
-  for (const auto& shape : shapes)
-    for (budget space : {budget::minimal, budget::few_rows, budget::all_rows}) {
-      lspec s = make_spec(shape[0], shape[1], shape[2]);
-      s.space = space;
-      s.ce.seed = ++seed;
-      s.ce.ignore = ignore_mode::some;
-      s.bias = seed % 2 == 0;
-      s.pad = seed % 3 == 0 ? 8 : 0;
-      if (!b.record(run_case<bf16>(exec(), s) && run_case<bf16, float>(exec(), s))) return;
-    }
-}
-
 TEST_F(CudaLinearTest, RealisticVocabularyMatchesOracle) {
   // A vocabulary of the size of GPT-2's in a few chunks, bf16, mean with label smoothing.
   lspec s = make_spec(40, 96, 50257);

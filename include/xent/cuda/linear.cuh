@@ -70,7 +70,6 @@
 #include "backend.cuh"
 #include "cuda.cuh"
 #include "dtype.cuh"
-#include "dw_gemm.cuh"
 #include "linear_kernels.cuh"
 #include "linear_plan.cuh"
 #include "policy.cuh"
@@ -231,32 +230,6 @@ void chunk_logits(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n) {
        sizeof(DT), c.plan.ld);
 }
 
-/// The float d_weight sum (acc, V x D, leading dimension ld_acc) = or (not `first`) += Gᵀ · X_c
-/// for the chunk's n rows at r0 by the Hopper GEMM (dw_gemm.cuh) where it applies: bf16 operands,
-/// sizes in int, 16-byte aligned operands and row pitches, a device running its sm_90a build
-/// (policy::dw_gemm). False, enqueuing nothing, elsewhere.
-template <class T, class G>
-bool hopper_dw_gemm(const linear_call<T, G>& c, float* acc, std::int64_t ld_acc, std::int64_t r0,
-                    std::int64_t n, bool first) {
-  using DT = typename linear_call<T, G>::DT;
-  if constexpr (!std::is_same<DT, __nv_bfloat16>::value || !policy::dw_gemm) {
-    return false;
-  } else {
-    const std::int64_t V = c.vocab(), D = c.dim();
-    const DT* grad = c.logits();
-    const DT* x = c.hidden.row(r0);
-    if (!acc || V == 0 || D == 0 || n == 0 || V > INT_MAX || D > INT_MAX || n > INT_MAX ||
-        !dw_gemm::fits(grad, c.plan.ld, x, c.hidden.ld, acc, ld_acc))
-      return false;
-    const device_facts dev = query_device(c.blas.fn());
-    if (!dw_gemm::ready(dev.id)) return false;
-    const dw_gemm::args a{static_cast<int>(V), static_cast<int>(D), static_cast<int>(n), !first};
-    dw_gemm::launch(c.blas.fn(), grad, c.plan.ld, x, c.hidden.ld, acc, ld_acc, a, dev.sms,
-                    c.exec.stream);
-    return true;
-  }
-}
-
 /// d_weight += Gᵀ · X_c, d_bias += column sums of G, d_hidden rows = G · W.
 template <class T, class G>
 void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bool first) {
@@ -269,21 +242,20 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
   const float beta = first ? 0.0f : 1.0f;
   if (c.d_weight.data) {
     // The float V x D sum (dw_accumulation::fp32's accumulator with G not float, or a float
-    // d_weight, its own accumulator), by the Hopper GEMM or else by cuBLASLt with the tile chosen
-    // for it where it offers one (accumulate_gemm.cuh).
+    // d_weight, its own accumulator), by cuBLASLt with the tile chosen for it where it offers one
+    // (accumulate_gemm.cuh).
     float* acc = c.dw_accumulator();
     std::int64_t ld_acc = D;
     if constexpr (linear_call<T, G>::float_grads) {
       acc = c.d_weight.data;
       ld_acc = c.d_weight.ld;
     }
-    bool added = c.plan.dw_block == 0 && hopper_dw_gemm(c, acc, ld_acc, r0, n, first);
+    bool added = false;
     if constexpr (policy::accumulate_by_lt && !std::is_same<DT, float>::value)
-      added =
-          added || (acc && c.plan.dw_block == 0 && c.plan.lt_work != linear_absent &&
-                    accumulate_gemm(c.blas.handle(), s, cublas_type<DT>(), D, V, n, x, c.hidden.ld,
-                                    grad, ld, beta, acc, ld_acc,
-                                    c.template buffer<void>(c.plan.lt_work), linear_lt_workspace));
+      added = acc && c.plan.dw_block == 0 && c.plan.lt_work != linear_absent &&
+              accumulate_gemm(c.blas.handle(), s, cublas_type<DT>(), D, V, n, x, c.hidden.ld, grad,
+                              ld, beta, acc, ld_acc, c.template buffer<void>(c.plan.lt_work),
+                              linear_lt_workspace);
     if (added) {
       // done
     } else if (acc && c.plan.dw_block == 0) {

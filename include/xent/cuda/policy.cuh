@@ -89,9 +89,6 @@
 #ifndef XENT_CUDA_ACCUMULATE_BY_LT  // 0: d_weight's float accumulator by cublasGemmEx (see policy)
 #define XENT_CUDA_ACCUMULATE_BY_LT 1
 #endif
-#ifndef XENT_CUDA_DW_GEMM  // 0: d_weight's float sum by cuBLAS alone (see policy)
-#define XENT_CUDA_DW_GEMM 1
-#endif
 #ifndef XENT_CUDA_STREAM_FORWARD_HANDOFF  // 0: its rows end in a CTA barrier (see policy)
 #define XENT_CUDA_STREAM_FORWARD_HANDOFF 1
 #endif
@@ -240,10 +237,6 @@ struct policy {
   /// cuBLASLt with the tile accumulate_gemm.cuh chooses (where it offers one) rather than
   /// cublasGemmEx's own choice; that header has the GEMM's measurements.
   static constexpr bool accumulate_by_lt = XENT_CUDA_ACCUMULATE_BY_LT != 0;
-  /// Whether fused linear training adds each chunk's d_weight into its float sum by the Hopper
-  /// GEMM whose epilogue hands the adds to the tensor memory accelerator (dw_gemm.cuh; sm_90a
-  /// builds, bf16), where it applies, rather than by cuBLAS.
-  static constexpr bool dw_gemm = XENT_CUDA_DW_GEMM != 0;
   /// Whether the bulk backward's persistent grid takes as few CTAs as walk the same most tiles
   /// each (persistent_grid) rather than as many as the SMs hold. H200, 2026-11-24, same lease, bf16
   /// backward 8192 x 32000: 278 -> 275 us (two runs each; 16384 x 128256 and 4096 x 262144

@@ -382,10 +382,9 @@ bool ready(int dev) {
 template <bool Stats, class I>
 void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std::int64_t ldw,
             const args<I>& a, int sms, cudaStream_t stream) {
-  const CUtensorMap xm = make_map(fn, "hidden", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, a.rows,
-                                  a.depth, ldx, tile_k, tile_m);
-  const CUtensorMap wm = make_map(fn, "weight", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, a.cols,
-                                  a.depth, ldw, tile_k, tile_n);
+  static_assert(tile_k == 64, "make_map's boxes are 64 columns (128 bytes) wide");
+  const CUtensorMap xm = make_map(fn, "hidden", x, a.rows, a.depth, ldx, tile_m);
+  const CUtensorMap wm = make_map(fn, "weight", w, a.cols, a.depth, ldw, tile_n);
   const int tiles = (a.rows + tile_m - 1) / tile_m * a.col_tiles;
   const int grid = tiles < sms ? tiles : sms;
   stats_gemm_kernel<Stats, I><<<grid, threads, smem_bytes, stream>>>(xm, wm, a);

@@ -1,8 +1,8 @@
-// The pieces of the Hopper (sm_90a) GEMM kernels: tensor maps and copies (TMA), wgmma's shared-
-// memory descriptors and its m64n256k16 form, and its fences. The kernels: the fused linear
-// forward's statistics GEMM (stats_gemm.cuh) and training's d_weight GEMM (dw_gemm.cuh). The
-// instructions exist only in sm_90a code (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere the bodies are
-// empty and no kernel reaches them. Included only by nvcc.
+// The pieces of a Hopper (sm_90a) GEMM kernel: tensor maps and copies (TMA), wgmma's shared-memory
+// descriptor and its m64n256k16 form, and its fences; the fused linear forward's statistics GEMM
+// (stats_gemm.cuh) is built from them. The instructions exist only in sm_90a code
+// (__CUDA_ARCH_FEAT_SM90_ALL); elsewhere the bodies are empty and no kernel reaches them. Included
+// only by nvcc.
 #pragma once
 
 #include <cuda.h>
@@ -46,16 +46,6 @@ __device__ __forceinline__ std::uint64_t smem_descriptor(const void* p) {
          (std::uint64_t{1} << 62);
 }
 
-/// The wgmma descriptor of an MN-major tile as the tensor copy's 128-byte swizzle lays out boxes
-/// of 64 M (or N) elements by K rows: each K row 128 bytes, 8-row atoms 1024 bytes apart (the
-/// stride byte offset), and the next 64 M elements in the next box, `box_bytes` on (the leading
-/// byte offset; PTX ISA, "Canonical Layouts": ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO))).
-__device__ __forceinline__ std::uint64_t smem_descriptor_mn(const void* p, unsigned box_bytes) {
-  const std::uint64_t addr = shared_address(p);
-  return ((addr & 0x3FFFF) >> 4) | (std::uint64_t{box_bytes >> 4} << 16) |
-         (std::uint64_t{1024 >> 4} << 32) | (std::uint64_t{1} << 62);
-}
-
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -81,10 +71,8 @@ __device__ __forceinline__ void fence_operands(float (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-/// D (64 x 256, float) += A (64 x 16, bf16) * B (16 x 256, bf16), both from shared memory;
-/// `accumulate` 0 overwrites D. `MnA` / `MnB`: the operand is MN-major (its M or N index is the
-/// contiguous one: wgmma's transpose bits), else K-major.
-template <int MnA = 0, int MnB = 0>
+/// D (64 x 256, float) += A (64 x 16, bf16, K-major) * B (256 x 16, bf16, K-major)^T, both
+/// from shared memory; `accumulate` 0 overwrites D.
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t desc_a,
                                                  std::uint64_t desc_b, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -98,7 +86,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t 
       "%81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, "
       "%99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, "
       "%114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, "
-      "%129, p, 1, 1, %131, %132;\n}\n"
+      "%129, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
@@ -118,7 +106,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t 
         "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
         "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
         "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(MnA), "n"(MnB));
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 #else
   (void)d;
   (void)desc_a;
@@ -127,93 +115,11 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], std::uint64_t 
 #endif
 }
 
-/// D (64 x 192, float) += A (64 x 16, bf16) * B (16 x 192, bf16), as wgmma_m64n256k16 (96
-/// accumulators per thread, the same layout over 24 column blocks of 8).
-template <int MnA = 0, int MnB = 0>
-__device__ __forceinline__ void wgmma_m64n192k16(float (&d)[96], std::uint64_t desc_a,
-                                                 std::uint64_t desc_b, int accumulate) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
-      "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
-      "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, "
-      "%70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, "
-      "%87, %88, %89, %90, %91, %92, %93, %94, %95"
-      "}, %96, %97, p, 1, 1, %99, %100;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
-        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
-        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
-        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(MnA), "n"(MnB));
-#else
-  (void)d;
-  (void)desc_a;
-  (void)desc_b;
-  (void)accumulate;
-#endif
-}
-
-/// A 2-D tensor copy of shared memory to the box at (column c0, row c1) of `map`: a plain store,
-/// or (`Add`) an element-wise add into what is there, done by the L2 (float: red.add's rounding).
-/// Commit and wait as bulk stores (bulk_stores_wait); the writer threads fence their stores to
-/// the async proxy (fence_async_shared) and meet at a barrier first.
-template <bool Add>
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int c0, int c1,
-                                             const void* src) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (Add)
-    asm volatile(
-        "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], "
-        "[%3];" ::"l"(reinterpret_cast<std::uint64_t>(map)),
-        "r"(c0), "r"(c1), "r"(shared_address(src))
-        : "memory");
-  else
-    asm volatile(
-        "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
-            reinterpret_cast<std::uint64_t>(map)),
-        "r"(c0), "r"(c1), "r"(shared_address(src))
-        : "memory");
-#else
-  (void)map;
-  (void)c0;
-  (void)c1;
-  (void)src;
-#endif
-}
-
-/// Commits this thread's tensor stores issued since the last commit as one bulk group.
-__device__ __forceinline__ void bulk_commit() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#endif
-}
-
-/// A barrier of the `threads` threads (whole warps) that name barrier `id` (1-15; 0 is
-/// __syncthreads').
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-/// A 2-D tensor map of a row-major matrix (rows x cols, leading dimension ld elements of
-/// `elem_bytes`) in boxes of box_rows x box_cols, 128-byte swizzled (box_cols x elem_bytes must
-/// be 128); rows and columns past the matrix read as zeros and are not written. `arg`: the
-/// argument an error names.
-inline CUtensorMap make_map(const char* fn, const char* arg, CUtensorMapDataType type,
-                            int elem_bytes, const void* p, std::int64_t rows, std::int64_t cols,
-                            std::int64_t ld, int box_cols, int box_rows) {
+/// A 2-D tensor map of a row-major bf16 matrix (rows x cols, leading dimension ld elements) in
+/// boxes of box_rows x 64 (128 bytes), 128-byte swizzled; rows and columns past the matrix read as
+/// zeros. `arg`: the argument an error names.
+inline CUtensorMap make_map(const char* fn, const char* arg, const void* p, std::int64_t rows,
+                            std::int64_t cols, std::int64_t ld, int box_rows) {
   static const auto encode = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult q{};
@@ -226,12 +132,13 @@ inline CUtensorMap make_map(const char* fn, const char* arg, CUtensorMapDataType
   if (!encode) throw error(fn, arg, "cuTensorMapEncodeTiled is missing from the CUDA driver");
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * static_cast<cuuint64_t>(elem_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode(&map, type, 2, const_cast<void*>(p), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(p), dims, strides, box,
+             elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw error(fn, arg,
                 "cuTensorMapEncodeTiled refused a " + std::to_string(rows) + " x " +
