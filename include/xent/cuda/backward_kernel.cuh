@@ -35,10 +35,10 @@ template <int Block, class T, class G, class Tgt>
 __device__ double backward_constants(row_args<T, G, Tgt>& a) {
   if (a.weights && a.k.smooth != 0.0f)
     a.k.weight_sum = static_cast<float>(class_weight_sum<Block>(full_weights(a), a.vocab));
-  const double normalizer =
-      a.reduce == reduction::mean
-          ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, full_weights(a))
-          : 1.0;
+  const double normalizer = a.reduce == reduction::mean
+                                ? mean_normalizer<Block, true>(a.targets, a.rows, a.vocab,
+                                                               a.ignore_index, full_weights(a))
+                                : 1.0;
   return a.reduce != reduction::none ? scalar_upstream(a.scale, a.scale_ptr, a.reduce, normalizer)
                                      : 0.0;
 }

@@ -727,10 +727,10 @@ XENT_KERNEL void __launch_bounds__(
   if (a.weights && a.k.smooth != 0.0f)
     a.k.weight_sum = static_cast<float>(class_weight_sum<Block>(full_weights(a), a.vocab));
   // The mean's normaliser, once per CTA for the gradient's scale and the reduced loss alike.
-  const double normalizer =
-      a.reduce == reduction::mean && (P != pass::forward || need_reduce)
-          ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, full_weights(a))
-          : 1.0;
+  const double normalizer = a.reduce == reduction::mean && (P != pass::forward || need_reduce)
+                                ? mean_normalizer<Block, true>(a.targets, a.rows, a.vocab,
+                                                               a.ignore_index, full_weights(a))
+                                : 1.0;
   if (a.reduce != reduction::none && P != pass::forward)
     scalar = scalar_upstream(a.scale, a.scale_ptr, a.reduce, normalizer);
 

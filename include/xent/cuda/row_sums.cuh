@@ -43,15 +43,42 @@ __device__ double block_sum(double v) {
   return r;
 }
 
+/// The mean's normaliser without class weights: the count of rows not ignored and in range,
+/// exact in any order, so each CTA starts its walk over the targets at its own place (4 Block
+/// targets after the previous CTA's) rather than every CTA of a launch asking the L2 for the same
+/// lines at its start. H200, three rounds against the walk from row 0
+/// (bench/results/2026-11-25-h200-normalizer-loads/): bf16 8192 x 32000 backward 274 -> 272-273
+/// us; the fused pass unchanged (284-285 us, where a sum takes 280 and no reduction 276: what
+/// the mean costs it is not these loads), and keeping more of the loads in flight instead made it
+/// 4 us slower.
+template <int Block, class Tgt>
+__device__ double spread_count(const Tgt& targets, std::int64_t rows, std::int64_t cols,
+                               std::int64_t ignore_index) {
+  const std::int64_t offset =
+      rows > 0 ? static_cast<std::int64_t>(blockIdx.x) * (4 * Block) % rows : 0;
+  long long count = 0;
+#pragma unroll 4
+  for (std::int64_t i = threadIdx.x; i < rows; i += Block) {
+    const std::int64_t n = i + offset < rows ? i + offset : i + offset - rows;
+    count += normalizer_weight(static_cast<std::int64_t>(targets.ids[n]), ignore_index, cols,
+                               nullptr) != 0.0;
+  }
+  return block_sum<Block>(static_cast<double>(count));
+}
+
 /// The mean's normaliser: sum of w[y] over rows not ignored and in range (N for soft targets).
 /// Every CTA that needs it sums it itself, in the same order, so no launch runs before the row
-/// kernel: the targets are a few KiB to a few hundred KiB read from L2.
-template <int Block, class Tgt>
+/// kernel: the targets are a few KiB to a few hundred KiB read from L2. `Spread`: a launch of
+/// many CTAs; without class weights each counts from its own place (spread_count).
+template <int Block, bool Spread = false, class Tgt>
 __device__ double mean_normalizer(const Tgt& targets, std::int64_t rows, std::int64_t cols,
                                   std::int64_t ignore_index, const float* weights) {
   if constexpr (Tgt::soft) {
     return static_cast<double>(rows);
   } else {
+    if constexpr (Spread) {
+      if (!weights) return spread_count<Block>(targets, rows, cols, ignore_index);
+    }
     double w = 0.0;
 #pragma unroll 4
     for (std::int64_t n = threadIdx.x; n < rows; n += Block)
