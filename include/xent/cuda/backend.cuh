@@ -203,9 +203,23 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   }
   cfg.stream = exec.stream;
   static const bool log = std::getenv("XENT_CUDA_LOG") != nullptr;  // read once
-  cudaLaunchAttribute attr[1] = {cluster_attribute(plan.cluster)};
+  cudaLaunchAttribute attr[2] = {cluster_attribute(plan.cluster)};
   cfg.attrs = attr;
   cfg.numAttrs = plan.cluster > 1 ? 1 : 0;
+  // The mean's normaliser by one CTA ahead (normalizer_kernel), this launch its programmatic
+  // dependant: it starts at once and waits for W where it needs it.
+  if constexpr (P != pass::forward && !Tgt::soft) {
+    if (policy::normalizer_ahead && clusters && args.reduce == reduction::mean && args.workspace &&
+        args.first == 0) {
+      constexpr int block = 1024;
+      normalizer_kernel<block><<<1, block, 0, exec.stream>>>(
+          args.targets, args.rows, args.vocab, args.ignore_index, args.weights, args.workspace);
+      args.normalizer_ahead = true;
+      attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
+      ++cfg.numAttrs;
+    }
+  }
   // Persistent clusters: as many as fit at once, each walking its share of the rows.
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), 1, 1);
   const int active = active_clusters<Shape, Aligned, Plain, P, T, G, Tgt>(fn, cfg, dev);

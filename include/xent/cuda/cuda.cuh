@@ -10,6 +10,10 @@
 // object carries one without every user of the cross-entropy core including cuBLAS.
 struct cublasContext;
 
+// Kernels in a header are instantiated in every translation unit that uses them: hidden visibility
+// keeps two shared libraries that both include xent from resolving to each other's copies.
+#define XENT_KERNEL __global__ __attribute__((visibility("hidden")))
+
 namespace xent {
 
 /// Runs on the GPU of the current device, in `stream`. Every call only enqueues work: nothing
@@ -50,7 +54,9 @@ struct workspace_header {
   /// to 0. 64 bits: a call may have 2^32 rows or more (a 32-bit count would wrap and let a CTA
   /// finish the reduction early).
   unsigned long long rows_done;
-  unsigned long long pad;
+  /// The mean's normaliser of the running call, where a kernel ahead of the row kernel sums it
+  /// (normalizer_kernel, row_sums.cuh); the row kernel reads it after griddepcontrol.wait.
+  double normalizer;
 };
 
 __host__ __device__ inline std::size_t align_up(std::size_t n, std::size_t a) {

@@ -28,10 +28,6 @@
 #include "row_sums.cuh"
 #include "tile.cuh"
 
-// Kernels in a header are instantiated in every translation unit that uses them: hidden visibility
-// keeps two shared libraries that both include xent from resolving to each other's copies.
-#define XENT_KERNEL __global__ __attribute__((visibility("hidden")))
-
 namespace xent {
 namespace cuda_detail {
 
@@ -98,6 +94,9 @@ struct row_args {
   std::int64_t chunks;      ///< stages per slice: 1 = the slice is resident
   std::size_t chunk_bytes;  ///< bytes per stage (16-byte multiple)
   bool want_argmax;
+  /// The mean's normaliser is in the workspace header, summed by normalizer_kernel launched
+  /// ahead of this kernel (a programmatic dependent launch).
+  bool normalizer_ahead;
   // Vocab-parallel calls (cuda/vocab_parallel.cuh); an unsharded call has first 0, vocab = cols
   // and null pointers. The logits are classes [first, first + cols) of `vocab`: class ids stay
   // global (valid in [0, vocab)), a row's target column is y - first (outside [0, cols) when
@@ -727,10 +726,12 @@ XENT_KERNEL void __launch_bounds__(
   if (a.weights && a.k.smooth != 0.0f)
     a.k.weight_sum = static_cast<float>(class_weight_sum<Block>(full_weights(a), a.vocab));
   // The mean's normaliser, once per CTA for the gradient's scale and the reduced loss alike.
-  const double normalizer = a.reduce == reduction::mean && (P != pass::forward || need_reduce)
-                                ? mean_normalizer<Block, true>(a.targets, a.rows, a.vocab,
-                                                               a.ignore_index, full_weights(a))
-                                : 1.0;
+  const double normalizer =
+      a.reduce == reduction::mean && (P != pass::forward || need_reduce)
+          ? (a.normalizer_ahead ? normalizer_from_ahead(a.workspace)
+                                : mean_normalizer<Block, true>(a.targets, a.rows, a.vocab,
+                                                               a.ignore_index, full_weights(a)))
+          : 1.0;
   if (a.reduce != reduction::none && P != pass::forward)
     scalar = scalar_upstream(a.scale, a.scale_ptr, a.reduce, normalizer);
 

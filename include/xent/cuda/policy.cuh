@@ -89,6 +89,9 @@
 #ifndef XENT_CUDA_ACCUMULATE_BY_LT  // 0: d_weight's float accumulator by cublasGemmEx (see policy)
 #define XENT_CUDA_ACCUMULATE_BY_LT 1
 #endif
+#ifndef XENT_CUDA_NORMALIZER_AHEAD  // 1: the mean's normaliser by a kernel ahead (see policy)
+#define XENT_CUDA_NORMALIZER_AHEAD 0
+#endif
 #ifndef XENT_CUDA_STREAM_FORWARD_HANDOFF  // 0: its rows end in a CTA barrier (see policy)
 #define XENT_CUDA_STREAM_FORWARD_HANDOFF 1
 #endif
@@ -237,6 +240,14 @@ struct policy {
   /// cuBLASLt with the tile accumulate_gemm.cuh chooses (where it offers one) rather than
   /// cublasGemmEx's own choice; that header has the GEMM's measurements.
   static constexpr bool accumulate_by_lt = XENT_CUDA_ACCUMULATE_BY_LT != 0;
+  /// Whether the row kernel's mean normaliser (fused and backward passes) is summed by one CTA of
+  /// a kernel launched ahead of it, the row kernel its programmatic dependant, rather than by
+  /// every CTA of the row kernel at its start. H200, 2026-11-25, three rounds each way: bf16 8192
+  /// x 32000 fused with a mean 284 -> 281 us (the sum's time; 87.2 -> 89.0% of the copy roof),
+  /// every other line unchanged (bench/results/2026-11-25-h200-normalizer-ahead/). Off until the
+  /// CUDA tests (stream capture among them: a programmatic dependency in a graph) have run with it
+  /// on: `XENT_DEVICE_CUDA_FLAGS=-DXENT_CUDA_NORMALIZER_AHEAD=1 bash .ci/device tests`.
+  static constexpr bool normalizer_ahead = XENT_CUDA_NORMALIZER_AHEAD != 0;
   /// Whether the bulk backward's persistent grid takes as few CTAs as walk the same most tiles
   /// each (persistent_grid) rather than as many as the SMs hold. H200, 2026-11-24, same lease, bf16
   /// backward 8192 x 32000: 278 -> 275 us (two runs each; 16384 x 128256 and 4096 x 262144
