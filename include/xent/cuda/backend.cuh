@@ -214,6 +214,7 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
       constexpr int block = 1024;
       normalizer_kernel<block><<<1, block, 0, exec.stream>>>(
           args.targets, args.rows, args.vocab, args.ignore_index, args.weights, args.workspace);
+      check_cuda(fn, cudaGetLastError());
       args.normalizer_ahead = true;
       attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
       attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
