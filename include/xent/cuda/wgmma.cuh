@@ -65,10 +65,9 @@ __device__ __forceinline__ void wgmma_wait() {
 
 /// Keeps the accumulators' registers live across wgmma's asynchronous writes (the compiler may
 /// not move their uses before wgmma_wait).
-template <int R>
-__device__ __forceinline__ void fence_operands(float (&d)[R]) {
+__device__ __forceinline__ void fence_operands(float (&d)[128]) {
 #pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 /// D (64 x 256, float) += A (64 x 16, bf16, K-major) * B (256 x 16, bf16, K-major)^T, both
