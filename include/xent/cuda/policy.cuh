@@ -89,8 +89,8 @@
 #ifndef XENT_CUDA_ACCUMULATE_BY_LT  // 0: d_weight's float accumulator by cublasGemmEx (see policy)
 #define XENT_CUDA_ACCUMULATE_BY_LT 1
 #endif
-#ifndef XENT_CUDA_NORMALIZER_AHEAD  // 1: the mean's normaliser by a kernel ahead (see policy)
-#define XENT_CUDA_NORMALIZER_AHEAD 0
+#ifndef XENT_CUDA_NORMALIZER_AHEAD  // 0: every CTA sums the mean's normaliser (see policy)
+#define XENT_CUDA_NORMALIZER_AHEAD 1
 #endif
 #ifndef XENT_CUDA_STREAM_FORWARD_HANDOFF  // 0: its rows end in a CTA barrier (see policy)
 #define XENT_CUDA_STREAM_FORWARD_HANDOFF 1
@@ -244,9 +244,9 @@ struct policy {
   /// a kernel launched ahead of it, the row kernel its programmatic dependant, rather than by
   /// every CTA of the row kernel at its start. H200, 2026-11-25, three rounds each way: bf16 8192
   /// x 32000 fused with a mean 284 -> 281 us (the sum's time; 87.2 -> 89.0% of the copy roof),
-  /// every other line unchanged (bench/results/2026-11-25-h200-normalizer-ahead/). Off until the
-  /// CUDA tests (stream capture among them: a programmatic dependency in a graph) have run with it
-  /// on: `XENT_DEVICE_CUDA_FLAGS=-DXENT_CUDA_NORMALIZER_AHEAD=1 bash .ci/device tests`.
+  /// every other line unchanged (bench/results/2026-11-25-h200-normalizer-ahead/). The CUDA tests
+  /// (stream capture among them: a programmatic dependency in a graph) and the linear tests pass
+  /// with it (H200, 2026-11-25, bench/results/2026-11-25-h200-normalizer-ahead-tests/).
   static constexpr bool normalizer_ahead = XENT_CUDA_NORMALIZER_AHEAD != 0;
   /// Whether the bulk backward's persistent grid takes as few CTAs as walk the same most tiles
   /// each (persistent_grid) rather than as many as the SMs hold. H200, 2026-11-24, same lease, bf16
