@@ -32,6 +32,12 @@ struct spec {
   bool in_place = true, argmax = true;
   bool edge_targets = false;  ///< class ids at the edges of every cut of a row over 1..16 CTAs
   int edge_cluster = 0;       ///< nonzero: the edges of the cut over this many CTAs alone
+  /// Class ids at the edges of the small-batch kernel's cut of rows at their own 16-byte
+  /// boundaries (row_start::shifted: each rank lead(n) classes earlier), over this many CTAs.
+  int shifted_cluster = 0;
+  /// Elements by which the out-of-place gradient starts past a 256-byte boundary (the logits
+  /// start on one): nonzero puts its rows' 16-byte boundaries elsewhere than the logits'.
+  std::int64_t grad_offset = 0;
   std::int64_t ignore_index = -100;
   std::uint64_t seed = 1;
   std::string name() const {
@@ -42,6 +48,8 @@ struct spec {
            (some_ignored ? " some-ign" : "") + (all_ignored ? " all-ign" : "") +
            (in_place ? " in-place" : " out-of-place") + (argmax ? " argmax" : "") +
            (edge_targets ? " edge-targets" : "") +
+           (shifted_cluster ? " shifted-edges " + std::to_string(shifted_cluster) : "") +
+           (grad_offset ? " grad-offset " + std::to_string(grad_offset) : "") +
            (spike != 0.0f ? " spike " + std::to_string(spike) : "");
   }
 };
@@ -92,14 +100,30 @@ void check_spec(const spec& s) {
         edges.push_back(k * slice);
       }
     }
+    // Shifted edges: row n starts lead = (n ld) mod vec elements past a 16-byte boundary (the
+    // buffer starts on one), and rank k > 0 of its cut starts at k slice - lead.
+    std::vector<std::int64_t> shifted_starts;
+    if (s.shifted_cluster != 0) {
+      const std::int64_t c = s.shifted_cluster, W = V + vec - 1;
+      const std::int64_t slice = ((W + c - 1) / c + vec - 1) / vec * vec;
+      for (std::int64_t k = 1; k < c; ++k) shifted_starts.push_back(k * slice);
+    }
     std::uniform_int_distribution<std::int64_t> cls(0, V - 1);
     std::size_t next_edge = 0;  // edges go to the rows that are not ignored, each in turn
     for (std::int64_t n = 0; n < N; ++n) {
       const bool ignored = s.all_ignored || (s.some_ignored && n % 3 == 1);
-      if (!s.edge_targets)
+      if (!shifted_starts.empty()) {  // 0, V - 1, then each rank's first class and the one before
+        const std::int64_t lead = n * ld % vec, k = static_cast<std::int64_t>(next_edge++);
+        const std::int64_t pick = k % (2 * static_cast<std::int64_t>(shifted_starts.size()) + 2);
+        targets[n] = pick == 0   ? 0
+                     : pick == 1 ? V - 1
+                                 : shifted_starts[(pick - 2) / 2] - lead - (pick % 2);
+        targets[n] = std::min(std::max<std::int64_t>(targets[n], 0), V - 1);
+      } else if (!s.edge_targets) {
         targets[n] = cls(rng);
-      else if (!ignored)
+      } else if (!ignored) {
         targets[n] = edges[next_edge++ % edges.size()];
+      }
       if (ignored) targets[n] = s.ignore_index;
     }
     pb.targets = targets;
@@ -127,7 +151,12 @@ void check_spec(const spec& s) {
   const oracle::result ref = oracle::evaluate(pb, &up_ref);
 
   dbuf<T> d_logits(logits);
-  dbuf<T> d_grad(logits.size());
+  dbuf<T> d_grad_buffer(logits.size() + static_cast<std::size_t>(s.grad_offset));
+  T* const d_grad = d_grad_buffer.ptr + s.grad_offset;
+  const auto download_grad = [&] {
+    const std::vector<T> g = d_grad_buffer.download();
+    return std::vector<T>(g.begin() + s.grad_offset, g.end());
+  };
   dbuf<std::int64_t> d_targets(targets.empty() ? std::vector<std::int64_t>{0} : targets);
   dbuf<float> d_probs(probs.empty() ? std::vector<float>{0} : probs);
   dbuf<float> d_weights(weights.empty() ? std::vector<float>{0} : weights);
@@ -160,7 +189,7 @@ void check_spec(const spec& s) {
     if (!s.soft) out.num_correct = d_correct.ptr;
   }
   const xent::matrix_view<T> L(d_logits.ptr, N, V, ld);
-  const xent::matrix_view<T> Gout(s.in_place ? d_logits.ptr : d_grad.ptr, N, V, ld);
+  const xent::matrix_view<T> Gout(s.in_place ? d_logits.ptr : d_grad, N, V, ld);
   const xent::matrix_view<const float> P(d_probs.ptr, N, V);
 
   auto run = [&](auto&& targets_view) {
@@ -211,22 +240,22 @@ void check_spec(const spec& s) {
     };
     // backward, out of place (also checks that the logits are untouched by it)
     xent::backward(exec, L, targets_view, opts, xent::vector_view<const float>(d_lse.ptr, N), up,
-                   xent::matrix_view<T>(d_grad.ptr, N, V, ld));
+                   xent::matrix_view<T>(d_grad, N, V, ld));
     ok(cudaDeviceSynchronize());
     if (ld > V) {  // padding of the out-of-place gradient is never written; set it for the check
-      std::vector<T> g = d_grad.download();
+      std::vector<T> g = d_grad_buffer.download();
       for (std::int64_t n = 0; n < N; ++n)
-        for (std::int64_t c = V; c < ld; ++c) g[n * ld + c] = T(7.0f);
-      d_grad.upload(g);
+        for (std::int64_t c = V; c < ld; ++c) g[s.grad_offset + n * ld + c] = T(7.0f);
+      d_grad_buffer.upload(g);
       xent::backward(exec, L, targets_view, opts, xent::vector_view<const float>(d_lse.ptr, N), up,
-                     xent::matrix_view<T>(d_grad.ptr, N, V, ld));
+                     xent::matrix_view<T>(d_grad, N, V, ld));
       ok(cudaDeviceSynchronize());
     }
-    check_grad(d_grad.download(), "backward");
+    check_grad(download_grad(), "backward");
     // forward_backward
     xent::forward_backward(exec, L, targets_view, opts, up, out, Gout);
     ok(cudaDeviceSynchronize());
-    check_grad(s.in_place ? d_logits.download() : d_grad.download(), "forward_backward");
+    check_grad(s.in_place ? d_logits.download() : download_grad(), "forward_backward");
     // The fused call's loss against the forward's: the same bits where one kernel serves both
     // (short batches); within the LSE's tolerance where a long batch's forward streams whole
     // rows (policy::stream_forward) and the fused pass cuts them over a cluster.
@@ -661,7 +690,8 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
     check_spec<float>(s);
   }
   // Plain class-id rows of a small batch: the small-batch kernel (policy::small_regs), rows
-  // 16-byte aligned and not.
+  // 16-byte aligned, cut at their own boundaries (in place and out), and element by element (the
+  // gradient at another offset).
   for (std::int64_t ld : {20000, 20003}) {
     spec s;
     s.rows = 5;
@@ -671,6 +701,13 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
     s.argmax = false;
     s.in_place = ld == 20000;
     check_spec<float>(s);
+    if (ld == 20003) {
+      s.in_place = true;
+      check_spec<Eigen::bfloat16>(s);
+      s.in_place = false;
+      s.grad_offset = 1;
+      check_spec<float>(s);
+    }
   }
   // Plain fused rows of 280 KB: the row kernel's wide shape (policy::wide_rows), each row spread
   // over a cluster of 16 CTAs of 512 threads.
@@ -722,6 +759,39 @@ TYPED_TEST(CudaBackend, PlainFusedRowsWithTargetsAtSliceEdges) {
     s.seed = static_cast<std::uint64_t>(shape.first);
     check_spec<TypeParam>(s);
   }
+}
+
+// Plain rows of a small batch whose starts are not 16-byte aligned (odd V or ld): the small-batch
+// kernel cuts each row at its own 16-byte boundaries where the gradient's fall on the same
+// elements (row_start::shifted: in place, or out of place at the same offset), rank 0's tile
+// starting up to vec - 1 elements before the row; elsewhere every element alone
+// (row_start::any). Rows of every lead (19 rows of odd ld), targets at 0, V - 1 and each rank's
+// first class and the one before it, rows ignored, every reduction.
+TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
+  using xent::cuda_detail::make_small_plan;
+  int device = 0, sms = 0;
+  ok(cudaGetDevice(&device));
+  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  constexpr std::int64_t bytes = sizeof(TypeParam), vec = 16 / bytes;
+  std::uint64_t seed = 900;
+  for (auto shape : {std::pair<std::int64_t, std::int64_t>{50257, 0}, {4097, 0}, {3000, 3003},
+                     {20000, 20001}, {5, 0}})
+    for (auto red : {xent::reduction::mean, xent::reduction::sum, xent::reduction::none})
+      for (int layout = 0; layout < 3; ++layout) {  // in place; same offset; another offset
+        spec s;
+        s.rows = 19;
+        s.cols = shape.first;
+        s.ld = shape.second;
+        s.reduce = red;
+        s.some_ignored = true;
+        s.argmax = false;
+        s.in_place = layout == 0;
+        s.grad_offset = layout == 2 ? 1 : 0;
+        s.shifted_cluster =
+            static_cast<int>(make_small_plan(s.rows, s.cols + vec - 1, bytes, sms).cluster);
+        s.seed = seed++;
+        check_spec<TypeParam>(s);
+      }
 }
 
 // Plain fused rows longer than 128 KiB (policy::wide_rows): CTAs of twice the threads and chunks,

@@ -241,10 +241,10 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
 
 /// A small batch of plain class-id rows by the small-batch kernel (one cluster per row, `plan`
 /// from make_small_plan); false, launching nothing, where its code has no clusters.
-template <bool Aligned, pass P, class T, class G, class Tgt>
+template <row_start Start, pass P, class T, class G, class Tgt>
 bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
                        const launch_plan& plan, const device_facts& dev) {
-  auto kernel = small_rows_kernel<policy::block, policy::small_regs, Aligned, P, T, G, Tgt>;
+  auto kernel = small_rows_kernel<policy::block, policy::small_regs, Start, P, T, G, Tgt>;
   if (!prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), dev.id, 0)) return false;
   args.cluster = plan.cluster;
   args.slice = plan.slice;
@@ -334,7 +334,7 @@ void launch_stream_backward(const char* fn, const cuda& exec, const row_args<T, 
 
 template <pass P, class T, class G, class Tgt>
 void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
-                   bool aligned) {
+                   bool aligned, bool shifted = false) {
   if (args.rows == 0) return;
   const device_facts dev = query_device(fn);
   // Bulk copies and 16-byte stores when every row start is 16-byte aligned; element-wise
@@ -354,14 +354,21 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
   }
   if constexpr (P != pass::backward && !Tgt::soft) {
     // A batch too short for the row kernel's pipelined clusters (an unsharded call). Forward and
-    // fused calls of a shape take the same kernel, so their losses are the same bits; rows that
-    // are not 16-byte aligned load element by element there (fp32 32 x 50257 on an H200: fused
-    // 23.5 against the row kernel's 29.2 us, forward 21.6 against 19.1).
+    // fused calls of a shape take the same kernel, so their losses are the same bits, except a
+    // fused call whose gradient rows do not share the logits' 16-byte boundaries: rows that are
+    // not 16-byte aligned are cut at those boundaries (row_start::shifted), or where the gradient
+    // has others, loaded and stored element by element (row_start::any; fp32 32 x 50257 on an
+    // H200: fused 23.5 against the row kernel's 29.2 us, forward 21.6 against 19.1).
     if (plain && args.first == 0 && args.partials == nullptr && dev.major >= 9 &&
         args.rows <= 65535) {
-      const launch_plan small = make_small_plan(args.rows, args.cols, sizeof(T), dev.sms);
-      if (small.cluster > 0 && (aligned ? launch_small_rows<true, P>(fn, exec, args, small, dev)
-                                        : launch_small_rows<false, P>(fn, exec, args, small, dev)))
+      // Shifted rows are cut at their own 16-byte boundaries: room for vec - 1 more classes.
+      const bool cut = !aligned && shifted;
+      const launch_plan small = make_small_plan(
+          args.rows, args.cols + (cut ? 16 / std::int64_t{sizeof(T)} - 1 : 0), sizeof(T), dev.sms);
+      if (small.cluster > 0 &&
+          (aligned ? launch_small_rows<row_start::aligned, P>(fn, exec, args, small, dev)
+           : cut   ? launch_small_rows<row_start::shifted, P>(fn, exec, args, small, dev)
+                   : launch_small_rows<row_start::any, P>(fn, exec, args, small, dev)))
         return;
     }
     // A forward that gives every CTA in flight a row of its own.
@@ -449,6 +456,15 @@ void run(const char* fn, const cuda& exec, matrix_view<const T> logits, const Tg
   bool aligned = aligned16(logits.data, logits.ld * static_cast<std::int64_t>(sizeof(T)));
   if (grad.data)
     aligned = aligned && aligned16(grad.data, grad.ld * static_cast<std::int64_t>(sizeof(G)));
+  // Each row's 16-byte boundaries at the same elements of the logits and of the gradient (an
+  // in-place call always): the small-batch kernel cuts unaligned rows there (row_start::shifted).
+  const bool shifted =
+      !grad.data ||
+      (sizeof(G) == sizeof(T) &&
+       (reinterpret_cast<std::uintptr_t>(grad.data) - reinterpret_cast<std::uintptr_t>(logits.data)) %
+               16 ==
+           0 &&
+       (grad.ld - logits.ld) * static_cast<std::int64_t>(sizeof(T)) % 16 == 0);
   if (logits.rows == 0) {
     // Nothing to read; the reduced loss of no rows is still defined (mean NaN, sum 0).
     // All-ones bytes are a float NaN; memset nodes are capturable, unlike pageable copies.
@@ -459,7 +475,7 @@ void run(const char* fn, const cuda& exec, matrix_view<const T> logits, const Tg
       check_cuda(fn, cudaMemsetAsync(a.num_correct, 0, sizeof(std::int64_t), exec.stream));
     return;
   }
-  dispatch_rows<P>(fn, exec, a, aligned);
+  dispatch_rows<P>(fn, exec, a, aligned, shifted);
 }
 
 }  // namespace cuda_detail

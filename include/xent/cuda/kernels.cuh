@@ -364,11 +364,12 @@ struct row_gradient {
 /// z_y out of the registers instead unrolled that formula (an accurate expf) once per element of
 /// the tile: 64 copies for a bf16 tile, a third of the fused kernel's code, which a short launch
 /// runs once from a cold instruction cache (ncu, fp32 32 x 32000: instruction-fetch stalls were
-/// the largest share).
-template <bool Plain, bool Aligned, class T, class Tile, class G, class Tgt>
+/// the largest share). `Lead`: the tile starts `lead` elements before the row (global_tile's
+/// lead), which thread 0's first vector does not store.
+template <bool Plain, bool Aligned, bool Lead = false, class T, class Tile, class G, class Tgt>
 __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, const Tile& t,
                                               std::int64_t n, std::int64_t base,
-                                              const row_gradient& rg, G* out) {
+                                              const row_gradient& rg, G* out, int lead = 0) {
   constexpr int vec = Tile::vec, Regs = Tile::regs, Block = Tile::block;
   const float ga = rg.g * rg.alpha;
   // Folded scale (plain kernels, 16-bit gradients): |ga| p_j = 2^(z_j log2e - lse log2e +
@@ -418,13 +419,15 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
       for (unsigned& x : w) x ^= sign;
       memcpy(&d, w, sizeof(d));
     }
-    if (Aligned && t.valid(r) == vec) {
+    const int skip = Lead && r == 0 && threadIdx.x == 0 ? lead : 0;
+    if (Aligned && t.valid(r) == vec && (!Lead || skip == 0)) {
       if (!Tile::whole || t.stored(r)) store_vector<G, vec>(out + t.offset(r), d);
-    } else {  // a row's partial last vector, or a row not 16-byte aligned: element by element
-      // (unrolled: a loop indexing d at run time would put d in local memory for every vector)
+    } else {  // a row's partial first or last vector, or a row not 16-byte aligned: element by
+      // element (unrolled: a loop indexing d at run time would put d in local memory for every
+      // vector)
 #pragma unroll
       for (int e = 0; e < vec; ++e)
-        if (e < t.valid(r)) out[t.offset(r) + e] = d.v[e];
+        if (e < t.valid(r) && (!Lead || e >= skip)) out[t.offset(r) + e] = d.v[e];
     }
   }
   if constexpr (!Tgt::soft) {

@@ -191,7 +191,10 @@ struct exp_tile : whole_extent<T, Regs, Block, Whole> {
 /// each element once (the streaming forward and backward, the small-batch kernel): 16-byte
 /// streaming loads (ld.global.cs: the gradient may overwrite the logits in the same kernel, so
 /// not the read-only path), the row's last partial vector element by element. `Aligned`: `src`
-/// is 16-byte aligned (otherwise every vector is read element by element).
+/// is 16-byte aligned (otherwise every vector is read element by element). `Lead` (with
+/// Aligned): the tile starts `lead` elements before the row, inside thread 0's first vector,
+/// which is then read element by element from its lead-th element, the elements before it -inf
+/// (nothing outside the row is read; exp2(-inf) = 0 leaves the sums as they are).
 template <class T, int Regs, int Block>
 struct global_tile : tile_extent<T, Regs, Block> {
   using shape = tile_shape<T, Regs, Block>;
@@ -199,13 +202,14 @@ struct global_tile : tile_extent<T, Regs, Block> {
 
   __device__ __forceinline__ float value(int r, int e) const { return word_element<T>(w[r], e); }
 
-  template <bool Aligned = true>
-  __device__ __forceinline__ void load(const T* src, int n) {
+  template <bool Aligned = true, bool Lead = false>
+  __device__ __forceinline__ void load(const T* src, int n, int lead = 0) {
     this->count = n;
 #pragma unroll
     for (int r = 0; r < Regs; ++r) {
       if (!this->has(r)) continue;
-      if (Aligned && this->valid(r) == shape::vec) {
+      const int skip = Lead && r == 0 && threadIdx.x == 0 ? lead : 0;
+      if (Aligned && this->valid(r) == shape::vec && (!Lead || skip == 0)) {
         const uint4 q = __ldcs(reinterpret_cast<const uint4*>(src + shape::offset(r)));
         w[r][0] = q.x;
         w[r][1] = q.y;
@@ -220,12 +224,19 @@ struct global_tile : tile_extent<T, Regs, Block> {
         constexpr int per_word = 4 / static_cast<int>(sizeof(T));
         const raw* s = reinterpret_cast<const raw*>(src + shape::offset(r));
         const int valid = this->valid(r);
+        raw ninf = 0;
+        if constexpr (Lead) {
+          const T x = negative_infinity<T>();
+          memcpy(&ninf, &x, sizeof(raw));
+        }
 #pragma unroll
         for (int k = 0; k < 4; ++k) w[r][k] = 0u;
 #pragma unroll
         for (int e = 0; e < shape::vec; ++e)
-          if (e < valid)
-            w[r][e / per_word] |= static_cast<unsigned>(s[e]) << (8 * sizeof(T) * (e % per_word));
+          if (e < valid) {
+            const raw x = !Lead || e >= skip ? s[e] : ninf;
+            w[r][e / per_word] |= static_cast<unsigned>(x) << (8 * sizeof(T) * (e % per_word));
+          }
       }
     }
   }
