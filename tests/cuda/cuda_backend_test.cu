@@ -774,8 +774,11 @@ TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
   ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   constexpr std::int64_t bytes = sizeof(TypeParam), vec = 16 / bytes;
   std::uint64_t seed = 900;
-  for (auto shape : {std::pair<std::int64_t, std::int64_t>{50257, 0}, {4097, 0}, {3000, 3003},
-                     {20000, 20001}, {5, 0}})
+  for (auto shape : {std::pair<std::int64_t, std::int64_t>{50257, 0},
+                     {4097, 0},
+                     {3000, 3003},
+                     {20000, 20001},
+                     {5, 0}})
     for (auto red : {xent::reduction::mean, xent::reduction::sum, xent::reduction::none})
       for (int layout = 0; layout < 3; ++layout) {  // in place; same offset; another offset
         spec s;

@@ -57,6 +57,12 @@ soft_probs<device_t<S>> device_targets(const soft_targets<S>& t) {
 inline bool aligned16(const void* p, std::int64_t ld_bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && ld_bytes % 16 == 0;
 }
+/// Whether every row of two matrices starts the same distance past a 16-byte boundary.
+inline bool same_boundaries(const void* p, std::int64_t p_ld_bytes, const void* q,
+                            std::int64_t q_ld_bytes) {
+  return (reinterpret_cast<std::uintptr_t>(p) - reinterpret_cast<std::uintptr_t>(q)) % 16 == 0 &&
+         (p_ld_bytes - q_ld_bytes) % 16 == 0;
+}
 
 struct device_facts {
   int id = 0;
@@ -333,8 +339,8 @@ void launch_stream_backward(const char* fn, const cuda& exec, const row_args<T, 
 }
 
 template <pass P, class T, class G, class Tgt>
-void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
-                   bool aligned, bool shifted = false) {
+void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args, bool aligned,
+                   bool shifted = false) {
   if (args.rows == 0) return;
   const device_facts dev = query_device(fn);
   // Bulk copies and 16-byte stores when every row start is 16-byte aligned; element-wise
@@ -460,11 +466,8 @@ void run(const char* fn, const cuda& exec, matrix_view<const T> logits, const Tg
   // in-place call always): the small-batch kernel cuts unaligned rows there (row_start::shifted).
   const bool shifted =
       !grad.data ||
-      (sizeof(G) == sizeof(T) &&
-       (reinterpret_cast<std::uintptr_t>(grad.data) - reinterpret_cast<std::uintptr_t>(logits.data)) %
-               16 ==
-           0 &&
-       (grad.ld - logits.ld) * static_cast<std::int64_t>(sizeof(T)) % 16 == 0);
+      (sizeof(G) == sizeof(T) && same_boundaries(grad.data, grad.ld * std::int64_t{sizeof(G)},
+                                                 logits.data, logits.ld * std::int64_t{sizeof(T)}));
   if (logits.rows == 0) {
     // Nothing to read; the reduced loss of no rows is still defined (mean NaN, sum 0).
     // All-ones bytes are a float NaN; memset nodes are capturable, unlike pageable copies.
