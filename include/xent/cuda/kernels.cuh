@@ -357,6 +357,19 @@ struct row_gradient {
   std::int64_t y;
 };
 
+/// A 16-byte vector stored by one instruction the compiler cannot split: with a lead
+/// (tile_gradient), nvcc merged the vector and element-wise stores of the same values into
+/// element-wise stores for every vector (SASS of the shifted small-batch kernel: no STG.E.128).
+template <class G, int Vec>
+__device__ __forceinline__ void store_whole(G* p, const vec_t<G, Vec>& d) {
+  static_assert(sizeof(d) == 16, "one 16-byte vector");
+  unsigned w[4];
+  memcpy(w, &d, sizeof(w));
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]),
+               "r"(w[2]), "r"(w[3])
+               : "memory");
+}
+
 /// Gradient of row n's chunk held in `t`, stored to `out` (the row of grad) a vector at a time.
 /// The thread whose vectors hold the target class of a class-id row reads z_y once more from the
 /// logits (before its own store can overwrite it: only this thread writes that element), and after
@@ -421,7 +434,11 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
     }
     const int skip = Lead && r == 0 && threadIdx.x == 0 ? lead : 0;
     if (Aligned && t.valid(r) == vec && (!Lead || skip == 0)) {
-      if (!Tile::whole || t.stored(r)) store_vector<G, vec>(out + t.offset(r), d);
+      if constexpr (Lead) {
+        store_whole(out + t.offset(r), d);
+      } else {
+        if (!Tile::whole || t.stored(r)) store_vector<G, vec>(out + t.offset(r), d);
+      }
     } else {  // a row's partial first or last vector, or a row not 16-byte aligned: element by
       // element (unrolled: a loop indexing d at run time would put d in local memory for every
       // vector)
