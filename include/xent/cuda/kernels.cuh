@@ -365,8 +365,8 @@ __device__ __forceinline__ void store_whole(G* p, const vec_t<G, Vec>& d) {
   static_assert(sizeof(d) == 16, "one 16-byte vector");
   unsigned w[4];
   memcpy(w, &d, sizeof(w));
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]),
-               "r"(w[2]), "r"(w[3])
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]),
+               "r"(w[3])
                : "memory");
 }
 
