@@ -434,10 +434,11 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
     }
     const int skip = Lead && r == 0 && threadIdx.x == 0 ? lead : 0;
     if (Aligned && t.valid(r) == vec && (!Lead || skip == 0)) {
-      if constexpr (Lead) {
-        store_whole(out + t.offset(r), d);
-      } else {
-        if (!Tile::whole || t.stored(r)) store_vector<G, vec>(out + t.offset(r), d);
+      if (!Tile::whole || t.stored(r)) {
+        if constexpr (Lead)
+          store_whole(out + t.offset(r), d);
+        else
+          store_vector<G, vec>(out + t.offset(r), d);
       }
     } else {  // a row's partial first or last vector, or a row not 16-byte aligned: element by
       // element (unrolled: a loop indexing d at run time would put d in local memory for every
