@@ -66,10 +66,13 @@ __device__ double spread_count(const Tgt& targets, std::int64_t rows, std::int64
   return block_sum<Block>(static_cast<double>(count));
 }
 
-/// The mean's normaliser: sum of w[y] over rows not ignored and in range (N for soft targets).
-/// Every CTA that needs it sums it itself, in the same order, so no launch runs before the row
-/// kernel: the targets are a few KiB to a few hundred KiB read from L2. `Spread`: a launch of
-/// many CTAs; without class weights each counts from its own place (spread_count).
+/// The mean's normaliser: sum of w[y] over rows not ignored and in range (N for soft targets),
+/// by every thread of the calling CTA in a fixed order: normalizer_kernel's one CTA ahead of the
+/// row kernel (policy::normalizer_ahead), or each CTA that needs it in a launch with no such
+/// kernel ahead (the small-batch kernel's rank 0, the streaming backward, the linear and
+/// vocab-parallel kernels, a row kernel without a workspace); the
+/// targets are a few KiB to a few hundred KiB read from L2. `Spread`: a launch of many CTAs;
+/// without class weights each counts from its own place (spread_count).
 template <int Block, bool Spread = false, class Tgt>
 __device__ double mean_normalizer(const Tgt& targets, std::int64_t rows, std::int64_t cols,
                                   std::int64_t ignore_index, const float* weights) {
