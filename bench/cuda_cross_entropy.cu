@@ -484,6 +484,11 @@ BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward)
     ->Args({8192, 50304})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::backward)
+    ->Args({8192, 50257})
+    ->Args({8192, 50304})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward_backward)
     ->Args({8192, 16384})
     ->Args({8192, 32000})

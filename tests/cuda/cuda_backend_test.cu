@@ -6,11 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 #include <xent/xent.hpp>
 
@@ -35,6 +37,9 @@ struct spec {
   /// Class ids at the edges of the small-batch kernel's cut of rows at their own 16-byte
   /// boundaries (row_start::shifted: each rank lead(n) classes earlier), over this many CTAs.
   int shifted_cluster = 0;
+  /// Class ids at the edges of the streaming kernels' tiles of this many elements, cut at each
+  /// row's own 16-byte boundaries (tile k > 0 of row n starts at k span - lead(n)).
+  std::int64_t shifted_span = 0;
   /// Elements by which the out-of-place gradient starts past a 256-byte boundary (the logits
   /// start on one): nonzero puts its rows' 16-byte boundaries elsewhere than the logits'.
   std::int64_t grad_offset = 0;
@@ -49,6 +54,7 @@ struct spec {
            (in_place ? " in-place" : " out-of-place") + (argmax ? " argmax" : "") +
            (edge_targets ? " edge-targets" : "") +
            (shifted_cluster ? " shifted-edges " + std::to_string(shifted_cluster) : "") +
+           (shifted_span ? " shifted-tiles " + std::to_string(shifted_span) : "") +
            (grad_offset ? " grad-offset " + std::to_string(grad_offset) : "") +
            (spike != 0.0f ? " spike " + std::to_string(spike) : "");
   }
@@ -108,6 +114,8 @@ void check_spec(const spec& s) {
       const std::int64_t slice = ((W + c - 1) / c + vec - 1) / vec * vec;
       for (std::int64_t k = 1; k < c; ++k) shifted_starts.push_back(k * slice);
     }
+    for (std::int64_t k = 1; s.shifted_span != 0 && k * s.shifted_span < V + vec; ++k)
+      shifted_starts.push_back(k * s.shifted_span);
     std::uniform_int_distribution<std::int64_t> cls(0, V - 1);
     std::size_t next_edge = 0;  // edges go to the rows that are not ignored, each in turn
     for (std::int64_t n = 0; n < N; ++n) {
@@ -475,6 +483,56 @@ TEST(CudaBackendSemantics, OneWorkspaceServesBatchesOfEverySizeInTurn) {
   }
 }
 
+// A fused call on rows that do not start on 16-byte boundaries keeps each row's LSE between its
+// two kernels in the caller's LSE output, else in the workspace (the same kernels: the same
+// bits), else, with neither, takes the row kernel (the same values to rounding).
+TEST(CudaBackendSemantics, FusedShiftedRowsKeepTheirLseInTheOutputOrTheWorkspace) {
+  REQUIRE_GPU();
+  int device = 0, sms = 0;
+  ok(cudaGetDevice(&device));
+  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const std::int64_t N = 2 * std::int64_t{sms} + 3, V = 50257;
+  std::mt19937_64 rng(31);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<Eigen::bfloat16> x(static_cast<std::size_t>(N * V));
+  for (auto& v : x) v = Eigen::bfloat16(normal(rng));
+  std::vector<std::int64_t> y(static_cast<std::size_t>(N));
+  for (std::int64_t n = 0; n < N; ++n) y[n] = n % 5 == 2 ? -100 : (n * 7919) % V;
+  dbuf<std::int64_t> dy(y);
+  dbuf<float> d_lse(N), d_rows(N);
+  dbuf<char> ws(xent::cuda_workspace_size(N));
+  xent::options opts;
+  opts.reduce = xent::reduction::none;
+  // Returns the gradient (in place) and the row losses.
+  auto fused = [&](bool lse_out, bool workspace) {
+    dbuf<Eigen::bfloat16> dx(x);
+    xent::cuda exec;
+    if (workspace) {
+      exec.workspace = ws.ptr;
+      exec.workspace_bytes = ws.n;
+    }
+    xent::forward_outputs out;
+    out.row_loss = {d_rows.ptr, N};
+    if (lse_out) out.lse = {d_lse.ptr, N};
+    const xent::matrix_view<Eigen::bfloat16> L(dx.ptr, N, V);
+    xent::forward_backward(exec, L, xent::vector_view<const std::int64_t>(dy.ptr, N), opts,
+                           xent::upstream{}, out, L);
+    ok(cudaDeviceSynchronize());
+    return std::make_pair(dx.download(), d_rows.download());
+  };
+  const auto given = fused(true, true), held = fused(false, true), neither = fused(false, false);
+  EXPECT_TRUE(std::memcmp(given.first.data(), held.first.data(), x.size() * 2) == 0);
+  EXPECT_TRUE(std::memcmp(given.second.data(), held.second.data(), sizeof(float) * N) == 0);
+  for (std::int64_t n = 0; n < N; ++n) {
+    ASSERT_NEAR(neither.second[n], given.second[n], 1e-5 * (std::fabs(given.second[n]) + 1))
+        << "row " << n;
+    for (std::int64_t c = 0; c < V; ++c) {
+      const double a = dbl(given.first[n * V + c]), b = dbl(neither.first[n * V + c]);
+      ASSERT_NEAR(a, b, 1e-2 * std::fabs(a) + 1e-7) << "row " << n << " class " << c;
+    }
+  }
+}
+
 TEST(CudaBackendSemantics, ZeroRowsGiveNanMeanAndZeroSum) {
   REQUIRE_GPU();
   dbuf<float> dl(std::vector<float>{5.0f});
@@ -795,6 +853,46 @@ TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
         s.seed = seed++;
         check_spec<TypeParam>(s);
       }
+}
+
+// Plain rows that do not start on 16-byte boundaries (odd V or ld) in batches too long for the
+// small-batch kernel: the streaming forward and backward cut each row at its own boundaries
+// (tile k > 0 starting at k span - lead, the first lead elements before the row), and the fused
+// pass runs the two through the LSE where the gradient's rows share the logits' boundaries (in
+// place, or out of place at the same offset); at another offset the row kernel's element-wise
+// path. Rows of every lead, targets at 0, V - 1 and each tile's first class and the one before,
+// rows ignored, weights, z-loss, a spike in the last columns, every reduction; the wide
+// streaming forward's CTAs for rows over 128 KiB (70001 x 2 bytes).
+TYPED_TEST(CudaBackend, PlainLongBatchRowsCutAtTheirOwn16ByteBoundaries) {
+  int device = 0, sms = 0;
+  ok(cudaGetDevice(&device));
+  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  constexpr std::int64_t vec = 16 / sizeof(TypeParam);
+  // More rows than the small-batch kernel's clusters cover (8 CTAs per SM at most).
+  const std::int64_t many = 8 * std::int64_t{sms} + 7, long_rows = 2 * std::int64_t{sms} + 3;
+  std::uint64_t seed = 950;
+  for (const auto& shape : {std::array<std::int64_t, 3>{many, 3001, 3003},
+                            std::array<std::int64_t, 3>{long_rows, 50257, 0},
+                            std::array<std::int64_t, 3>{long_rows, 70001, 0}})
+    for (int layout = 0; layout < 3; ++layout) {  // in place; same offset; another offset
+      spec s;
+      s.rows = shape[0];
+      s.cols = shape[1];
+      s.ld = shape[2];
+      s.reduce = layout == 0   ? xent::reduction::mean
+                 : layout == 1 ? xent::reduction::none
+                               : xent::reduction::sum;
+      s.weights = shape[1] == 3001;
+      s.z_loss = layout == 1 ? 1e-3f : 0.0f;
+      s.some_ignored = true;
+      s.argmax = false;
+      s.in_place = layout == 0;
+      s.grad_offset = layout == 2 ? 1 : 0;
+      s.shifted_span = 1024 * vec;  // 4 vectors x 256 threads (the wide forward's: twice that)
+      s.spike = shape[1] == 50257 ? 60.0f : 0.0f;
+      s.seed = seed++;
+      check_spec<TypeParam>(s);
+    }
 }
 
 // Plain fused rows longer than 128 KiB (policy::wide_rows): CTAs of twice the threads and chunks,

@@ -266,13 +266,17 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
 }
 
 /// The streaming forward in CTAs of Block threads, MinBlocks per SM: false, launching nothing,
-/// when the batch has fewer rows than that grid has CTAs.
-template <int Block, int MinBlocks, class T, class G, class Tgt>
+/// when the batch has fewer rows than that grid has CTAs, unless `Shifted` (rows not 16-byte
+/// aligned, which the row kernel reads element by element: a CTA per row is faster there).
+template <int Block, int MinBlocks, bool Shifted, class T, class G, class Tgt>
 bool launch_stream_forward_as(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
                               const device_facts& dev) {
-  const std::int64_t grid = std::int64_t{dev.sms} * MinBlocks;
-  if (args.rows < grid) return false;
-  stream_forward_kernel<Block, policy::stream_forward_regs, MinBlocks>
+  std::int64_t grid = std::int64_t{dev.sms} * MinBlocks;
+  if (args.rows < grid) {
+    if (!Shifted) return false;
+    grid = args.rows;
+  }
+  stream_forward_kernel<Block, policy::stream_forward_regs, MinBlocks, Shifted>
       <<<static_cast<unsigned>(grid), Block, 0, exec.stream>>>(args);
   check_cuda(fn, cudaGetLastError());
   return true;
@@ -281,18 +285,18 @@ bool launch_stream_forward_as(const char* fn, const cuda& exec, const row_args<T
 /// A forward of plain class-id rows by the streaming forward kernel (policy::stream_forward):
 /// persistent CTAs, as many as its register bound lets every SM hold (twice as wide and half as
 /// many for rows longer than policy::stream_forward_wide_from_kib, when set); false, launching
-/// nothing, when the batch has fewer rows than that (the row kernel's clusters then split each
-/// row).
-template <class T, class G, class Tgt>
+/// nothing, when the batch of aligned rows has fewer rows than that (the row kernel's clusters
+/// then split each row). `Shifted`: rows cut at their own 16-byte boundaries.
+template <bool Shifted, class T, class G, class Tgt>
 bool launch_stream_forward(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
                            const device_facts& dev) {
   constexpr int block = policy::stream_forward_block, blocks = policy::stream_forward_min_blocks;
   if constexpr (policy::stream_forward_wide_from_kib > 0) {
     if (args.cols * static_cast<std::int64_t>(sizeof(T)) >
         std::int64_t{policy::stream_forward_wide_from_kib} * 1024)
-      return launch_stream_forward_as<2 * block, (blocks + 1) / 2>(fn, exec, args, dev);
+      return launch_stream_forward_as<2 * block, (blocks + 1) / 2, Shifted>(fn, exec, args, dev);
   }
-  return launch_stream_forward_as<block, blocks>(fn, exec, args, dev);
+  return launch_stream_forward_as<block, blocks, Shifted>(fn, exec, args, dev);
 }
 
 /// Backward of plain class-id rows by the bulk backward kernel (policy::bulk_backward): persistent
@@ -324,18 +328,32 @@ bool launch_bulk_backward(const char* fn, const cuda& exec, const row_args<T, G,
 }
 
 /// Backward of class-id rows by the streaming kernel (policy::stream_backward): persistent CTAs,
-/// as many as the register bound lets every SM hold, or one per tile.
-template <bool Plain, class T, class G, class Tgt>
+/// as many as the register bound lets every SM hold, or one per tile. `Shifted`: rows cut at
+/// their own 16-byte boundaries (one tile more per row allowed for).
+template <bool Plain, bool Shifted, class T, class G, class Tgt>
 void launch_stream_backward(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
                             const device_facts& dev) {
   constexpr int block = policy::block, regs = policy::stream_regs;
-  constexpr std::int64_t span = std::int64_t{regs} * block * (16 / static_cast<int>(sizeof(T)));
-  const std::int64_t tiles = args.rows * ((args.cols + span - 1) / span);
+  constexpr int vec = 16 / static_cast<int>(sizeof(T));
+  constexpr std::int64_t span = std::int64_t{regs} * block * vec;
+  const std::int64_t tiles = args.rows * ((args.cols + (Shifted ? vec - 1 : 0) + span - 1) / span);
   if (tiles == 0) return;
   const std::int64_t most = std::int64_t{dev.sms} * stream_min_blocks(Plain);
   const auto grid = static_cast<unsigned>(tiles < most ? tiles : most);
-  stream_backward_kernel<block, regs, Plain><<<grid, block, 0, exec.stream>>>(args);
+  stream_backward_kernel<block, regs, Plain, Shifted><<<grid, block, 0, exec.stream>>>(args);
   check_cuda(fn, cudaGetLastError());
+}
+
+/// Where a fused call on shifted rows (dispatch_rows) keeps each row's LSE between its two
+/// kernels: the caller's LSE output, or the per-row area of a workspace of at least
+/// cuda_workspace_size(rows) bytes (the streaming forward sums the loss in shares, not there);
+/// null where there is neither.
+template <class T, class G, class Tgt>
+float* split_lse(const cuda& exec, const row_args<T, G, Tgt>& args) {
+  if (args.lse_out) return args.lse_out;
+  if (!exec.workspace || exec.workspace_bytes < cuda_workspace_size(args.rows)) return nullptr;
+  return reinterpret_cast<float*>(static_cast<unsigned char*>(exec.workspace) +
+                                  workspace_layout(args.rows).row_loss);
 }
 
 template <pass P, class T, class G, class Tgt>
@@ -352,9 +370,16 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
     if (aligned) {
       if (plain && policy::bulk_backward && launch_bulk_backward(fn, exec, args, dev)) return;
       if (plain)
-        launch_stream_backward<true>(fn, exec, args, dev);
+        launch_stream_backward<true, false>(fn, exec, args, dev);
       else
-        launch_stream_backward<false>(fn, exec, args, dev);
+        launch_stream_backward<false, false>(fn, exec, args, dev);
+      return;
+    }
+    if (shifted) {
+      if (plain)
+        launch_stream_backward<true, true>(fn, exec, args, dev);
+      else
+        launch_stream_backward<false, true>(fn, exec, args, dev);
       return;
     }
   }
@@ -379,9 +404,31 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
     }
     // A forward that gives every CTA in flight a row of its own.
     if constexpr (P == pass::forward && policy::stream_forward) {
-      if (plain && aligned && args.first == 0 && args.partials == nullptr &&
-          launch_stream_forward(fn, exec, args, dev))
+      if (plain && args.first == 0 && args.partials == nullptr &&
+          (aligned ? launch_stream_forward<false>(fn, exec, args, dev)
+                   : launch_stream_forward<true>(fn, exec, args, dev)))
         return;
+    }
+    // A fused call on rows that are not 16-byte aligned but whose gradient rows have the same
+    // boundaries (in place, say): the streaming forward, then the streaming backward from the LSE
+    // it wrote, both cut at each row's own boundaries. That moves the logits three times where
+    // the row kernel moves them twice, but the row kernel stages unaligned rows element by
+    // element: bf16 8192 x 50257 (GPT-2's vocabulary) took 2542 us there, against 481 for
+    // 8192 x 50304 (H200). Its error count is the forward's alone.
+    if constexpr (P == pass::fused && policy::stream_forward && policy::stream_backward) {
+      if (plain && !aligned && shifted && args.first == 0 && args.partials == nullptr) {
+        if (float* lse = split_lse(exec, args)) {
+          row_args<T, G, Tgt> f = args;
+          f.lse_out = lse;
+          if (launch_stream_forward<true>(fn, exec, f, dev)) {
+            row_args<T, G, Tgt> b = args;
+            b.lse_in = lse;
+            b.error_count = nullptr;
+            launch_stream_backward<true, true>(fn, exec, b, dev);
+            return;
+          }
+        }
+      }
     }
   }
   if constexpr (P == pass::fused && !Tgt::soft && policy::wide_rows) {

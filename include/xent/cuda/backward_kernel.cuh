@@ -1,5 +1,5 @@
-// The streaming and bulk backward kernels: the gradient of class-id rows from their saved LSE,
-// for 16-byte-aligned rows (policy::stream_backward; plain rows on sm_90 take the bulk kernel,
+// The streaming and bulk backward kernels: the gradient of class-id rows from their saved LSE
+// (policy::stream_backward; plain 16-byte-aligned rows on sm_90 take the bulk kernel,
 // policy::bulk_backward). Included only by nvcc (cuda/backend.cuh).
 //
 // Backward from a saved LSE needs no statistics of a row, so nothing has to meet: every element is
@@ -56,7 +56,12 @@ __device__ __forceinline__ row_gradient backward_row(const row_args<T, G, Tgt>& 
   return rg;
 }
 
-template <int Block, int Regs, bool Plain, class T, class G, class Tgt>
+/// `Shifted`: rows need not start on a 16-byte boundary, but each gradient row has the same
+/// boundaries as its logits row (an in-place call, or equal starts and leading dimensions modulo
+/// 16 bytes). Each row's tiles are then cut at its own boundaries, the first starting `lead`
+/// elements before the row (global_tile's and tile_gradient's lead), one tile more per row
+/// allowed for, so only a row's first and last vectors are read and written element by element.
+template <int Block, int Regs, bool Plain, bool Shifted, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
     stream_backward_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft, "soft targets need each row's mass: the row kernel's path");
@@ -64,25 +69,35 @@ XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
   constexpr std::int64_t span = static_cast<std::int64_t>(Regs) * Block * tile_t::vec;
   const double scalar = backward_constants<Block>(a);
 
-  const std::int64_t tiles_per_row = (a.cols + span - 1) / span;
+  const std::int64_t tiles_per_row = (a.cols + (Shifted ? tile_t::vec - 1 : 0) + span - 1) / span;
   const std::int64_t tiles = a.rows * tiles_per_row;
   for (std::int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const std::int64_t n = t / tiles_per_row;
-    const std::int64_t base = (t - n * tiles_per_row) * span;
+    const T* src = a.logits + n * a.ld;
+    const int lead =
+        Shifted ? static_cast<int>(reinterpret_cast<std::uintptr_t>(src) % 16 / sizeof(T)) : 0;
+    const std::int64_t base = (t - n * tiles_per_row) * span - lead;
+    if (Shifted && base >= a.cols) continue;  // the row's tile to spare
     const int count = static_cast<int>(a.cols - base < span ? a.cols - base : span);
+    const int tile_lead = base < 0 ? lead : 0;
     G* out = a.grad + n * a.grad_ld;
     // The loads first: nothing they need depends on the row's scalars.
     tile_t tile;
-    tile.load(a.logits + n * a.ld + base, count);
+    if constexpr (Shifted)
+      tile.template load<true, true>(src + base, count, tile_lead);
+    else
+      tile.load(src + base, count);
     // The row's scalars with them, so their latencies overlap (the LSE is read for every row).
     const auto y = static_cast<std::int64_t>(a.targets.ids[n]);
     const float lse = a.lse_in[n];
     if (skipped_target(a, y)) {  // a zero gradient (and, once per row, a device error)
-      for (int c = threadIdx.x; c < count; c += Block) out[base + c] = from_float<G>(0.0f);
-      if (base == 0 && threadIdx.x == 0) write_skipped_row(a, n, y != a.ignore_index, false, false);
+      for (int c = tile_lead + static_cast<int>(threadIdx.x); c < count; c += Block)
+        out[base + c] = from_float<G>(0.0f);
+      if (base <= 0 && threadIdx.x == 0) write_skipped_row(a, n, y != a.ignore_index, false, false);
       continue;
     }
-    tile_gradient<Plain, true>(a, tile, n, base, backward_row(a, n, y, lse, scalar), out);
+    tile_gradient<Plain, true, Shifted>(a, tile, n, base, backward_row(a, n, y, lse, scalar), out,
+                                        tile_lead);
   }
 }
 

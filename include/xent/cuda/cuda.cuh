@@ -21,8 +21,11 @@ namespace xent {
 ///
 /// `workspace` is caller-owned device memory of at least cuda_workspace_size(rows) bytes, needed
 /// for the reduced loss and num_correct (CUB's two-phase temp storage); calls that need neither
-/// accept a null workspace. Zero-fill it once before its first use (cudaMemset): every call
-/// leaves it zeroed again for the next, so each call is a single kernel launch.
+/// accept a null workspace. A fused call on rows that do not start on 16-byte boundaries (V = 50257
+/// in bf16, say) with no LSE output keeps each row's LSE there between its two kernels where the
+/// workspace is given; without one it takes a slower kernel. Zero-fill it once before its first
+/// use (cudaMemset): every call leaves it zeroed again for the next, so no call spends a launch
+/// on clearing it.
 ///
 /// `error_count`, when given, is a device int that every call adds the number of rows whose class
 /// id is outside [0, V) and not ignore_index to. Such a row never reads or writes out of bounds:
