@@ -302,8 +302,9 @@ bool launch_stream_forward(const char* fn, const cuda& exec, const row_args<T, G
 /// Backward of plain class-id rows by the bulk backward kernel (policy::bulk_backward): persistent
 /// CTAs, as many as its register and shared-memory bounds let every SM hold; false, launching
 /// nothing, where its code has no bulk copies (below sm_90) or the gradient's type differs in
-/// size from the logits' (it is written over them in the stage).
-template <class T, class G, class Tgt>
+/// size from the logits' (it is written over them in the stage). `Shifted`: rows cut at their
+/// own 16-byte boundaries (one tile more per row allowed for).
+template <bool Shifted, class T, class G, class Tgt>
 bool launch_bulk_backward(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
                           const device_facts& dev) {
   if constexpr (sizeof(T) != sizeof(G)) {
@@ -311,13 +312,15 @@ bool launch_bulk_backward(const char* fn, const cuda& exec, const row_args<T, G,
   } else {
     constexpr int block = policy::block, regs = policy::bulk_backward_regs,
                   stages = policy::bulk_backward_stages;
-    auto kernel = bulk_backward_kernel<block, regs, stages, T, G, Tgt>;
-    constexpr std::int64_t span = std::int64_t{regs} * block * (16 / static_cast<int>(sizeof(T)));
+    auto kernel = bulk_backward_kernel<block, regs, stages, Shifted, T, G, Tgt>;
+    constexpr int vec = 16 / static_cast<int>(sizeof(T));
+    constexpr std::int64_t span = std::int64_t{regs} * block * vec;
     const int smem = static_cast<int>(stages * span * sizeof(T));
     if (dev.major < 9 ||
         !prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), dev.id, smem))
       return false;
-    const std::int64_t tiles = args.rows * ((args.cols + span - 1) / span);
+    const std::int64_t tiles =
+        args.rows * ((args.cols + (Shifted ? vec - 1 : 0) + span - 1) / span);
     if (tiles == 0) return true;
     const std::int64_t most = std::int64_t{dev.sms} * policy::bulk_backward_min_blocks;
     const auto grid = static_cast<unsigned>(persistent_grid(tiles, most));
@@ -368,7 +371,8 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
       !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f && !args.want_argmax;
   if constexpr (P == pass::backward && !Tgt::soft && policy::stream_backward) {
     if (aligned) {
-      if (plain && policy::bulk_backward && launch_bulk_backward(fn, exec, args, dev)) return;
+      if (plain && policy::bulk_backward && launch_bulk_backward<false>(fn, exec, args, dev))
+        return;
       if (plain)
         launch_stream_backward<true, false>(fn, exec, args, dev);
       else
@@ -376,6 +380,7 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
       return;
     }
     if (shifted) {
+      if (plain && policy::bulk_backward && launch_bulk_backward<true>(fn, exec, args, dev)) return;
       if (plain)
         launch_stream_backward<true, true>(fn, exec, args, dev);
       else
@@ -410,11 +415,11 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
         return;
     }
     // A fused call on rows that are not 16-byte aligned but whose gradient rows have the same
-    // boundaries (in place, say): the streaming forward, then the streaming backward from the LSE
-    // it wrote, both cut at each row's own boundaries. That moves the logits three times where
-    // the row kernel moves them twice, but the row kernel stages unaligned rows element by
-    // element: bf16 8192 x 50257 (GPT-2's vocabulary) took 2542 us there, against 481 for
-    // 8192 x 50304 (H200). Its error count is the forward's alone.
+    // boundaries (in place, say): the streaming forward, then the bulk (or streaming) backward
+    // from the LSE it wrote, both cut at each row's own boundaries. That moves the logits three
+    // times where the row kernel moves them twice, but the row kernel stages unaligned rows element
+    // by element: bf16 8192 x 50257 (GPT-2's vocabulary) took 2542 us there, against 481 for 8192 x
+    // 50304 (H200). Its error count is the forward's alone.
     if constexpr (P == pass::fused && policy::stream_forward && policy::stream_backward) {
       if (plain && !aligned && shifted && args.first == 0 && args.partials == nullptr) {
         if (float* lse = split_lse(exec, args)) {
@@ -424,7 +429,8 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
             row_args<T, G, Tgt> b = args;
             b.lse_in = lse;
             b.error_count = nullptr;
-            launch_stream_backward<true, true>(fn, exec, b, dev);
+            if (!policy::bulk_backward || !launch_bulk_backward<true>(fn, exec, b, dev))
+              launch_stream_backward<true, true>(fn, exec, b, dev);
             return;
           }
         }

@@ -108,8 +108,11 @@ XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
 /// one bulk copy, waiting only until the store of the tile before it has read its stage, which
 /// the next load refills. Register loads and stores stop at 85-86% of the copy roof on an H200,
 /// bulk copies both ways reach 92% (bench/results/2026-11-22-h200-e3c1d96/). A row's last bytes
-/// past its whole 16-byte vectors are moved by thread 0 alone.
-template <int Block, int Regs, int Stages, class T, class G, class Tgt>
+/// past its whole 16-byte vectors are moved by thread 0 alone. `Shifted`: rows cut at their own
+/// 16-byte boundaries, as in the streaming backward; thread 0 also moves the row's first vector,
+/// from its `lead`-th element, so no copy touches another row's bytes (in place, the row before
+/// is another CTA's).
+template <int Block, int Regs, int Stages, bool Shifted, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
     bulk_backward_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && sizeof(T) == sizeof(G),
@@ -123,29 +126,45 @@ XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
   auto stage = [&](std::int64_t k) {
     return reinterpret_cast<T*>(smem + (k % Stages) * span * sizeof(T));
   };
-  const std::int64_t tiles_per_row = (a.cols + span - 1) / span;
+  const std::int64_t tiles_per_row = (a.cols + (Shifted ? vec - 1 : 0) + span - 1) / span;
   const std::int64_t tiles = a.rows * tiles_per_row;
   const std::int64_t my_tiles =
       tiles > blockIdx.x ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-  auto tile_of = [&](std::int64_t k, std::int64_t& n, std::int64_t& base, int& count) {
+  // Tile k's row, first element (-lead for a shifted row's first tile), elements from there (0 or
+  // less: a shifted row's tile to spare), and how many of its first vector lie before the row.
+  auto tile_of = [&](std::int64_t k, std::int64_t& n, std::int64_t& base, int& count, int& lead) {
     const std::int64_t t = blockIdx.x + k * gridDim.x;
     n = t / tiles_per_row;
-    base = (t - n * tiles_per_row) * span;
+    const int row_lead =
+        Shifted ? static_cast<int>(reinterpret_cast<std::uintptr_t>(a.logits + n * a.ld) % 16 /
+                                   sizeof(T))
+                : 0;
+    base = (t - n * tiles_per_row) * span - row_lead;
     count = static_cast<int>(a.cols - base < span ? a.cols - base : span);
+    lead = Shifted && base < 0 ? row_lead : 0;
   };
-  // Thread 0: tile k into its stage, the bytes past its whole vectors by plain loads (visible to
-  // the other threads through the barriers between now and tile k's turn).
+  // The vectors of a tile that bulk copies move: [first, whole) (first = vec where thread 0 moves
+  // the first vector itself).
+  auto bulk_span = [](int count, int lead, int& first, int& whole) {
+    whole = !Shifted || count > 0 ? count / vec * vec : 0;
+    first = Shifted && lead > 0 ? (vec < whole ? vec : whole) : 0;
+  };
+  // Thread 0: tile k into its stage, the bytes outside its whole vectors by plain loads (visible
+  // to the other threads through the barriers between now and tile k's turn).
   auto issue_load = [&](std::int64_t k) {
     if (k >= my_tiles) return;
     std::int64_t n, base;
-    int count;
-    tile_of(k, n, base, count);
+    int count, lead, first, whole;
+    tile_of(k, n, base, count, lead);
+    bulk_span(count, lead, first, whole);
     const T* src = a.logits + n * a.ld + base;
-    const int whole = count / vec * vec;
-    for (int e = whole; e < count; ++e) stage(k)[e] = src[e];
-    mbarrier_arrive_expect(&landed[k % Stages], static_cast<unsigned>(whole * sizeof(T)));
-    if (whole)
-      bulk_copy(stage(k), src, static_cast<unsigned>(whole * sizeof(T)), &landed[k % Stages]);
+    T* st = stage(k);
+    for (int e = lead; e < first; ++e) st[e] = src[e];
+    for (int e = Shifted && whole < lead ? lead : whole; e < count; ++e) st[e] = src[e];
+    mbarrier_arrive_expect(&landed[k % Stages], static_cast<unsigned>((whole - first) * sizeof(T)));
+    if (whole > first)
+      bulk_copy(st + first, src + first, static_cast<unsigned>((whole - first) * sizeof(T)),
+                &landed[k % Stages]);
   };
   if (threadIdx.x == 0) {
     for (int s = 0; s < Stages; ++s) mbarrier_init(&landed[s], 1);
@@ -158,31 +177,39 @@ XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
 
   for (std::int64_t k = 0; k < my_tiles; ++k) {
     std::int64_t n, base;
-    int count;
-    tile_of(k, n, base, count);
+    int count, lead;
+    tile_of(k, n, base, count, lead);
+    // The row's scalars before the wait, so their latencies overlap it.
     const auto y = static_cast<std::int64_t>(a.targets.ids[n]);
     const float lse = a.lse_in[n];
-    const bool skip = skipped_target(a, y);
     mbarrier_wait(&landed[k % Stages], static_cast<unsigned>(k / Stages) & 1u);
     T* st = stage(k);
-    if (skip) {  // a zero gradient (and, once per row, a device error)
-      for (int c = threadIdx.x; c < count; c += Block) st[c] = from_float<T>(0.0f);
-      if (base == 0 && threadIdx.x == 0) write_skipped_row(a, n, y != a.ignore_index, false, false);
-    } else {
-      tile_t tile;
-      tile.load(st, count);
-      // The gradient over the stage: `out + base` is the stage, each thread writing the vectors
-      // it read (and the target's element, in its owner's vectors).
-      tile_gradient<true, true>(a, tile, n, base, backward_row(a, n, y, lse, scalar),
-                                reinterpret_cast<G*>(st) - base);
+    if (!Shifted || count > 0) {
+      if (skipped_target(a, y)) {  // a zero gradient (and, once per row, a device error)
+        for (int c = threadIdx.x; c < count; c += Block) st[c] = from_float<T>(0.0f);
+        if ((Shifted ? base <= 0 : base == 0) && threadIdx.x == 0)
+          write_skipped_row(a, n, y != a.ignore_index, false, false);
+      } else {
+        tile_t tile;
+        tile.load(st, count);
+        // The gradient over the stage: `out + base` is the stage, each thread writing the vectors
+        // it read (and the target's element, in its owner's vectors). A lead's elements are
+        // written there too (from whatever the stage held), never stored to the row.
+        tile_gradient<true, true>(a, tile, n, base, backward_row(a, n, y, lse, scalar),
+                                  reinterpret_cast<G*>(st) - base);
+      }
     }
     fence_async_shared();
     __syncthreads();
     if (threadIdx.x == 0) {
       G* out = a.grad + n * a.grad_ld + base;
-      const int whole = count / vec * vec;
-      if (whole) bulk_store(out, st, static_cast<unsigned>(whole * sizeof(G)));
-      for (int e = whole; e < count; ++e) out[e] = reinterpret_cast<const G*>(st)[e];
+      const G* from = reinterpret_cast<const G*>(st);
+      int first, whole;
+      bulk_span(count, lead, first, whole);
+      if (whole > first)
+        bulk_store(out + first, from + first, static_cast<unsigned>((whole - first) * sizeof(G)));
+      for (int e = lead; e < first; ++e) out[e] = from[e];
+      for (int e = Shifted && whole < lead ? lead : whole; e < count; ++e) out[e] = from[e];
       // Tile k + Stages - 1 refills the stage of tile k - 1, once its store has read it.
       bulk_stores_wait<1>();
       issue_load(k + Stages - 1);
