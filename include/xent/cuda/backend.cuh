@@ -267,7 +267,8 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
 
 /// The streaming forward in CTAs of Block threads, MinBlocks per SM: false, launching nothing,
 /// when the batch has fewer rows than that grid has CTAs, unless `Shifted` (rows not 16-byte
-/// aligned, which the row kernel reads element by element: a CTA per row is faster there).
+/// aligned, which the row kernel reads element by element: a CTA per row is faster there even
+/// for few rows; H200, bf16 forward 64 x 262145 74.5 -> 27.2 us, 200 x 50257 44.3 -> 17.2).
 template <int Block, int MinBlocks, bool Shifted, class T, class G, class Tgt>
 bool launch_stream_forward_as(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
                               const device_facts& dev) {
