@@ -533,6 +533,51 @@ TEST(CudaBackendSemantics, FusedShiftedRowsKeepTheirLseInTheOutputOrTheWorkspace
   }
 }
 
+// A fused call whose gradient is float where the logits are bf16, on rows that are not 16-byte
+// aligned (a short batch: the small-batch kernel; a long one: the row kernel): their gradient rows
+// never share the logits' boundaries, so the element-wise paths take them. The gradient is the
+// in-place bf16 call's to within bf16 rounding, the loss the same to float rounding.
+TEST(CudaBackendSemantics, FusedFloatGradientOfBfloat16LogitsOnUnalignedRows) {
+  REQUIRE_GPU();
+  int device = 0, sms = 0;
+  ok(cudaGetDevice(&device));
+  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  for (const auto& shape :
+       {std::pair<std::int64_t, std::int64_t>{19, 4097},
+        std::pair<std::int64_t, std::int64_t>{8 * std::int64_t{sms} + 7, 3001}}) {
+    const std::int64_t N = shape.first, V = shape.second;
+    SCOPED_TRACE(std::to_string(N) + " x " + std::to_string(V));
+    std::mt19937_64 rng(static_cast<std::uint64_t>(N * V));
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    std::vector<Eigen::bfloat16> x(static_cast<std::size_t>(N * V));
+    for (auto& v : x) v = Eigen::bfloat16(normal(rng));
+    std::vector<std::int64_t> y(static_cast<std::size_t>(N));
+    for (std::int64_t n = 0; n < N; ++n) y[n] = n % 4 == 1 ? -100 : (n * 131) % V;
+    dbuf<Eigen::bfloat16> d_logits(x), d_in_place(x);
+    dbuf<float> d_grad(static_cast<std::size_t>(N * V)), d_loss(1), d_loss_in_place(1);
+    dbuf<std::int64_t> dy(y);
+    dbuf<char> ws(xent::cuda_workspace_size(N));
+    const xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
+    const xent::vector_view<const std::int64_t> targets(dy.ptr, N);
+    xent::forward_outputs out;
+    out.loss = d_loss.ptr;
+    xent::forward_backward(exec, xent::matrix_view<Eigen::bfloat16>(d_logits.ptr, N, V), targets,
+                           xent::options{}, xent::upstream{}, out,
+                           xent::matrix_view<float>(d_grad.ptr, N, V));
+    out.loss = d_loss_in_place.ptr;
+    const xent::matrix_view<Eigen::bfloat16> in_place(d_in_place.ptr, N, V);
+    xent::forward_backward(exec, in_place, targets, xent::options{}, xent::upstream{}, out,
+                           in_place);
+    ok(cudaDeviceSynchronize());
+    const float loss = d_loss_in_place.download()[0];
+    EXPECT_NEAR(d_loss.download()[0], loss, 1e-5 * (std::fabs(loss) + 1));
+    const auto g = d_grad.download();
+    const auto b = d_in_place.download();
+    for (std::int64_t i = 0; i < N * V; ++i)
+      ASSERT_NEAR(g[i], dbl(b[i]), std::ldexp(std::fabs(g[i]), -7) + 1e-9) << "element " << i;
+  }
+}
+
 TEST(CudaBackendSemantics, ZeroRowsGiveNanMeanAndZeroSum) {
   REQUIRE_GPU();
   dbuf<float> dl(std::vector<float>{5.0f});

@@ -357,17 +357,21 @@ struct row_gradient {
   std::int64_t y;
 };
 
-/// A 16-byte vector stored by one instruction the compiler cannot split: with a lead
+/// A vector stored by one instruction per 16 bytes that the compiler cannot split: with a lead
 /// (tile_gradient), nvcc merged the vector and element-wise stores of the same values into
 /// element-wise stores for every vector (SASS of the shifted small-batch kernel: no STG.E.128).
+/// More than 16 bytes (a float gradient of a 16-bit tile) only in instantiations whose launch
+/// the dispatcher never makes (shifted rows need the gradient's element size to be the logits').
 template <class G, int Vec>
 __device__ __forceinline__ void store_whole(G* p, const vec_t<G, Vec>& d) {
-  static_assert(sizeof(d) == 16, "one 16-byte vector");
-  unsigned w[4];
+  static_assert(sizeof(d) % 16 == 0, "whole 16-byte vectors");
+  unsigned w[sizeof(d) / 4];
   memcpy(w, &d, sizeof(w));
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]),
-               "r"(w[3])
-               : "memory");
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(d) / 16); ++k)
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p + k * (16 / sizeof(G))),
+                 "r"(w[4 * k]), "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3])
+                 : "memory");
 }
 
 /// Gradient of row n's chunk held in `t`, stored to `out` (the row of grad) a vector at a time.
