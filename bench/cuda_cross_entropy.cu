@@ -3,7 +3,7 @@
 // copy roof measured by this binary in this run (roof_pct: a 2 GiB cudaMemcpyAsync; copy_same_pct:
 // a copy of the line's own traffic, which pays the same ramp and tail). Each timed call starts from
 // freshly written random logits and a cold L2: a 256 MiB buffer is read or overwritten in between,
-// untimed (XENT_BENCH_FLUSH, flush_l2 below says why the two differ).
+// untimed (XENT_BENCH_FLUSH; common/l2_flush.cuh says why the two differ).
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
@@ -17,6 +17,7 @@
 
 #include "common/cuda_check.hpp"
 #include "common/device_fill.cuh"
+#include "common/l2_flush.cuh"
 #include "common/traffic.hpp"
 
 namespace {
@@ -73,45 +74,8 @@ arena& buffers() {
   return a;
 }
 
-/// How the refresh empties L2 before a timed call (XENT_BENCH_FLUSH=read or write; read unless
-/// set). write: cudaMemsetAsync over the 256 MiB buffer, as triton's do_bench zeroes its cache
-/// buffer for the anchors' figures; L2 is then full of that buffer's dirty lines, which the timed
-/// call writes back to HBM as its own reads evict them (up to L2's 60 MB on an H200: a tenth of
-/// the 524 MB that a bf16 8192 x 32000 forward reads). read: a kernel reads the buffer, so the
-/// refresh's own writes (the logits) are written back before the call and L2 holds clean lines:
-/// the call moves only its own bytes, as the copy roof's back-to-back copies do.
-enum class flush_mode { read, write };
-
-flush_mode flush_setting() {
-  static const flush_mode m = [] {
-    const char* v = std::getenv("XENT_BENCH_FLUSH");
-    return v && std::string(v) == "write" ? flush_mode::write : flush_mode::read;
-  }();
-  return m;
-}
-
-/// Reads n vectors through L2 (ld.global.cg: cached in L2 only). The sum's one unlikely store
-/// keeps the loads live.
-__global__ void read_flush_kernel(const uint4* p, std::size_t n, unsigned* sink) {
-  unsigned acc = 0;
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
-       i += std::size_t{gridDim.x} * blockDim.x) {
-    const uint4 v = __ldcg(p + i);
-    acc += v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) *sink = acc;
-}
-
-/// Leaves L2 cold before a timed call (flush_setting() says how), on the default stream.
-void flush_l2(arena& a, std::uint64_t seed) {
-  if (flush_setting() == flush_mode::write) {
-    check(cudaMemsetAsync(a.flush, static_cast<int>(seed & 0xff), a.flush_bytes), "flush");
-  } else {
-    read_flush_kernel<<<4096, 256>>>(static_cast<const uint4*>(a.flush), a.flush_bytes / 16,
-                                     static_cast<unsigned*>(a.flush));
-    check(cudaGetLastError(), "flush");
-  }
-}
+/// Leaves L2 cold before a timed call (l2_flush.cuh: XENT_BENCH_FLUSH says how).
+void flush_l2(arena& a, std::uint64_t seed) { xent_bench::flush_l2(a.flush, a.flush_bytes, seed); }
 
 /// Seconds of device time of `work`, between two events.
 template <class Work>
@@ -505,7 +469,7 @@ BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward)
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
-  benchmark::AddCustomContext("flush", flush_setting() == flush_mode::write ? "write" : "read");
+  benchmark::AddCustomContext("flush", xent_bench::flush_name());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -1,5 +1,7 @@
 // What a read of short rows costs before any cross-entropy work: the bf16 8192 x 32000 forward
-// stays at 84-86% of the copy roof while 16384 x 128256 reaches 99% (bench/results/cuda-notes.md).
+// stayed at 84-86% of the copy roof while 16384 x 128256 reached 99% (bench/results/cuda-notes.md).
+// With the flush that reads (common/l2_flush.cuh) that forward measured 93-94% on 2026-11-25;
+// this probe has not run with it yet (XENT_BENCH_FLUSH=write reproduces its earlier runs).
 // This times reads of the same bytes in four ways, each 528 CTAs of 256 threads (four per SM on
 // an H200) with four 16-byte loads in flight per thread, after the same L2 refresh as the
 // benchmarks: the whole matrix as one flat stream; whole rows per CTA with nothing at a row's end;
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "common/cuda_check.hpp"
+#include "common/l2_flush.cuh"
 
 namespace {
 
@@ -222,7 +225,7 @@ double median_ms(F&& f, void* refresh, std::size_t refresh_bytes, int reps = 15)
   xent_bench::event_timer timer;
   std::vector<double> t;
   for (int i = 0; i < reps + 2; ++i) {
-    check(cudaMemsetAsync(refresh, i & 0xff, refresh_bytes), "refresh");  // L2 cold, as the bench
+    xent_bench::flush_l2(refresh, refresh_bytes, static_cast<std::uint64_t>(i));  // as the bench
     const double ms = timer.ms(f);
     if (i >= 2) t.push_back(ms);
   }
