@@ -77,8 +77,7 @@ XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
   for (std::int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const std::int64_t n = t / tiles_per_row;
     const T* src = a.logits + n * a.ld;
-    const int lead =
-        Shifted ? static_cast<int>(reinterpret_cast<std::uintptr_t>(src) % 16 / sizeof(T)) : 0;
+    const int lead = Shifted ? lead_of(src) : 0;
     const std::int64_t base = (t - n * tiles_per_row) * span - lead;
     if (Shifted && base >= a.cols) continue;  // the row's tile to spare
     const int count = static_cast<int>(a.cols - base < span ? a.cols - base : span);
@@ -138,10 +137,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
   auto tile_of = [&](std::int64_t k, std::int64_t& n, std::int64_t& base, int& count, int& lead) {
     const std::int64_t t = blockIdx.x + k * gridDim.x;
     n = t / tiles_per_row;
-    const int row_lead =
-        Shifted ? static_cast<int>(reinterpret_cast<std::uintptr_t>(a.logits + n * a.ld) % 16 /
-                                   sizeof(T))
-                : 0;
+    const int row_lead = Shifted ? lead_of(a.logits + n * a.ld) : 0;
     base = (t - n * tiles_per_row) * span - row_lead;
     count = static_cast<int>(a.cols - base < span ? a.cols - base : span);
     lead = Shifted && base < 0 ? row_lead : 0;

@@ -151,8 +151,7 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) stream_forward_kernel(row_a
     }
     const float z_y = threadIdx.x == 0 ? to_float(src[y]) : 0.0f;
     // Tiles start at -lead: count elements from there, the first lead of them before the row.
-    const int lead =
-        Shifted ? static_cast<int>(reinterpret_cast<std::uintptr_t>(src) % 16 / sizeof(T)) : 0;
+    const int lead = Shifted ? lead_of(src) : 0;
     const bool vectors_end = Shifted ? (a.cols + lead) % tile_t::vec == 0 : whole_vectors;
     stream_stats st;
     // One tile in registers at a time (the loop is not unrolled): the other CTAs of the SM keep

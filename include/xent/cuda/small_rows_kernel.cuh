@@ -97,10 +97,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const int rank = static_cast<int>(blockIdx.x);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t n = blockIdx.y;
-  const int lead =
-      Shifted
-          ? static_cast<int>(reinterpret_cast<std::uintptr_t>(a.logits + n * a.ld) % 16 / sizeof(T))
-          : 0;
+  const int lead = Shifted ? lead_of(a.logits + n * a.ld) : 0;
   const int my_lead = rank == 0 ? lead : 0;
   const std::int64_t v0 = rank * a.slice - lead;
   const std::int64_t v1 = v0 + a.slice < a.cols ? v0 + a.slice : a.cols;

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -18,6 +19,13 @@ namespace cuda_detail {
 template <class T>
 __device__ __forceinline__ T negative_infinity() {
   return from_float<T>(-HUGE_VALF);
+}
+
+/// Elements of a row starting at `row` that lie past the 16-byte boundary before it: the `lead`
+/// of a tile cut at the row's own boundaries (global_tile, tile_gradient).
+template <class T>
+__device__ __forceinline__ int lead_of(const T* row) {
+  return static_cast<int>(reinterpret_cast<std::uintptr_t>(row) % 16 / sizeof(T));
 }
 
 /// The largest of a 16-byte vector's elements, folded into `acc` (kept in T's own packed form:
