@@ -438,21 +438,15 @@ BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward_backward)
     ->Unit(benchmark::kMicrosecond);
 // GPT-2's vocabulary: rows that are not 16-byte aligned (50257 x 2 bytes) beside aligned ones of
 // nearly the same length (50304, GPT-NeoX's padded vocabulary).
-BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward_backward)
-    ->Args({8192, 50257})
-    ->Args({8192, 50304})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward)
-    ->Args({8192, 50257})
-    ->Args({8192, 50304})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::backward)
-    ->Args({8192, 50257})
-    ->Args({8192, 50304})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
+#define XENT_CUDA_GPT2_BENCH(OP)                          \
+  BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, OP) \
+      ->Args({8192, 50257})                               \
+      ->Args({8192, 50304})                               \
+      ->UseManualTime()                                   \
+      ->Unit(benchmark::kMicrosecond)
+XENT_CUDA_GPT2_BENCH(op::forward_backward);
+XENT_CUDA_GPT2_BENCH(op::forward);
+XENT_CUDA_GPT2_BENCH(op::backward);
 BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward_backward)
     ->Args({8192, 16384})
     ->Args({8192, 32000})
