@@ -483,52 +483,57 @@ TEST(CudaBackendSemantics, OneWorkspaceServesBatchesOfEverySizeInTurn) {
   }
 }
 
-// A fused call on rows that do not start on 16-byte boundaries keeps each row's LSE between its
-// two kernels in the caller's LSE output, else in the workspace (the same kernels: the same
-// bits), else, with neither, takes the row kernel (the same values to rounding).
+// A fused call on rows that do not start on 16-byte boundaries, where the row kernel cannot hold
+// them (longer than a cluster's chunks: 262147 bf16 classes), keeps each row's LSE between its two
+// kernels in the caller's LSE output, else in the workspace (the same kernels: the same bits),
+// else, with neither, takes the row kernel's element-wise staging (the same values to rounding).
+// Rows it holds (50257; policy::shifted_rows) take it whatever the call keeps: the same bits.
 TEST(CudaBackendSemantics, FusedShiftedRowsKeepTheirLseInTheOutputOrTheWorkspace) {
   REQUIRE_GPU();
   int device = 0, sms = 0;
   ok(cudaGetDevice(&device));
   ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const std::int64_t N = 2 * std::int64_t{sms} + 3, V = 50257;
-  std::mt19937_64 rng(31);
-  std::normal_distribution<float> normal(0.0f, 2.0f);
-  std::vector<Eigen::bfloat16> x(static_cast<std::size_t>(N * V));
-  for (auto& v : x) v = Eigen::bfloat16(normal(rng));
-  std::vector<std::int64_t> y(static_cast<std::size_t>(N));
-  for (std::int64_t n = 0; n < N; ++n) y[n] = n % 5 == 2 ? -100 : (n * 7919) % V;
-  dbuf<std::int64_t> dy(y);
-  dbuf<float> d_lse(N), d_rows(N);
-  dbuf<char> ws(xent::cuda_workspace_size(N));
-  xent::options opts;
-  opts.reduce = xent::reduction::none;
-  // Returns the gradient (in place) and the row losses.
-  auto fused = [&](bool lse_out, bool workspace) {
-    dbuf<Eigen::bfloat16> dx(x);
-    xent::cuda exec;
-    if (workspace) {
-      exec.workspace = ws.ptr;
-      exec.workspace_bytes = ws.n;
-    }
-    xent::forward_outputs out;
-    out.row_loss = {d_rows.ptr, N};
-    if (lse_out) out.lse = {d_lse.ptr, N};
-    const xent::matrix_view<Eigen::bfloat16> L(dx.ptr, N, V);
-    xent::forward_backward(exec, L, xent::vector_view<const std::int64_t>(dy.ptr, N), opts,
-                           xent::upstream{}, out, L);
-    ok(cudaDeviceSynchronize());
-    return std::make_pair(dx.download(), d_rows.download());
-  };
-  const auto given = fused(true, true), held = fused(false, true), neither = fused(false, false);
-  EXPECT_TRUE(std::memcmp(given.first.data(), held.first.data(), x.size() * 2) == 0);
-  EXPECT_TRUE(std::memcmp(given.second.data(), held.second.data(), sizeof(float) * N) == 0);
-  for (std::int64_t n = 0; n < N; ++n) {
-    ASSERT_NEAR(neither.second[n], given.second[n], 1e-5 * (std::fabs(given.second[n]) + 1))
-        << "row " << n;
-    for (std::int64_t c = 0; c < V; ++c) {
-      const double a = dbl(given.first[n * V + c]), b = dbl(neither.first[n * V + c]);
-      ASSERT_NEAR(a, b, 1e-2 * std::fabs(a) + 1e-7) << "row " << n << " class " << c;
+  for (const std::int64_t V : {std::int64_t{50257}, std::int64_t{262147}}) {
+    SCOPED_TRACE("V " + std::to_string(V));
+    const std::int64_t N = 2 * std::int64_t{sms} + 3;
+    std::mt19937_64 rng(31);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    std::vector<Eigen::bfloat16> x(static_cast<std::size_t>(N * V));
+    for (auto& v : x) v = Eigen::bfloat16(normal(rng));
+    std::vector<std::int64_t> y(static_cast<std::size_t>(N));
+    for (std::int64_t n = 0; n < N; ++n) y[n] = n % 5 == 2 ? -100 : (n * 7919) % V;
+    dbuf<std::int64_t> dy(y);
+    dbuf<float> d_lse(N), d_rows(N);
+    dbuf<char> ws(xent::cuda_workspace_size(N));
+    xent::options opts;
+    opts.reduce = xent::reduction::none;
+    // Returns the gradient (in place) and the row losses.
+    auto fused = [&](bool lse_out, bool workspace) {
+      dbuf<Eigen::bfloat16> dx(x);
+      xent::cuda exec;
+      if (workspace) {
+        exec.workspace = ws.ptr;
+        exec.workspace_bytes = ws.n;
+      }
+      xent::forward_outputs out;
+      out.row_loss = {d_rows.ptr, N};
+      if (lse_out) out.lse = {d_lse.ptr, N};
+      const xent::matrix_view<Eigen::bfloat16> L(dx.ptr, N, V);
+      xent::forward_backward(exec, L, xent::vector_view<const std::int64_t>(dy.ptr, N), opts,
+                             xent::upstream{}, out, L);
+      ok(cudaDeviceSynchronize());
+      return std::make_pair(dx.download(), d_rows.download());
+    };
+    const auto given = fused(true, true), held = fused(false, true), neither = fused(false, false);
+    EXPECT_TRUE(std::memcmp(given.first.data(), held.first.data(), x.size() * 2) == 0);
+    EXPECT_TRUE(std::memcmp(given.second.data(), held.second.data(), sizeof(float) * N) == 0);
+    for (std::int64_t n = 0; n < N; ++n) {
+      ASSERT_NEAR(neither.second[n], given.second[n], 1e-5 * (std::fabs(given.second[n]) + 1))
+          << "row " << n;
+      for (std::int64_t c = 0; c < V; ++c) {
+        const double a = dbl(given.first[n * V + c]), b = dbl(neither.first[n * V + c]);
+        ASSERT_NEAR(a, b, 1e-2 * std::fabs(a) + 1e-7) << "row " << n << " class " << c;
+      }
     }
   }
 }
@@ -902,12 +907,13 @@ TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
 
 // Plain rows that do not start on 16-byte boundaries (odd V or ld) in batches too long for the
 // small-batch kernel: the streaming forward and backward cut each row at its own boundaries
-// (tile k > 0 starting at k span - lead, the first lead elements before the row), and the fused
-// pass runs the two through the LSE where the gradient's rows share the logits' boundaries (in
-// place, or out of place at the same offset); at another offset the row kernel's element-wise
-// path. Rows of every lead, targets at 0, V - 1 and each tile's first class and the one before,
-// rows ignored, weights, z-loss, a spike in the last columns, every reduction; the wide
-// streaming forward's CTAs for rows over 128 KiB (70001 x 2 bytes).
+// (tile k > 0 starting at k span - lead, the first lead elements before the row), and so does the
+// fused pass's row kernel where the gradient's rows share the logits' boundaries (in place, or out
+// of place at the same offset; policy::shifted_rows: rank r of the row's cluster from r slice -
+// lead); at another offset the row kernel's element-wise path. Rows of every lead, targets at 0,
+// V - 1 and each tile's and each rank's first class and the one before, rows ignored, weights,
+// z-loss, a spike in the last columns, every reduction; the wide streaming forward's CTAs for
+// rows over 128 KiB (70001 x 2 bytes).
 TYPED_TEST(CudaBackend, PlainLongBatchRowsCutAtTheirOwn16ByteBoundaries) {
   int device = 0, sms = 0;
   ok(cudaGetDevice(&device));
@@ -934,6 +940,9 @@ TYPED_TEST(CudaBackend, PlainLongBatchRowsCutAtTheirOwn16ByteBoundaries) {
       s.in_place = layout == 0;
       s.grad_offset = layout == 2 ? 1 : 0;
       s.shifted_span = 1024 * vec;  // 4 vectors x 256 threads (the wide forward's: twice that)
+      s.shifted_cluster = static_cast<int>(
+          xent::cuda_detail::make_launch_plan(s.rows, s.cols + vec - 1, sizeof(TypeParam), sms, 16)
+              .cluster);
       s.spike = shape[1] == 50257 ? 60.0f : 0.0f;
       s.seed = seed++;
       check_spec<TypeParam>(s);

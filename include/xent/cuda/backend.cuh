@@ -134,22 +134,24 @@ constexpr int row_kernel_stages() {
   return policy::stages + (Aligned && policy::bulk_gradient<T, G, Plain, P == pass::fused> ? 1 : 0);
 }
 
-/// The row kernel of one CTA shape (row_shape).
-template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
+/// The row kernel of one CTA shape (row_shape); `Shifted`: rows cut at their own boundaries.
+template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt,
+          bool Shifted = false>
 constexpr auto row_kernel_of =
-    row_kernel<Shape::block, Shape::regs, policy::stages, Aligned, Plain, P, T, G, Tgt>;
+    row_kernel<Shape::block, Shape::regs, policy::stages, Aligned, Plain, P, T, G, Tgt, Shifted>;
 
-template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
+template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt,
+          bool Shifted = false>
 bool prepare_kernel_attributes(int device) {
   return prepare_cluster_kernel(
-      reinterpret_cast<const void*>(row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt>), device,
-      static_cast<int>(row_kernel_stages<Aligned, Plain, P, T, G>() * Shape::chunk_bytes));
+      reinterpret_cast<const void*>(row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>),
+      device, static_cast<int>(row_kernel_stages<Aligned, Plain, P, T, G>() * Shape::chunk_bytes));
 }
 
 /// How many clusters of this kernel fit on the device at once, for a launch shaped like `cfg`:
 /// the occupancy query costs microseconds of host time, so answers are kept per instantiation
 /// (keyed by device, cluster size and shared memory).
-template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt>
+template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt, bool Shifted>
 int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_facts& dev) {
   struct entry {
     int device, cluster;
@@ -165,7 +167,7 @@ int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_
       if (e.device == dev.id && e.cluster == cluster && e.smem == cfg.dynamicSmemBytes)
         return e.active;
   }
-  auto kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt>;
+  auto kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>;
   int active = 0;
   if (cluster > 1) {
     check_cuda(fn, cudaOccupancyMaxActiveClusters(&active, kernel, &cfg));
@@ -179,19 +181,26 @@ int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_
   return active;
 }
 
+/// The row kernel over every row; false, launching nothing, for `Shifted` rows (policy::
+/// shifted_rows) where its code has no clusters or a row is longer than a cluster holds.
 template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt,
-          class Shape = default_shape>
-void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
+          class Shape = default_shape, bool Shifted = false>
+bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
                  const device_facts& dev) {
-  auto kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt>;
+  auto kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>;
   const bool clusters =
-      prepare_kernel_attributes<Shape, Aligned, Plain, P, T, G, Tgt>(dev.id) && dev.major >= 9;
+      prepare_kernel_attributes<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>(dev.id) &&
+      dev.major >= 9;
+  if (Shifted && !clusters) return false;
   const bool whole_rows =
       P == pass::forward && policy::whole_rows > 0 &&
       args.rows >= std::int64_t{policy::whole_rows} * dev.sms * policy::min_blocks<T, false>();
+  // Shifted rows are cut at their own 16-byte boundaries: room for vec - 1 more classes.
+  const std::int64_t room = Shifted ? 16 / std::int64_t{sizeof(T)} - 1 : 0;
   const launch_plan plan =
-      make_launch_plan(args.rows, args.cols, sizeof(T), dev.sms,
+      make_launch_plan(args.rows, args.cols + room, sizeof(T), dev.sms,
                        clusters && !whole_rows ? policy::cluster_max : 1, Shape::chunk_bytes);
+  if (Shifted && plan.chunks != 1) return false;
   args.cluster = plan.cluster;
   args.slice = plan.slice;
   args.chunk = plan.chunk;
@@ -229,20 +238,21 @@ void launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   }
   // Persistent clusters: as many as fit at once, each walking its share of the rows.
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), 1, 1);
-  const int active = active_clusters<Shape, Aligned, Plain, P, T, G, Tgt>(fn, cfg, dev);
+  const int active = active_clusters<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>(fn, cfg, dev);
   const std::int64_t grid_rows = args.rows < active ? args.rows : (active > 0 ? active : 1);
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(grid_rows), 1);
   if (log)
-    std::fprintf(
-        stderr,
-        "%s: %lld x %lld, aligned %d, plain %d: cluster %d, slice %lld, chunk %lld x %lld, "
-        "smem %zu, grid %lld (active %d)\n",
-        fn, static_cast<long long>(args.rows), static_cast<long long>(args.cols),
-        static_cast<int>(Aligned), static_cast<int>(Plain), plan.cluster,
-        static_cast<long long>(plan.slice), static_cast<long long>(plan.chunk),
-        static_cast<long long>(plan.chunks), cfg.dynamicSmemBytes,
-        static_cast<long long>(grid_rows), active);
+    std::fprintf(stderr,
+                 "%s: %lld x %lld, aligned %d, plain %d, shifted %d: cluster %d, slice %lld, chunk "
+                 "%lld x %lld, "
+                 "smem %zu, grid %lld (active %d)\n",
+                 fn, static_cast<long long>(args.rows), static_cast<long long>(args.cols),
+                 static_cast<int>(Aligned), static_cast<int>(Plain), static_cast<int>(Shifted),
+                 plan.cluster, static_cast<long long>(plan.slice),
+                 static_cast<long long>(plan.chunk), static_cast<long long>(plan.chunks),
+                 cfg.dynamicSmemBytes, static_cast<long long>(grid_rows), active);
   check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
+  return true;
 }
 
 /// A small batch of plain class-id rows by the small-batch kernel (one cluster per row, `plan`
@@ -416,11 +426,18 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
         return;
     }
     // A fused call on rows that are not 16-byte aligned but whose gradient rows have the same
-    // boundaries (in place, say): the streaming forward, then the bulk (or streaming) backward
-    // from the LSE it wrote, both cut at each row's own boundaries. That moves the logits three
-    // times where the row kernel moves them twice, but the row kernel stages unaligned rows element
-    // by element: bf16 8192 x 50257 (GPT-2's vocabulary) took 2542 us there, against 481 for 8192 x
-    // 50304 (H200). Its error count is the forward's alone.
+    // boundaries (in place, say): the row kernel cut at each row's own boundaries, where it is
+    // taken (policy::shifted_rows) and holds the rows on chip.
+    if constexpr (P == pass::fused && policy::shifted_rows && sizeof(T) == sizeof(G)) {
+      if (plain && !aligned && shifted && args.first == 0 && args.partials == nullptr &&
+          launch_rows<true, true, P, T, G, Tgt, default_shape, true>(fn, exec, args, dev))
+        return;
+    }
+    // Otherwise (rows longer than a cluster holds, say) the streaming forward, then the bulk (or
+    // streaming) backward from the LSE it wrote, both cut at each row's own boundaries: the logits
+    // move three times, but the row kernel's unshifted form stages unaligned rows element by
+    // element (bf16 8192 x 50257 fused: 2542 us there, 670 so; H200). Its error count is the
+    // forward's alone.
     if constexpr (P == pass::fused && policy::stream_forward && policy::stream_backward) {
       if (plain && !aligned && shifted && args.first == 0 && args.partials == nullptr) {
         if (float* lse = split_lse(exec, args)) {
@@ -441,8 +458,10 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
   if constexpr (P == pass::fused && !Tgt::soft && policy::wide_rows) {
     if (aligned && plain && dev.major >= 9 &&
         wide_rows_for(args.cols * static_cast<std::int64_t>(sizeof(T))) &&
-        prepare_kernel_attributes<wide_shape, true, true, P, T, G, Tgt>(dev.id))
-      return launch_rows<true, true, P, T, G, Tgt, wide_shape>(fn, exec, args, dev);
+        prepare_kernel_attributes<wide_shape, true, true, P, T, G, Tgt>(dev.id)) {
+      launch_rows<true, true, P, T, G, Tgt, wide_shape>(fn, exec, args, dev);
+      return;
+    }
   }
   if (!aligned)
     launch_rows<false, false, P>(fn, exec, args, dev);

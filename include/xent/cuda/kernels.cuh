@@ -509,7 +509,7 @@ struct row_state {
 /// thread copies its share with cp.async, and one barrier per item serves both the landed copy
 /// and the freed stage.
 template <int Block, int Regs, int Stages, bool Aligned, bool Plain, pass P, class T, class G,
-          class Tgt>
+          class Tgt, bool Shifted = false>
 XENT_KERNEL void __launch_bounds__(
     Block, row_shape<Block, Regs>::blocks_at(
                policy::min_blocks<T, P == pass::backward,
@@ -521,9 +521,23 @@ XENT_KERNEL void __launch_bounds__(
 #else
   constexpr bool bulk = false;
 #endif
+  // Shifted: plain fused resident rows that need not start on a 16-byte boundary, each gradient row
+  // on the same boundaries as its logits row (policy::shifted_rows). Row n is cut at its own
+  // boundaries: rank r owns [r slice - lead, (r + 1) slice - lead), lead = lead_of(row n), so
+  // every tile starts on a boundary. Rank 0's first vector is copied whole from the boundary
+  // before the row (bytes of the same allocation: the row before's, or those before the first
+  // row, which a 16-byte aligned allocation holds) and its lead elements set to -inf in the stage
+  // by thread 0, the only thread that reads that vector; they are never stored. The plan leaves
+  // the last rank room (slices of cols + vec - 1 classes), and launches resident rows alone.
+  static_assert(!Shifted || (Aligned && Plain && P == pass::fused && sizeof(T) == sizeof(G)),
+                "shifted rows: plain fused rows whose gradient has the logits' element size");
   // Fused resident rows whose gradient leaves by one bulk copy from a stage after the logits'
   // stages (policy::bulk_gradient).
   constexpr bool store_bulk = bulk && policy::template bulk_gradient<T, G, Plain, P == pass::fused>;
+  if constexpr (Shifted && !store_bulk) {  // built, never launched (launch_rows asks for clusters)
+    (void)a;
+    return;
+  }
   // Exponentials kept from the statistics for the gradient (policy::exp_once): plain fused
   // 16-bit resident rows finished before the next row's statistics.
   constexpr bool keep_exps = policy::template keep_exps<T, Plain, P == pass::fused>;
@@ -531,7 +545,8 @@ XENT_KERNEL void __launch_bounds__(
   // slice is whole vectors: the logits stages hold -inf past the slice (filled below, never
   // overwritten: a row's copy covers its slice alone), so no sweep tests a vector. Rows that
   // keep their exponentials need the gradient stage for it (it is written whole too).
-  constexpr bool whole_capable = bulk && Plain && P == pass::fused && (!keep_exps || store_bulk);
+  constexpr bool whole_capable =
+      bulk && Plain && P == pass::fused && !Shifted && (!keep_exps || store_bulk);
   using part_t = std::conditional_t<Plain, row_partial, slice_partial>;
   using exchange_t = row_exchange<part_t, Block>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -570,10 +585,22 @@ XENT_KERNEL void __launch_bounds__(
   auto row_of = [&](std::int64_t k) {
     return blockIdx.y + (resident ? k : k / per_row) * gridDim.y;
   };
+  // Where this CTA's part of row n starts and ends (Shifted: lead(n) classes earlier).
+  auto row_lead = [&](std::int64_t n) { return Shifted ? lead_of(a.logits + n * a.ld) : 0; };
+  auto part_of = [&](std::int64_t n, std::int64_t& lo, std::int64_t& hi) {
+    lo = v0;
+    hi = v1;
+    if constexpr (Shifted) {
+      lo -= row_lead(n);
+      hi = lo + a.slice < a.cols ? lo + a.slice : a.cols;
+    }
+  };
   auto chunk_span = [&](std::int64_t k, std::int64_t& base, int& count) {
     const int c = resident ? 0 : static_cast<int>(k % per_row) % chunks;
-    base = v0 + static_cast<std::int64_t>(c) * a.chunk;
-    const std::int64_t rest = v1 - base;
+    std::int64_t lo, hi;
+    part_of(row_of(k), lo, hi);
+    base = lo + static_cast<std::int64_t>(c) * a.chunk;
+    const std::int64_t rest = hi - base;
     count = static_cast<int>(rest < a.chunk ? (rest > 0 ? rest : 0) : a.chunk);
   };
   // Item k's target and saved LSE, copied with its first chunk (a 4-byte id into the low half).
@@ -586,6 +613,8 @@ XENT_KERNEL void __launch_bounds__(
   // Ignored rows are copied too: knowing that first would put a dependent load before the copy.
   auto issue_bulk = [&](std::int64_t k) {  // thread 0 only
     if (k >= items) return;
+    // Thread 0's -inf over a lead (generic proxy) is ordered before the copy that overwrites it.
+    if constexpr (Shifted) fence_async_shared();
     const std::int64_t n = row_of(k);
     const bool first = resident || k % per_row == 0;
     std::int64_t base;
@@ -596,7 +625,15 @@ XENT_KERNEL void __launch_bounds__(
     char* dst = reinterpret_cast<char*>(stage(k));
     const unsigned bytes = static_cast<unsigned>(count) * sizeof(T);
     const unsigned whole = bytes & ~15u;  // bulk copies move 16-byte multiples
-    const bool tail = bytes != whole;
+    bool tail = bytes != whole;
+    if (Shifted && tail && n == a.rows - 1) {
+      // The tensor's last bytes, which may end its allocation: a 16-byte copy of fewer bytes is
+      // a 16-byte read to compute-sanitizer, so plain loads, published by the arrive below. (A
+      // shifted row's tail is otherwise followed by the next row.)
+      for (unsigned b = whole; b < bytes; b += sizeof(T))
+        *reinterpret_cast<T*>(dst + b) = *reinterpret_cast<const T*>(src + b);
+      tail = false;
+    }
     if (tail) copy16_async(dst + whole, src + whole, static_cast<int>(bytes - whole));
     if (first) copy_row_scalars(k, n);
     if (tail || (first && row_scalars)) mbarrier_track_copies(bar);
@@ -711,7 +748,12 @@ XENT_KERNEL void __launch_bounds__(
       write_skipped_row(a, r.n, r.invalid, P != pass::backward, need_reduce);
     if (want_grad) {
       G* out = a.grad + r.n * a.grad_ld;
-      for (std::int64_t c = v0 + threadIdx.x; c < v1; c += Block) out[c] = from_float<G>(0.0f);
+      std::int64_t lo = v0, hi = v1;
+      if constexpr (Shifted) {
+        part_of(r.n, lo, hi);
+        if (lo < 0) lo = 0;
+      }
+      for (std::int64_t c = lo + threadIdx.x; c < hi; c += Block) out[c] = from_float<G>(0.0f);
     }
   };
 
@@ -801,11 +843,24 @@ XENT_KERNEL void __launch_bounds__(
         named_barrier_arrive<5>(Block);
       if (threadIdx.x == 0) {
         constexpr int vec = 16 / static_cast<int>(sizeof(G));
-        G* out = a.grad + n * a.grad_ld + v0;
         const G* src = gradient_stage();
         const int vectors = count / vec * vec;
-        if (vectors) bulk_store(out, src, static_cast<unsigned>(vectors * sizeof(G)));
-        for (int e = vectors; e < count; ++e) out[e] = src[e];
+        if constexpr (Shifted) {
+          // Whole vectors by the bulk copy, but rank 0's first where the row has a lead: its lead
+          // elements are another row's (or no row's), so its others go element by element.
+          const int lead = rank == 0 ? row_lead(n) : 0;
+          G* out = a.grad + n * a.grad_ld + v0 - row_lead(n);
+          const int first = lead > 0 ? (vec < vectors ? vec : vectors) : 0;
+          if (vectors > first)
+            bulk_store(out + first, src + first,
+                       static_cast<unsigned>((vectors - first) * sizeof(G)));
+          for (int e = lead; e < first; ++e) out[e] = src[e];
+          for (int e = vectors > first ? vectors : first; e < count; ++e) out[e] = src[e];
+        } else {
+          G* out = a.grad + n * a.grad_ld + v0;
+          if (vectors) bulk_store(out, src, static_cast<unsigned>(vectors * sizeof(G)));
+          for (int e = vectors; e < count; ++e) out[e] = src[e];
+        }
       }
     };
     // Row i - 1 is finished after row i's statistics (its cluster round trip hidden behind them,
@@ -843,7 +898,9 @@ XENT_KERNEL void __launch_bounds__(
             if (prev_stats) result_wait(i - 1, warp0);
             finish_stats(prev, want_stats ? ex.result(slot ^ 1) : part_t{});
             if constexpr (store_bulk) {
-              tile_gradient<Plain, Aligned>(a, tile, prev.n, v0, prev.rg, gradient_stage() - v0);
+              const std::int64_t base = v0 - row_lead(prev.n);
+              tile_gradient<Plain, Aligned>(a, tile, prev.n, base, prev.rg,
+                                            gradient_stage() - base);
               store_gradient(prev.n, tile.count);
             } else {
               tile_gradient<Plain, Aligned>(a, tile, prev.n, v0, prev.rg,
@@ -858,6 +915,10 @@ XENT_KERNEL void __launch_bounds__(
         if (has_cur) {
           wait_item(i);
           cur = begin_row(i);
+          if constexpr (Shifted) {  // rank 0's lead: -inf, in the vector thread 0 alone reads
+            if (rank == 0 && threadIdx.x == 0)
+              for (int e = row_lead(cur.n); e-- > 0;) stage(i)[e] = negative_infinity<T>();
+          }
           if (want_stats && !cur.skip) {
             part_t part{};
             if constexpr (keep_exps) {
@@ -900,7 +961,7 @@ XENT_KERNEL void __launch_bounds__(
     } else {
       resident_rows(std::false_type{});
     }
-  } else {
+  } else if constexpr (!Shifted) {  // shifted rows are resident (launch_rows)
     // Rows longer than a cluster holds: per chunk, statistics items, then gradient items that
     // stage the chunk again; each row's statistics cross the cluster before its gradient.
     row_state cur;

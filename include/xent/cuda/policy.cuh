@@ -95,6 +95,9 @@
 #ifndef XENT_CUDA_STREAM_FORWARD_HANDOFF  // 0: its rows end in a CTA barrier (see policy)
 #define XENT_CUDA_STREAM_FORWARD_HANDOFF 1
 #endif
+#ifndef XENT_CUDA_SHIFTED_ROWS  // 0: fused rows off 16-byte boundaries by two kernels (policy)
+#define XENT_CUDA_SHIFTED_ROWS 1
+#endif
 #ifndef XENT_CUDA_BALANCED_GRID  // 0: the bulk backward's grid as large as the SMs hold
 #define XENT_CUDA_BALANCED_GRID 1
 #endif
@@ -256,6 +259,16 @@ struct policy {
   /// load slots), and 512 CTAs put 64 rows on some SMs where 528 put at most 63. The row kernel's
   /// clusters: no change (bf16 fused 8192 x 32000 283 -> 284 us).
   static constexpr bool balanced_grid = XENT_CUDA_BALANCED_GRID != 0;
+  /// Whether plain fused rows that do not start on 16-byte boundaries, whose gradient rows have
+  /// the same boundaries (in place, say), on sm_90, take the row kernel cut at each row's own
+  /// boundaries (row_kernel's Shifted: one read and one write of the logits, resident rows up to
+  /// 512 KiB) rather than the streaming forward and then the bulk backward from the LSE it wrote
+  /// (two reads and a write). H200, bf16 8192 x 50257 (GPT-2's vocabulary) fused in place: 670
+  /// us by the two kernels (847effe), 595-596 us by the row kernel (two runs of a later lease, in
+  /// which 8192 x 50304 took 481 us as it did beside the 670; bench/results/
+  /// 2026-11-25-h200-shifted-row-kernel/). Its tiles are swept with masks (the last rank's count
+  /// changes with each row's lead), where aligned rows sweep whole tiles.
+  static constexpr bool shifted_rows = XENT_CUDA_SHIFTED_ROWS != 0;
   /// Whether backward calls with plain class-id rows, 16-byte aligned, on sm_90, move the
   /// streaming backward's tiles by bulk copies both ways (bulk_backward_kernel: a tile staged in
   /// one of bulk_backward_stages shared-memory stages, its gradient written back over it and
