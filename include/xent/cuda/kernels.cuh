@@ -7,7 +7,9 @@
 // once when a slice fits one chunk (resident), the normal case up to 512 KiB rows. Plain fused
 // resident rows on sm_90 sweep whole register tiles (the stages hold -inf past the slice) and
 // write their gradient into a shared-memory stage of its own, stored by one bulk copy
-// (policy::bulk_gradient); the others store it from registers.
+// (policy::bulk_gradient); the others store it from registers. Plain fused rows that do not start
+// on 16-byte boundaries are cut at their own (row_kernel's Shifted) where the gradient's rows
+// share them; other unaligned rows are staged element by element.
 #pragma once
 
 #include <cooperative_groups.h>
