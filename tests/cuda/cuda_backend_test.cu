@@ -918,7 +918,8 @@ TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
 // lead); at another offset the row kernel's element-wise path. Rows of every lead, targets at 0,
 // V - 1 and each tile's and each rank's first class and the one before, rows ignored, weights,
 // z-loss, a spike in the last columns, every reduction; the wide streaming forward's CTAs for
-// rows over 128 KiB (70001 x 2 bytes).
+// rows over 128 KiB (70001 x 2 bytes); rows of 5 classes, shorter than a 16-bit vector with their
+// lead (nothing before such a row may be written).
 TYPED_TEST(CudaBackend, PlainLongBatchRowsCutAtTheirOwn16ByteBoundaries) {
   int device = 0, sms = 0;
   ok(cudaGetDevice(&device));
@@ -927,9 +928,10 @@ TYPED_TEST(CudaBackend, PlainLongBatchRowsCutAtTheirOwn16ByteBoundaries) {
   // More rows than the small-batch kernel's clusters cover (8 CTAs per SM at most).
   const std::int64_t many = 8 * std::int64_t{sms} + 7, long_rows = 2 * std::int64_t{sms} + 3;
   std::uint64_t seed = 950;
-  for (const auto& shape : {std::array<std::int64_t, 3>{many, 3001, 3003},
-                            std::array<std::int64_t, 3>{long_rows, 50257, 0},
-                            std::array<std::int64_t, 3>{long_rows, 70001, 0}})
+  for (const auto& shape :
+       {std::array<std::int64_t, 3>{many, 3001, 3003},
+        std::array<std::int64_t, 3>{long_rows, 50257, 0},
+        std::array<std::int64_t, 3>{long_rows, 70001, 0}, std::array<std::int64_t, 3>{many, 5, 7}})
     for (int layout = 0; layout < 3; ++layout) {  // in place; same offset; another offset
       spec s;
       s.rows = shape[0];

@@ -140,6 +140,30 @@ __device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned 
 #endif
 }
 
+/// The 16-byte vectors of a staged tile of `count` elements that bulk copies move, [first,
+/// whole): every whole vector, but, where rows are cut at their own 16-byte boundaries
+/// (`Shifted`: lead_of) and the tile starts `lead` elements before its row, the first, which
+/// thread 0 moves element by element from the lead-th, so no copy touches another row's bytes;
+/// none where a shifted row's tile holds no element (count <= 0).
+template <int Vec, bool Shifted>
+__device__ __forceinline__ void bulk_span(int count, int lead, int& first, int& whole) {
+  whole = !Shifted || count > 0 ? count / Vec * Vec : 0;
+  first = Shifted && lead > 0 ? (Vec < whole ? Vec : whole) : 0;
+}
+
+/// Thread 0: a staged tile of `count` elements to `out` (16-byte aligned): [first, whole) by one
+/// bulk copy (bulk_span), the lead's vector from its lead-th element and the elements past the
+/// whole vectors one by one. The writers of the stage fenced and met at a barrier first.
+template <bool Shifted, class G>
+__device__ __forceinline__ void store_row_tile(G* out, const G* from, int count, int lead) {
+  int first, whole;
+  bulk_span<16 / static_cast<int>(sizeof(G)), Shifted>(count, lead, first, whole);
+  if (whole > first)
+    bulk_store(out + first, from + first, static_cast<unsigned>((whole - first) * sizeof(G)));
+  for (int e = lead; e < first; ++e) out[e] = from[e];
+  for (int e = Shifted && whole < lead ? lead : whole; e < count; ++e) out[e] = from[e];
+}
+
 /// Waits until at most N of this thread's bulk stores still read shared memory (`Done`: until at
 /// most N are still in flight at all).
 template <int N, bool Done = false>

@@ -142,12 +142,6 @@ XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
     count = static_cast<int>(a.cols - base < span ? a.cols - base : span);
     lead = Shifted && base < 0 ? row_lead : 0;
   };
-  // The vectors of a tile that bulk copies move: [first, whole) (first = vec where thread 0 moves
-  // the first vector itself).
-  auto bulk_span = [](int count, int lead, int& first, int& whole) {
-    whole = !Shifted || count > 0 ? count / vec * vec : 0;
-    first = Shifted && lead > 0 ? (vec < whole ? vec : whole) : 0;
-  };
   // Thread 0: tile k into its stage, the bytes outside its whole vectors by plain loads (visible
   // to the other threads through the barriers between now and tile k's turn).
   auto issue_load = [&](std::int64_t k) {
@@ -155,7 +149,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
     std::int64_t n, base;
     int count, lead, first, whole;
     tile_of(k, n, base, count, lead);
-    bulk_span(count, lead, first, whole);
+    bulk_span<vec, Shifted>(count, lead, first, whole);
     const T* src = a.logits + n * a.ld + base;
     T* st = stage(k);
     for (int e = lead; e < first; ++e) st[e] = src[e];
@@ -201,14 +195,8 @@ XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
     fence_async_shared();
     __syncthreads();
     if (threadIdx.x == 0) {
-      G* out = a.grad + n * a.grad_ld + base;
-      const G* from = reinterpret_cast<const G*>(st);
-      int first, whole;
-      bulk_span(count, lead, first, whole);
-      if (whole > first)
-        bulk_store(out + first, from + first, static_cast<unsigned>((whole - first) * sizeof(G)));
-      for (int e = lead; e < first; ++e) out[e] = from[e];
-      for (int e = Shifted && whole < lead ? lead : whole; e < count; ++e) out[e] = from[e];
+      store_row_tile<Shifted>(a.grad + n * a.grad_ld + base, reinterpret_cast<const G*>(st), count,
+                              lead);
       // Tile k + Stages - 1 refills the stage of tile k - 1, once its store has read it.
       bulk_stores_wait<1>();
       issue_load(k + Stages - 1);

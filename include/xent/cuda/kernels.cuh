@@ -844,22 +844,15 @@ XENT_KERNEL void __launch_bounds__(
       else
         named_barrier_arrive<5>(Block);
       if (threadIdx.x == 0) {
-        constexpr int vec = 16 / static_cast<int>(sizeof(G));
-        const G* src = gradient_stage();
-        const int vectors = count / vec * vec;
-        if constexpr (Shifted) {
-          // Whole vectors by the bulk copy, but rank 0's first where the row has a lead: its lead
-          // elements are another row's (or no row's), so its others go element by element.
-          const int lead = rank == 0 ? row_lead(n) : 0;
-          G* out = a.grad + n * a.grad_ld + v0 - row_lead(n);
-          const int first = lead > 0 ? (vec < vectors ? vec : vectors) : 0;
-          if (vectors > first)
-            bulk_store(out + first, src + first,
-                       static_cast<unsigned>((vectors - first) * sizeof(G)));
-          for (int e = lead; e < first; ++e) out[e] = src[e];
-          for (int e = vectors > first ? vectors : first; e < count; ++e) out[e] = src[e];
-        } else {
+        if constexpr (Shifted) {  // rank 0's lead elements are another row's (or no row's)
+          const int lead = row_lead(n);
+          store_row_tile<true>(a.grad + n * a.grad_ld + v0 - lead, gradient_stage(), count,
+                               rank == 0 ? lead : 0);
+        } else {  // store_row_tile<false>'s work, as written before it: that call moved the SASS
+          constexpr int vec = 16 / static_cast<int>(sizeof(G));
           G* out = a.grad + n * a.grad_ld + v0;
+          const G* src = gradient_stage();
+          const int vectors = count / vec * vec;
           if (vectors) bulk_store(out, src, static_cast<unsigned>(vectors * sizeof(G)));
           for (int e = vectors; e < count; ++e) out[e] = src[e];
         }
