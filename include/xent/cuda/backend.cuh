@@ -243,9 +243,8 @@ bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(grid_rows), 1);
   if (log)
     std::fprintf(stderr,
-                 "%s: %lld x %lld, aligned %d, plain %d, shifted %d: cluster %d, slice %lld, chunk "
-                 "%lld x %lld, "
-                 "smem %zu, grid %lld (active %d)\n",
+                 "%s: %lld x %lld, aligned %d, plain %d, shifted %d: cluster %d, slice %lld, "
+                 "chunk %lld x %lld, smem %zu, grid %lld (active %d)\n",
                  fn, static_cast<long long>(args.rows), static_cast<long long>(args.cols),
                  static_cast<int>(Aligned), static_cast<int>(Plain), static_cast<int>(Shifted),
                  plan.cluster, static_cast<long long>(plan.slice),
@@ -426,30 +425,30 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
         return;
     }
     // A fused call on rows that are not 16-byte aligned but whose gradient rows have the same
-    // boundaries (in place, say): the row kernel cut at each row's own boundaries, where it is
-    // taken (policy::shifted_rows) and holds the rows on chip.
-    if constexpr (P == pass::fused && policy::shifted_rows && sizeof(T) == sizeof(G)) {
-      if (plain && !aligned && shifted && args.first == 0 && args.partials == nullptr &&
-          launch_rows<true, true, P, T, G, Tgt, default_shape, true>(fn, exec, args, dev))
-        return;
-    }
-    // Otherwise (rows longer than a cluster holds, say) the streaming forward, then the bulk (or
-    // streaming) backward from the LSE it wrote, both cut at each row's own boundaries: the logits
-    // move three times, but the row kernel's unshifted form stages unaligned rows element by
-    // element (bf16 8192 x 50257 fused: 2542 us there, 670 so; H200). Its error count is the
-    // forward's alone.
-    if constexpr (P == pass::fused && policy::stream_forward && policy::stream_backward) {
+    // boundaries (in place, say), each row cut at its own boundaries.
+    if constexpr (P == pass::fused) {
       if (plain && !aligned && shifted && args.first == 0 && args.partials == nullptr) {
-        if (float* lse = split_lse(exec, args)) {
-          row_args<T, G, Tgt> f = args;
-          f.lse_out = lse;
-          if (launch_stream_forward<true>(fn, exec, f, dev)) {
-            row_args<T, G, Tgt> b = args;
-            b.lse_in = lse;
-            b.error_count = nullptr;
-            if (!policy::bulk_backward || !launch_bulk_backward<true>(fn, exec, b, dev))
-              launch_stream_backward<true, true>(fn, exec, b, dev);
+        // The row kernel, where it is taken (policy::shifted_rows) and holds the rows on chip.
+        if constexpr (policy::shifted_rows && sizeof(T) == sizeof(G)) {
+          if (launch_rows<true, true, P, T, G, Tgt, default_shape, true>(fn, exec, args, dev))
             return;
+        }
+        // Otherwise (rows longer than a cluster holds, say) the streaming forward, then the bulk
+        // (or streaming) backward from the LSE it wrote: the logits move three times, but the row
+        // kernel's unshifted form stages unaligned rows element by element (bf16 8192 x 50257
+        // fused: 2542 us there, 670 so; H200). Its error count is the forward's alone.
+        if constexpr (policy::stream_forward && policy::stream_backward) {
+          if (float* lse = split_lse(exec, args)) {
+            row_args<T, G, Tgt> f = args;
+            f.lse_out = lse;
+            if (launch_stream_forward<true>(fn, exec, f, dev)) {
+              row_args<T, G, Tgt> b = args;
+              b.lse_in = lse;
+              b.error_count = nullptr;
+              if (!policy::bulk_backward || !launch_bulk_backward<true>(fn, exec, b, dev))
+                launch_stream_backward<true, true>(fn, exec, b, dev);
+              return;
+            }
           }
         }
       }
