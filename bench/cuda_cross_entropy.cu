@@ -455,6 +455,16 @@ BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward_backward)
     ->Args({65536, 3001})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
+// Many short rows (6 KiB in bf16), aligned, each pass: what a row costs the kernels beside its
+// bytes (65536 x 3001 above is the same rows off 16-byte boundaries).
+#define XENT_CUDA_SHORT_BATCH_BENCH(OP)                   \
+  BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, OP) \
+      ->Args({65536, 3008})                               \
+      ->UseManualTime()                                   \
+      ->Unit(benchmark::kMicrosecond)
+XENT_CUDA_SHORT_BATCH_BENCH(op::forward_backward);
+XENT_CUDA_SHORT_BATCH_BENCH(op::forward);
+XENT_CUDA_SHORT_BATCH_BENCH(op::backward);
 BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward_backward)
     ->Args({8192, 16384})
     ->Args({8192, 32000})

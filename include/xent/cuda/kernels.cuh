@@ -547,8 +547,10 @@ XENT_KERNEL void __launch_bounds__(
   // slice is whole vectors: the logits stages hold -inf past the slice (filled below, never
   // overwritten: a row's copy covers its slice alone), so no sweep tests a vector. Rows that
   // keep their exponentials need the gradient stage for it (it is written whole too).
-  constexpr bool whole_capable =
-      bulk && Plain && P == pass::fused && !Shifted && (!keep_exps || store_bulk);
+  // Shifted rows too: the CTA where a row ends holds a count that moves with the row's lead, so
+  // after each copy lands the threads owning the vectors past that count (at most two) set them
+  // to -inf over what a longer row's copy left there, and fence that for the next copy.
+  constexpr bool whole_capable = bulk && Plain && P == pass::fused && (!keep_exps || store_bulk);
   using part_t = std::conditional_t<Plain, row_partial, slice_partial>;
   using exchange_t = row_exchange<part_t, Block>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -568,7 +570,8 @@ XENT_KERNEL void __launch_bounds__(
   const bool resident = chunks == 1;
   constexpr int tile_elems = Regs * Block * (16 / static_cast<int>(sizeof(T)));
   const int slice_count = static_cast<int>(v1 - v0 < a.chunk ? (v1 > v0 ? v1 - v0 : 0) : a.chunk);
-  const bool whole = whole_capable && resident && slice_count % (16 / sizeof(T)) == 0 &&
+  const bool whole = whole_capable && resident &&
+                     (Shifted || slice_count % (16 / sizeof(T)) == 0) &&
                      a.chunk_bytes >= tile_elems * sizeof(T);
   constexpr bool want_grad = P != pass::forward;
   // Backward needs statistics only for soft targets (their mass); the LSE comes from forward.
@@ -913,6 +916,28 @@ XENT_KERNEL void __launch_bounds__(
           if constexpr (Shifted) {  // rank 0's lead: -inf, in the vector thread 0 alone reads
             if (rank == 0 && threadIdx.x == 0)
               for (int e = row_lead(cur.n); e-- > 0;) stage(i)[e] = negative_infinity<T>();
+            if constexpr (decltype(whole_tiles)::value) {
+              // Past the row's end, -inf again: the copy's last vector holds zeros there (a
+              // 16-byte cp.async of fewer bytes fills the rest) and a row of a larger lead may
+              // have left logits up to `dirty` (the launch filled the rest). Each thread over its
+              // own vectors, the ones its sweeps read.
+              constexpr int vec = 16 / static_cast<int>(sizeof(T));
+              std::int64_t base;
+              int count;
+              chunk_span(i, base, count);
+              const int dirty = (slice_count + 2 * vec - 2) / vec * vec;
+              const int end = dirty < tile_elems ? dirty : tile_elems;
+              if (count < a.slice) {
+                bool wrote = false;
+                for (int j = count / vec; j * vec < end; ++j) {
+                  if (j % Block != static_cast<int>(threadIdx.x)) continue;
+                  for (int e = 0; e < vec; ++e)
+                    if (j * vec + e >= count) stage(i)[j * vec + e] = negative_infinity<T>();
+                  wrote = true;
+                }
+                if (wrote) fence_async_shared();  // before this stage is freed and refilled
+              }
+            }
           }
           if (want_stats && !cur.skip) {
             part_t part{};

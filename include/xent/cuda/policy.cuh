@@ -263,11 +263,11 @@ struct policy {
   /// the same boundaries (in place, say), on sm_90, take the row kernel cut at each row's own
   /// boundaries (row_kernel's Shifted: one read and one write of the logits, resident rows up to
   /// 512 KiB) rather than the streaming forward and then the bulk backward from the LSE it wrote
-  /// (two reads and a write). H200, bf16 8192 x 50257 (GPT-2's vocabulary) fused in place: 670
-  /// us by the two kernels (847effe), 595-596 us by the row kernel (two runs of a later lease, in
-  /// which 8192 x 50304 took 481 us as it did beside the 670; bench/results/
-  /// 2026-11-25-h200-shifted-row-kernel/). Its tiles are swept with masks (the last rank's count
-  /// changes with each row's lead), where aligned rows sweep whole tiles.
+  /// (two reads and a write). H200, one lease, bf16 fused in place (bench/results/
+  /// 2026-11-25-h200-shifted-whole-tiles/): 8192 x 50257 (GPT-2's vocabulary) 664 us by the two
+  /// kernels, 592 by the row kernel with masked sweeps, 510 with whole-tile sweeps (row_kernel:
+  /// the threads past the row's end reset the stage to -inf after each copy); 256 x 50257 37.3 /
+  /// 32.4 / 29.0 us; fp32 8192 x 50257 1231 / 1158 / 975 us.
   static constexpr bool shifted_rows = XENT_CUDA_SHIFTED_ROWS != 0;
   /// Whether backward calls with plain class-id rows, 16-byte aligned, on sm_90, move the
   /// streaming backward's tiles by bulk copies both ways (bulk_backward_kernel: a tile staged in
