@@ -465,6 +465,13 @@ BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward_backward)
 XENT_CUDA_SHORT_BATCH_BENCH(op::forward_backward);
 XENT_CUDA_SHORT_BATCH_BENCH(op::forward);
 XENT_CUDA_SHORT_BATCH_BENCH(op::backward);
+// Fused rows of 12 and 24 KiB (the same bytes as 65536 x 3008): where policy::split_fused_kib
+// draws its line, with 8192 x 20480 (40 KiB) and 8192 x 32000 above.
+BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward_backward)
+    ->Args({32768, 6016})
+    ->Args({16384, 12032})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward_backward)
     ->Args({8192, 16384})
     ->Args({8192, 32000})

@@ -380,7 +380,9 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleWhenCtasStreamWholeRows) {
     s.seed = seed++;
     check_spec<TypeParam>(s);
   };
-  // More than a row per CTA at up to four CTAs per SM; four or seven 32 KiB chunks.
+  // A row per CTA: the streaming forward takes batches of at least half its grid (eight
+  // 128-thread CTAs per SM; four of 256 threads for the wide rows below), a CTA per row where
+  // there are fewer rows than the grid. Four or seven 32 KiB chunks.
   for (float spike : {0.0f, 60.0f, 200.0f})
     for (int options : {0, 1, 2}) run(4 * std::int64_t{sms} + 5, 50000, 0, spike, options);
   // Longer rows in every dtype (140 KiB of bf16): rows over policy::stream_forward_wide_from_kib
@@ -829,18 +831,19 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
 
 // A batch of plain rows that gives every CTA in flight several rows: the streaming forward
 // (policy::stream_forward), rows of whole tiles and a partial one, each CTA's row parts handed to
-// warp 0 through two parities that every CTA reuses (six rows a CTA, some ignored, so parities are
-// reused across skipped rows too); the bulk backward's CTAs and the row kernel's refill stages they
-// have read. Under memcheck only: racecheck does not follow the mbarrier hand-offs that order those
-// refills (a stage's readers arrive, the thread that refills it waits) and reports each refill as
-// a hazard (.ci/device). The non-sanitizer build runs it with the named-barrier hand-offs.
+// warp 0 through two parities that every CTA reuses (three rows a CTA, some ignored, so parities
+// are reused across skipped rows too); the bulk backward's CTAs and the row kernel's refill stages
+// they have read. Under memcheck only: racecheck does not follow the mbarrier hand-offs that order
+// those refills (a stage's readers arrive, the thread that refills it waits) and reports each
+// refill as a hazard (.ci/device). The non-sanitizer build runs it with the named-barrier
+// hand-offs.
 TEST(CudaSanitizerLongBatch, PlainRowsThroughEveryPass) {
   REQUIRE_GPU();
   int device = 0, sms = 0;
   ok(cudaGetDevice(&device));
   ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   spec s;
-  s.rows = 24 * std::int64_t{sms} + 5;  // the streaming forward runs 4 * sms CTAs
+  s.rows = 24 * std::int64_t{sms} + 5;  // the streaming forward runs 8 * sms CTAs
   s.cols = 9000;  // one 8192-element bf16 tile and a partial one; two fp32 tiles and a partial one
   s.some_ignored = true;
   s.argmax = false;

@@ -274,18 +274,18 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
   return true;
 }
 
-/// The streaming forward in CTAs of Block threads, MinBlocks per SM: false, launching nothing,
-/// when the batch has fewer rows than that grid has CTAs, unless `Shifted` (rows not 16-byte
-/// aligned, which the row kernel reads element by element: a CTA per row is faster there even
-/// for few rows; H200, bf16 forward 64 x 262145 74.5 -> 27.2 us, 200 x 50257 44.3 -> 17.2).
+/// The streaming forward in CTAs of Block threads, MinBlocks per SM (a CTA per row where the
+/// batch has fewer rows): false, launching nothing, when the batch has fewer rows than half that
+/// grid has CTAs (the grid of the 256-thread CTAs this kernel had before its 128-thread ones:
+/// policy::stream_forward), unless `Shifted` (rows not 16-byte aligned, which the row kernel
+/// reads element by element: a CTA per row is faster there even for few rows; H200, bf16 forward
+/// 64 x 262145 74.5 -> 27.2 us, 200 x 50257 44.3 -> 17.2).
 template <int Block, int MinBlocks, bool Shifted, class T, class G, class Tgt>
 bool launch_stream_forward_as(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
                               const device_facts& dev) {
   std::int64_t grid = std::int64_t{dev.sms} * MinBlocks;
-  if (args.rows < grid) {
-    if (!Shifted) return false;
-    grid = args.rows;
-  }
+  if (!Shifted && 2 * args.rows < grid) return false;
+  if (args.rows < grid) grid = args.rows;
   stream_forward_kernel<Block, policy::stream_forward_regs, MinBlocks, Shifted>
       <<<static_cast<unsigned>(grid), Block, 0, exec.stream>>>(args);
   check_cuda(fn, cudaGetLastError());
@@ -369,6 +369,32 @@ float* split_lse(const cuda& exec, const row_args<T, G, Tgt>& args) {
                                   workspace_layout(args.rows).row_loss);
 }
 
+/// A fused call of plain rows by two kernels through the LSE (split_lse): the streaming forward,
+/// then the bulk (or streaming) backward from the LSE it wrote. The logits move three times where
+/// the row kernel moves them twice; taken where that kernel is slower (rows off 16-byte
+/// boundaries longer than its clusters hold, policy::split_fused_kib). The call's error count is
+/// the forward's alone. False, launching nothing, where there is no LSE buffer or the batch is
+/// too short for the streaming forward.
+template <bool Shifted, class T, class G, class Tgt>
+bool launch_split_fused(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
+                        const device_facts& dev) {
+  if constexpr (policy::stream_forward && policy::stream_backward) {
+    float* lse = split_lse(exec, args);
+    if (!lse) return false;
+    row_args<T, G, Tgt> f = args;
+    f.lse_out = lse;
+    if (!launch_stream_forward<Shifted>(fn, exec, f, dev)) return false;
+    row_args<T, G, Tgt> b = args;
+    b.lse_in = lse;
+    b.error_count = nullptr;
+    if (!policy::bulk_backward || !launch_bulk_backward<Shifted>(fn, exec, b, dev))
+      launch_stream_backward<true, Shifted>(fn, exec, b, dev);
+    return true;
+  } else {
+    return false;
+  }
+}
+
 template <pass P, class T, class G, class Tgt>
 void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args, bool aligned,
                    bool shifted = false) {
@@ -424,33 +450,28 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
                    : launch_stream_forward<true>(fn, exec, args, dev)))
         return;
     }
-    // A fused call on rows that are not 16-byte aligned but whose gradient rows have the same
-    // boundaries (in place, say), each row cut at its own boundaries.
     if constexpr (P == pass::fused) {
+      // Short rows (policy::split_fused_kib), aligned or cut at their own boundaries (their
+      // gradient rows on the same ones), by the two kernels through the LSE.
+      const bool split_short = args.cols * static_cast<std::int64_t>(sizeof(T)) <=
+                               std::int64_t{policy::split_fused_kib} * 1024;
+      if (plain && split_short && args.first == 0 && args.partials == nullptr &&
+          (aligned || shifted) &&
+          (aligned ? launch_split_fused<false>(fn, exec, args, dev)
+                   : launch_split_fused<true>(fn, exec, args, dev)))
+        return;
+      // A fused call on rows that are not 16-byte aligned but whose gradient rows have the same
+      // boundaries (in place, say), each row cut at its own boundaries.
       if (plain && !aligned && shifted && args.first == 0 && args.partials == nullptr) {
         // The row kernel, where it is taken (policy::shifted_rows) and holds the rows on chip.
         if constexpr (policy::shifted_rows && sizeof(T) == sizeof(G)) {
           if (launch_rows<true, true, P, T, G, Tgt, default_shape, true>(fn, exec, args, dev))
             return;
         }
-        // Otherwise (rows longer than a cluster holds, say) the streaming forward, then the bulk
-        // (or streaming) backward from the LSE it wrote: the logits move three times, but the row
-        // kernel's unshifted form stages unaligned rows element by element (bf16 8192 x 50257
-        // fused: 2542 us there, 670 so; H200). Its error count is the forward's alone.
-        if constexpr (policy::stream_forward && policy::stream_backward) {
-          if (float* lse = split_lse(exec, args)) {
-            row_args<T, G, Tgt> f = args;
-            f.lse_out = lse;
-            if (launch_stream_forward<true>(fn, exec, f, dev)) {
-              row_args<T, G, Tgt> b = args;
-              b.lse_in = lse;
-              b.error_count = nullptr;
-              if (!policy::bulk_backward || !launch_bulk_backward<true>(fn, exec, b, dev))
-                launch_stream_backward<true, true>(fn, exec, b, dev);
-              return;
-            }
-          }
-        }
+        // Otherwise (rows longer than a cluster holds, say) the two kernels through the LSE:
+        // the row kernel's unshifted form stages unaligned rows element by element (bf16 8192 x
+        // 50257 fused: 2542 us there, 670 so; H200).
+        if (launch_split_fused<true>(fn, exec, args, dev)) return;
       }
     }
   }

@@ -75,10 +75,10 @@
 #define XENT_CUDA_STREAM_FORWARD_REGS 4
 #endif
 #ifndef XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS  // CTAs per SM its registers are bounded for
-#define XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS 4
+#define XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS 8
 #endif
 #ifndef XENT_CUDA_STREAM_FORWARD_BLOCK  // threads per CTA of it
-#define XENT_CUDA_STREAM_FORWARD_BLOCK XENT_CUDA_BLOCK
+#define XENT_CUDA_STREAM_FORWARD_BLOCK 128
 #endif
 #ifndef XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB  // longer rows take its wide CTAs; 0: none (policy)
 #define XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB 128
@@ -97,6 +97,9 @@
 #endif
 #ifndef XENT_CUDA_SHIFTED_ROWS  // 0: fused rows off 16-byte boundaries by two kernels (policy)
 #define XENT_CUDA_SHIFTED_ROWS 1
+#endif
+#ifndef XENT_CUDA_SPLIT_FUSED_KIB  // fused rows up to this long by two kernels; 0: none (policy)
+#define XENT_CUDA_SPLIT_FUSED_KIB 0
 #endif
 #ifndef XENT_CUDA_BALANCED_GRID  // 0: the bulk backward's grid as large as the SMs hold
 #define XENT_CUDA_BALANCED_GRID 1
@@ -210,7 +213,12 @@ struct policy {
   /// (shared-memory stages, three CTAs per SM), same lease: bf16 8192 x 32000 176 -> 153 us
   /// (70.6 -> 81.1% of the copy roof), 16384 x 128256 1.061 -> 0.964 ms, 4096 x 262144 0.528 ->
   /// 0.499 ms, fp32 8192 x 128256 0.954 -> 0.933 ms. Eight vectors per thread at three CTAs per
-  /// SM: 159 us, 0.954, 0.488, 0.928 ms.
+  /// SM: 159 us, 0.954, 0.488, 0.928 ms. CTAs of 128 threads, eight per SM (256 x 4 for the
+  /// wide rows below), against 256 x 4 (512 x 2): H200, 2026-11-25, same lease, two rounds, read
+  /// flush (bench/results/2026-11-25-h200-shifted-whole-tiles/stream-forward-block/): bf16 65536 x
+  /// 3008 (6 KiB rows) 331-332 -> 181 us, 8192 x 32000 134 -> 132, 8192 x 50304 207 -> 203, 8192
+  /// x 50257 224-225 -> 219-220, 16384 x 128256 962-963 -> 953, fp32 8192 x 128256 928 -> 935.
+  /// CTAs of 64 x 16 and 32 x 32: slower on every line but the 6 KiB rows (200, 193 us).
   static constexpr bool stream_forward = XENT_CUDA_STREAM_FORWARD != 0;
   static constexpr int stream_forward_regs = XENT_CUDA_STREAM_FORWARD_REGS;
   static constexpr int stream_forward_min_blocks = XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS;
@@ -269,6 +277,18 @@ struct policy {
   /// the threads past the row's end reset the stage to -inf after each copy); 256 x 50257 37.3 /
   /// 32.4 / 29.0 us; fp32 8192 x 50257 1231 / 1158 / 975 us.
   static constexpr bool shifted_rows = XENT_CUDA_SHIFTED_ROWS != 0;
+  /// Plain fused rows of at most split_fused_kib KiB in a batch long enough for the streaming
+  /// forward (aligned, or cut at their own boundaries where the gradient's share them) run it and
+  /// then the bulk backward from the LSE it wrote (launch_split_fused), rather than the row
+  /// kernel: short rows fill a sliver of its 32 KiB tiles and each CTA holds two in flight. H200,
+  /// 2026-11-25, same lease, two rounds, bf16 fused in place, row kernel -> two kernels
+  /// (bench/results/2026-11-25-h200-shifted-whole-tiles/split-fused/, built with 64): 65536 x
+  /// 3008 (6 KiB rows) 746-747 -> 446 us, 65536 x 3001 898 -> 680, 32768 x 6016 (12 KiB) 389 ->
+  /// 385, 16384 x 12032 (24 KiB) 220 -> 317, 8192 x 20480 225 -> 263-264, 8192 x 32000 277 ->
+  /// 400, fp32 8192 x 16384 282 -> 395-396: the line lies near 8 KiB. 0 (off) until the CUDA
+  /// tests have run with it (-DXENT_CUDA_SPLIT_FUSED_KIB=8: they take the two kernels on their
+  /// many-short-row cases); 8 then.
+  static constexpr int split_fused_kib = XENT_CUDA_SPLIT_FUSED_KIB;
   /// Whether backward calls with plain class-id rows, 16-byte aligned, on sm_90, move the
   /// streaming backward's tiles by bulk copies both ways (bulk_backward_kernel: a tile staged in
   /// one of bulk_backward_stages shared-memory stages, its gradient written back over it and
