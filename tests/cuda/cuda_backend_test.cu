@@ -913,6 +913,43 @@ TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
       }
 }
 
+// Plain rows of at most 6 KiB, 16-byte aligned, several per warp in flight: the warp-rows kernel
+// where policy::warp_rows_kib takes them (a warp's registers hold the row from its load to its
+// gradient's store; 2 CTAs of 8 warps per SM), the streaming forward and the row kernel
+// otherwise. Rows of one partial vector (5 classes), of whole vectors, of a partial last vector,
+// and of a warp's whole tile (32 lanes x 12 vectors) with and without padding; some rows ignored,
+// weights and z-loss, every reduction, in place and out of place, a spike past the running max.
+TYPED_TEST(CudaBackend, ShortAlignedRowsAWarpEach) {
+  int device = 0, sms = 0;
+  ok(cudaGetDevice(&device));
+  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  constexpr std::int64_t vec = 16 / sizeof(TypeParam), tile = 32 * 12 * vec;
+  std::uint64_t seed = 1200;
+  for (const auto& shape : {std::pair<std::int64_t, std::int64_t>{5, 8},
+                            {1000, 1000},
+                            {1001, 1008},
+                            {tile, tile},
+                            {tile - vec + 1, tile}})
+    for (int layout = 0; layout < 3; ++layout) {
+      spec s;
+      s.rows = 40 * std::int64_t{sms} + 9;
+      s.cols = shape.first;
+      s.ld = shape.second;
+      s.reduce = layout == 0   ? xent::reduction::mean
+                 : layout == 1 ? xent::reduction::sum
+                               : xent::reduction::none;
+      s.weights = layout != 0;
+      s.z_loss = layout == 1 ? 1e-3f : 0.0f;
+      s.in_place = layout != 2;
+      s.spike = layout == 0 ? 60.0f : 0.0f;
+      s.edge_targets = layout == 1;
+      s.some_ignored = true;
+      s.argmax = false;
+      s.seed = seed++;
+      check_spec<TypeParam>(s);
+    }
+}
+
 // Plain rows that do not start on 16-byte boundaries (odd V or ld) in batches too long for the
 // small-batch kernel: the streaming forward and backward cut each row at its own boundaries
 // (tile k > 0 starting at k span - lead, the first lead elements before the row), and so does the

@@ -25,6 +25,7 @@
 #include "kernels.cuh"
 #include "policy.cuh"
 #include "small_rows_kernel.cuh"
+#include "warp_rows_kernel.cuh"
 
 namespace xent {
 
@@ -148,6 +149,26 @@ bool prepare_kernel_attributes(int device) {
       device, static_cast<int>(row_kernel_stages<Aligned, Plain, P, T, G>() * Shape::chunk_bytes));
 }
 
+/// The mean's normaliser by one CTA ahead (normalizer_kernel) of a launch of class-id rows
+/// (`cfg`, sm_90, with room for one more attribute), made its programmatic dependant: it starts at
+/// once and waits for W where it needs it (normalizer_from_ahead). Only where the call reduces by
+/// the mean into a workspace over its whole vocabulary; sets args.normalizer_ahead.
+template <class T, class G, class Tgt>
+void launch_normalizer_ahead(const char* fn, const cuda& exec, row_args<T, G, Tgt>& args,
+                             cudaLaunchConfig_t& cfg) {
+  if (!policy::normalizer_ahead || args.reduce != reduction::mean || !args.workspace ||
+      args.first != 0)
+    return;
+  constexpr int block = 1024;
+  normalizer_kernel<block><<<1, block, 0, exec.stream>>>(
+      args.targets, args.rows, args.vocab, args.ignore_index, args.weights, args.workspace);
+  check_cuda(fn, cudaGetLastError());
+  args.normalizer_ahead = true;
+  cudaLaunchAttribute& attr = cfg.attrs[cfg.numAttrs++];
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+}
+
 /// How many clusters of this kernel fit on the device at once, for a launch shaped like `cfg`:
 /// the occupancy query costs microseconds of host time, so answers are kept per instantiation
 /// (keyed by device, cluster size and shared memory).
@@ -221,20 +242,8 @@ bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   cudaLaunchAttribute attr[2] = {cluster_attribute(plan.cluster)};
   cfg.attrs = attr;
   cfg.numAttrs = plan.cluster > 1 ? 1 : 0;
-  // The mean's normaliser by one CTA ahead (normalizer_kernel), this launch its programmatic
-  // dependant: it starts at once and waits for W where it needs it.
   if constexpr (P != pass::forward && !Tgt::soft) {
-    if (policy::normalizer_ahead && clusters && args.reduce == reduction::mean && args.workspace &&
-        args.first == 0) {
-      constexpr int block = 1024;
-      normalizer_kernel<block><<<1, block, 0, exec.stream>>>(
-          args.targets, args.rows, args.vocab, args.ignore_index, args.weights, args.workspace);
-      check_cuda(fn, cudaGetLastError());
-      args.normalizer_ahead = true;
-      attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[cfg.numAttrs].val.programmaticStreamSerializationAllowed = 1;
-      ++cfg.numAttrs;
-    }
+    if (clusters) launch_normalizer_ahead(fn, exec, args, cfg);
   }
   // Persistent clusters: as many as fit at once, each walking its share of the rows.
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), 1, 1);
@@ -271,6 +280,34 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
+  return true;
+}
+
+/// Plain class-id rows, 16-byte aligned, of at most policy::warp_rows_kib KiB (and a warp's tile),
+/// a warp per row (warp_rows_kernel): persistent CTAs, as many as the rows need up to
+/// policy::warp_rows_min_blocks per SM. False, launching nothing, for longer rows or below sm_90
+/// (the normaliser ahead needs it; the kernel itself would run anywhere).
+template <pass P, class T, class G, class Tgt>
+bool launch_warp_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
+                      const device_facts& dev) {
+  constexpr int block = policy::block, regs = policy::warp_rows_regs,
+                blocks = policy::warp_rows_min_blocks;
+  constexpr std::int64_t span = std::int64_t{regs} * 32 * (16 / sizeof(T));
+  if (policy::warp_rows_kib == 0 || dev.major < 9 || args.cols > span ||
+      args.cols * static_cast<std::int64_t>(sizeof(T)) > std::int64_t{policy::warp_rows_kib} * 1024)
+    return false;
+  constexpr std::int64_t warps = block / 32;
+  const std::int64_t need = (args.rows + warps - 1) / warps, most = std::int64_t{dev.sms} * blocks;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(need < most ? need : most), 1, 1);
+  cfg.blockDim = dim3(block, 1, 1);
+  cfg.stream = exec.stream;
+  cudaLaunchAttribute attr[1];
+  cfg.attrs = attr;
+  cfg.numAttrs = 0;
+  if constexpr (P == pass::fused) launch_normalizer_ahead(fn, exec, args, cfg);
+  check_cuda(fn,
+             cudaLaunchKernelEx(&cfg, warp_rows_kernel<block, regs, blocks, P, T, G, Tgt>, args));
   return true;
 }
 
@@ -443,6 +480,10 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
                    : launch_small_rows<row_start::any, P>(fn, exec, args, small, dev)))
         return;
     }
+    // Short aligned rows, a warp each (policy::warp_rows_kib), forward or fused.
+    if (plain && aligned && args.first == 0 && args.partials == nullptr &&
+        launch_warp_rows<P>(fn, exec, args, dev))
+      return;
     // A forward that gives every CTA in flight a row of its own.
     if constexpr (P == pass::forward && policy::stream_forward) {
       if (plain && args.first == 0 && args.partials == nullptr &&

@@ -83,6 +83,25 @@ struct stream_stats {
     sum += tile_exp_sum<full, Tile, Part == tile_part::vectors>(
         t, max == -HUGE_VALF ? 0.0f : max * log2e);
   }
+
+  /// Folds in tile `t` of `count` elements: swept whole where it is full (`span` elements), by
+  /// vectors where the row ends on a vector's end (`vectors_end`), element by element otherwise.
+  template <class Tile>
+  __device__ __forceinline__ void add(const Tile& t, int count, int span, bool vectors_end) {
+    if (count == span)
+      add<tile_part::whole>(t);
+    else if (vectors_end)
+      add<tile_part::vectors>(t);
+    else
+      add<tile_part::elements>(t);
+  }
+
+  /// The statistics of every lane of the warp merged, in every lane.
+  __device__ __forceinline__ row_partial warp_total() const {
+    row_partial p;
+    p.lse = online_lse::of_block(max, sum);
+    return warp_merge<32>(p);
+  }
 };
 
 /// Persistent CTAs, each walking rows blockIdx.x, + gridDim.x, ... (MinBlocks per SM).
@@ -164,16 +183,9 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) stream_forward_kernel(row_a
         t.template load<true, true>(src + base, count, base < 0 ? lead : 0);
       else
         t.load(src + base, count);
-      if (count == span)
-        st.add<tile_part::whole>(t);
-      else if (vectors_end)
-        st.add<tile_part::vectors>(t);
-      else
-        st.add<tile_part::elements>(t);
+      st.add(t, count, static_cast<int>(span), vectors_end);
     }
-    row_partial p;
-    p.lse = online_lse::of_block(st.max, st.sum);
-    p = warp_merge<32>(p);
+    row_partial p = st.warp_total();
     if (threadIdx.x == 0) p.target_logit = z_y;
     const int m = merged++;
     row_partial* const parts = warp_parts + (m & 1) * warps;

@@ -407,8 +407,7 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
   T x_y{};
   if constexpr (!Tgt::soft) {
     const std::int64_t yo = rg.y - base;
-    own = yo >= 0 && yo < t.count &&
-          static_cast<int>(yo / vec) % Block == static_cast<int>(threadIdx.x);
+    own = yo >= 0 && yo < t.count && static_cast<int>(yo / vec) % Block == Tile::thread();
     if (own) x_y = a.logits[n * a.ld + rg.y];
   }
   out += base;
@@ -438,7 +437,7 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
       for (unsigned& x : w) x ^= sign;
       memcpy(&d, w, sizeof(d));
     }
-    const int skip = Lead && r == 0 && threadIdx.x == 0 ? lead : 0;
+    const int skip = Lead && r == 0 && Tile::thread() == 0 ? lead : 0;
     if (Aligned && t.valid(r) == vec && (!Lead || skip == 0)) {
       if (!Tile::whole || t.stored(r)) {
         if constexpr (Lead)

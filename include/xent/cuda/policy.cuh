@@ -98,6 +98,9 @@
 #ifndef XENT_CUDA_SHIFTED_ROWS  // 0: fused rows off 16-byte boundaries by two kernels (policy)
 #define XENT_CUDA_SHIFTED_ROWS 1
 #endif
+#ifndef XENT_CUDA_WARP_ROWS_KIB  // rows up to this long (6 at most), a warp each; 0: none (policy)
+#define XENT_CUDA_WARP_ROWS_KIB 0
+#endif
 #ifndef XENT_CUDA_SPLIT_FUSED_KIB  // fused rows up to this long by two kernels; 0: none (policy)
 #define XENT_CUDA_SPLIT_FUSED_KIB 0
 #endif
@@ -289,6 +292,19 @@ struct policy {
   /// tests have run with it (-DXENT_CUDA_SPLIT_FUSED_KIB=8: they take the two kernels on their
   /// many-short-row cases); 8 then.
   static constexpr int split_fused_kib = XENT_CUDA_SPLIT_FUSED_KIB;
+  /// Plain class-id rows, 16-byte aligned, of at most warp_rows_kib KiB (the warp's tile holds 6:
+  /// warp_rows_regs 16-byte vectors per lane), forward and fused, take the warp-rows kernel: a
+  /// warp per row, held in its registers from the load to the gradient's store, every warp of an
+  /// SM with a row in flight, where the row kernel holds two per CTA in 32 KiB tiles (bf16 65536 x
+  /// 3008 fused 747 us, 25% of the roof) and the streaming forward one per 128-thread CTA (181 us,
+  /// 51%). Taken before split_fused_kib. 0 (off): written 2026-11-25 after that session's device
+  /// time ran out, compiled, not yet run: `XENT_DEVICE_CUDA_FLAGS=-DXENT_CUDA_WARP_ROWS_KIB=6
+  /// bash .ci/device tests`, then bench/cuda_variants.sh on the short-row lines. 12 vectors: at
+  /// 16 (8 KiB) the 16-bit fused kernels spilled 144 bytes at their 128 registers (ptxas, sm_90),
+  /// at 12 none but a float gradient of bf16 logits (12 bytes).
+  static constexpr int warp_rows_kib = XENT_CUDA_WARP_ROWS_KIB;
+  static constexpr int warp_rows_regs = 12;
+  static constexpr int warp_rows_min_blocks = 2;  // at most 128 registers per thread
   /// Whether backward calls with plain class-id rows, 16-byte aligned, on sm_90, move the
   /// streaming backward's tiles by bulk copies both ways (bulk_backward_kernel: a tile staged in
   /// one of bulk_backward_stages shared-memory stages, its gradient written back over it and

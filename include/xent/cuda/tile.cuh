@@ -88,16 +88,22 @@ __device__ __forceinline__ void store_vector(G* p, const vec_t<G, Vec>& d) {
 }
 
 /// Which 16-byte vectors of a chunk of `count` elements this thread takes: vectors tid,
-/// tid + Block, ... (`Regs` of them at most), so a warp's accesses are contiguous.
+/// tid + Block, ... (`Regs` of them at most), so a warp's accesses are contiguous. Block 32: a
+/// warp's own tile (warp_rows_kernel), tid its lane.
 template <class T, int Regs, int Block>
 struct tile_shape {
   using elem = T;
   static constexpr int vec = 16 / static_cast<int>(sizeof(T));
   static constexpr int regs = Regs, block = Block;
-  /// Element offset, within the chunk, of this thread's vector r.
-  __device__ __forceinline__ static int offset(int r) {
-    return (r * Block + static_cast<int>(threadIdx.x)) * vec;
+  /// This thread's place among the tile's Block threads.
+  __device__ __forceinline__ static int thread() {
+    if constexpr (Block == 32)
+      return static_cast<int>(threadIdx.x) % 32;
+    else
+      return static_cast<int>(threadIdx.x);
   }
+  /// Element offset, within the chunk, of this thread's vector r.
+  __device__ __forceinline__ static int offset(int r) { return (r * Block + thread()) * vec; }
   __device__ __forceinline__ static bool has(int r, int count) { return offset(r) < count; }
   /// Elements of vector r inside the chunk (vec for all but the chunk's last vector).
   __device__ __forceinline__ static int valid(int r, int count) {
@@ -216,7 +222,7 @@ struct global_tile : tile_extent<T, Regs, Block> {
 #pragma unroll
     for (int r = 0; r < Regs; ++r) {
       if (!this->has(r)) continue;
-      const int skip = Lead && r == 0 && threadIdx.x == 0 ? lead : 0;
+      const int skip = Lead && r == 0 && shape::thread() == 0 ? lead : 0;
       if (Aligned && this->valid(r) == shape::vec && (!Lead || skip == 0)) {
         const uint4 q = __ldcs(reinterpret_cast<const uint4*>(src + shape::offset(r)));
         w[r][0] = q.x;

@@ -1,0 +1,106 @@
+// The warp-rows kernel: forward and fused passes of short plain class-id rows, a warp per row.
+// Included only by nvcc (cuda/backend.cuh).
+//
+// A row of at most 32 x Regs 16-byte vectors (6 KiB at Regs = 12) fits one warp's registers:
+// the warp loads it, merges its statistics by shuffles and writes its gradient from the same
+// registers, one read and one write of the logits with no shared memory and no barrier. The row
+// kernel holds at most two such rows in flight per CTA, each in a 32 KiB tile it mostly sweeps as
+// padding (bf16 65536 x 3008 fused: 747 us, 25% of the copy roof on an H200); here every warp of
+// the SM has a row in flight. Aligned rows only (logits and gradient rows on 16-byte boundaries).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../loss_math.hpp"
+#include "backward_kernel.cuh"
+#include "forward_kernel.cuh"
+#include "kernels.cuh"
+#include "row_reduce.cuh"
+#include "row_sums.cuh"
+#include "tile.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+/// Persistent CTAs of Block threads, MinBlocks per SM; warp w of the grid takes rows w, w +
+/// warps in the grid, ... . `P`: forward or fused. The mean's normaliser comes from
+/// normalizer_kernel ahead (a.normalizer_ahead) or is summed by every CTA.
+template <int Block, int Regs, int MinBlocks, pass P, class T, class G, class Tgt>
+XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T, G, Tgt> a) {
+  static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
+  constexpr bool want_grad = P == pass::fused;
+  constexpr int warps = Block / 32;
+  using tile_t = global_tile<T, Regs, 32>;
+  constexpr int span = Regs * 32 * tile_t::vec;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t stride = std::int64_t{gridDim.x} * warps;
+  const bool need_reduce = a.workspace && (a.loss || a.num_correct);
+  const int count = static_cast<int>(a.cols < span ? a.cols : span);  // launch: cols <= span
+  const bool whole_vectors = a.cols % tile_t::vec == 0;
+  double scalar = 0.0;
+  if constexpr (want_grad) {
+    if (a.reduce != reduction::none) {
+      const double normalizer =
+          a.reduce != reduction::mean ? 1.0
+          : a.normalizer_ahead
+              ? normalizer_from_ahead(a.workspace)
+              : mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, full_weights(a));
+      scalar = scalar_upstream(a.scale, a.scale_ptr, a.reduce, normalizer);
+    }
+  }
+  loss_share mine{};  // lane 0's: its warp's rows, in row order
+  for (std::int64_t n = std::int64_t{blockIdx.x} * warps + warp; n < a.rows; n += stride) {
+    const T* src = a.logits + n * a.ld;
+    // The row's loads go out before its target is known (a skipped row's are wasted): the target,
+    // then the logits, one after the other, would be two cold reads in a chain.
+    tile_t t;
+    t.load(src, count);
+    const std::int64_t y = static_cast<std::int64_t>(a.targets.ids[n]);
+    if (skipped_target(a, y)) {
+      if (lane == 0) {
+        write_skipped_row(a, n, y != a.ignore_index, true, false);
+        if (y != a.ignore_index) mine.loss += NAN;  // the row's loss; its weight in W is 0
+      }
+      if constexpr (want_grad) {
+        G* out = a.grad + n * a.grad_ld;
+        for (int c = lane; c < count; c += 32) out[c] = from_float<G>(0.0f);
+      }
+      continue;
+    }
+    const float z_y = lane == 0 ? to_float(src[y]) : 0.0f;
+    stream_stats st;
+    st.add(t, count, span, whole_vectors);
+    row_partial p = st.warp_total();  // every lane holds the row's statistics
+    p.target_logit = z_y;
+    const float w_y = a.weights ? a.weights[y] : 1.0f;
+    const float lse = p.lse.lse();
+    if (lane == 0) {
+      const float loss = class_row_loss(p, w_y, a.k);
+      write_row_outputs(a, n, loss, lse, -1, false, false);
+      mine.loss += static_cast<double>(loss);
+      mine.w += static_cast<double>(w_y);
+    }
+    if constexpr (want_grad)
+      tile_gradient<true, true>(a, t, n, 0, backward_row(a, n, y, lse, scalar),
+                                a.grad + n * a.grad_ld);
+  }
+  if (need_reduce) {
+    // The CTA's share: its warps' in warp order (deterministic), then the shares across CTAs.
+    __shared__ loss_share warp_shares[warps];
+    if (lane == 0) warp_shares[warp] = mine;
+    __syncthreads();
+    loss_share cta{};
+    if (threadIdx.x == 0)
+      for (int w = 0; w < warps; ++w) {
+        cta.loss += warp_shares[w].loss;
+        cta.w += warp_shares[w].w;
+      }
+    finish_shares<Block>(a.workspace, a.rows, blockIdx.x, gridDim.x, cta, a.reduce, a.loss,
+                         a.num_correct);
+  }
+}
+
+}  // namespace cuda_detail
+}  // namespace xent
