@@ -36,7 +36,7 @@ for spec in "$@"; do
     echo "$name: build failed"; tail -5 "$OUT/build-$name.log"; continue
   fi
   "build/variants/$name" --benchmark_filter="copy_roof|$filter" --benchmark_out="$OUT/variant-$name.json" \
-    --benchmark_out_format=json --benchmark_min_time="${XENT_VARIANT_MIN_TIME:-0.3s}" \
+    --benchmark_out_format=json --benchmark_min_time="${XENT_VARIANT_MIN_TIME:-0.3}" \
     >"$OUT/variant-$name.txt" 2>&1
   # A line's name may hold spaces (template arguments): it ends at the field "*manual_time".
   awk -v n="$name" '/manual_time/ && !/copy_roof/ {l = ""; r = ""; t = 0
