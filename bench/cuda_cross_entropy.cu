@@ -429,49 +429,44 @@ XENT_CUDA_SHORT_ROWS_BENCH(op::forward, xent::reduction::none);
 XENT_CUDA_SHORT_ROWS_BENCH(op::forward_backward, xent::reduction::none);
 XENT_CUDA_SHORT_ROWS_BENCH(op::forward, xent::reduction::sum);
 XENT_CUDA_SHORT_ROWS_BENCH(op::forward_backward, xent::reduction::sum);
+// Lines of one dtype and pass over a list of shapes (`Shapes`: a function adding their Args).
+#define XENT_CUDA_LINES(T, OP, Shapes)        \
+  BENCHMARK_TEMPLATE(BM_cross_entropy, T, OP) \
+      ->Apply(Shapes)                         \
+      ->UseManualTime()                       \
+      ->Unit(benchmark::kMicrosecond)
 // Fused rows of 40-128 KiB besides 8192 x 32000: where policy::wide_from_bytes draws its line.
-BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward_backward)
-    ->Args({8192, 20480})
-    ->Args({8192, 49152})
-    ->Args({8192, 65536})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
+static void wide_line_shapes(benchmark::internal::Benchmark* b) {
+  b->Args({8192, 20480})->Args({8192, 49152})->Args({8192, 65536});
+}
+XENT_CUDA_LINES(__nv_bfloat16, op::forward_backward, wide_line_shapes);
 // GPT-2's vocabulary: rows that are not 16-byte aligned (50257 x 2 bytes) beside aligned ones of
 // nearly the same length (50304, GPT-NeoX's padded vocabulary).
-#define XENT_CUDA_GPT2_BENCH(OP)                          \
-  BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, OP) \
-      ->Args({8192, 50257})                               \
-      ->Args({8192, 50304})                               \
-      ->UseManualTime()                                   \
-      ->Unit(benchmark::kMicrosecond)
-XENT_CUDA_GPT2_BENCH(op::forward_backward);
-XENT_CUDA_GPT2_BENCH(op::forward);
-XENT_CUDA_GPT2_BENCH(op::backward);
+static void gpt2_shapes(benchmark::internal::Benchmark* b) {
+  b->Args({8192, 50257})->Args({8192, 50304});
+}
+XENT_CUDA_LINES(__nv_bfloat16, op::forward_backward, gpt2_shapes);
+XENT_CUDA_LINES(__nv_bfloat16, op::forward, gpt2_shapes);
+XENT_CUDA_LINES(__nv_bfloat16, op::backward, gpt2_shapes);
 // More fused calls on rows off 16-byte boundaries (policy::shifted_rows against the two kernels
 // through the LSE): a short batch past the small-batch kernel's reach and short rows (a CTA
 // each); fp32 8192 x 50257 below.
-BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward_backward)
-    ->Args({256, 50257})
-    ->Args({65536, 3001})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
+static void shifted_shapes(benchmark::internal::Benchmark* b) {
+  b->Args({256, 50257})->Args({65536, 3001});
+}
+XENT_CUDA_LINES(__nv_bfloat16, op::forward_backward, shifted_shapes);
 // Many short rows (6 KiB in bf16), aligned, each pass: what a row costs the kernels beside its
 // bytes (65536 x 3001 above is the same rows off 16-byte boundaries).
-#define XENT_CUDA_SHORT_BATCH_BENCH(OP)                   \
-  BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, OP) \
-      ->Args({65536, 3008})                               \
-      ->UseManualTime()                                   \
-      ->Unit(benchmark::kMicrosecond)
-XENT_CUDA_SHORT_BATCH_BENCH(op::forward_backward);
-XENT_CUDA_SHORT_BATCH_BENCH(op::forward);
-XENT_CUDA_SHORT_BATCH_BENCH(op::backward);
+static void short_batch_shapes(benchmark::internal::Benchmark* b) { b->Args({65536, 3008}); }
+XENT_CUDA_LINES(__nv_bfloat16, op::forward_backward, short_batch_shapes);
+XENT_CUDA_LINES(__nv_bfloat16, op::forward, short_batch_shapes);
+XENT_CUDA_LINES(__nv_bfloat16, op::backward, short_batch_shapes);
 // Fused rows of 12 and 24 KiB (the same bytes as 65536 x 3008): where policy::split_fused_kib
 // draws its line, with 8192 x 20480 (40 KiB) and 8192 x 32000 above.
-BENCHMARK_TEMPLATE(BM_cross_entropy, __nv_bfloat16, op::forward_backward)
-    ->Args({32768, 6016})
-    ->Args({16384, 12032})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
+static void split_line_shapes(benchmark::internal::Benchmark* b) {
+  b->Args({32768, 6016})->Args({16384, 12032});
+}
+XENT_CUDA_LINES(__nv_bfloat16, op::forward_backward, split_line_shapes);
 BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward_backward)
     ->Args({8192, 16384})
     ->Args({8192, 32000})

@@ -462,14 +462,16 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
     }
   }
   if constexpr (P != pass::backward && !Tgt::soft) {
-    // A batch too short for the row kernel's pipelined clusters (an unsharded call). Forward and
+    // Plain rows of an unsharded call (no vocab-parallel partials): the kernels below that
+    // specialise the row kernel's work take only those.
+    const bool own_plain = plain && args.first == 0 && args.partials == nullptr;
+    // A batch too short for the row kernel's pipelined clusters. Forward and
     // fused calls of a shape take the same kernel, so their losses are the same bits, except a
     // fused call whose gradient rows do not share the logits' 16-byte boundaries: rows that are
     // not 16-byte aligned are cut at those boundaries (row_start::shifted), or where the gradient
     // has others, loaded and stored element by element (row_start::any; fp32 32 x 50257 on an
     // H200: fused 23.5 against the row kernel's 29.2 us, forward 21.6 against 19.1).
-    if (plain && args.first == 0 && args.partials == nullptr && dev.major >= 9 &&
-        args.rows <= 65535) {
+    if (own_plain && dev.major >= 9 && args.rows <= 65535) {
       // Shifted rows are cut at their own 16-byte boundaries: room for vec - 1 more classes.
       const bool cut = !aligned && shifted;
       const launch_plan small = make_small_plan(
@@ -481,14 +483,11 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
         return;
     }
     // Short aligned rows, a warp each (policy::warp_rows_kib), forward or fused.
-    if (plain && aligned && args.first == 0 && args.partials == nullptr &&
-        launch_warp_rows<P>(fn, exec, args, dev))
-      return;
+    if (own_plain && aligned && launch_warp_rows<P>(fn, exec, args, dev)) return;
     // A forward that gives every CTA in flight a row of its own.
     if constexpr (P == pass::forward && policy::stream_forward) {
-      if (plain && args.first == 0 && args.partials == nullptr &&
-          (aligned ? launch_stream_forward<false>(fn, exec, args, dev)
-                   : launch_stream_forward<true>(fn, exec, args, dev)))
+      if (own_plain && (aligned ? launch_stream_forward<false>(fn, exec, args, dev)
+                                : launch_stream_forward<true>(fn, exec, args, dev)))
         return;
     }
     if constexpr (P == pass::fused) {
@@ -496,14 +495,13 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
       // gradient rows on the same ones), by the two kernels through the LSE.
       const bool split_short = args.cols * static_cast<std::int64_t>(sizeof(T)) <=
                                std::int64_t{policy::split_fused_kib} * 1024;
-      if (plain && split_short && args.first == 0 && args.partials == nullptr &&
-          (aligned || shifted) &&
+      if (own_plain && split_short && (aligned || shifted) &&
           (aligned ? launch_split_fused<false>(fn, exec, args, dev)
                    : launch_split_fused<true>(fn, exec, args, dev)))
         return;
       // A fused call on rows that are not 16-byte aligned but whose gradient rows have the same
       // boundaries (in place, say), each row cut at its own boundaries.
-      if (plain && !aligned && shifted && args.first == 0 && args.partials == nullptr) {
+      if (own_plain && !aligned && shifted) {
         // The row kernel, where it is taken (policy::shifted_rows) and holds the rows on chip.
         if constexpr (policy::shifted_rows && sizeof(T) == sizeof(G)) {
           if (launch_rows<true, true, P, T, G, Tgt, default_shape, true>(fn, exec, args, dev))
