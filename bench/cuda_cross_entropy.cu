@@ -461,12 +461,13 @@ static void short_batch_shapes(benchmark::internal::Benchmark* b) { b->Args({655
 XENT_CUDA_LINES(__nv_bfloat16, op::forward_backward, short_batch_shapes);
 XENT_CUDA_LINES(__nv_bfloat16, op::forward, short_batch_shapes);
 XENT_CUDA_LINES(__nv_bfloat16, op::backward, short_batch_shapes);
-// Fused rows of 12 and 24 KiB (the same bytes as 65536 x 3008): where policy::split_fused_kib
-// draws its line, with 8192 x 20480 (40 KiB) and 8192 x 32000 above.
+// Rows of 12 and 24 KiB (the same bytes as 65536 x 3008): where policy::split_fused_kib and the
+// warp-rows kernel's long form draw their lines, with 8192 x 20480 (40 KiB) and 8192 x 32000 above.
 static void split_line_shapes(benchmark::internal::Benchmark* b) {
   b->Args({32768, 6016})->Args({16384, 12032});
 }
 XENT_CUDA_LINES(__nv_bfloat16, op::forward_backward, split_line_shapes);
+XENT_CUDA_LINES(__nv_bfloat16, op::forward, split_line_shapes);
 BENCHMARK_TEMPLATE(BM_cross_entropy, float, op::forward_backward)
     ->Args({8192, 16384})
     ->Args({8192, 32000})

@@ -24,6 +24,7 @@ namespace {
 using xent_test::dbl;
 using xent_test::dbuf;
 using xent_test::ok;
+using xent_test::sm_count;
 
 struct spec {
   std::int64_t rows = 7, cols = 1000, ld = 0;  // ld 0: cols
@@ -358,9 +359,7 @@ TYPED_TEST(CudaBackend, MatchesFloat64OracleOnLargeRowsAndManyRows) {
 // exponential finite (the sum grows to ~2^80), 200 overflows them and the warp takes the max-first
 // sweeps.
 TYPED_TEST(CudaBackend, MatchesFloat64OracleWhenCtasStreamWholeRows) {
-  int device = 0, sms = 0;
-  ok(cudaGetDevice(&device));
-  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   std::uint64_t seed = 7;
   // One case, some rows ignored. options 0: plain; 1: argmax and smoothing; 2: plain with weights,
   // z-loss and reduction sum; 3: plain with weights and reduction mean (the streaming forward sums
@@ -492,9 +491,7 @@ TEST(CudaBackendSemantics, OneWorkspaceServesBatchesOfEverySizeInTurn) {
 // Rows it holds (50257; policy::shifted_rows) take it whatever the call keeps: the same bits.
 TEST(CudaBackendSemantics, FusedShiftedRowsKeepTheirLseInTheOutputOrTheWorkspace) {
   REQUIRE_GPU();
-  int device = 0, sms = 0;
-  ok(cudaGetDevice(&device));
-  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   for (const std::int64_t V : {std::int64_t{50257}, std::int64_t{262147}}) {
     SCOPED_TRACE("V " + std::to_string(V));
     const std::int64_t N = 2 * std::int64_t{sms} + 3;
@@ -546,9 +543,7 @@ TEST(CudaBackendSemantics, FusedShiftedRowsKeepTheirLseInTheOutputOrTheWorkspace
 // in-place bf16 call's to within bf16 rounding, the loss the same to float rounding.
 TEST(CudaBackendSemantics, FusedFloatGradientOfBfloat16LogitsOnUnalignedRows) {
   REQUIRE_GPU();
-  int device = 0, sms = 0;
-  ok(cudaGetDevice(&device));
-  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   for (const auto& shape :
        {std::pair<std::int64_t, std::int64_t>{19, 4097},
         std::pair<std::int64_t, std::int64_t>{8 * std::int64_t{sms} + 7, 3001}}) {
@@ -839,9 +834,7 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
 // hand-offs.
 TEST(CudaSanitizerLongBatch, PlainRowsThroughEveryPass) {
   REQUIRE_GPU();
-  int device = 0, sms = 0;
-  ok(cudaGetDevice(&device));
-  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   spec s;
   s.rows = 24 * std::int64_t{sms} + 5;  // the streaming forward runs 8 * sms CTAs
   s.cols = 9000;  // one 8192-element bf16 tile and a partial one; two fp32 tiles and a partial one
@@ -854,17 +847,41 @@ TEST(CudaSanitizerLongBatch, PlainRowsThroughEveryPass) {
   // the buffer does, nearer than its last 16 bytes reach: its tail is read element by element.
   s.ld = 9003;
   check_spec<Eigen::bfloat16>(s);
+  // Short rows off 16-byte boundaries, in place: the fused pass by the streaming forward and the
+  // bulk backward through the LSE (policy::split_fused_kib).
+  s.cols = 3001;
+  s.ld = 3003;
+  check_spec<Eigen::bfloat16>(s);
+}
+
+// Short aligned rows in a batch too long for the small-batch kernel: a warp per row
+// (policy::warp_rows_kib), forward and fused, its shares summed in shared memory per CTA, in both
+// of the kernel's forms (6 and 12 KiB); racecheck too (no mbarrier hand-offs there).
+TEST(CudaSanitizer, ShortRowsAWarpEach) {
+  REQUIRE_GPU();
+  const int sms = sm_count();
+  spec s;
+  s.rows = 16 * std::int64_t{sms} + 5;  // two CTAs of eight warps per SM, and five rows more
+  s.cols = 3000;  // 6000 bytes of bf16, 16-byte aligned; fp32: 1500 (the same bytes)
+  s.some_ignored = true;
+  s.argmax = false;
+  check_spec<Eigen::bfloat16>(s);
+  s.cols = 1500;
+  s.reduce = xent::reduction::sum;
+  check_spec<float>(s);
+  s.cols = 6000;  // 12000 bytes of bf16: the long form
+  check_spec<Eigen::bfloat16>(s);
 }
 
 // Plain fused rows through the row kernel (a batch too long for the small-batch kernel) with every
 // target at a slice's edge: the slices of whole vectors sweep whole register tiles past the slice
 // (the stage holds -inf there), the others the tested tiles; rows padded to 16 bytes with a last
-// slice that is not whole vectors; rows that fit one CTA.
+// slice that is not whole vectors; rows that fit one CTA. Slices of 12000 and 28000 classes fill
+// at most 6 and 7 of each thread's 8 vectors (trimmed sweeps, policy::trim_tiles).
 TYPED_TEST(CudaBackend, PlainFusedRowsWithTargetsAtSliceEdges) {
-  int device = 0, sms = 0;
-  ok(cudaGetDevice(&device));
-  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  for (auto shape : {std::pair<std::int64_t, std::int64_t>{32000, 0}, {32001, 32008}, {12000, 0}}) {
+  const int sms = sm_count();
+  for (auto shape :
+       {std::pair<std::int64_t, std::int64_t>{32000, 0}, {32001, 32008}, {12000, 0}, {28000, 0}}) {
     spec s;
     s.rows = 8 * std::int64_t{sms} + 5;
     s.cols = shape.first;
@@ -885,9 +902,7 @@ TYPED_TEST(CudaBackend, PlainFusedRowsWithTargetsAtSliceEdges) {
 // first class and the one before it, rows ignored, every reduction.
 TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
   using xent::cuda_detail::make_small_plan;
-  int device = 0, sms = 0;
-  ok(cudaGetDevice(&device));
-  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   constexpr std::int64_t bytes = sizeof(TypeParam), vec = 16 / bytes;
   std::uint64_t seed = 900;
   for (auto shape : {std::pair<std::int64_t, std::int64_t>{50257, 0},
@@ -913,23 +928,26 @@ TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
       }
 }
 
-// Plain rows of at most 6 KiB, 16-byte aligned, several per warp in flight: the warp-rows kernel
+// Plain rows of at most 12 KiB, 16-byte aligned, several per warp in flight: the warp-rows kernel
 // where policy::warp_rows_kib takes them (a warp's registers hold the row from its load to its
-// gradient's store; 2 CTAs of 8 warps per SM), the streaming forward and the row kernel
-// otherwise. Rows of one partial vector (5 classes), of whole vectors, of a partial last vector,
-// and of a warp's whole tile (32 lanes x 12 vectors) with and without padding; some rows ignored,
-// weights and z-loss, every reduction, in place and out of place, a spike past the running max.
+// gradient's store; 2 CTAs of 8 warps per SM, or for fused rows past that tile, 1 CTA of lanes
+// with twice the vectors), the streaming forward and the row kernel otherwise. Rows of one
+// partial vector (5 classes), of whole vectors, of a partial last vector, of either form's whole
+// tile (32 lanes x 12 or 24 vectors) with and without padding, and one vector past the short
+// form's; some rows ignored, weights and z-loss, every reduction, in place and out of place, a
+// spike past the running max.
 TYPED_TEST(CudaBackend, ShortAlignedRowsAWarpEach) {
-  int device = 0, sms = 0;
-  ok(cudaGetDevice(&device));
-  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  constexpr std::int64_t vec = 16 / sizeof(TypeParam), tile = 32 * 12 * vec;
+  const int sms = sm_count();
+  constexpr std::int64_t vec = 16 / sizeof(TypeParam), tile = 32 * 12 * vec, long_tile = 2 * tile;
   std::uint64_t seed = 1200;
   for (const auto& shape : {std::pair<std::int64_t, std::int64_t>{5, 8},
                             {1000, 1000},
                             {1001, 1008},
                             {tile, tile},
-                            {tile - vec + 1, tile}})
+                            {tile - vec + 1, tile},
+                            {tile + vec, tile + vec},
+                            {long_tile, long_tile},
+                            {long_tile - vec + 1, long_tile}})
     for (int layout = 0; layout < 3; ++layout) {
       spec s;
       s.rows = 40 * std::int64_t{sms} + 9;
@@ -961,9 +979,7 @@ TYPED_TEST(CudaBackend, ShortAlignedRowsAWarpEach) {
 // rows over 128 KiB (70001 x 2 bytes); rows of 5 classes, shorter than a 16-bit vector with their
 // lead (nothing before such a row may be written).
 TYPED_TEST(CudaBackend, PlainLongBatchRowsCutAtTheirOwn16ByteBoundaries) {
-  int device = 0, sms = 0;
-  ok(cudaGetDevice(&device));
-  ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count();
   constexpr std::int64_t vec = 16 / sizeof(TypeParam);
   // More rows than the small-batch kernel's clusters cover (8 CTAs per SM at most).
   const std::int64_t many = 8 * std::int64_t{sms} + 7, long_rows = 2 * std::int64_t{sms} + 3;

@@ -30,6 +30,14 @@ inline std::string no_gpu_reason() {
 
 inline void ok(cudaError_t e) { ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e); }
 
+/// The current device's multiprocessors: the batch sizes that reach a kernel's grid scale with it.
+inline int sm_count() {
+  int device = 0, sms = 0;
+  EXPECT_EQ(cudaGetDevice(&device), cudaSuccess);
+  EXPECT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  return sms;
+}
+
 /// A device buffer (on the device current at construction) with host mirror helpers.
 template <class T>
 struct dbuf {

@@ -283,21 +283,19 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
   return true;
 }
 
-/// Plain class-id rows, 16-byte aligned, of at most policy::warp_rows_kib KiB (and a warp's tile),
-/// a warp per row (warp_rows_kernel): persistent CTAs, as many as the rows need up to
-/// policy::warp_rows_min_blocks per SM. False, launching nothing, for longer rows or below sm_90
-/// (the normaliser ahead needs it; the kernel itself would run anywhere).
-template <pass P, class T, class G, class Tgt>
-bool launch_warp_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
-                      const device_facts& dev) {
-  constexpr int block = policy::block, regs = policy::warp_rows_regs,
-                blocks = policy::warp_rows_min_blocks;
-  constexpr std::int64_t span = std::int64_t{regs} * 32 * (16 / sizeof(T));
-  if (policy::warp_rows_kib == 0 || dev.major < 9 || args.cols > span ||
-      args.cols * static_cast<std::int64_t>(sizeof(T)) > std::int64_t{policy::warp_rows_kib} * 1024)
-    return false;
+/// Plain class-id rows, 16-byte aligned, of at most policy::warp_rows_kib KiB, a warp per row
+/// (warp_rows_kernel): persistent CTAs, as many as the rows need up to MinBlocks per SM, each lane
+/// holding Regs vectors of its warp's row. False, launching nothing, for rows longer than that
+/// tile or below sm_90 (the normaliser ahead needs it; the kernel itself would run anywhere).
+template <int Regs, int MinBlocks, pass P, class T, class G, class Tgt>
+bool launch_warp_rows_as(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
+                         const device_facts& dev) {
+  constexpr int block = policy::block;
+  constexpr std::int64_t span = std::int64_t{Regs} * 32 * (16 / sizeof(T));
+  if (dev.major < 9 || args.cols > span) return false;
   constexpr std::int64_t warps = block / 32;
-  const std::int64_t need = (args.rows + warps - 1) / warps, most = std::int64_t{dev.sms} * blocks;
+  const std::int64_t need = (args.rows + warps - 1) / warps,
+                     most = std::int64_t{dev.sms} * MinBlocks;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(need < most ? need : most), 1, 1);
   cfg.blockDim = dim3(block, 1, 1);
@@ -306,9 +304,27 @@ bool launch_warp_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args
   cfg.attrs = attr;
   cfg.numAttrs = 0;
   if constexpr (P == pass::fused) launch_normalizer_ahead(fn, exec, args, cfg);
-  check_cuda(fn,
-             cudaLaunchKernelEx(&cfg, warp_rows_kernel<block, regs, blocks, P, T, G, Tgt>, args));
+  check_cuda(
+      fn, cudaLaunchKernelEx(&cfg, warp_rows_kernel<block, Regs, MinBlocks, P, T, G, Tgt>, args));
   return true;
+}
+
+/// The warp-rows kernel's form for the row's length (policy::warp_rows_kib): rows of a short
+/// warp's tile at two CTAs per SM (three for a forward), longer fused ones in twice the registers
+/// at one.
+template <pass P, class T, class G, class Tgt>
+bool launch_warp_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
+                      const device_facts& dev) {
+  if (args.cols * static_cast<std::int64_t>(sizeof(T)) > std::int64_t{policy::warp_rows_kib} * 1024)
+    return false;
+  constexpr int short_blocks =
+      P == pass::forward ? policy::warp_rows_forward_min_blocks : policy::warp_rows_min_blocks;
+  if (launch_warp_rows_as<policy::warp_rows_regs, short_blocks, P>(fn, exec, args, dev))
+    return true;
+  if constexpr (P == pass::fused)
+    return launch_warp_rows_as<policy::warp_rows_long_regs, policy::warp_rows_long_min_blocks, P>(
+        fn, exec, args, dev);
+  return false;
 }
 
 /// The streaming forward in CTAs of Block threads, MinBlocks per SM (a CTA per row where the
@@ -444,6 +460,10 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
       !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f && !args.want_argmax;
   if constexpr (P == pass::backward && !Tgt::soft && policy::stream_backward) {
     if (aligned) {
+      // Short rows, a warp each (policy::warp_rows_kib).
+      if (plain && args.first == 0 && args.partials == nullptr &&
+          launch_warp_rows<P>(fn, exec, args, dev))
+        return;
       if (plain && policy::bulk_backward && launch_bulk_backward<false>(fn, exec, args, dev))
         return;
       if (plain)

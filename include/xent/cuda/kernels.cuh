@@ -187,7 +187,7 @@ __device__ __forceinline__ float packed_max(const T* chunk, int count) {
   using shape = tile_shape<T, Regs, Block>;
   vec_t<T, 2> acc2[2];
   acc2[0].v[0] = acc2[0].v[1] = acc2[1].v[0] = acc2[1].v[1] = negative_infinity<T>();
-  static_assert(Regs % 2 == 0, "vectors are taken in pairs");
+  static_assert(Whole || Regs % 2 == 0, "vectors are taken in pairs");
   if constexpr (Whole) {
 #pragma unroll
     for (int r = 0; r < Regs; ++r)
@@ -697,12 +697,15 @@ XENT_KERNEL void __launch_bounds__(
   };
   // Statistics of item k into `part`, with the target's logit if the chunk holds it.
   // `whole_tiles`: std::true_type where the stage holds -inf past the chunk (whole_capable).
-  auto item_stats = [&](std::int64_t k, const row_state& r, part_t& part, auto whole_tiles) {
+  // `swept`: the vectors per thread the sweeps cover (Regs, fewer for trimmed whole tiles).
+  auto item_stats = [&](std::int64_t k, const row_state& r, part_t& part, auto whole_tiles,
+                        auto swept) {
     std::int64_t base;
     int count;
     chunk_span(k, base, count);
     const T* chunk = stage(k);
-    chunk_stats<Plain, Regs, Block, decltype(whole_tiles)::value>(a, chunk, count, r.n, base, part);
+    chunk_stats<Plain, decltype(swept)::value, Block, decltype(whole_tiles)::value>(
+        a, chunk, count, r.n, base, part);
     if constexpr (!Tgt::soft) {
       if (threadIdx.x == 0 && r.rg.y >= base && r.rg.y < base + count)
         stats_of(part).target_logit = capped<Plain>(chunk[r.rg.y - base], a.k);
@@ -864,12 +867,14 @@ XENT_KERNEL void __launch_bounds__(
     // its tile held in registers meanwhile) or before them (the tile is then live only between
     // rows: see policy::overlap_rows).
     constexpr bool overlap = policy::template overlap_rows<T, P == pass::fused>;
-    // Whole tiles (whole_extent) where the stage's tail holds -inf: two copies of the loop, for
-    // slices of whole vectors (the tail filled once per launch) and for the rest.
-    auto resident_rows = [&](auto whole_tiles) {
+    // Whole tiles (whole_extent) where the stage's tail holds -inf: copies of the loop for
+    // slices of whole vectors (the tail filled once per launch), swept over all of each thread's
+    // vectors or the first `swept` (policy::trim_tiles), and for the rest.
+    auto resident_rows = [&](auto whole_tiles, auto swept) {
       constexpr bool whole_tile = decltype(whole_tiles)::value;
-      using held_t = std::conditional_t<keep_exps, exp_tile<T, Regs, Block, whole_tile>,
-                                        row_tile<T, Regs, Block, whole_tile>>;
+      constexpr int R = decltype(swept)::value;
+      using held_t = std::conditional_t<keep_exps, exp_tile<T, R, Block, whole_tile>,
+                                        row_tile<T, R, Block, whole_tile>>;
       held_t tile;
       row_state prev;
       for (std::int64_t i = 0; i <= my_rows; ++i) {
@@ -944,11 +949,11 @@ XENT_KERNEL void __launch_bounds__(
               std::int64_t base;
               int count;
               chunk_span(i, base, count);
-              chunk_stats_keeping_exps<Regs, Block>(stage(i), count, part, tile);
+              chunk_stats_keeping_exps<R, Block>(stage(i), count, part, tile);
               if (threadIdx.x == 0 && cur.rg.y >= base && cur.rg.y < base + count)
                 stats_of(part).target_logit = to_float(stage(i)[cur.rg.y - base]);
             } else {
-              item_stats(i, cur, part, whole_tiles);
+              item_stats(i, cur, part, whole_tiles, swept);
             }
             ex.publish(warp_total(part), slot);
             partials_handoff(i, warp0);
@@ -972,13 +977,23 @@ XENT_KERNEL void __launch_bounds__(
         prev = cur;
       }
     };
+    using all_vectors = std::integral_constant<int, Regs>;
     if constexpr (whole_capable) {
-      if (whole)
-        resident_rows(std::true_type{});
-      else
-        resident_rows(std::false_type{});
+      if (!whole) {
+        resident_rows(std::false_type{}, all_vectors{});
+      } else if constexpr (policy::trim_tiles && Block == policy::block && Regs > 2) {
+        auto fills = [&](int r) { return a.slice <= std::int64_t{r} * Block * (16 / sizeof(T)); };
+        if (fills(Regs - 2))
+          resident_rows(std::true_type{}, std::integral_constant<int, Regs - 2>{});
+        else if (fills(Regs - 1))
+          resident_rows(std::true_type{}, std::integral_constant<int, Regs - 1>{});
+        else
+          resident_rows(std::true_type{}, all_vectors{});
+      } else {
+        resident_rows(std::true_type{}, all_vectors{});
+      }
     } else {
-      resident_rows(std::false_type{});
+      resident_rows(std::false_type{}, all_vectors{});
     }
   } else if constexpr (!Shifted) {  // shifted rows are resident (launch_rows)
     // Rows longer than a cluster holds: per chunk, statistics items, then gradient items that
@@ -996,7 +1011,7 @@ XENT_KERNEL void __launch_bounds__(
       row_tile<T, Regs, Block> tile;  // the stage is released before the gradient here
       if (!cur.skip) {
         if (stats_item) {
-          item_stats(k, cur, part, std::false_type{});
+          item_stats(k, cur, part, std::false_type{}, std::integral_constant<int, Regs>{});
         } else {
           std::int64_t base;
           int count;

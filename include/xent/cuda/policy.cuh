@@ -98,11 +98,14 @@
 #ifndef XENT_CUDA_SHIFTED_ROWS  // 0: fused rows off 16-byte boundaries by two kernels (policy)
 #define XENT_CUDA_SHIFTED_ROWS 1
 #endif
-#ifndef XENT_CUDA_WARP_ROWS_KIB  // rows up to this long (6 at most), a warp each; 0: none (policy)
-#define XENT_CUDA_WARP_ROWS_KIB 0
+#ifndef XENT_CUDA_TRIM_TILES  // 0: whole-tile rows sweep every vector of the tile (policy)
+#define XENT_CUDA_TRIM_TILES 1
+#endif
+#ifndef XENT_CUDA_WARP_ROWS_KIB  // rows up to this long (12 at most), a warp each; 0: none (policy)
+#define XENT_CUDA_WARP_ROWS_KIB 12
 #endif
 #ifndef XENT_CUDA_SPLIT_FUSED_KIB  // fused rows up to this long by two kernels; 0: none (policy)
-#define XENT_CUDA_SPLIT_FUSED_KIB 0
+#define XENT_CUDA_SPLIT_FUSED_KIB 8
 #endif
 #ifndef XENT_CUDA_BALANCED_GRID  // 0: the bulk backward's grid as large as the SMs hold
 #define XENT_CUDA_BALANCED_GRID 1
@@ -280,6 +283,17 @@ struct policy {
   /// the threads past the row's end reset the stage to -inf after each copy); 256 x 50257 37.3 /
   /// 32.4 / 29.0 us; fp32 8192 x 50257 1231 / 1158 / 975 us.
   static constexpr bool shifted_rows = XENT_CUDA_SHIFTED_ROWS != 0;
+  /// Whether the row kernel's whole-tile rows (plain fused resident rows; CTAs of the default
+  /// shape) whose slices fill at most regs - 2 or regs - 1 of each thread's vectors sweep only
+  /// those: the sweeps past a slice take exponentials of -inf, and the rows of 40 KiB (two CTAs
+  /// of 20 of the 32 KiB) or of GPT-2's 50257 classes (four of 24.5) are partly bound by them.
+  /// H200, 2026-11-25, same lease, two rounds, bf16 fused, whole tiles -> trimmed: 8192 x 20480
+  /// 225 -> 196 us (70 -> 81% of the roof), 8192 x 50257 509 -> 477-478 (76 -> 81%), 8192 x
+  /// 50304 479-480 -> 466, 16384 x 12032 220 -> 217-218, fp32 8192 x 50257 973-974 -> 953-955;
+  /// the full-tile lines unchanged. Each trim alone first: regs - 1 in the wide shape as well
+  /// made 16384 x 128256 2109 -> 2127-2129 us (the wide kernel's code; it never took the trimmed
+  /// path), so the wide shape keeps its whole tiles.
+  static constexpr bool trim_tiles = XENT_CUDA_TRIM_TILES != 0;
   /// Plain fused rows of at most split_fused_kib KiB in a batch long enough for the streaming
   /// forward (aligned, or cut at their own boundaries where the gradient's share them) run it and
   /// then the bulk backward from the LSE it wrote (launch_split_fused), rather than the row
@@ -288,23 +302,39 @@ struct policy {
   /// (bench/results/2026-11-25-h200-shifted-whole-tiles/split-fused/, built with 64): 65536 x
   /// 3008 (6 KiB rows) 746-747 -> 446 us, 65536 x 3001 898 -> 680, 32768 x 6016 (12 KiB) 389 ->
   /// 385, 16384 x 12032 (24 KiB) 220 -> 317, 8192 x 20480 225 -> 263-264, 8192 x 32000 277 ->
-  /// 400, fp32 8192 x 16384 282 -> 395-396: the line lies near 8 KiB. 0 (off) until the CUDA
-  /// tests have run with it (-DXENT_CUDA_SPLIT_FUSED_KIB=8: they take the two kernels on their
-  /// many-short-row cases); 8 then.
+  /// 400, fp32 8192 x 16384 282 -> 395-396: the line lies near 8 KiB. Behind the warp-rows kernel
+  /// (warp_rows_kib) it takes the rows that one does not, those off 16-byte boundaries: H200,
+  /// 2026-11-25, three rounds, 65536 x 3001 897-898 -> 680-682 us.
   static constexpr int split_fused_kib = XENT_CUDA_SPLIT_FUSED_KIB;
-  /// Plain class-id rows, 16-byte aligned, of at most warp_rows_kib KiB (the warp's tile holds 6:
-  /// warp_rows_regs 16-byte vectors per lane), forward and fused, take the warp-rows kernel: a
+  /// Plain class-id rows, 16-byte aligned, of at most warp_rows_kib KiB (a warp's tile holds 6 at
+  /// warp_rows_regs 16-byte vectors per lane, 12 in the long form below), every pass, take the
+  /// warp-rows kernel: a
   /// warp per row, held in its registers from the load to the gradient's store, every warp of an
   /// SM with a row in flight, where the row kernel holds two per CTA in 32 KiB tiles (bf16 65536 x
   /// 3008 fused 747 us, 25% of the roof) and the streaming forward one per 128-thread CTA (181 us,
-  /// 51%). Taken before split_fused_kib. 0 (off): written 2026-11-25 after that session's device
-  /// time ran out, compiled, not yet run: `XENT_DEVICE_CUDA_FLAGS=-DXENT_CUDA_WARP_ROWS_KIB=6
-  /// bash .ci/device tests`, then bench/cuda_variants.sh on the short-row lines. 12 vectors: at
+  /// 51%). Taken before split_fused_kib. H200, 2026-11-25, same lease, three rounds, off -> 6:
+  /// bf16 65536 x 3008 fused 746 -> 238-239 us (78% of the roof; the split kernels 445-446),
+  /// forward 181 -> 144 (65%); 12 KiB rows and longer unchanged (the short form's). 12 vectors: at
   /// 16 (8 KiB) the 16-bit fused kernels spilled 144 bytes at their 128 registers (ptxas, sm_90),
-  /// at 12 none but a float gradient of bf16 logits (12 bytes).
+  /// at 12 none but a float gradient of bf16 logits (12 bytes). Backward calls from the saved
+  /// LSE too (same lease, two rounds): 65536 x 3008 282-283 -> 245-246 us (66 -> 76%; the bulk
+  /// backward before).
   static constexpr int warp_rows_kib = XENT_CUDA_WARP_ROWS_KIB;
   static constexpr int warp_rows_regs = 12;
   static constexpr int warp_rows_min_blocks = 2;  // at most 128 registers per thread
+  /// The forward holds no gradient: three CTAs per SM, though ptxas (sm_90) then spills 176
+  /// bytes of the bf16 instantiation at its 80 registers. H200, 2026-11-25, same lease, two
+  /// rounds, bf16 65536 x 3008 forward at 2 / 3 / 4 CTAs per SM: 144 / 134 / 161 us (64 / 69 /
+  /// 58% of the roof).
+  static constexpr int warp_rows_forward_min_blocks = 3;
+  /// Fused rows of 6 to 12 KiB (warp_rows_kib above 6) take the warp-rows kernel with twice the
+  /// vectors per lane at one CTA per SM (ptxas: 238-255 registers, no spill): eight rows in
+  /// flight per SM, the bytes of the short form's sixteen. H200, 2026-11-25, same lease, two
+  /// rounds each: bf16 32768 x 6016 fused 389 (the row kernel) -> 274-276 us (48 -> 67% of the
+  /// roof). Not for 6 KiB rows (239 -> 425 us: half the bytes in flight) nor for forwards (32768 x
+  /// 6016 141 -> 222: the streaming forward's 128-thread CTAs keep more rows in flight).
+  static constexpr int warp_rows_long_regs = 24;
+  static constexpr int warp_rows_long_min_blocks = 1;
   /// Whether backward calls with plain class-id rows, 16-byte aligned, on sm_90, move the
   /// streaming backward's tiles by bulk copies both ways (bulk_backward_kernel: a tile staged in
   /// one of bulk_backward_stages shared-memory stages, its gradient written back over it and

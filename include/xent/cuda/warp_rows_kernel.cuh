@@ -1,4 +1,4 @@
-// The warp-rows kernel: forward and fused passes of short plain class-id rows, a warp per row.
+// The warp-rows kernel: every pass over short plain class-id rows, a warp per row.
 // Included only by nvcc (cuda/backend.cuh).
 //
 // A row of at most 32 x Regs 16-byte vectors (6 KiB at Regs = 12) fits one warp's registers:
@@ -25,21 +25,22 @@ namespace xent {
 namespace cuda_detail {
 
 /// Persistent CTAs of Block threads, MinBlocks per SM; warp w of the grid takes rows w, w +
-/// warps in the grid, ... . `P`: forward or fused. The mean's normaliser comes from
-/// normalizer_kernel ahead (a.normalizer_ahead) or is summed by every CTA.
+/// warps in the grid, ... . `P`: forward, fused, or backward from the saved LSE (a.lse_in). The
+/// mean's normaliser comes from normalizer_kernel ahead (a.normalizer_ahead) or is summed by
+/// every CTA.
 template <int Block, int Regs, int MinBlocks, pass P, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T, G, Tgt> a) {
-  static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
-  constexpr bool want_grad = P == pass::fused;
+  static_assert(!Tgt::soft, "class ids");
+  constexpr bool want_grad = P != pass::forward;
   constexpr int warps = Block / 32;
   using tile_t = global_tile<T, Regs, 32>;
   constexpr int span = Regs * 32 * tile_t::vec;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t stride = std::int64_t{gridDim.x} * warps;
-  const bool need_reduce = a.workspace && (a.loss || a.num_correct);
+  const bool need_reduce = P != pass::backward && a.workspace && (a.loss || a.num_correct);
   const int count = static_cast<int>(a.cols < span ? a.cols : span);  // launch: cols <= span
   const bool whole_vectors = a.cols % tile_t::vec == 0;
-  double scalar = 0.0;
+  double scalar = 0.0;  // plain rows: no smoothing, so no sum of class weights
   if constexpr (want_grad) {
     if (a.reduce != reduction::none) {
       const double normalizer =
@@ -58,33 +59,37 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T
     tile_t t;
     t.load(src, count);
     const std::int64_t y = static_cast<std::int64_t>(a.targets.ids[n]);
+    // A backward's saved LSE, read beside the logits.
+    const float saved_lse = P == pass::backward ? a.lse_in[n] : 0.0f;
+    G* const out = a.grad + n * a.grad_ld;
     if (skipped_target(a, y)) {
       if (lane == 0) {
-        write_skipped_row(a, n, y != a.ignore_index, true, false);
+        write_skipped_row(a, n, y != a.ignore_index, P != pass::backward, false);
         if (y != a.ignore_index) mine.loss += NAN;  // the row's loss; its weight in W is 0
       }
-      if constexpr (want_grad) {
-        G* out = a.grad + n * a.grad_ld;
+      if constexpr (want_grad)
         for (int c = lane; c < count; c += 32) out[c] = from_float<G>(0.0f);
-      }
       continue;
     }
-    const float z_y = lane == 0 ? to_float(src[y]) : 0.0f;
-    stream_stats st;
-    st.add(t, count, span, whole_vectors);
-    row_partial p = st.warp_total();  // every lane holds the row's statistics
-    p.target_logit = z_y;
-    const float w_y = a.weights ? a.weights[y] : 1.0f;
-    const float lse = p.lse.lse();
-    if (lane == 0) {
-      const float loss = class_row_loss(p, w_y, a.k);
-      write_row_outputs(a, n, loss, lse, -1, false, false);
-      mine.loss += static_cast<double>(loss);
-      mine.w += static_cast<double>(w_y);
+    if constexpr (P == pass::backward) {
+      tile_gradient<true, true>(a, t, n, 0, backward_row(a, n, y, saved_lse, scalar), out);
+    } else {
+      const float z_y = lane == 0 ? to_float(src[y]) : 0.0f;
+      stream_stats st;
+      st.add(t, count, span, whole_vectors);
+      row_partial p = st.warp_total();  // every lane holds the row's statistics
+      p.target_logit = z_y;
+      const float w_y = a.weights ? a.weights[y] : 1.0f;
+      const float lse = p.lse.lse();
+      if (lane == 0) {
+        const float loss = class_row_loss(p, w_y, a.k);
+        write_row_outputs(a, n, loss, lse, -1, false, false);
+        mine.loss += static_cast<double>(loss);
+        mine.w += static_cast<double>(w_y);
+      }
+      if constexpr (want_grad)
+        tile_gradient<true, true>(a, t, n, 0, backward_row(a, n, y, lse, scalar), out);
     }
-    if constexpr (want_grad)
-      tile_gradient<true, true>(a, t, n, 0, backward_row(a, n, y, lse, scalar),
-                                a.grad + n * a.grad_ld);
   }
   if (need_reduce) {
     // The CTA's share: its warps' in warp order (deterministic), then the shares across CTAs.
