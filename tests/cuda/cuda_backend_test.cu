@@ -973,11 +973,12 @@ TYPED_TEST(CudaBackend, ShortAlignedRowsAWarpEach) {
 // (tile k > 0 starting at k span - lead, the first lead elements before the row), and so does the
 // fused pass's row kernel where the gradient's rows share the logits' boundaries (in place, or out
 // of place at the same offset; policy::shifted_rows: rank r of the row's cluster from r slice -
-// lead); at another offset the row kernel's element-wise path. Rows of every lead, targets at 0,
-// V - 1 and each tile's and each rank's first class and the one before, rows ignored, weights,
-// z-loss, a spike in the last columns, every reduction; the wide streaming forward's CTAs for
-// rows over 128 KiB (70001 x 2 bytes); rows of 5 classes, shorter than a 16-bit vector with their
-// lead (nothing before such a row may be written).
+// lead), or for rows of at most 6 KiB the warp-rows kernel (policy::warp_rows_shifted: 16-bit
+// rows of 3001 and 5 classes); at another offset the row kernel's element-wise path. Rows of every
+// lead, targets at 0, V - 1 and each tile's and each rank's first class and the one before, rows
+// ignored, weights, z-loss, a spike in the last columns, every reduction; the wide streaming
+// forward's CTAs for rows over 128 KiB (70001 x 2 bytes); rows of 5 classes, shorter than a 16-bit
+// vector with their lead (nothing before such a row may be written).
 TYPED_TEST(CudaBackend, PlainLongBatchRowsCutAtTheirOwn16ByteBoundaries) {
   const int sms = sm_count();
   constexpr std::int64_t vec = 16 / sizeof(TypeParam);

@@ -287,12 +287,12 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
 /// (warp_rows_kernel): persistent CTAs, as many as the rows need up to MinBlocks per SM, each lane
 /// holding Regs vectors of its warp's row. False, launching nothing, for rows longer than that
 /// tile or below sm_90 (the normaliser ahead needs it; the kernel itself would run anywhere).
-template <int Regs, int MinBlocks, pass P, class T, class G, class Tgt>
+template <int Regs, int MinBlocks, pass P, bool Shifted, class T, class G, class Tgt>
 bool launch_warp_rows_as(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
                          const device_facts& dev) {
   constexpr int block = policy::block;
-  constexpr std::int64_t span = std::int64_t{Regs} * 32 * (16 / sizeof(T));
-  if (dev.major < 9 || args.cols > span) return false;
+  constexpr std::int64_t vec = 16 / sizeof(T), span = std::int64_t{Regs} * 32 * vec;
+  if (dev.major < 9 || args.cols + (Shifted ? vec - 1 : 0) > span) return false;
   constexpr std::int64_t warps = block / 32;
   const std::int64_t need = (args.rows + warps - 1) / warps,
                      most = std::int64_t{dev.sms} * MinBlocks;
@@ -304,26 +304,27 @@ bool launch_warp_rows_as(const char* fn, const cuda& exec, row_args<T, G, Tgt> a
   cfg.attrs = attr;
   cfg.numAttrs = 0;
   if constexpr (P == pass::fused) launch_normalizer_ahead(fn, exec, args, cfg);
-  check_cuda(
-      fn, cudaLaunchKernelEx(&cfg, warp_rows_kernel<block, Regs, MinBlocks, P, T, G, Tgt>, args));
+  check_cuda(fn, cudaLaunchKernelEx(
+                     &cfg, warp_rows_kernel<block, Regs, MinBlocks, P, Shifted, T, G, Tgt>, args));
   return true;
 }
 
 /// The warp-rows kernel's form for the row's length (policy::warp_rows_kib): rows of a short
 /// warp's tile at two CTAs per SM (three for a forward), longer fused ones in twice the registers
-/// at one.
-template <pass P, class T, class G, class Tgt>
+/// at one. `Shifted`: fused rows off 16-byte boundaries whose gradient rows share them, each cut
+/// at its own (the short form).
+template <pass P, bool Shifted = false, class T, class G, class Tgt>
 bool launch_warp_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
                       const device_facts& dev) {
   if (args.cols * static_cast<std::int64_t>(sizeof(T)) > std::int64_t{policy::warp_rows_kib} * 1024)
     return false;
   constexpr int short_blocks =
       P == pass::forward ? policy::warp_rows_forward_min_blocks : policy::warp_rows_min_blocks;
-  if (launch_warp_rows_as<policy::warp_rows_regs, short_blocks, P>(fn, exec, args, dev))
+  if (launch_warp_rows_as<policy::warp_rows_regs, short_blocks, P, Shifted>(fn, exec, args, dev))
     return true;
-  if constexpr (P == pass::fused)
-    return launch_warp_rows_as<policy::warp_rows_long_regs, policy::warp_rows_long_min_blocks, P>(
-        fn, exec, args, dev);
+  if constexpr (P == pass::fused && !Shifted)
+    return launch_warp_rows_as<policy::warp_rows_long_regs, policy::warp_rows_long_min_blocks, P,
+                               false>(fn, exec, args, dev);
   return false;
 }
 
@@ -511,6 +512,11 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
         return;
     }
     if constexpr (P == pass::fused) {
+      // Short rows cut at their own boundaries (their gradient rows on the same ones), a warp
+      // each (policy::warp_rows_kib).
+      if (own_plain && !aligned && shifted && policy::warp_rows_shifted &&
+          launch_warp_rows<P, true>(fn, exec, args, dev))
+        return;
       // Short rows (policy::split_fused_kib), aligned or cut at their own boundaries (their
       // gradient rows on the same ones), by the two kernels through the LSE.
       const bool split_short = args.cols * static_cast<std::int64_t>(sizeof(T)) <=

@@ -104,6 +104,9 @@
 #ifndef XENT_CUDA_WARP_ROWS_KIB  // rows up to this long (12 at most), a warp each; 0: none (policy)
 #define XENT_CUDA_WARP_ROWS_KIB 12
 #endif
+#ifndef XENT_CUDA_WARP_ROWS_SHIFTED  // 0: unaligned short rows by the split pass (policy)
+#define XENT_CUDA_WARP_ROWS_SHIFTED 1
+#endif
 #ifndef XENT_CUDA_SPLIT_FUSED_KIB  // fused rows up to this long by two kernels; 0: none (policy)
 #define XENT_CUDA_SPLIT_FUSED_KIB 8
 #endif
@@ -333,6 +336,12 @@ struct policy {
   /// rounds each: bf16 32768 x 6016 fused 389 (the row kernel) -> 274-276 us (48 -> 67% of the
   /// roof). Not for 6 KiB rows (239 -> 425 us: half the bytes in flight) nor for forwards (32768 x
   /// 6016 141 -> 222: the streaming forward's 128-thread CTAs keep more rows in flight).
+  /// Whether fused rows off 16-byte boundaries whose gradient rows share them, short enough for
+  /// the short form with their lead, take the warp-rows kernel cut at each row's own boundaries
+  /// (the streaming kernels' lead) before the split pass. H200, 2026-11-25, same lease, two
+  /// rounds: bf16 65536 x 3001 fused 681 -> 349 us (27 -> 53% of the roof; the row's first and
+  /// last vectors go element by element), every other line unchanged.
+  static constexpr bool warp_rows_shifted = XENT_CUDA_WARP_ROWS_SHIFTED != 0;
   static constexpr int warp_rows_long_regs = 24;
   static constexpr int warp_rows_long_min_blocks = 1;
   /// Whether backward calls with plain class-id rows, 16-byte aligned, on sm_90, move the

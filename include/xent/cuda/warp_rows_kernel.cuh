@@ -28,9 +28,10 @@ namespace cuda_detail {
 /// warps in the grid, ... . `P`: forward, fused, or backward from the saved LSE (a.lse_in). The
 /// mean's normaliser comes from normalizer_kernel ahead (a.normalizer_ahead) or is summed by
 /// every CTA.
-template <int Block, int Regs, int MinBlocks, pass P, class T, class G, class Tgt>
+template <int Block, int Regs, int MinBlocks, pass P, bool Shifted, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft, "class ids");
+  static_assert(!Shifted || P == pass::fused, "shifted rows: the fused pass");
   constexpr bool want_grad = P != pass::forward;
   constexpr int warps = Block / 32;
   using tile_t = global_tile<T, Regs, 32>;
@@ -38,8 +39,8 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t stride = std::int64_t{gridDim.x} * warps;
   const bool need_reduce = P != pass::backward && a.workspace && (a.loss || a.num_correct);
-  const int count = static_cast<int>(a.cols < span ? a.cols : span);  // launch: cols <= span
-  const bool whole_vectors = a.cols % tile_t::vec == 0;
+  // Launch: cols <= span, or cols + vec - 1 where Shifted.
+  const int cols = static_cast<int>(a.cols < span ? a.cols : span);
   double scalar = 0.0;  // plain rows: no smoothing, so no sum of class weights
   if constexpr (want_grad) {
     if (a.reduce != reduction::none) {
@@ -54,10 +55,17 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T
   loss_share mine{};  // lane 0's: its warp's rows, in row order
   for (std::int64_t n = std::int64_t{blockIdx.x} * warps + warp; n < a.rows; n += stride) {
     const T* src = a.logits + n * a.ld;
+    // Shifted: the tile starts lead elements before the row, on the 16-byte boundary there, and
+    // counts from it (global_tile's lead: those elements are -inf and never stored).
+    const int lead = Shifted ? lead_of(src) : 0;
+    const int count = cols + lead;
     // The row's loads go out before its target is known (a skipped row's are wasted): the target,
     // then the logits, one after the other, would be two cold reads in a chain.
     tile_t t;
-    t.load(src, count);
+    if constexpr (Shifted)
+      t.template load<true, true>(src - lead, count, lead);
+    else
+      t.load(src, count);
     const std::int64_t y = static_cast<std::int64_t>(a.targets.ids[n]);
     // A backward's saved LSE, read beside the logits.
     const float saved_lse = P == pass::backward ? a.lse_in[n] : 0.0f;
@@ -68,7 +76,7 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T
         if (y != a.ignore_index) mine.loss += NAN;  // the row's loss; its weight in W is 0
       }
       if constexpr (want_grad)
-        for (int c = lane; c < count; c += 32) out[c] = from_float<G>(0.0f);
+        for (int c = lane; c < cols; c += 32) out[c] = from_float<G>(0.0f);
       continue;
     }
     if constexpr (P == pass::backward) {
@@ -76,7 +84,7 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T
     } else {
       const float z_y = lane == 0 ? to_float(src[y]) : 0.0f;
       stream_stats st;
-      st.add(t, count, span, whole_vectors);
+      st.add(t, count, span, count % tile_t::vec == 0);
       row_partial p = st.warp_total();  // every lane holds the row's statistics
       p.target_logit = z_y;
       const float w_y = a.weights ? a.weights[y] : 1.0f;
@@ -88,7 +96,8 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T
         mine.w += static_cast<double>(w_y);
       }
       if constexpr (want_grad)
-        tile_gradient<true, true>(a, t, n, 0, backward_row(a, n, y, lse, scalar), out);
+        tile_gradient<true, true, Shifted>(a, t, n, -lead, backward_row(a, n, y, lse, scalar), out,
+                                           lead);
     }
   }
   if (need_reduce) {
