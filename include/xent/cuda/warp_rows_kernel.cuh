@@ -69,7 +69,7 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T
     const std::int64_t y = static_cast<std::int64_t>(a.targets.ids[n]);
     // A backward's saved LSE, read beside the logits.
     const float saved_lse = P == pass::backward ? a.lse_in[n] : 0.0f;
-    G* const out = a.grad + n * a.grad_ld;
+    G* const out = want_grad ? a.grad + n * a.grad_ld : nullptr;  // a forward has no gradient
     if (skipped_target(a, y)) {
       if (lane == 0) {
         write_skipped_row(a, n, y != a.ignore_index, P != pass::backward, false);
