@@ -459,12 +459,13 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
   // it).
   const bool plain =
       !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f && !args.want_argmax;
+  // Plain rows of an unsharded call (no vocab-parallel partials): the kernels below that
+  // specialise the row kernel's work take only those.
+  [[maybe_unused]] const bool own_plain = plain && args.first == 0 && args.partials == nullptr;
   if constexpr (P == pass::backward && !Tgt::soft && policy::stream_backward) {
     if (aligned) {
       // Short rows, a warp each (policy::warp_rows_kib).
-      if (plain && args.first == 0 && args.partials == nullptr &&
-          launch_warp_rows<P>(fn, exec, args, dev))
-        return;
+      if (own_plain && launch_warp_rows<P>(fn, exec, args, dev)) return;
       if (plain && policy::bulk_backward && launch_bulk_backward<false>(fn, exec, args, dev))
         return;
       if (plain)
@@ -483,9 +484,6 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
     }
   }
   if constexpr (P != pass::backward && !Tgt::soft) {
-    // Plain rows of an unsharded call (no vocab-parallel partials): the kernels below that
-    // specialise the row kernel's work take only those.
-    const bool own_plain = plain && args.first == 0 && args.partials == nullptr;
     // A batch too short for the row kernel's pipelined clusters. Forward and
     // fused calls of a shape take the same kernel, so their losses are the same bits, except a
     // fused call whose gradient rows do not share the logits' 16-byte boundaries: rows that are
