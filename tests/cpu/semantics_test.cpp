@@ -387,6 +387,48 @@ TEST(CpuEdge, Float64KeepsPyTorchsResultsAtTheEdges) {
   EXPECT_TRUE(xt::run_case<double>(d));
 }
 
+TEST(CpuEdge, SaturatedSoftcapTargetNeverGivesANegativeLoss) {
+  // A confident row under softcap: the target's logit far past the cap, the rest 0. Its capped
+  // logit is the row's maximum, so its loss is lse - z_y >= 0 (5.9e-12 in float64). The target
+  // was capped by std::tanh and the row by Eigen's packet tanh, which differ by up to 3e-7
+  // relative there: a loss of -1.9e-6 and a target gradient of +1.2e-11 at x_y = 200.
+  constexpr float cap = 30.0f;
+  for (std::int64_t cols : {64, 67}) {  // whole packets, and a remainder
+    for (std::int64_t y : {std::int64_t{3}, cols - 1}) {
+      for (float big : {200.0f, 240.0f, 270.0f, 1000.0f}) {
+        SCOPED_TRACE(::testing::Message() << cols << " classes, target " << y << " at " << big);
+        std::vector<float> x(static_cast<std::size_t>(cols), 0.0f), grad(x.size());
+        x[static_cast<std::size_t>(y)] = big;
+        const std::int64_t target = y;
+        xent::options o;
+        o.softcap = cap;
+        o.reduce = reduction::none;
+        float row_loss = -1.0f, lse = 0.0f, one = 1.0f;
+        xent::forward_outputs out;
+        out.row_loss = {&row_loss, 1};
+        out.lse = {&lse, 1};
+        xent::upstream up;
+        up.rows = {&one, 1};
+        xent::forward_backward(xent::cpu{1}, xent::matrix_view<const float>(x.data(), 1, cols),
+                               xent::vector_view<const std::int64_t>(&target, 1), o, up, out,
+                               xent::matrix_view<float>(grad.data(), 1, cols));
+        EXPECT_GE(row_loss, 0.0f);
+        // The float64 loss is 5.9e-12; a float tanh near saturation errs by a few 1e-7 relative.
+        EXPECT_LE(row_loss, 1e-5f);
+        EXPECT_LE(grad[static_cast<std::size_t>(y)], 0.0f) << "p_y - 1 cannot be positive";
+        const double z_y = cap * std::tanh(double(big) / cap);
+        EXPECT_NEAR(lse, z_y + std::log1p((cols - 1) * std::exp(-z_y)), 1e-5);
+        float forward_loss = -1.0f;
+        xent::forward_outputs fout;
+        fout.row_loss = {&forward_loss, 1};
+        xent::forward(xent::cpu{1}, xent::matrix_view<const float>(x.data(), 1, cols),
+                      xent::vector_view<const std::int64_t>(&target, 1), o, fout);
+        EXPECT_TRUE(xt::same_bits(forward_loss, row_loss)) << forward_loss << " " << row_loss;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Invariances
 // ---------------------------------------------------------------------------------------------

@@ -86,9 +86,8 @@ struct problem {
 /// z = softcap(x) for n elements, as A, into the aligned buffer `buf`.
 template <class T, class A>
 const A* load_logits(const T* src, std::int64_t n, const basic_loss_constants<A>& k, A* buf) {
-  amap<A> b(buf, n);
   convert(src, n, buf);
-  if (k.softcap > A(0)) b = (b * k.inv_softcap).tanh() * k.softcap;
+  if (k.softcap > A(0)) packet_softcap(buf, n, k.softcap, k.inv_softcap);
   return buf;
 }
 
@@ -173,7 +172,8 @@ basic_row_partial<A> slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std:
                       !problem<T, Tgt>::soft && !pb.k.smoothing();
   if constexpr (!problem<T, Tgt>::soft) {  // before a cache may overwrite it
     const std::int64_t y = pb.target(n);
-    if (y >= v0 && y < v1) p.target_logit = apply_softcap(static_cast<A>(x[y]), pb.k);
+    if (y >= v0 && y < v1)
+      p.target_logit = softcap_one(static_cast<A>(x[y]), pb.k.softcap, pb.k.inv_softcap);
   }
   constexpr A inf = std::numeric_limits<A>::infinity();
   for (std::int64_t c = v0, i = 0; c < v1; c += pb.chunk, ++i) {
@@ -239,7 +239,7 @@ void subtract_target_mass(const problem<T, Tgt>& pb, std::int64_t n, std::int64_
 template <class T, class Tgt, class G, class A>
 void write_target_gradient(const problem<T, Tgt>& pb, std::int64_t y, A x_y, A lse, A mass, A g,
                            G* out) {
-  out[y] = G(class_target_gradient(apply_softcap(x_y, pb.k), pb.weight(y),
+  out[y] = G(class_target_gradient(softcap_one(x_y, pb.k.softcap, pb.k.inv_softcap), pb.weight(y),
                                    gradient_alpha(mass, lse, pb.k), lse, g, pb.k));
 }
 
