@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <thread>
 
 namespace xent {
@@ -15,6 +17,12 @@ constexpr int max_threads = 256;
 
 /// Calls f(begin, end, worker) on `threads` contiguous pieces of [0, count). Contiguous pieces keep
 /// each thread on neighbouring rows (sequential DRAM pages) and make the split deterministic.
+///
+/// A thread that cannot be started (the process's thread limit, say) leaves its piece, and every
+/// later one, to the calling thread, with the same worker index: the same partition and the same
+/// results, only slower. An exception thrown by f on any thread reaches the caller (the lowest
+/// piece's first) once every started thread has been joined; none escapes a thread, which would
+/// end the process.
 template <class F>
 void parallel_for(int threads, std::int64_t count, F&& f) {
   const int n = static_cast<int>(
@@ -24,10 +32,26 @@ void parallel_for(int threads, std::int64_t count, F&& f) {
     f(std::int64_t{0}, count, 0);
     return;
   }
+  std::array<std::exception_ptr, max_threads> failures;
+  auto piece = [&](int w) {
+    try {
+      f(begin(w), begin(w + 1), w);
+    } catch (...) {
+      failures[static_cast<std::size_t>(w)] = std::current_exception();
+    }
+  };
   std::array<std::thread, max_threads> workers;
-  for (int w = 1; w < n; ++w) workers[w] = std::thread([&, w] { f(begin(w), begin(w + 1), w); });
-  f(begin(0), begin(1), 0);
-  for (int w = 1; w < n; ++w) workers[w].join();
+  int started = 1;
+  try {
+    for (; started < n; ++started) workers[started] = std::thread(piece, started);
+  } catch (...) {  // no more threads: the calling thread takes the pieces left
+  }
+  piece(0);
+  for (int w = started; w < n; ++w) piece(w);
+  for (int w = 1; w < started; ++w) workers[w].join();
+  for (int w = 0; w < n; ++w)
+    if (failures[static_cast<std::size_t>(w)])
+      std::rethrow_exception(failures[static_cast<std::size_t>(w)]);
 }
 
 }  // namespace cpu_detail

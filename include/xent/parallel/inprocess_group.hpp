@@ -75,7 +75,9 @@ class inprocess_group {
   /// Runs f(member(r)) for every rank r on its own thread (rank 0 on the calling thread) and
   /// returns when all have returned. When a rank throws, the group is aborted so that ranks waiting
   /// in a collective throw group_aborted instead of waiting forever; then the lowest rank's
-  /// exception other than group_aborted is rethrown (group_aborted if there is no other).
+  /// exception other than group_aborted is rethrown (group_aborted if there is no other). A rank
+  /// whose thread cannot be started fails so too, with the std::system_error of its start; the
+  /// ranks after it are not started, nor rank 0.
   template <class F>
   void run(F&& f) {
     std::vector<std::exception_ptr> failures(static_cast<std::size_t>(size_));
@@ -88,8 +90,18 @@ class inprocess_group {
       }
     };
     std::vector<std::thread> threads;
-    for (int r = 1; r < size_; ++r) threads.emplace_back(rank_main, r);
-    rank_main(0);
+    threads.reserve(static_cast<std::size_t>(size_));
+    bool all_started = true;
+    for (int r = 1; r < size_ && all_started; ++r) {
+      try {
+        threads.emplace_back(rank_main, r);
+      } catch (...) {  // the process's thread limit, say: rank r cannot run, so the group cannot
+        failures[static_cast<std::size_t>(r)] = std::current_exception();
+        abort();  // the ranks already started leave their collectives
+        all_started = false;
+      }
+    }
+    if (all_started) rank_main(0);
     for (auto& t : threads) t.join();
     std::exception_ptr first;
     for (const auto& e : failures) {
