@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -380,6 +381,31 @@ TEST(CpuVocabParallelValidation, ShardOutsideTheVocabulary) {
   EXPECT_EQ(error_argument({30, 37}, {}), "shard.first");  // [30, 40) past V = 37
   EXPECT_EQ(error_argument({-1, 37}, {}), "shard.first");
   EXPECT_EQ(error_argument({0, 0}, {}), "shard.vocab");
+}
+
+TEST(CpuVocabParallelValidation, NegativeVocabularyWithNoRows) {
+  // No rows need no class, but a vocabulary below 0 is still an error, named as such, checked
+  // before anything subtracts from it (shard.vocab - cols overflowed at INT64_MIN + 5: undefined
+  // behaviour, then reported as a tiling error, "shard").
+  std::vector<float> x(10, 0.5f);
+  float loss = 0.0f;
+  xent::forward_outputs out;
+  out.loss = &loss;
+  for (std::int64_t vocab : {std::int64_t{-1}, std::numeric_limits<std::int64_t>::min() + 5}) {
+    std::string argument = "(no error)";
+    xent::inprocess_group group(1);
+    try {
+      group.run([&](xent::inprocess_group::communicator comm) {
+        xent::vocab_parallel_forward(xent::cpu{}, comm,
+                                     xent::matrix_view<const float>(x.data(), 0, 10),
+                                     xent::vocab_shard{0, vocab},
+                                     xent::vector_view<const std::int64_t>(nullptr, 0), {}, out);
+      });
+    } catch (const xent::error& e) {
+      argument = e.argument();
+    }
+    EXPECT_EQ(argument, "shard.vocab") << vocab;
+  }
 }
 
 TEST(CpuVocabParallelValidation, TargetsAreGlobalClassIds) {

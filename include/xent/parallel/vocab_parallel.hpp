@@ -55,6 +55,9 @@ void check_group(const char* fn, const Group& group) {
 /// This rank's `cols` classes, [first, first + cols), lie in a vocabulary of shard.vocab >= 1
 /// classes (or there are no rows).
 inline void check_shard(const char* fn, vocab_shard shard, std::int64_t cols, std::int64_t rows) {
+  // First: shard.vocab - cols below must not overflow (a negative vocabulary with no rows).
+  require(shard.vocab >= 0, fn, "shard.vocab",
+          [&] { return "must be >= 0, got " + std::to_string(shard.vocab); });
   require(shard.vocab >= 1 || rows == 0, fn, "shard.vocab", [&] {
     return "a row needs at least one class (vocab = " + std::to_string(shard.vocab) + ")";
   });
