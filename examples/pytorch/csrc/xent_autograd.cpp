@@ -27,12 +27,15 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <tuple>
 
@@ -118,17 +121,35 @@ const c10::TypedOperatorHandle<scale_grad_t>& scale_grad() {
   return op;
 }
 
-// Where a backward calls the *_bwd ops. Backward normally runs with grad mode off: the call goes
-// straight to the device kernel, past the autograd fallback those ops would otherwise pass
-// through (boxing every argument). Under backward(create_graph=True) it does pass through it, as
-// the formulas' calls did when they were written in Python: xent has no double backward, and the
-// fallback makes a backward through the gradient warn that there is no formula for it rather
-// than stay silent.
+// Where a backward calls the *_bwd ops: straight to the device kernel, past the autograd fallback
+// those ops would otherwise pass through (boxing every argument), also under
+// backward(create_graph=True), where first_derivative_only marks what they return.
 template <class F>
 decltype(auto) call_bwd(F&& f) {
-  if (at::GradMode::is_enabled()) return f();
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
   return f();
+}
+
+// xent has no second derivative. Under backward(create_graph=True) the gradients a backward
+// returns carry a node that raises when anything differentiates through them, as torch's
+// once_differentiable does, whatever the loss's gradient (the gradient depends on the logits even
+// where that is a constant). Without it a gradient penalty got a silent zero (reduction none,
+// behind the autograd fallback's warning) or "element 0 of tensors does not require grad".
+variable_list first_derivative_only(variable_list grads) {
+  if (!at::GradMode::is_enabled()) return grads;
+  variable_list defined;
+  for (const at::Tensor& g : grads)
+    if (g.defined()) defined.push_back(g.detach().requires_grad_());
+  if (defined.empty()) return grads;
+  const auto error = std::make_shared<torch::autograd::DelayedError>(
+      "xent_torch: cross-entropy has no second derivative (a backward reached a gradient that "
+      "xent computed under create_graph=True)",
+      static_cast<std::int64_t>(defined.size()));
+  variable_list marked = error->apply(std::move(defined));
+  std::size_t k = 0;
+  for (at::Tensor& g : grads)
+    if (g.defined()) g = std::move(marked[k++]);
+  return grads;
 }
 
 // A saved tensor back as the optional argument it was (an undefined tensor when absent).
@@ -259,7 +280,7 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
     const variable_list saved = ctx->get_saved_variables();
     if (is_fused(ctx)) {
       result[0] = scaled(saved[0], grad_loss);
-      return result;
+      return first_derivative_only(std::move(result));
     }
     const at::Tensor& input = saved[0];
     const opt_tensor weight = present(saved[2]);
@@ -282,7 +303,7 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
                              o.reduction, o.label_smoothing, o.z_loss, o.softcap);
       });
     }
-    return result;
+    return first_derivative_only(std::move(result));
   }
 };
 
@@ -335,7 +356,7 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
       // requiring grad are scaled.
       for (int i = 0; i < 3; ++i)
         if (saved[i].defined() && ctx->needs_input_grad(i)) result[i] = scaled(saved[i], grad_loss);
-      return result;
+      return first_derivative_only(std::move(result));
     }
     const opt_tensor bias = present(saved[2]);
     const saved_options o = load_options(ctx);
@@ -349,7 +370,7 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
     if (mask[0]) result[0] = std::move(d_hidden);
     if (mask[1]) result[1] = std::move(d_weight);
     if (mask[2]) result[2] = std::move(d_bias);
-    return result;
+    return first_derivative_only(std::move(result));
   }
 };
 

@@ -494,6 +494,24 @@ def test_first_derivative_under_create_graph():
                                plain_grad(F.cross_entropy, x, t, label_smoothing=0.1))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_second_derivative_is_refused_clearly(reduction):
+    # A gradient penalty through xent's gradient: an error naming the missing second derivative,
+    # where reduction none gave a silent zero and mean "does not require grad".
+    x, t = make(dtype=torch.float64)
+    x.requires_grad_()
+    (grad,) = torch.autograd.grad(xent_torch.cross_entropy(x, t, reduction=reduction).sum(), x,
+                                  create_graph=True)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        grad.pow(2).sum().backward()
+    h = torch.randn(N, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(C, 5, dtype=torch.float64, requires_grad=True)
+    (dh,) = torch.autograd.grad(xent_torch.linear_cross_entropy(h, w, t, reduction=reduction).sum(),
+                                h, create_graph=True)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        dh.pow(2).sum().backward()
+
+
 def test_bad_arguments_raise_torch_errors():
     x, t = make()
     bad = t.clone()
@@ -518,6 +536,37 @@ def test_bad_arguments_raise_torch_errors():
         xent_torch.cross_entropy(leaf, t, weight=torch.ones(C + 1))
     with pytest.raises(IndexError, match="row 5 has target"):
         xent_torch.cross_entropy(leaf, bad)
+
+
+def test_tensors_on_another_device_are_refused():
+    # A meta target or weight reached the fake kernels (torch runs them for the meta device too)
+    # and gave an uninitialised loss and gradient.
+    x, t = make()
+    x.requires_grad_()
+    with pytest.raises(RuntimeError, match="target is on meta"):
+        xent_torch.cross_entropy(x, t.to("meta"))
+    with pytest.raises(RuntimeError, match="weight is on meta"):
+        xent_torch.cross_entropy(x, t, weight=torch.ones(C, device="meta"))
+    with pytest.raises(RuntimeError, match="class_weight is on meta"):
+        xent_torch.linear_cross_entropy(x, torch.randn(C, C), t,
+                                        class_weight=torch.ones(C, device="meta"))
+    with pytest.raises(RuntimeError, match="bias is on meta"):
+        xent_torch.linear_cross_entropy(x, torch.randn(C, C), t, bias=torch.ones(C, device="meta"))
+
+
+def test_class_weights_get_no_gradient():
+    # torch's cross_entropy refuses to differentiate its weight; a weight requiring grad had its
+    # grad silently left None.
+    x, t = make()
+    w = torch.rand(C).requires_grad_()
+    with pytest.raises(ValueError, match="weight gets no gradient"):
+        xent_torch.cross_entropy(x.clone().requires_grad_(), t, weight=w)
+    with pytest.raises(ValueError, match="class_weight gets no gradient"):
+        xent_torch.linear_cross_entropy(x, torch.randn(C, C, requires_grad=True), t,
+                                        class_weight=w)
+    with torch.no_grad():
+        torch.testing.assert_close(xent_torch.cross_entropy(x, t, weight=w),
+                                   F.cross_entropy(x, t, weight=w))
 
 
 # --- soft targets (class probabilities, torch's semantics) ----------------------------------------

@@ -80,6 +80,19 @@ def _scale_grad_fake(grad, grad_output):
     return None
 
 
+def _check_others(fn, input, target, weight, weight_name):
+    """The tensors beside `input` on its device (the fake kernels, which torch also runs for the
+    meta device, would otherwise return empty tensors for a meta target or weight), and class
+    weights given no gradient, as torch's cross_entropy refuses to give them one."""
+    for name, t in (("target", target), (weight_name, weight)):
+        if t is not None and t.device != input.device:
+            raise RuntimeError(f"xent_torch.{fn}: {name} is on {t.device}, the input on "
+                               f"{input.device}: every tensor must be on one device")
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"xent_torch.{fn}: {weight_name} gets no gradient (as in torch's "
+                         f"cross_entropy): pass {weight_name}.detach()")
+
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0, z_loss=0.0, softcap=None, inplace_backward=False):
     """Cross-entropy of logits `input` (..., C) against `target`, fused by xent.
@@ -127,6 +140,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     shape = input.shape
     if not shape:
         raise ValueError("input must have a class dimension")
+    _check_others("cross_entropy", input, target, weight, "weight")
     if target.is_floating_point():
         if target.shape != shape:
             raise ValueError(f"soft targets (class probabilities) must have input's shape "
@@ -203,6 +217,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     shape = hidden.shape
+    _check_others("linear_cross_entropy", hidden, target, class_weight, "class_weight")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise RuntimeError(f"xent_torch.linear_cross_entropy: {name} is on {t.device}, hidden "
+                               f"on {hidden.device}: every tensor must be on one device")
     soft = target.is_floating_point()
     want = shape[:-1] + (weight.shape[:1] if soft else ())
     if target.shape != want:
