@@ -461,6 +461,11 @@ static void short_batch_shapes(benchmark::internal::Benchmark* b) { b->Args({655
 XENT_CUDA_LINES(__nv_bfloat16, op::forward_backward, short_batch_shapes);
 XENT_CUDA_LINES(__nv_bfloat16, op::forward, short_batch_shapes);
 XENT_CUDA_LINES(__nv_bfloat16, op::backward, short_batch_shapes);
+// The same short rows off 16-byte boundaries (the fused line is with shifted_shapes above):
+// policy::warp_rows_shifted_passes against the streaming kernels' shifted forms.
+static void short_unaligned_shapes(benchmark::internal::Benchmark* b) { b->Args({65536, 3001}); }
+XENT_CUDA_LINES(__nv_bfloat16, op::forward, short_unaligned_shapes);
+XENT_CUDA_LINES(__nv_bfloat16, op::backward, short_unaligned_shapes);
 // Rows of 12 and 24 KiB (the same bytes as 65536 x 3008): where policy::split_fused_kib and the
 // warp-rows kernel's long form draw their lines, with 8192 x 20480 (40 KiB) and 8192 x 32000 above.
 static void split_line_shapes(benchmark::internal::Benchmark* b) {

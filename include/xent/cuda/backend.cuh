@@ -303,15 +303,21 @@ bool launch_warp_rows_as(const char* fn, const cuda& exec, row_args<T, G, Tgt> a
   cudaLaunchAttribute attr[1];
   cfg.attrs = attr;
   cfg.numAttrs = 0;
-  if constexpr (P == pass::fused) launch_normalizer_ahead(fn, exec, args, cfg);
-  check_cuda(fn, cudaLaunchKernelEx(
-                     &cfg, warp_rows_kernel<block, Regs, MinBlocks, P, Shifted, T, G, Tgt>, args));
+  const auto kernel = warp_rows_kernel<block, Regs, MinBlocks, P, Shifted, T, G, Tgt>;
+  // The normaliser ahead only where the kernel's code waits for it (griddepcontrol.wait: sm_90
+  // code, not compute_80 PTX JIT-compiled on a Hopper, prepare_cluster_kernel); else every CTA
+  // sums it.
+  if constexpr (P == pass::fused) {
+    if (prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), dev.id, 0))
+      launch_normalizer_ahead(fn, exec, args, cfg);
+  }
+  check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
   return true;
 }
 
 /// The warp-rows kernel's form for the row's length (policy::warp_rows_kib): rows of a short
 /// warp's tile at two CTAs per SM (three for a forward), longer fused ones in twice the registers
-/// at one. `Shifted`: fused rows off 16-byte boundaries whose gradient rows share them, each cut
+/// at one. `Shifted`: rows off 16-byte boundaries (and gradient rows that share them), each cut
 /// at its own (the short form).
 template <pass P, bool Shifted = false, class T, class G, class Tgt>
 bool launch_warp_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
@@ -475,6 +481,10 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
       return;
     }
     if (shifted) {
+      // Short rows cut at their own boundaries, a warp each (policy::warp_rows_shifted_passes).
+      if (own_plain && policy::warp_rows_shifted_passes &&
+          launch_warp_rows<P, true>(fn, exec, args, dev))
+        return;
       if (plain && policy::bulk_backward && launch_bulk_backward<true>(fn, exec, args, dev)) return;
       if (plain)
         launch_stream_backward<true, true>(fn, exec, args, dev);
@@ -503,6 +513,11 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
     }
     // Short aligned rows, a warp each (policy::warp_rows_kib), forward or fused.
     if (own_plain && aligned && launch_warp_rows<P>(fn, exec, args, dev)) return;
+    // Short unaligned rows' forward, a warp each cut at each row's own boundaries
+    // (policy::warp_rows_shifted_passes).
+    if constexpr (P == pass::forward && policy::warp_rows_shifted_passes) {
+      if (own_plain && !aligned && launch_warp_rows<P, true>(fn, exec, args, dev)) return;
+    }
     // A forward that gives every CTA in flight a row of its own.
     if constexpr (P == pass::forward && policy::stream_forward) {
       if (own_plain && (aligned ? launch_stream_forward<false>(fn, exec, args, dev)
@@ -527,7 +542,8 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
       // boundaries (in place, say), each row cut at its own boundaries.
       if (own_plain && !aligned && shifted) {
         // The row kernel, where it is taken (policy::shifted_rows) and holds the rows on chip.
-        if constexpr (policy::shifted_rows && sizeof(T) == sizeof(G)) {
+        // Its shifted form stores the gradient by bulk copy alone (an empty kernel otherwise).
+        if constexpr (policy::shifted_rows && policy::bulk_gradient<T, G, true, true>) {
           if (launch_rows<true, true, P, T, G, Tgt, default_shape, true>(fn, exec, args, dev))
             return;
         }

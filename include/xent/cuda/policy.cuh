@@ -107,6 +107,9 @@
 #ifndef XENT_CUDA_WARP_ROWS_SHIFTED  // 0: unaligned short rows by the split pass (policy)
 #define XENT_CUDA_WARP_ROWS_SHIFTED 1
 #endif
+#ifndef XENT_CUDA_WARP_ROWS_SHIFTED_PASSES  // 1: unaligned short forwards/backwards a warp each
+#define XENT_CUDA_WARP_ROWS_SHIFTED_PASSES 0
+#endif
 #ifndef XENT_CUDA_SPLIT_FUSED_KIB  // fused rows up to this long by two kernels; 0: none (policy)
 #define XENT_CUDA_SPLIT_FUSED_KIB 8
 #endif
@@ -342,6 +345,12 @@ struct policy {
   /// rounds: bf16 65536 x 3001 fused 681 -> 349 us (27 -> 53% of the roof; the row's first and
   /// last vectors go element by element), every other line unchanged.
   static constexpr bool warp_rows_shifted = XENT_CUDA_WARP_ROWS_SHIFTED != 0;
+  /// Whether forwards of short rows off 16-byte boundaries, and backwards whose gradient rows share
+  /// those boundaries, take the same cut form of the warp-rows kernel (the short form) instead of
+  /// the streaming kernels' shifted forms. Off: written on 2026-11-26 without a GPU (compiled for
+  /// sm_90, not run); the aligned 6 KiB rows' forward went 181 -> 134 us and backward 282 -> 245
+  /// by the warp-rows kernel (above). Measure on bf16 65536 x 3001 forward and backward first.
+  static constexpr bool warp_rows_shifted_passes = XENT_CUDA_WARP_ROWS_SHIFTED_PASSES != 0;
   static constexpr int warp_rows_long_regs = 24;
   static constexpr int warp_rows_long_min_blocks = 1;
   /// Whether backward calls with plain class-id rows, 16-byte aligned, on sm_90, move the

@@ -6,7 +6,8 @@
 // registers, one read and one write of the logits with no shared memory and no barrier. The row
 // kernel holds at most two such rows in flight per CTA, each in a 32 KiB tile it mostly sweeps as
 // padding (bf16 65536 x 3008 fused: 747 us, 25% of the copy roof on an H200); here every warp of
-// the SM has a row in flight. Aligned rows only (logits and gradient rows on 16-byte boundaries).
+// the SM has a row in flight. Aligned rows (logits and gradient rows on 16-byte boundaries), or
+// rows cut at their own 16-byte boundaries (`Shifted`) whose gradient rows share them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,7 +32,6 @@ namespace cuda_detail {
 template <int Block, int Regs, int MinBlocks, pass P, bool Shifted, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft, "class ids");
-  static_assert(!Shifted || P == pass::fused, "shifted rows: the fused pass");
   constexpr bool want_grad = P != pass::forward;
   constexpr int warps = Block / 32;
   using tile_t = global_tile<T, Regs, 32>;
@@ -80,7 +80,8 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T
       continue;
     }
     if constexpr (P == pass::backward) {
-      tile_gradient<true, true>(a, t, n, 0, backward_row(a, n, y, saved_lse, scalar), out);
+      tile_gradient<true, true, Shifted>(a, t, n, -lead, backward_row(a, n, y, saved_lse, scalar),
+                                         out, lead);
     } else {
       const float z_y = lane == 0 ? to_float(src[y]) : 0.0f;
       stream_stats st;
@@ -95,9 +96,13 @@ XENT_KERNEL void __launch_bounds__(Block, MinBlocks) warp_rows_kernel(row_args<T
         mine.loss += static_cast<double>(loss);
         mine.w += static_cast<double>(w_y);
       }
-      if constexpr (want_grad)
+      if constexpr (want_grad) {
+        // Lane 0's read of the target's logit (above) before another lane's store over it (in
+        // place): the shuffles between them order no memory.
+        __syncwarp();
         tile_gradient<true, true, Shifted>(a, t, n, -lead, backward_row(a, n, y, lse, scalar), out,
                                            lead);
+      }
     }
   }
   if (need_reduce) {
