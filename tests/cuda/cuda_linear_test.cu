@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -150,6 +151,28 @@ TEST(CudaLinearPlan, ChunksAreEqualWholeGemmTilesWhereTheyFit) {
   const auto sizes =
       xent::linear_workspace_size<bf16>(exec, {8192, 4096, 128256}, xent::linear_pass::forward, {});
   EXPECT_EQ(sizes.chunk_rows, 1024);
+}
+
+// Host-only (runs without a GPU): plans at the edges of the shapes a call accepts.
+TEST(CudaLinearPlan, NoClassesAndMoreRowsThanCublasTakes) {
+  using xent::cuda_detail::plan_linear;
+  const auto fp32 = xent::dw_accumulation::fp32;
+  // V = 0 (no rows, or a forward's size query): logits rows of no bytes divided the room by zero.
+  for (std::int64_t rows : {0, 5}) {
+    const auto p = plan_linear<bf16, bf16>({rows, 4, 0}, xent::linear_pass::forward, fp32,
+                                           std::size_t{1} << 20, std::size_t{1} << 20);
+    EXPECT_LE(p.chunk_rows, std::max<std::int64_t>(rows, 1)) << rows;
+  }
+  const auto t = plan_linear<bf16, bf16>({0, 4, 0}, xent::linear_pass::training, fp32,
+                                         std::size_t{1} << 20, std::size_t{1} << 20);
+  EXPECT_GE(t.chunk_rows, 0);
+  // More rows than cuBLAS's int: chunks of at most INT_MAX rows, whole 128-row tiles.
+  const std::int64_t rows = std::int64_t{3} << 30;
+  const auto big = plan_linear<bf16, bf16>({rows, 8, 1}, xent::linear_pass::forward, fp32,
+                                           std::size_t{200} << 30);
+  EXPECT_LE(big.chunk_rows, std::int64_t{INT_MAX});
+  EXPECT_EQ(big.chunk_rows % 128, 0);
+  EXPECT_GE(big.chunk_rows, rows / 2);  // two chunks, not more
 }
 
 TEST_F(CudaLinearTest, Float32MatchesFloat64OracleWithEveryOption) {

@@ -76,6 +76,23 @@ inline bool accumulate_gemm(cublasHandle_t handle, cudaStream_t stream, cudaData
       !ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                &work_bytes, sizeof work_bytes)))
     return false;
+  // Each operand's own alignment: the heuristic assumes 256 bytes unless told, and an algorithm
+  // chosen for that may fault on a chunk of the caller's hidden rows or a float d_weight that
+  // starts elsewhere (a view into a larger buffer). Aligned operands (xent's workspace,
+  // cudaMalloc's tensors) keep the default.
+  auto alignment = [](const void* p) {
+    std::uint32_t bytes = 256;
+    while (bytes > 1 && reinterpret_cast<std::uintptr_t>(p) % bytes != 0) bytes /= 2;
+    return bytes;
+  };
+  auto prefer = [&](cublasLtMatmulPreferenceAttributes_t attr, std::uint32_t bytes) {
+    return ok(cublasLtMatmulPreferenceSetAttribute(d.pref, attr, &bytes, sizeof bytes));
+  };
+  if (!prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(a)) ||
+      !prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(b)) ||
+      !prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(acc)) ||
+      !prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(acc)))
+    return false;
   constexpr int offered = 16;
   cublasLtMatmulHeuristicResult_t found[offered];
   int count = 0;

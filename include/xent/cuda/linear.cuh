@@ -105,8 +105,11 @@ constexpr cudaDataType_t cublas_type() {
     return CUDA_R_16F;
 }
 
-/// The handle set up for a call: bound to exec.stream with host-side alpha / beta, the caller's
-/// stream and pointer mode restored when the call ends (also by an exception).
+/// The handle set up for a call: bound to exec.stream with host-side alpha / beta, no atomics and
+/// no reduced-precision split-K sums, the caller's stream and modes restored when the call ends
+/// (also by an exception). A handle bound to another stream than exec.stream is rebound, which
+/// resets a workspace given by cublasSetWorkspace to cuBLAS's own (cuBLAS's rule): bind the
+/// handle to the call's stream to keep one.
 class cublas_scope {
  public:
   cublas_scope(const char* fn, const cuda& exec) : fn_(fn), handle_(exec.cublas) {
@@ -118,6 +121,10 @@ class cublas_scope {
       check_cublas(fn, cublasSetPointerMode(handle_, CUBLAS_POINTER_MODE_HOST));
     // Split-K partial sums stay in float even when C is bf16 / fp16 (a one-chunk d_weight GEMM
     // writes d_weight directly; the float accumulation xent promises must hold there too).
+    // Deterministic sums whatever the caller's handle allows (a new handle's default).
+    check_cublas(fn, cublasGetAtomicsMode(handle_, &atomics_));
+    if (atomics_ != CUBLAS_ATOMICS_NOT_ALLOWED)
+      check_cublas(fn, cublasSetAtomicsMode(handle_, CUBLAS_ATOMICS_NOT_ALLOWED));
     check_cublas(fn, cublasGetMathMode(handle_, &math_));
     if (!(math_ & CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION))
       check_cublas(fn, cublasSetMathMode(
@@ -127,6 +134,7 @@ class cublas_scope {
   ~cublas_scope() {  // no throwing from here: a failure to restore leaves the handle as it is
     if (restore_stream_) cublasSetStream(handle_, stream_);
     if (mode_ != CUBLAS_POINTER_MODE_HOST) cublasSetPointerMode(handle_, mode_);
+    if (atomics_ != CUBLAS_ATOMICS_NOT_ALLOWED) cublasSetAtomicsMode(handle_, atomics_);
     if (!(math_ & CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION))
       cublasSetMathMode(handle_, math_);
   }
@@ -142,6 +150,7 @@ class cublas_scope {
   cudaStream_t stream_ = nullptr;
   cublasPointerMode_t mode_ = CUBLAS_POINTER_MODE_HOST;
   cublasMath_t math_ = CUBLAS_DEFAULT_MATH;
+  cublasAtomicsMode_t atomics_ = CUBLAS_ATOMICS_NOT_ALLOWED;
   bool restore_stream_ = false;
 };
 
@@ -470,9 +479,10 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
     return false;
   } else {
     const std::int64_t N = c.rows(), D = c.dim(), V = c.vocab();
+    // D = 0: no tensor map holds a dimension of 0 (the cuBLAS path's logits are the bias, or 0).
     if (c.bias || opts.label_smoothing != 0.0f || opts.softcap != 0.0f || t.argmax || N == 0 ||
-        D % 8 != 0 || D > INT_MAX || V > INT_MAX || !aligned16(c.hidden.data, c.hidden.ld * 2) ||
-        !aligned16(c.weight.data, c.weight.ld * 2))
+        D == 0 || D % 8 != 0 || D > INT_MAX || V > INT_MAX ||
+        !aligned16(c.hidden.data, c.hidden.ld * 2) || !aligned16(c.weight.data, c.weight.ld * 2))
       return false;
     const device_facts dev = query_device(fn);
     if (!sg::ready<true, I>(dev.id)) return false;

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <algorithm>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -145,24 +146,28 @@ linear_plan plan_linear(const linear_shape& s, linear_pass pass, dw_accumulation
   // the accumulator whenever N <= 2 D (+ the budget's rows): 8192 x 4096 x 128256 in bf16 needs
   // 2.1 GB either way. It also saves the accumulator's traffic, which each chunk's d_weight GEMM
   // reads and writes (4 V D bytes each way), and rounding it at the end.
+  // cuBLAS takes a GEMM's rows as an int: chunks of at most INT_MAX rows (whole 128-row tiles).
+  constexpr std::int64_t most_rows = std::int64_t{INT_MAX} / 128 * 128;
   constexpr bool narrow_grads = !std::is_same<device_t<G>, float>::value;
   if (narrow_grads && pass == linear_pass::training && accumulate == dw_accumulation::fp32 &&
-      s.rows >= 1) {
+      s.rows >= 1 && s.rows <= most_rows) {
     const linear_plan whole = make_linear_plan<T, G>(s, pass, dw_accumulation::output, s.rows);
     if (whole.bytes <= budget) return whole;
   }
-  const linear_plan inside = detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t rows) {
-    return make_linear_plan<T, G>(s, pass, accumulate, rows);
-  });
-  const std::size_t row_bytes =
-      sizeof(device_t<T>) * static_cast<std::size_t>(logits_ld<device_t<T>>(s.vocab));
-  const auto room_rows = static_cast<std::int64_t>(
-      std::min<std::size_t>(logits_room / row_bytes, static_cast<std::size_t>(s.rows)));
+  const linear_plan inside = detail::largest_chunk_plan(
+      std::min(s.rows, most_rows), budget,
+      [&](std::int64_t rows) { return make_linear_plan<T, G>(s, pass, accumulate, rows); });
   auto rounded = [&](const linear_plan& p, bool logits_outside) {
     const std::int64_t rows = gemm_friendly_rows(s.rows, p.chunk_rows);
     return rows == p.chunk_rows ? p
                                 : make_linear_plan<T, G>(s, pass, accumulate, rows, logits_outside);
   };
+  // A vocabulary of none (no rows, or a forward's size query) has logits rows of no bytes.
+  if (s.vocab == 0 || logits_room == 0) return rounded(inside, false);
+  const std::size_t row_bytes =
+      sizeof(device_t<T>) * static_cast<std::size_t>(logits_ld<device_t<T>>(s.vocab));
+  const auto room_rows = static_cast<std::int64_t>(std::min<std::size_t>(
+      logits_room / row_bytes, static_cast<std::size_t>(std::min(s.rows, most_rows))));
   if (room_rows <= inside.chunk_rows) return rounded(inside, false);
   const linear_plan outside = detail::largest_chunk_plan(room_rows, budget, [&](std::int64_t rows) {
     return make_linear_plan<T, G>(s, pass, accumulate, rows, true);
