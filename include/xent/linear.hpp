@@ -134,6 +134,16 @@ std::size_t linear_minimal(const Exec& exec, const matrix_view<const T>& hidden,
       .minimal;
 }
 
+/// The options a training call plans its workspace with: without d_weight (a frozen LM head)
+/// nothing is summed into a V x D float accumulator, so none is planned or required (4 V D bytes:
+/// 2 GiB at 128256 x 4096), whatever opts.accumulate says.
+template <class G>
+linear_options planned_options(const linear_options& opts, const linear_grads<G>& grads) {
+  linear_options o = opts;
+  if (!grads.d_weight.data) o.accumulate = dw_accumulation::output;
+  return o;
+}
+
 }  // namespace detail
 
 /// Evaluation: the loss of every row and the reduced loss, from hidden (N x D), weight (V x D),
@@ -183,14 +193,15 @@ void linear_forward_backward(const Exec& exec, matrix_view<H> hidden,
   detail::require_accumulator<T, A>();
   detail::require_accumulator<T, B>();
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, false);
+  const linear_options planned = detail::planned_options(opts, grads);
   detail::check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
-      detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, opts),
+      detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, planned),
       "xent::linear_workspace_size",
       detail::linear_memory(fn, targets, opts).writes_outputs(outputs));
   linear_traits<Exec>::forward_backward(exec, x, weight, bias,
                                         typename detail::target_traits<Targets>::type(targets),
-                                        opts, up, outputs, grads, workspace);
+                                        planned, up, outputs, grads, workspace);
 }
 
 /// The gradients from the per-row LSE that linear_forward saved, recomputing each chunk's logits
@@ -209,13 +220,14 @@ void linear_backward(const Exec& exec, matrix_view<H> hidden,
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
   detail::require_accumulator<T, A>();
   detail::check_vector(fn, "lse", lse, x.rows, false);
+  const linear_options planned = detail::planned_options(opts, grads);
   detail::check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
-      detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, opts),
+      detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, planned),
       "xent::linear_workspace_size", detail::linear_memory(fn, targets, opts).reads("lse", lse));
   linear_traits<Exec>::backward(exec, x, weight, bias,
-                                typename detail::target_traits<Targets>::type(targets), opts, lse,
-                                up, grads, workspace);
+                                typename detail::target_traits<Targets>::type(targets), planned,
+                                lse, up, grads, workspace);
 }
 
 }  // namespace xent

@@ -351,6 +351,48 @@ TEST(CpuLinearWorkspace, TooSmallThrowsNamingWorkspaceAndTheSizeBeforeWriting) {
   }
 }
 
+TEST(CpuLinearWorkspace, FrozenHeadNeedsNoWeightAccumulator) {
+  // No d_weight: the fp32 accumulator (4 V D bytes) is neither planned nor required, so the
+  // lower-memory mode's minimum is enough, and the gradients are those of a large workspace.
+  lspec s = make_spec(8, 64, 5003);
+  const ldata<bf16> L = make_data<bf16>(s);
+  const xent::cpu exec;
+  xent::linear_options out_mode = L.options();
+  out_mode.accumulate = xent::dw_accumulation::output;
+  const auto train = xent::linear_pass::training;
+  const auto fp32 = xent::linear_workspace_size<bf16>(exec, {8, 64, 5003}, train, L.options(), 0);
+  const auto least = xent::linear_workspace_size<bf16>(exec, {8, 64, 5003}, train, out_mode, 0);
+  ASSERT_GT(fp32.minimal, least.minimal);  // the accumulator
+  std::vector<bf16> dx[2];
+  for (int big = 0; big < 2; ++big) {
+    workspace_buffer ws(big ? std::size_t{1} << 24 : least.minimal, 0);
+    gradients<bf16> g(s);
+    xent::linear_grads<bf16> views = g.views();
+    views.d_weight = {};
+    L.d.with_targets([&](auto t) {
+      xent::linear_forward_backward(exec, L.hidden(), L.weight(), L.bias(), t, L.options(),
+                                    L.d.upstream(), xent::forward_outputs{}, views, ws.ws);
+    });
+    EXPECT_TRUE(xt::same_bits(g.dw[0], xt::sentinel<bf16>())) << "d_weight was not asked for";
+    dx[big] = g.dx;
+  }
+  for (std::size_t i = 0; i < dx[0].size(); ++i)
+    EXPECT_NEAR(static_cast<float>(dx[0][i]), static_cast<float>(dx[1][i]),
+                1e-2f * (1.0f + std::fabs(static_cast<float>(dx[1][i]))))
+        << i;
+  // One byte fewer than that minimum still names the workspace.
+  workspace_buffer small(least.minimal - 1, 0);
+  gradients<bf16> g(s);
+  xent::linear_grads<bf16> views = g.views();
+  views.d_weight = {};
+  L.d.with_targets([&](auto t) {
+    expect_error("workspace", std::to_string(least.minimal), [&] {
+      xent::linear_forward_backward(exec, L.hidden(), L.weight(), L.bias(), t, L.options(),
+                                    L.d.upstream(), xent::forward_outputs{}, views, small.ws);
+    });
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Arguments
 // ---------------------------------------------------------------------------------------------
