@@ -624,6 +624,19 @@ def test_soft_targets_inplace_backward(device):
     torch.testing.assert_close(leaf.grad.cpu(), ref)
 
 
+def test_soft_targets_refuse_an_ignore_index_as_torch_does():
+    x, _ = make()
+    p = soft_targets()
+    with pytest.raises(RuntimeError, match="ignore_index"):
+        F.cross_entropy(x, p, ignore_index=3)
+    with pytest.raises(ValueError, match="ignore_index is not supported"):
+        xent_torch.cross_entropy(x, p, ignore_index=3)
+    with pytest.raises(ValueError, match="ignore_index is not supported"):
+        xent_torch.linear_cross_entropy(x, torch.randn(C, C), p, ignore_index=0)
+    torch.testing.assert_close(xent_torch.cross_entropy(x, p, ignore_index=-1),
+                               F.cross_entropy(x, p, ignore_index=-1))
+
+
 def test_soft_targets_get_no_gradient():
     x, _ = make()
     p = soft_targets().requires_grad_()

@@ -104,7 +104,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     torch.autograd.gradcheck; a float64 CUDA tensor raises TypeError). target: class ids (...),
     int64 or int32; or class probabilities of input's shape (soft targets, torch's semantics:
     label smoothing mixes them with the uniform distribution, mean divides by the row count,
-    ignore_index does not apply), held in input's dtype and given no gradient. Extensions:
+    ignore_index must be negative, as torch requires), held in input's dtype and given no
+    gradient. Extensions:
       z_loss            adds z_loss * logsumexp(x)^2 per row not ignored (PaLM)
       softcap           logits become softcap * tanh(x / softcap) first (Gemma 2); None is off
       inplace_backward  the gradient is written over `input`'s memory instead of a new tensor
@@ -147,6 +148,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                              f"{tuple(shape)}, got {tuple(target.shape)}")
         if target.requires_grad and torch.is_grad_enabled():
             raise ValueError("xent gives soft targets no gradient: pass target.detach()")
+        if ignore_index >= 0:  # torch's check: no class id to ignore among probabilities
+            raise ValueError("ignore_index is not supported for floating point target (soft "
+                             f"targets), got {ignore_index}")
         t = target if len(shape) == 2 else target.reshape(-1, shape[-1])
     else:
         if target.shape != shape[:-1]:
@@ -229,6 +233,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
                          f"shape without its last dimension{', then V' if soft else ''})")
     if soft and target.requires_grad and torch.is_grad_enabled():
         raise ValueError("xent gives soft targets no gradient: pass target.detach()")
+    if soft and ignore_index >= 0:
+        raise ValueError("ignore_index is not supported for floating point target (soft "
+                         f"targets), got {ignore_index}")
     if len(shape) == 2:
         h, t = hidden, target
     else:
