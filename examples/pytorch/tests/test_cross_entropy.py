@@ -624,6 +624,19 @@ def test_soft_targets_inplace_backward(device):
     torch.testing.assert_close(leaf.grad.cpu(), ref)
 
 
+def test_autocast_gives_a_float32_loss_as_torch():
+    # torch's cross_entropy runs in float32 under autocast; the bf16 logits' loss came back bf16.
+    x, t = make()
+    h = x.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(h, t)
+        loss = xent_torch.cross_entropy(h, t)
+        lin = xent_torch.linear_cross_entropy(h, torch.eye(C, dtype=torch.bfloat16), t)
+    assert ref.dtype == torch.float32 and loss.dtype == torch.float32 and lin.dtype == torch.float32
+    torch.testing.assert_close(loss, ref)
+    assert xent_torch.cross_entropy(h, t).dtype == torch.bfloat16  # outside autocast: h's dtype
+
+
 def test_soft_targets_refuse_an_ignore_index_as_torch_does():
     x, _ = make()
     p = soft_targets()

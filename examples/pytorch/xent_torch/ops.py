@@ -93,6 +93,14 @@ def _check_others(fn, input, target, weight, weight_name):
                          f"cross_entropy): pass {weight_name}.detach()")
 
 
+def _result(loss, x):
+    """The loss in x's dtype, as torch gives it; under autocast in float32 (what the op computed),
+    as torch's cross_entropy, which autocast runs in float32."""
+    if loss.dtype == x.dtype or torch.is_autocast_enabled(x.device.type):
+        return loss
+    return loss.to(x.dtype)
+
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0, z_loss=0.0, softcap=None, inplace_backward=False):
     """Cross-entropy of logits `input` (..., C) against `target`, fused by xent.
@@ -163,7 +171,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                               bool(inplace_backward))[0]
     if code == 0 and len(shape) != 2:
         loss = loss.reshape(shape[:-1])
-    return loss if loss.dtype == input.dtype else loss.to(input.dtype)
+    return _result(loss, input)
 
 
 # --- fused linear cross-entropy --------------------------------------------------------------------
@@ -246,7 +254,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
                                      0.0 if softcap is None else float(softcap))[0]
     if code == 0 and len(shape) != 2:
         loss = loss.reshape(shape[:-1])
-    return loss if loss.dtype == hidden.dtype else loss.to(hidden.dtype)
+    return _result(loss, hidden)
 
 
 # --- CUDA -----------------------------------------------------------------------------------------
