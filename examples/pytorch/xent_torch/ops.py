@@ -80,17 +80,28 @@ def _scale_grad_fake(grad, grad_output):
     return None
 
 
-def _check_others(fn, input, target, weight, weight_name):
-    """The tensors beside `input` on its device (the fake kernels, which torch also runs for the
-    meta device, would otherwise return empty tensors for a meta target or weight), and class
-    weights given no gradient, as torch's cross_entropy refuses to give them one."""
-    for name, t in (("target", target), (weight_name, weight)):
-        if t is not None and t.device != input.device:
-            raise RuntimeError(f"xent_torch.{fn}: {name} is on {t.device}, the input on "
-                               f"{input.device}: every tensor must be on one device")
-    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"xent_torch.{fn}: {weight_name} gets no gradient (as in torch's "
-                         f"cross_entropy): pass {weight_name}.detach()")
+def _check_devices(fn, x, x_name, tensors):
+    """Every (name, tensor) of `tensors` on x's device: the fake kernels, which torch also runs
+    for the meta device, would otherwise return empty tensors for a meta target or weight."""
+    for name, t in tensors:
+        if t is not None and t.device != x.device:
+            raise RuntimeError(f"xent_torch.{fn}: {name} is on {t.device}, {x_name} on "
+                               f"{x.device}: every tensor must be on one device")
+
+
+def _check_like_torch(fn, class_weight, name, target, ignore_index):
+    """What torch's cross_entropy refuses: class weights requiring grad, and soft targets with an
+    ignore_index (no class id to ignore among probabilities); xent gives soft targets no
+    gradient either."""
+    if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"xent_torch.{fn}: {name} gets no gradient (as in torch's "
+                         f"cross_entropy): pass {name}.detach()")
+    if target.is_floating_point():
+        if target.requires_grad and torch.is_grad_enabled():
+            raise ValueError("xent gives soft targets no gradient: pass target.detach()")
+        if ignore_index >= 0:
+            raise ValueError("ignore_index is not supported for floating point target (soft "
+                             f"targets), got {ignore_index}")
 
 
 def _result(loss, x):
@@ -149,22 +160,18 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     shape = input.shape
     if not shape:
         raise ValueError("input must have a class dimension")
-    _check_others("cross_entropy", input, target, weight, "weight")
+    _check_devices("cross_entropy", input, "the input", (("target", target), ("weight", weight)))
     if target.is_floating_point():
         if target.shape != shape:
             raise ValueError(f"soft targets (class probabilities) must have input's shape "
                              f"{tuple(shape)}, got {tuple(target.shape)}")
-        if target.requires_grad and torch.is_grad_enabled():
-            raise ValueError("xent gives soft targets no gradient: pass target.detach()")
-        if ignore_index >= 0:  # torch's check: no class id to ignore among probabilities
-            raise ValueError("ignore_index is not supported for floating point target (soft "
-                             f"targets), got {ignore_index}")
         t = target if len(shape) == 2 else target.reshape(-1, shape[-1])
     else:
         if target.shape != shape[:-1]:
             raise ValueError(f"target shape {tuple(target.shape)} must be input shape without its "
                              f"last (class) dimension, {tuple(shape[:-1])}")
         t = target if len(shape) == 2 else target.reshape(-1)
+    _check_like_torch("cross_entropy", weight, "weight", target, ignore_index)
     x = input if len(shape) == 2 else input.reshape(-1, shape[-1])
     loss = _cross_entropy_fwd(x, t, weight, int(ignore_index), code, float(label_smoothing),
                               float(z_loss), 0.0 if softcap is None else float(softcap),
@@ -229,21 +236,15 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     shape = hidden.shape
-    _check_others("linear_cross_entropy", hidden, target, class_weight, "class_weight")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.device != hidden.device:
-            raise RuntimeError(f"xent_torch.linear_cross_entropy: {name} is on {t.device}, hidden "
-                               f"on {hidden.device}: every tensor must be on one device")
+    _check_devices("linear_cross_entropy", hidden, "hidden",
+                   (("weight", weight), ("bias", bias), ("target", target),
+                    ("class_weight", class_weight)))
     soft = target.is_floating_point()
     want = shape[:-1] + (weight.shape[:1] if soft else ())
     if target.shape != want:
         raise ValueError(f"target shape {tuple(target.shape)} must be {tuple(want)} (hidden's "
                          f"shape without its last dimension{', then V' if soft else ''})")
-    if soft and target.requires_grad and torch.is_grad_enabled():
-        raise ValueError("xent gives soft targets no gradient: pass target.detach()")
-    if soft and ignore_index >= 0:
-        raise ValueError("ignore_index is not supported for floating point target (soft "
-                         f"targets), got {ignore_index}")
+    _check_like_torch("linear_cross_entropy", class_weight, "class_weight", target, ignore_index)
     if len(shape) == 2:
         h, t = hidden, target
     else:

@@ -203,11 +203,13 @@ int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_
 }
 
 /// The row kernel over every row; false, launching nothing, for `Shifted` rows (policy::
-/// shifted_rows) where its code has no clusters or a row is longer than a cluster holds.
+/// shifted_rows) where its code has no clusters, a row is longer than a cluster holds, or the
+/// gradient does not leave by bulk copy (policy::bulk_gradient: the kernel is empty there).
 template <bool Aligned, bool Plain, pass P, class T, class G, class Tgt,
           class Shape = default_shape, bool Shifted = false>
 bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
                  const device_facts& dev) {
+  if constexpr (Shifted && !policy::bulk_gradient<T, G, Plain, P == pass::fused>) return false;
   auto kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>;
   const bool clusters =
       prepare_kernel_attributes<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>(dev.id) &&
@@ -542,8 +544,7 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
       // boundaries (in place, say), each row cut at its own boundaries.
       if (own_plain && !aligned && shifted) {
         // The row kernel, where it is taken (policy::shifted_rows) and holds the rows on chip.
-        // Its shifted form stores the gradient by bulk copy alone (an empty kernel otherwise).
-        if constexpr (policy::shifted_rows && policy::bulk_gradient<T, G, true, true>) {
+        if constexpr (policy::shifted_rows && sizeof(T) == sizeof(G)) {
           if (launch_rows<true, true, P, T, G, Tgt, default_shape, true>(fn, exec, args, dev))
             return;
         }

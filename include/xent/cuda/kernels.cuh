@@ -535,7 +535,7 @@ XENT_KERNEL void __launch_bounds__(
   // Fused resident rows whose gradient leaves by one bulk copy from a stage after the logits'
   // stages (policy::bulk_gradient).
   constexpr bool store_bulk = bulk && policy::template bulk_gradient<T, G, Plain, P == pass::fused>;
-  if constexpr (Shifted && !store_bulk) {  // built, never launched (launch_rows asks for clusters)
+  if constexpr (Shifted && !store_bulk) {  // never launched: launch_rows refuses it (see there)
     (void)a;
     return;
   }
