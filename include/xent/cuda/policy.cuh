@@ -107,8 +107,8 @@
 #ifndef XENT_CUDA_WARP_ROWS_SHIFTED  // 0: unaligned short rows by the split pass (policy)
 #define XENT_CUDA_WARP_ROWS_SHIFTED 1
 #endif
-#ifndef XENT_CUDA_WARP_ROWS_SHIFTED_PASSES  // 1: unaligned short forwards/backwards a warp each
-#define XENT_CUDA_WARP_ROWS_SHIFTED_PASSES 0
+#ifndef XENT_CUDA_WARP_ROWS_SHIFTED_PASSES  // 0: unaligned short forwards/backwards streamed
+#define XENT_CUDA_WARP_ROWS_SHIFTED_PASSES 1
 #endif
 #ifndef XENT_CUDA_SPLIT_FUSED_KIB  // fused rows up to this long by two kernels; 0: none (policy)
 #define XENT_CUDA_SPLIT_FUSED_KIB 8
@@ -347,9 +347,11 @@ struct policy {
   static constexpr bool warp_rows_shifted = XENT_CUDA_WARP_ROWS_SHIFTED != 0;
   /// Whether forwards of short rows off 16-byte boundaries, and backwards whose gradient rows share
   /// those boundaries, take the same cut form of the warp-rows kernel (the short form) instead of
-  /// the streaming kernels' shifted forms. Off: written on 2026-11-26 without a GPU (compiled for
-  /// sm_90, not run); the aligned 6 KiB rows' forward went 181 -> 134 us and backward 282 -> 245
-  /// by the warp-rows kernel (above). Measure on bf16 65536 x 3001 forward and backward first.
+  /// the streaming kernels' shifted forms. H100, 2026-11-27, same lease, off / on (a build each,
+  /// bench/cuda_variants.sh): bf16 65536 x 3001 forward 288 -> 160 us (45 -> 81% of the roof),
+  /// backward 424 -> 325 us (62 -> 80%); the fused line (408 us), the aligned 65536 x 3008 and
+  /// 32768 x 6016 lines and every 8192 x 32000 line unchanged within 1%
+  /// (bench/results/2026-11-27-h100-shifted-passes/).
   static constexpr bool warp_rows_shifted_passes = XENT_CUDA_WARP_ROWS_SHIFTED_PASSES != 0;
   static constexpr int warp_rows_long_regs = 24;
   static constexpr int warp_rows_long_min_blocks = 1;
