@@ -2,7 +2,8 @@
 // cuBLAS on the issue's shapes: the X . W^T GEMM alone (cublasGemmEx, bf16 in and out, float
 // accumulation: the issue's floor), the same GEMM by that kernel storing bf16 logits (its main
 // loop's speed), and the kernel with its statistics epilogue plus the merge of the row partials
-// (the forward's two launches, logits never written).
+// (the forward's two launches, logits never written); the kernel both in clusters of one CTA and
+// of two sharing each W tile (policy::stats_gemm_cluster is the library's choice).
 // Checks first, against cuBLAS's float logits: the kernel's bf16 logits, and each row's LSE and
 // target logit (of those logits rounded to bf16). Prints one JSON object per shape (and writes them
 // to $OUT/lse_gemm.json).
@@ -122,9 +123,10 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
   m.ignore_index = -100;
   m.row_loss = loss;
   m.lse_out = lse;
-  auto plain = [&] { sg::launch<false>(fn, x, D, w, D, a, sms, nullptr); };
-  auto forward = [&] {
-    sg::launch<true>(fn, x, D, w, D, a, sms, nullptr);
+  // Each GEMM in clusters of one CTA and of two (stats_gemm_kernel's Cluster).
+  auto plain = [&](int cluster) { sg::launch<false>(fn, x, D, w, D, a, sms, cluster, nullptr); };
+  auto forward = [&](int cluster) {
+    sg::launch<true>(fn, x, D, w, D, a, sms, cluster, nullptr);
     sg::merge_kernel<<<(N * 32 + 255) / 256, 256>>>(m, a.partials, a.target_logit, a.col_tiles);
   };
 
@@ -136,54 +138,60 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
   check(cudaMalloc(&ref_lse, sizeof(double) * N), "ref lse");
   check(cudaMalloc(&ref_z, sizeof(double) * N), "ref z");
   reference_kernel<<<N, 256>>>(ref, y, V, ref_lse, ref_z);
-  plain();
-  forward();
-  check(cudaDeviceSynchronize(), "checks");
-  // Logits: a sample of rows (every 97th) against the float reference.
-  double logit_err = 0.0, logit_scale = 0.0;
-  {
-    std::vector<bf16> got(V);
-    std::vector<float> want(V);
-    for (int r = 0; r < N; r += 97) {
-      check(cudaMemcpy(got.data(), logits + std::int64_t{r} * V, sizeof(bf16) * V,
-                       cudaMemcpyDeviceToHost),
-            "copy");
-      check(cudaMemcpy(want.data(), ref + std::int64_t{r} * V, sizeof(float) * V,
-                       cudaMemcpyDeviceToHost),
-            "copy");
-      for (int c = 0; c < V; ++c) {
-        logit_err = std::max(logit_err, std::fabs(static_cast<double>(__bfloat162float(got[c])) -
-                                                  static_cast<double>(want[c])));
-        logit_scale = std::max(logit_scale, std::fabs(static_cast<double>(want[c])));
-      }
-    }
-  }
   std::vector<double> rl(N), rz(N);
-  std::vector<float> gl(N), gz(N), gloss(N);
   check(cudaMemcpy(rl.data(), ref_lse, sizeof(double) * N, cudaMemcpyDeviceToHost), "copy");
   check(cudaMemcpy(rz.data(), ref_z, sizeof(double) * N, cudaMemcpyDeviceToHost), "copy");
-  check(cudaMemcpy(gl.data(), lse, sizeof(float) * N, cudaMemcpyDeviceToHost), "copy");
-  check(cudaMemcpy(gz.data(), target_logit, sizeof(float) * N, cudaMemcpyDeviceToHost), "copy");
-  check(cudaMemcpy(gloss.data(), loss, sizeof(float) * N, cudaMemcpyDeviceToHost), "copy");
   // Errors as the largest difference, a non-finite one counting as infinite.
-  double lse_err = 0.0, z_err = 0.0, mean_loss = 0.0;
   auto grow = [](double err, double diff) {
     return diff <= err ? err : diff > err ? diff : HUGE_VAL;
   };
-  int first_bad = -1;
-  for (int r = 0; r < N; ++r) {
-    const double dl = std::fabs(gl[r] - rl[r]), dz = std::fabs(gz[r] - rz[r]);
-    lse_err = grow(lse_err, dl);
-    z_err = grow(z_err, dz);
-    // A target logit may round to the neighbouring bf16 where cuBLAS's sum and the kernel's
-    // differ in the last float bits at a rounding boundary: one bf16 ulp (<= |z| / 128) allowed.
-    if (first_bad < 0 && !(dl < 1e-3 && dz <= std::max(1e-3, std::fabs(rz[r]) / 128)))
-      first_bad = r;
-    mean_loss += gloss[r] / N;
+  double logit_err = 0.0, logit_scale = 0.0, lse_err = 0.0, z_err = 0.0, mean_loss = 0.0;
+  for (int cluster = 1; cluster <= 2; ++cluster) {
+    // Outputs poisoned (NaN) first: a row or logit the kernels leave unwritten fails.
+    check(cudaMemset(logits, 0xFF, sizeof(bf16) * N * std::int64_t{V}), "poison");
+    check(cudaMemset(lse, 0xFF, sizeof(float) * N), "poison");
+    check(cudaMemset(target_logit, 0xFF, sizeof(float) * N), "poison");
+    plain(cluster);
+    forward(cluster);
+    check(cudaDeviceSynchronize(), "checks");
+    // Logits: a sample of rows (every 97th) against the float reference.
+    {
+      std::vector<bf16> got(V);
+      std::vector<float> want(V);
+      for (int r = 0; r < N; r += 97) {
+        check(cudaMemcpy(got.data(), logits + std::int64_t{r} * V, sizeof(bf16) * V,
+                         cudaMemcpyDeviceToHost),
+              "copy");
+        check(cudaMemcpy(want.data(), ref + std::int64_t{r} * V, sizeof(float) * V,
+                         cudaMemcpyDeviceToHost),
+              "copy");
+        for (int c = 0; c < V; ++c) {
+          logit_err = grow(logit_err, std::fabs(static_cast<double>(__bfloat162float(got[c])) -
+                                                static_cast<double>(want[c])));
+          logit_scale = std::max(logit_scale, std::fabs(static_cast<double>(want[c])));
+        }
+      }
+    }
+    std::vector<float> gl(N), gz(N), gloss(N);
+    check(cudaMemcpy(gl.data(), lse, sizeof(float) * N, cudaMemcpyDeviceToHost), "copy");
+    check(cudaMemcpy(gz.data(), target_logit, sizeof(float) * N, cudaMemcpyDeviceToHost), "copy");
+    check(cudaMemcpy(gloss.data(), loss, sizeof(float) * N, cudaMemcpyDeviceToHost), "copy");
+    int first_bad = -1;
+    mean_loss = 0.0;
+    for (int r = 0; r < N; ++r) {
+      const double dl = std::fabs(gl[r] - rl[r]), dz = std::fabs(gz[r] - rz[r]);
+      lse_err = grow(lse_err, dl);
+      z_err = grow(z_err, dz);
+      // A target logit may round to the neighbouring bf16 where cuBLAS's sum and the kernel's
+      // differ in the last float bits at a rounding boundary: one bf16 ulp (<= |z| / 128) allowed.
+      if (first_bad < 0 && !(dl < 1e-3 && dz <= std::max(1e-3, std::fabs(rz[r]) / 128)))
+        first_bad = r;
+      mean_loss += gloss[r] / N;
+    }
+    if (first_bad >= 0)
+      std::fprintf(stderr, "clusters of %d, row %d: lse %g (want %g), target logit %g (want %g)\n",
+                   cluster, first_bad, gl[first_bad], rl[first_bad], gz[first_bad], rz[first_bad]);
   }
-  if (first_bad >= 0)
-    std::fprintf(stderr, "row %d: lse %g (want %g), target logit %g (want %g)\n", first_bad,
-                 gl[first_bad], rl[first_bad], gz[first_bad], rz[first_bad]);
   check(cudaFree(ref), "free");
   check(cudaFree(ref_lse), "free");
   check(cudaFree(ref_z), "free");
@@ -192,24 +200,29 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
   // cuBLAS before and after (the GPU's clocks drift over a run of seconds at full power): the
   // floor is the mean of the two medians.
   const auto t_cublas = time_ms([&] { cublas_gemm(logits, CUDA_R_16BF); }, reps);
-  const auto t_plain = time_ms(plain, reps);
-  const auto t_forward = time_ms(forward, reps);
+  const auto t_plain = time_ms([&] { plain(1); }, reps);
+  const auto t_forward = time_ms([&] { forward(1); }, reps);
+  const auto t_plain2 = time_ms([&] { plain(2); }, reps);
+  const auto t_forward2 = time_ms([&] { forward(2); }, reps);
   const auto t_cublas2 = time_ms([&] { cublas_gemm(logits, CUDA_R_16BF); }, reps);
   const double flops = 2.0 * N * static_cast<double>(D) * V;
   auto med = [](const std::vector<float>& t) { return static_cast<double>(t[t.size() / 2]); };
   const double floor_ms = (med(t_cublas) + med(t_cublas2)) / 2;
-  char buf[1024];
+  char buf[2048];
   std::snprintf(
       buf, sizeof buf,
       "{\"shape\": \"%dx%dx%d\", \"cublas_ms\": %.3f, \"cublas_before_after_ms\": [%.3f, %.3f], "
       "\"plain_ms\": %.3f, "
       "\"forward_ms\": %.3f, \"cublas_tflops\": %.1f, \"plain_tflops\": %.1f, "
       "\"forward_tflops\": %.1f, \"plain_ratio\": %.4f, \"forward_ratio\": %.4f, "
-      "\"logit_max_abs_err\": %.3g, \"logit_max_abs\": %.3g, \"lse_max_abs_err\": %.3g, "
+      "\"pairs_plain_ms\": %.3f, \"pairs_forward_ms\": %.3f, \"pairs_plain_ratio\": %.4f, "
+      "\"pairs_forward_ratio\": %.4f, \"logit_max_abs_err\": %.3g, \"logit_max_abs\": %.3g, "
+      "\"lse_max_abs_err\": %.3g, "
       "\"target_logit_max_abs_err\": %.3g, \"mean_loss\": %.5f}",
       N, D, V, floor_ms, med(t_cublas), med(t_cublas2), med(t_plain), med(t_forward),
       flops / floor_ms / 1e9, flops / med(t_plain) / 1e9, flops / med(t_forward) / 1e9,
-      med(t_plain) / floor_ms, med(t_forward) / floor_ms, logit_err, logit_scale, lse_err, z_err,
+      med(t_plain) / floor_ms, med(t_forward) / floor_ms, med(t_plain2), med(t_forward2),
+      med(t_plain2) / floor_ms, med(t_forward2) / floor_ms, logit_err, logit_scale, lse_err, z_err,
       mean_loss);
   for (void* p :
        {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(logits),
@@ -232,7 +245,8 @@ int main(int argc, char** argv) {
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "device");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sms");
-  if (!sg::ready<true, std::int64_t>(dev) || !sg::ready<false, std::int64_t>(dev)) {
+  if (!sg::ready<true, std::int64_t>(dev, 1) || !sg::ready<false, std::int64_t>(dev, 1) ||
+      !sg::ready<true, std::int64_t>(dev, 2) || !sg::ready<false, std::int64_t>(dev, 2)) {
     std::printf("lse_gemm_bench: the GEMM needs an sm_90 GPU and an sm_90a build; skipped\n");
     return 0;
   }

@@ -485,7 +485,8 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
         !aligned16(c.hidden.data, c.hidden.ld * 2) || !aligned16(c.weight.data, c.weight.ld * 2))
       return false;
     const device_facts dev = query_device(fn);
-    if (!sg::ready<true, I>(dev.id)) return false;
+    constexpr int cluster = policy::stats_gemm_cluster;
+    if (!sg::ready<true, I>(dev.id, cluster)) return false;
     const int col_tiles = static_cast<int>((V + sg::tile_n - 1) / sg::tile_n);
     const std::size_t room = sizeof(DT) * static_cast<std::size_t>(c.plan.chunk_rows) *
                              static_cast<std::size_t>(c.plan.ld);
@@ -514,7 +515,7 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
       a.partials = reinterpret_cast<sg::partial*>(c.logits());
       a.target_logit = reinterpret_cast<float*>(a.partials + n * col_tiles);
       sg::launch<true>(fn, c.hidden.data + r0 * c.hidden.ld, c.hidden.ld, c.weight.data,
-                       c.weight.ld, a, dev.sms, c.exec.stream);
+                       c.weight.ld, a, dev.sms, cluster, c.exec.stream);
       m.rows = n;
       m.targets.ids = a.targets;
       m.row_loss = t.row_loss ? t.row_loss + r0 : nullptr;

@@ -86,6 +86,9 @@
 #ifndef XENT_CUDA_STATS_GEMM  // 0: the fused linear forward always by cuBLAS (see policy)
 #define XENT_CUDA_STATS_GEMM 1
 #endif
+#ifndef XENT_CUDA_STATS_GEMM_CLUSTER  // 1: the stats GEMM's CTAs each load their own W tiles
+#define XENT_CUDA_STATS_GEMM_CLUSTER 2
+#endif
 #ifndef XENT_CUDA_ACCUMULATE_BY_LT  // 0: d_weight's float accumulator by cublasGemmEx (see policy)
 #define XENT_CUDA_ACCUMULATE_BY_LT 1
 #endif
@@ -259,6 +262,18 @@ struct policy {
   /// 128256 0.980x, 16384 x 2304 x 256000 1.015x, where the cuBLAS path measured 1.08x and 1.21x
   /// (9b4cb64; bench/results/2026-11-24-h200-f6d4e74/).
   static constexpr bool stats_gemm = XENT_CUDA_STATS_GEMM != 0;
+  /// CTAs per cluster of that GEMM: two on neighbouring row tiles, each loading half of every W
+  /// tile into both by a multicast copy (stats_gemm.cuh), halve the L2-to-shared traffic of W.
+  /// H100, 2026-11-27, one lease, xent_bench_cuda_linear built both ways, two rounds each,
+  /// linear_forward at the default budget against X . W^T alone: 8192 x 4096 x 128256 12.5 / 12.6
+  /// -> 11.6 / 11.6 ms (1.022 / 1.069x -> 0.958 / 0.947x), 16384 x 2304 x 256000 31.1 / 31.3 ->
+  /// 27.0 / 26.7 ms (1.013 / 1.003x -> 0.862 / 0.871x); bench/lse_gemm_bench.cu, both in one
+  /// binary, the GEMM and merge 1.079x / 1.311x -> 0.982x / 0.883x of cuBLAS
+  /// (bench/results/2026-11-27-h100-stats-pairs/). On an H200 an earlier form of the kernel
+  /// measured pairs slower at 8192 x 4096 x 128256 (12.14 -> 12.42 / 12.61 ms) and faster at the
+  /// larger head (30.3 -> 29.2 / 29.5; 2026-11-24-h200-staged-stats/): not measured there since.
+  static constexpr int stats_gemm_cluster = XENT_CUDA_STATS_GEMM_CLUSTER;
+  static_assert(stats_gemm_cluster == 1 || stats_gemm_cluster == 2, "the stats GEMM's forms");
   /// Whether fused linear training adds each chunk's d_weight into the float accumulator through
   /// cuBLASLt with the tile accumulate_gemm.cuh chooses (where it offers one) rather than
   /// cublasGemmEx's own choice; that header has the GEMM's measurements.

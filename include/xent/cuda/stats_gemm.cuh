@@ -17,9 +17,10 @@
 // the statistics themselves, the tensor cores stood idle through them (one MUFU exponential per
 // logit): several percent of the GEMM's time (bench/results/2026-11-24-h200-lse-gemm/). Tiles are
 // walked 16 row tiles at a time (Triton's grouped order), so the tiles in flight share their X and
-// W tiles in L2. Its body exists only in an sm_90a build (wgmma, setmaxnreg): a build without it
-// leaves an empty kernel, which ready() recognises by its lack of static shared memory (the real
-// kernel's mbarriers).
+// W tiles in L2. By default (policy::stats_gemm_cluster) the CTAs run in clusters of two on
+// neighbouring row tiles, each loading half of every W tile into both by a multicast copy. Its body
+// exists only in an sm_90a build (wgmma, setmaxnreg): a build without it leaves an empty kernel,
+// which ready() recognises by its lack of static shared memory (the real kernel's mbarriers).
 //
 // The statistics are of the logits rounded to bf16, as the cuBLAS path (which stores them so) and
 // PyTorch eager have them: both paths give the same losses up to the order of the sums.
@@ -83,12 +84,16 @@ struct args {
 };
 
 /// Tile t of the grouped order: group_m row tiles at a time, each group's column tiles in turn.
+/// With clusters (Cluster CTAs side by side on Cluster row tiles, sharing each W tile) the order is
+/// of row-tile groups of Cluster, `row_tiles` of them, and m the group's first row tile.
+template <int Cluster = 1>
 __device__ __forceinline__ void tile_at(int t, int row_tiles, int col_tiles, int& m, int& n) {
-  const int per_group = group_m * col_tiles;
-  const int first = t / per_group * group_m;
-  const int height = row_tiles - first < group_m ? row_tiles - first : group_m;
+  constexpr int rows_per_group = group_m / Cluster;
+  const int per_group = rows_per_group * col_tiles;
+  const int first = t / per_group * rows_per_group;
+  const int height = row_tiles - first < rows_per_group ? row_tiles - first : rows_per_group;
   const int in_group = t % per_group;
-  m = first + in_group % height;
+  m = (first + in_group % height) * Cluster;
   n = in_group / height;
 }
 
@@ -198,11 +203,15 @@ __device__ __forceinline__ void tile_store(const float (&d)[128], const args<I>&
   }
 }
 
-/// The GEMM over every tile (Stats: row partials; otherwise bf16 logits). One CTA per SM.
-template <bool Stats, class I>
+/// The GEMM over every tile (Stats: row partials; otherwise bf16 logits). One CTA per SM. With
+/// Cluster 2, the two CTAs of a cluster take two neighbouring row tiles at the same column tile
+/// and each loads half of the W tile into both by a multicast copy: half the L2-to-shared
+/// traffic of W, for CTAs that wait on each other's stage releases.
+template <bool Stats, int Cluster, class I>
 __global__ void __launch_bounds__(threads, 1)
     stats_gemm_kernel(const __grid_constant__ CUtensorMap x_map,
                       const __grid_constant__ CUtensorMap w_map, args<I> a) {
+  static_assert(Cluster == 1 || Cluster == 2, "a W tile's halves go to at most two CTAs");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   // Static shared memory only in this build: ready() reads its presence.
@@ -215,17 +224,28 @@ __global__ void __launch_bounds__(threads, 1)
   unsigned char* const staged = smem + stages * stage_bytes;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
-      mbarrier_init(&full[s], 1);   // the producer's expect_tx; the copies' bytes
-      mbarrier_init(&empty[s], 8);  // one arrival per consumer warp (wgmma waits are per warp)
+      mbarrier_init(&full[s], 1);  // the producer's expect_tx; the copies' bytes
+      // One arrival per consumer warp (wgmma waits are per warp) of every CTA of the cluster:
+      // each CTA's W half lands in all of them.
+      mbarrier_init(&empty[s], 8 * Cluster);
     }
     mbarrier_init(&staged_full, 256);             // every consumer thread, after its matrix stores
     mbarrier_init(&staged_empty, stats_threads);  // every statistics thread, after its reads
     mbarrier_init_fence();
   }
-  __syncthreads();
+  // The barriers are initialised before another CTA of the cluster arrives on them or copies.
+  if constexpr (Cluster > 1)
+    cluster_sync_all();
+  else
+    __syncthreads();
 
+  // Tiles go by groups of Cluster row tiles (one per CTA of the cluster) and a column tile.
   const int row_tiles = (a.rows + tile_m - 1) / tile_m;
-  const int tiles = row_tiles * a.col_tiles;
+  const int groups = (row_tiles + Cluster - 1) / Cluster;
+  const int tiles = groups * a.col_tiles;
+  const int rank = static_cast<int>(blockIdx.x) % Cluster;
+  const int first_tile = static_cast<int>(blockIdx.x) / Cluster,
+            tile_step = static_cast<int>(gridDim.x) / Cluster;
   const int k_blocks = (a.depth + tile_k - 1) / tile_k;
   const int group = static_cast<int>(threadIdx.x) / 128;
   // Registers: setmaxnreg moves them within the CTA's own allocation (168 per thread, ptxas's
@@ -236,14 +256,22 @@ __global__ void __launch_bounds__(threads, 1)
     if (threadIdx.x == 0) {
       int s = 0;
       unsigned phase = 0;
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      for (int t = first_tile; t < tiles; t += tile_step) {
         int m, n;
-        tile_at(t, row_tiles, a.col_tiles, m, n);
+        tile_at<Cluster>(t, groups, a.col_tiles, m, n);
+        m += rank;
         for (int kb = 0; kb < k_blocks; ++kb) {
-          mbarrier_wait(&empty[s], phase ^ 1);  // a fresh barrier's "previous phase" is complete
+          // A fresh barrier's "previous phase" is complete. With clusters, every CTA's consumers
+          // have released the stage (their arrivals come from other SMs: cluster-scope acquire).
+          mbarrier_wait<(Cluster > 1)>(&empty[s], phase ^ 1);
           mbarrier_arrive_expect(&full[s], stage_bytes);
           tma_load_2d(stage_a(s), &x_map, kb * tile_k, m * tile_m, &full[s]);
-          tma_load_2d(stage_b(s), &w_map, kb * tile_k, n * tile_n, &full[s]);
+          if constexpr (Cluster > 1)
+            tma_load_2d_multicast(stage_b(s) + rank * (b_bytes / Cluster), &w_map, kb * tile_k,
+                                  n * tile_n + rank * (tile_n / Cluster), &full[s],
+                                  static_cast<std::uint16_t>((1u << Cluster) - 1));
+          else
+            tma_load_2d(stage_b(s), &w_map, kb * tile_k, n * tile_n, &full[s]);
           if (++s == stages) {
             s = 0;
             phase ^= 1;
@@ -255,9 +283,10 @@ __global__ void __launch_bounds__(threads, 1)
         // Warps 1-3: thread i takes rows i and i + 96 of each tile.
         const int r = static_cast<int>(threadIdx.x) - 32;
         unsigned phase = 0;
-        for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        for (int t = first_tile; t < tiles; t += tile_step) {
           int m, n;
-          tile_at(t, row_tiles, a.col_tiles, m, n);
+          tile_at<Cluster>(t, groups, a.col_tiles, m, n);
+          m += rank;
           const int col0 = n * tile_n;
           const int valid = a.cols - col0 < tile_n ? a.cols - col0 : tile_n;
           std::int64_t target[2] = {-1, -1};  // read while the tile is computed
@@ -293,9 +322,18 @@ __global__ void __launch_bounds__(threads, 1)
     float d[128];
     int s = 0;
     unsigned phase = 0, staged_phase = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    // Releases stage `s` in every CTA of the cluster (each holds the other's W half).
+    auto release = [](unsigned long long* bar) {
+      if constexpr (Cluster > 1) {
+        for (int r = 0; r < Cluster; ++r) mbarrier_arrive_in(bar, static_cast<unsigned>(r));
+      } else {
+        mbarrier_arrive(bar);
+      }
+    };
+    for (int t = first_tile; t < tiles; t += tile_step) {
       int m, n;
-      tile_at(t, row_tiles, a.col_tiles, m, n);
+      tile_at<Cluster>(t, groups, a.col_tiles, m, n);
+      m += rank;
       int held = -1;  // the stage whose products are still in flight
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbarrier_wait(&full[s], phase);
@@ -308,7 +346,7 @@ __global__ void __launch_bounds__(threads, 1)
         wgmma_commit();
         wgmma_wait<1>();  // the previous stage's products are done: release it
         fence_operands(d);
-        if (held >= 0 && leader) mbarrier_arrive(&empty[held]);
+        if (held >= 0 && leader) release(&empty[held]);
         held = s;
         if (++s == stages) {
           s = 0;
@@ -317,7 +355,7 @@ __global__ void __launch_bounds__(threads, 1)
       }
       wgmma_wait<0>();
       fence_operands(d);
-      if (held >= 0 && leader) mbarrier_arrive(&empty[held]);
+      if (held >= 0 && leader) release(&empty[held]);
       if constexpr (Stats) {
         // The statistics warps finished the previous tile long ago (they need a few percent of
         // a main loop's time), so this wait rarely waits.
@@ -330,6 +368,9 @@ __global__ void __launch_bounds__(threads, 1)
       }
     }
   }
+  // No CTA leaves while another of its cluster may still copy into its stages or arrive on its
+  // barriers.
+  if constexpr (Cluster > 1) cluster_sync_all();
 #else
   (void)x_map;
   (void)w_map;
@@ -365,30 +406,43 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, const partial* partials,
   }
 }
 
-/// Whether this build runs the GEMM on device `dev`: its sm_90a body was compiled for the code the
-/// device runs (it alone has static shared memory) and the device grants the dynamic shared
-/// memory (prepare_cluster_kernel: once per kernel and device, no stream work, so it may run
-/// under graph capture).
+/// Whether this build runs the GEMM with clusters of `cluster` on device `dev`: its sm_90a body
+/// was compiled for the code the device runs (it alone has static shared memory) and the device
+/// grants the dynamic shared memory (prepare_cluster_kernel: once per kernel and device, no stream
+/// work, so it may run under graph capture).
 template <bool Stats, class I>
-bool ready(int dev) {
-  const auto kernel = reinterpret_cast<const void*>(stats_gemm_kernel<Stats, I>);
+bool ready(int dev, int cluster) {
+  const auto kernel = cluster == 2 ? reinterpret_cast<const void*>(stats_gemm_kernel<Stats, 2, I>)
+                                   : reinterpret_cast<const void*>(stats_gemm_kernel<Stats, 1, I>);
   cudaFuncAttributes attr{};
   return prepare_cluster_kernel(kernel, dev, smem_bytes) &&
          cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.sharedSizeBytes > 0;
 }
 
 /// Enqueues the GEMM over X (a.rows x a.depth, leading dimension ldx) and W (a.cols x a.depth,
-/// leading dimension ldw), one CTA per SM; ready<Stats, I>(device) must hold.
+/// leading dimension ldw), one CTA per SM in clusters of `cluster`; ready<Stats, I>(device,
+/// cluster) must hold.
 template <bool Stats, class I>
 void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std::int64_t ldw,
-            const args<I>& a, int sms, cudaStream_t stream) {
+            const args<I>& a, int sms, int cluster, cudaStream_t stream) {
   static_assert(tile_k == 64, "make_map's boxes are 64 columns (128 bytes) wide");
   const CUtensorMap xm = make_map(fn, "hidden", x, a.rows, a.depth, ldx, tile_m);
-  const CUtensorMap wm = make_map(fn, "weight", w, a.cols, a.depth, ldw, tile_n);
-  const int tiles = (a.rows + tile_m - 1) / tile_m * a.col_tiles;
-  const int grid = tiles < sms ? tiles : sms;
-  stats_gemm_kernel<Stats, I><<<grid, threads, smem_bytes, stream>>>(xm, wm, a);
-  check_cuda(fn, cudaGetLastError());
+  const CUtensorMap wm = make_map(fn, "weight", w, a.cols, a.depth, ldw, tile_n / cluster);
+  // Groups of `cluster` row tiles, each at every column tile; at most one CTA per SM.
+  const std::int64_t groups = (a.rows + std::int64_t{tile_m} * cluster - 1) /
+                              (std::int64_t{tile_m} * cluster) * a.col_tiles;
+  const int clusters = static_cast<int>(groups < sms / cluster ? groups : sms / cluster);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters * cluster), 1, 1);
+  cfg.blockDim = dim3(threads, 1, 1);
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1] = {cluster_attribute(cluster)};
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  check_cuda(fn, cluster == 2
+                     ? cudaLaunchKernelEx(&cfg, stats_gemm_kernel<Stats, 2, I>, xm, wm, a)
+                     : cudaLaunchKernelEx(&cfg, stats_gemm_kernel<Stats, 1, I>, xm, wm, a));
 }
 
 }  // namespace stats_gemm

@@ -38,6 +38,50 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
 #endif
 }
 
+/// tma_load_2d into the same shared-memory offset of every CTA of the cluster in `mask`, each
+/// copy counted on the mbarrier at `bar`'s offset in that CTA.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, int c0,
+                                                      int c1, unsigned long long* bar,
+                                                      std::uint16_t mask) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::"
+      "cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(shared_address(bar)),
+      "h"(mask)
+      : "memory");
+#else
+  (void)dst;
+  (void)map;
+  (void)c0;
+  (void)c1;
+  (void)bar;
+  (void)mask;
+#endif
+}
+
+/// Arrives on the mbarrier at `bar`'s offset in cluster CTA `rank`, with the default semantics
+/// (CUTLASS's ClusterBarrier does the same: the cluster-scope release form costs a
+/// MEMBAR.ALL.GPU per arrive).
+__device__ __forceinline__ void mbarrier_arrive_in(unsigned long long* bar, unsigned rank) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  unsigned addr = shared_address(bar);
+  asm volatile("mapa.shared::cluster.u32 %0, %0, %1;" : "+r"(addr) : "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(addr) : "memory");
+#else
+  (void)bar;
+  (void)rank;
+#endif
+}
+
+/// Every thread of every CTA of the cluster. Not .aligned: a producer thread may arrive apart
+/// from the rest of its warp.
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
 /// The wgmma descriptor of a K-major tile in shared memory as the tensor copy's 128-byte swizzle
 /// lays it out: rows of 128 bytes, 8-row atoms 1024 bytes apart (the stride byte offset).
 __device__ __forceinline__ std::uint64_t smem_descriptor(const void* p) {
