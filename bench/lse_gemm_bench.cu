@@ -99,7 +99,6 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
   a.depth = D;
   a.col_tiles = (V + sg::tile_n - 1) / sg::tile_n;
   a.targets = y;
-  a.logits = logits;
   float *target_logit, *lse, *loss;
   check(cudaMalloc(&a.partials, sizeof(sg::partial) * N * std::int64_t{a.col_tiles}), "parts");
   check(cudaMalloc(&target_logit, sizeof(float) * N), "z");
@@ -124,7 +123,9 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
   m.row_loss = loss;
   m.lse_out = lse;
   // Each GEMM in clusters of one CTA and of two (stats_gemm_kernel's Cluster).
-  auto plain = [&](int cluster) { sg::launch<false>(fn, x, D, w, D, a, sms, cluster, nullptr); };
+  auto plain = [&](int cluster) {
+    sg::launch<false>(fn, x, D, w, D, a, sms, cluster, nullptr, logits, V);
+  };
   auto forward = [&](int cluster) {
     sg::launch<true>(fn, x, D, w, D, a, sms, cluster, nullptr);
     sg::merge_kernel<<<(N * 32 + 255) / 256, 256>>>(m, a.partials, a.target_logit, a.col_tiles);

@@ -13,14 +13,17 @@
 // in flight while the next is issued, and release each stage when its products are done. At a
 // tile's end they round its logits to bf16 into a shared-memory staging tile (16 matrix stores
 // per thread) and go on to the next tile; warpgroup 0's other three warps turn the staged tile
-// into each row's max and sum of exponentials meanwhile. When the consumer warpgroups computed
-// the statistics themselves, the tensor cores stood idle through them (one MUFU exponential per
-// logit): several percent of the GEMM's time (bench/results/2026-11-24-h200-lse-gemm/). Tiles are
-// walked 16 row tiles at a time (Triton's grouped order), so the tiles in flight share their X and
-// W tiles in L2. By default (policy::stats_gemm_cluster) the CTAs run in clusters of two on
-// neighbouring row tiles, each loading half of every W tile into both by a multicast copy. Its body
-// exists only in an sm_90a build (wgmma, setmaxnreg): a build without it leaves an empty kernel,
-// which ready() recognises by its lack of static shared memory (the real kernel's mbarriers).
+// into each row's max and sum of exponentials meanwhile (or, in the form that stores the logits,
+// one of their threads stores it by tensor stores: from the consumers' registers the stores cost
+// 12-15% of the GEMM, bench/results/2026-11-27-h100-stats-tma-store/). When the consumer warpgroups
+// computed the statistics themselves, the tensor cores stood idle through them (one MUFU
+// exponential per logit): several percent of the GEMM's time
+// (bench/results/2026-11-24-h200-lse-gemm/). Tiles are walked 16 row tiles at a time (Triton's
+// grouped order), so the tiles in flight share their X and W tiles in L2. By default
+// (policy::stats_gemm_cluster) the CTAs run in clusters of two on neighbouring row tiles, each
+// loading half of every W tile into both by a multicast copy. Its body exists only in an sm_90a
+// build (wgmma, setmaxnreg): a build without it leaves an empty kernel, which ready() recognises by
+// its lack of static shared memory (the real kernel's mbarriers).
 //
 // The statistics are of the logits rounded to bf16, as the cuBLAS path (which stores them so) and
 // PyTorch eager have them: both paths give the same losses up to the order of the sums.
@@ -58,11 +61,12 @@ constexpr int threads = 384;  // producer + statistics warpgroup, two consumer w
 constexpr int stats_threads = 96;
 constexpr int a_bytes = tile_m * tile_k * 2, b_bytes = tile_n * tile_k * 2;
 constexpr int stage_bytes = a_bytes + b_bytes;
-/// The staging tile: the tile's logits as bf16, 512-byte rows whose 16-byte chunks are swizzled
-/// by the row's low three bits, so that the 8 rows of a matrix store and the 8 rows a quarter
-/// warp reads fall in distinct banks.
-constexpr int staged_pitch = tile_n * 2;
-constexpr int staged_bytes = tile_m * staged_pitch;
+/// The staging tile: the tile's logits as bf16 in four blocks of 64 columns, each 128 rows of 128
+/// bytes whose 16-byte chunks are swizzled by the row's low three bits (the tensor copy's 128-byte
+/// swizzle, so a block leaves by one tensor store), so that the 8 rows of a matrix store and the
+/// 8 rows a quarter warp reads fall in distinct banks.
+constexpr int staged_block_bytes = tile_m * 128;
+constexpr int staged_bytes = (tile_n / 64) * staged_block_bytes;
 constexpr int smem_bytes = stages * stage_bytes + staged_bytes + 1024;  // + the swizzle's alignment
 static_assert(smem_bytes + 128 <= 227 * 1024, "sm_90's shared memory per CTA (static included)");
 
@@ -72,7 +76,8 @@ using partial = online_lse;
 
 /// What the GEMM reads and writes beside its operands. Stats: `partials` (rows x col_tiles) and
 /// `target_logit` (one per row whose target is a class in [0, cols), written by the tile holding
-/// it); otherwise (measuring the main loop: bench/lse_gemm_bench.cu) `logits`, rows x cols bf16.
+/// it); otherwise (measuring the main loop: bench/lse_gemm_bench.cu) the logits, rows x cols bf16,
+/// through the kernel's logits tensor map.
 template <class I>
 struct args {
   int rows, cols, depth;  // N, V, D of this launch
@@ -80,7 +85,6 @@ struct args {
   const I* targets;
   partial* partials;
   float* target_logit;
-  __nv_bfloat16* logits;
 };
 
 /// Tile t of the grouped order: group_m row tiles at a time, each group's column tiles in turn.
@@ -99,21 +103,21 @@ __device__ __forceinline__ void tile_at(int t, int row_tiles, int col_tiles, int
 
 /// Where `chunk` (16 bytes) of staging row `row` lives.
 __device__ __forceinline__ int staged_offset(int row, int chunk) {
-  return row * staged_pitch + ((chunk ^ (row & 7)) << 4);
+  return (chunk >> 3) * staged_block_bytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
 }
 
-/// One consumer thread's epilogue (Stats): its logits rounded to bf16 into the staging tile by 16
-/// matrix stores. Accumulator layout of m64nNk16: thread lane of warp w holds rows 16 w + lane / 4
+/// One consumer thread's epilogue: its logits rounded to bf16 into the staging tile by 16 matrix
+/// stores. Accumulator layout of m64nNk16: thread lane of warp w holds rows 16 w + lane / 4
 /// and + 8, columns 8 j + 2 (lane % 4) + {0, 1}, in d[4 j + {0, 1}] and d[4 j + {2, 3}]: each
 /// 8 x 8 block is a matrix in stmatrix's fragment layout, and d[8 i .. 8 i + 7] are the blocks
 /// (2 i, rows +0), (2 i, +8), (2 i + 1, +0), (2 i + 1, +8), whose row addresses lanes 0-7, 8-15,
-/// 16-23 and 24-31 give. `rows`: the staging rows of this consumer warpgroup.
-__device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char* rows) {
+/// 16-23 and 24-31 give. Consumer warpgroup `c` holds staging rows 64 c .. 64 c + 63.
+__device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char* staged, int c) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const int lane = static_cast<int>(threadIdx.x) % 32,
             warp = static_cast<int>(threadIdx.x) / 32 % 4;
-  const int q = lane / 8, row = 16 * warp + 8 * (q % 2) + lane % 8;
-  const unsigned base = shared_address(rows);
+  const int q = lane / 8, row = 64 * c + 16 * warp + 8 * (q % 2) + lane % 8;
+  const unsigned base = shared_address(staged);
   auto pair = [&](int k) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(d[2 * k], d[2 * k + 1]);
     return *reinterpret_cast<const unsigned*>(&v);
@@ -126,7 +130,8 @@ __device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char*
                  : "memory");
 #else
   (void)d;
-  (void)rows;
+  (void)staged;
+  (void)c;
 #endif
 }
 
@@ -143,16 +148,16 @@ __device__ __forceinline__ partial staged_row_stats(const unsigned char* staged,
   if (target >= 0 && target < valid) z = at(static_cast<int>(target));
   float m = -HUGE_VALF, s = 0.0f;
   if (valid == tile_n) {
-    // A whole row in the order its chunks are stored (the swizzle only permutes them), at
-    // constant offsets. Four independent chains each for the max and the sum (one chain of 256
+    // A whole row in column order: the 8 rows a quarter warp reads at once sit in distinct banks
+    // (the swizzle). Four independent chains each for the max and the sum (one chain of 256
     // dependent instructions would wait on latency); the max on bf16 pairs, exact.
-    const auto* v = reinterpret_cast<const uint4*>(staged + row * staged_pitch);
+    auto v = [&](int i) { return *reinterpret_cast<const uint4*>(staged + staged_offset(row, i)); };
     __nv_bfloat162 mc[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) mc[k] = __float2bfloat162_rn(-HUGE_VALF);
 #pragma unroll 4  // 16 registers of loads in flight: the statistics warps have 64 in all
     for (int i = 0; i < tile_n / 8; ++i) {
-      const uint4 q = v[i];
+      const uint4 q = v(i);
       const unsigned u[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k)
@@ -164,7 +169,7 @@ __device__ __forceinline__ partial staged_row_stats(const unsigned char* staged,
     float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
     for (int i = 0; i < tile_n / 8; ++i) {
-      const uint4 q = v[i];
+      const uint4 q = v(i);
       const unsigned u[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k)  // the pair of word k, as tile.cuh's word_element unpacks it
@@ -180,29 +185,6 @@ __device__ __forceinline__ partial staged_row_stats(const unsigned char* staged,
   return partial::of_block(m, s);
 }
 
-/// One consumer thread's epilogue (plain GEMM): its logits rounded to bf16 and stored.
-template <class I>
-__device__ __forceinline__ void tile_store(const float (&d)[128], const args<I>& a, int row0,
-                                           int col0) {
-  const int lane = static_cast<int>(threadIdx.x) % 32,
-            warp = static_cast<int>(threadIdx.x) / 32 % 4;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + 16 * warp + lane / 4 + 8 * h;
-    if (row >= a.rows) continue;
-    __nv_bfloat16* out = a.logits + static_cast<std::int64_t>(row) * a.cols;
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = col0 + 8 * j + 2 * (lane % 4);
-      if (col + 1 < a.cols)
-        *reinterpret_cast<__nv_bfloat162*>(out + col) =
-            __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-      else if (col < a.cols)
-        out[col] = __float2bfloat16_rn(d[4 * j + 2 * h]);
-    }
-  }
-}
-
 /// The GEMM over every tile (Stats: row partials; otherwise bf16 logits). One CTA per SM. With
 /// Cluster 2, the two CTAs of a cluster take two neighbouring row tiles at the same column tile
 /// and each loads half of the W tile into both by a multicast copy: half the L2-to-shared
@@ -210,7 +192,8 @@ __device__ __forceinline__ void tile_store(const float (&d)[128], const args<I>&
 template <bool Stats, int Cluster, class I>
 __global__ void __launch_bounds__(threads, 1)
     stats_gemm_kernel(const __grid_constant__ CUtensorMap x_map,
-                      const __grid_constant__ CUtensorMap w_map, args<I> a) {
+                      const __grid_constant__ CUtensorMap w_map,
+                      const __grid_constant__ CUtensorMap logits_map, args<I> a) {
   static_assert(Cluster == 1 || Cluster == 2, "a W tile's halves go to at most two CTAs");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -229,8 +212,10 @@ __global__ void __launch_bounds__(threads, 1)
       // each CTA's W half lands in all of them.
       mbarrier_init(&empty[s], 8 * Cluster);
     }
-    mbarrier_init(&staged_full, 256);             // every consumer thread, after its matrix stores
-    mbarrier_init(&staged_empty, stats_threads);  // every statistics thread, after its reads
+    mbarrier_init(&staged_full, 256);  // every consumer thread, after its matrix stores
+    // Every statistics thread after its reads, or the thread that stores the tile once its
+    // tensor stores have read it.
+    mbarrier_init(&staged_empty, Stats ? stats_threads : 1);
     mbarrier_init_fence();
   }
   // The barriers are initialised before another CTA of the cluster arrives on them or copies.
@@ -312,6 +297,23 @@ __global__ void __launch_bounds__(threads, 1)
           mbarrier_arrive(&staged_empty);
           phase ^= 1;
         }
+      } else if (threadIdx.x == 32) {
+        // The logits: each staged tile leaves by four tensor stores of 64 columns (the parts past
+        // the matrix are not written), so the consumer warpgroups never wait on global stores.
+        unsigned phase = 0;
+        for (int t = first_tile; t < tiles; t += tile_step) {
+          int m, n;
+          tile_at<Cluster>(t, groups, a.col_tiles, m, n);
+          m += rank;
+          mbarrier_wait(&staged_full, phase);
+          for (int b = 0; b < tile_n / 64 && n * tile_n + 64 * b < a.cols; ++b)
+            tma_store_2d(&logits_map, n * tile_n + 64 * b, m * tile_m,
+                         staged + b * staged_block_bytes);
+          bulk_stores_wait<0>();  // read: the staging tile may be written again
+          mbarrier_arrive(&staged_empty);
+          phase ^= 1;
+        }
+        bulk_stores_wait<0, true>();  // written, before the CTA ends
       }
     }
   } else {
@@ -356,16 +358,13 @@ __global__ void __launch_bounds__(threads, 1)
       wgmma_wait<0>();
       fence_operands(d);
       if (held >= 0 && leader) release(&empty[held]);
-      if constexpr (Stats) {
-        // The statistics warps finished the previous tile long ago (they need a few percent of
-        // a main loop's time), so this wait rarely waits.
-        mbarrier_wait(&staged_empty, staged_phase ^ 1);
-        stage_tile(d, staged + c * 64 * staged_pitch);
-        mbarrier_arrive(&staged_full);
-        staged_phase ^= 1;
-      } else {
-        tile_store(d, a, m * tile_m + c * 64, n * tile_n);
-      }
+      // The statistics warps (or the storing thread) finished the previous tile long ago (they
+      // need a few percent of a main loop's time), so this wait rarely waits.
+      mbarrier_wait(&staged_empty, staged_phase ^ 1);
+      stage_tile(d, staged, c);
+      if constexpr (!Stats) fence_async_shared();  // the tensor stores read what stmatrix wrote
+      mbarrier_arrive(&staged_full);
+      staged_phase ^= 1;
     }
   }
   // No CTA leaves while another of its cluster may still copy into its stages or arrive on its
@@ -374,6 +373,7 @@ __global__ void __launch_bounds__(threads, 1)
 #else
   (void)x_map;
   (void)w_map;
+  (void)logits_map;
   (void)a;
 #endif
 }
@@ -424,10 +424,15 @@ bool ready(int dev, int cluster) {
 /// cluster) must hold.
 template <bool Stats, class I>
 void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std::int64_t ldw,
-            const args<I>& a, int sms, int cluster, cudaStream_t stream) {
+            const args<I>& a, int sms, int cluster, cudaStream_t stream, void* logits = nullptr,
+            std::int64_t ld_logits = 0) {
   static_assert(tile_k == 64, "make_map's boxes are 64 columns (128 bytes) wide");
   const CUtensorMap xm = make_map(fn, "hidden", x, a.rows, a.depth, ldx, tile_m);
   const CUtensorMap wm = make_map(fn, "weight", w, a.cols, a.depth, ldw, tile_n / cluster);
+  // Stats: no logits (an unused map, the hidden one); otherwise rows x cols bf16, leading
+  // dimension ld_logits, stored in boxes of 128 rows x 64 columns.
+  const CUtensorMap lm =
+      Stats ? xm : make_map(fn, "logits", logits, a.rows, a.cols, ld_logits, tile_m);
   // Groups of `cluster` row tiles, each at every column tile; at most one CTA per SM.
   const std::int64_t groups = (a.rows + std::int64_t{tile_m} * cluster - 1) /
                               (std::int64_t{tile_m} * cluster) * a.col_tiles;
@@ -441,8 +446,8 @@ void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std:
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   check_cuda(fn, cluster == 2
-                     ? cudaLaunchKernelEx(&cfg, stats_gemm_kernel<Stats, 2, I>, xm, wm, a)
-                     : cudaLaunchKernelEx(&cfg, stats_gemm_kernel<Stats, 1, I>, xm, wm, a));
+                     ? cudaLaunchKernelEx(&cfg, stats_gemm_kernel<Stats, 2, I>, xm, wm, lm, a)
+                     : cudaLaunchKernelEx(&cfg, stats_gemm_kernel<Stats, 1, I>, xm, wm, lm, a));
 }
 
 }  // namespace stats_gemm

@@ -38,6 +38,26 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
 #endif
 }
 
+/// A 2-D tensor copy of a box in shared memory to (column c0, row c1) of `map`, committed as a
+/// bulk group of its own (bulk_stores_wait waits for it); the box's parts outside the tensor are
+/// not written. The writers of the box fenced it to the async proxy (fence_async_shared) and met
+/// the issuing thread at a barrier first.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int c0, int c1,
+                                             const void* src) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                   reinterpret_cast<std::uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(shared_address(src))
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#else
+  (void)map;
+  (void)c0;
+  (void)c1;
+  (void)src;
+#endif
+}
+
 /// tma_load_2d into the same shared-memory offset of every CTA of the cluster in `mask`, each
 /// copy counted on the mbarrier at `bar`'s offset in that CTA.
 __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, int c0,
