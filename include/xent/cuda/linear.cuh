@@ -228,11 +228,46 @@ struct linear_call {
   }
 };
 
+/// L = X_c · Wᵀ for the chunk's n rows starting at r0 by the Hopper GEMM's logits-storing form
+/// (stats_gemm.cuh, policy::stats_gemm_logits), where it applies: bf16 operands without bias, D
+/// a multiple of 8, 16-byte aligned operands, an sm_90 device running the kernel's sm_90a build.
+/// False, enqueuing nothing, elsewhere.
+template <class T, class G>
+bool hopper_chunk_logits(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n) {
+  namespace sg = stats_gemm;
+  using DT = typename linear_call<T, G>::DT;
+  if constexpr (!std::is_same<DT, __nv_bfloat16>::value || !policy::stats_gemm ||
+                !policy::stats_gemm_logits) {
+    return false;
+  } else {
+    const std::int64_t D = c.dim(), V = c.vocab();
+    const DT* x = c.hidden.row(r0);
+    // The chunk's logits buffer is 256-byte aligned with rows of whole 16-byte vectors.
+    if (c.bias || D == 0 || D % 8 != 0 || D > INT_MAX || V == 0 || V > INT_MAX || n > INT_MAX ||
+        !aligned16(x, c.hidden.ld * 2) || !aligned16(c.weight.data, c.weight.ld * 2) ||
+        !aligned16(c.logits(), c.plan.ld * 2))
+      return false;
+    const char* fn = c.blas.fn();
+    constexpr int cluster = policy::stats_gemm_cluster;
+    const device_facts dev = query_device(fn);
+    if (!sg::ready<false, std::int64_t>(dev.id, cluster)) return false;
+    sg::args<std::int64_t> a{};
+    a.rows = static_cast<int>(n);
+    a.cols = static_cast<int>(V);
+    a.depth = static_cast<int>(D);
+    a.col_tiles = static_cast<int>((V + sg::tile_n - 1) / sg::tile_n);
+    sg::launch<false>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms, cluster,
+                      c.exec.stream, c.logits(), c.plan.ld);
+    return true;
+  }
+}
+
 /// L = X_c · Wᵀ (+ b) for the chunk's n rows starting at r0.
 template <class T, class G>
 void chunk_logits(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n) {
   using DT = typename linear_call<T, G>::DT;
   const cudaStream_t s = c.exec.stream;
+  if (hopper_chunk_logits(c, r0, n)) return;
   if (c.bias) launch_rows_kernel(fill_bias_op<DT>{c.logits(), c.plan.ld, c.bias}, n, c.vocab(), s);
   gemm(c.blas, s, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab(), n, c.dim(), c.weight.data, c.weight.ld,
        c.hidden.row(r0), c.hidden.ld, c.bias ? 1.0f : 0.0f, c.logits(), cublas_type<DT>(),

@@ -89,6 +89,9 @@
 #ifndef XENT_CUDA_STATS_GEMM_CLUSTER  // 1: the stats GEMM's CTAs each load their own W tiles
 #define XENT_CUDA_STATS_GEMM_CLUSTER 2
 #endif
+#ifndef XENT_CUDA_STATS_GEMM_LOGITS  // 1: fused linear training's chunk logits by that GEMM too
+#define XENT_CUDA_STATS_GEMM_LOGITS 0
+#endif
 #ifndef XENT_CUDA_ACCUMULATE_BY_LT  // 0: d_weight's float accumulator by cublasGemmEx (see policy)
 #define XENT_CUDA_ACCUMULATE_BY_LT 1
 #endif
@@ -274,6 +277,14 @@ struct policy {
   /// larger head (30.3 -> 29.2 / 29.5; 2026-11-24-h200-staged-stats/): not measured there since.
   static constexpr int stats_gemm_cluster = XENT_CUDA_STATS_GEMM_CLUSTER;
   static_assert(stats_gemm_cluster == 1 || stats_gemm_cluster == 2, "the stats GEMM's forms");
+  /// Whether fused linear training and backward form each chunk's logits by that GEMM's
+  /// logits-storing form (stats_gemm.cuh; bf16, no bias, D a multiple of 8, 16-byte aligned
+  /// operands, sm_90a) rather than cublasGemmEx. That form measured 1.012x / 0.935x of
+  /// cublasGemmEx in pairs (H100, 2026-11-27, bench/lse_gemm_bench.cu, 8192 x 4096 x 128256 /
+  /// 16384 x 2304 x 256000; bench/results/2026-11-27-h100-stats-tma-store/). Off: written after
+  /// the session's device time was spent, compiled, not run; run the linear tests with it on and
+  /// time xent_bench_cuda_linear's training lines both ways before it becomes the default.
+  static constexpr bool stats_gemm_logits = XENT_CUDA_STATS_GEMM_LOGITS != 0;
   /// Whether fused linear training adds each chunk's d_weight into the float accumulator through
   /// cuBLASLt with the tile accumulate_gemm.cuh chooses (where it offers one) rather than
   /// cublasGemmEx's own choice; that header has the GEMM's measurements.

@@ -42,27 +42,26 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
 /// bulk group of its own (bulk_stores_wait waits for it); the box's parts outside the tensor are
 /// not written. The writers of the box fenced it to the async proxy (fence_async_shared) and met
 /// the issuing thread at a barrier first.
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int c0, int c1,
-                                             const void* src) {
+__device__ __forceinline__ void tma_store_2d([[maybe_unused]] const CUtensorMap* map,
+                                             [[maybe_unused]] int c0, [[maybe_unused]] int c1,
+                                             [[maybe_unused]] const void* src) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
                    reinterpret_cast<std::uint64_t>(map)),
                "r"(c0), "r"(c1), "r"(shared_address(src))
                : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#else
-  (void)map;
-  (void)c0;
-  (void)c1;
-  (void)src;
 #endif
 }
 
 /// tma_load_2d into the same shared-memory offset of every CTA of the cluster in `mask`, each
 /// copy counted on the mbarrier at `bar`'s offset in that CTA.
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, int c0,
-                                                      int c1, unsigned long long* bar,
-                                                      std::uint16_t mask) {
+__device__ __forceinline__ void tma_load_2d_multicast([[maybe_unused]] void* dst,
+                                                      [[maybe_unused]] const CUtensorMap* map,
+                                                      [[maybe_unused]] int c0,
+                                                      [[maybe_unused]] int c1,
+                                                      [[maybe_unused]] unsigned long long* bar,
+                                                      [[maybe_unused]] std::uint16_t mask) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::"
@@ -70,27 +69,18 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(shared_address(bar)),
       "h"(mask)
       : "memory");
-#else
-  (void)dst;
-  (void)map;
-  (void)c0;
-  (void)c1;
-  (void)bar;
-  (void)mask;
 #endif
 }
 
 /// Arrives on the mbarrier at `bar`'s offset in cluster CTA `rank`, with the default semantics
 /// (CUTLASS's ClusterBarrier does the same: the cluster-scope release form costs a
 /// MEMBAR.ALL.GPU per arrive).
-__device__ __forceinline__ void mbarrier_arrive_in(unsigned long long* bar, unsigned rank) {
+__device__ __forceinline__ void mbarrier_arrive_in([[maybe_unused]] unsigned long long* bar,
+                                                   [[maybe_unused]] unsigned rank) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   unsigned addr = shared_address(bar);
   asm volatile("mapa.shared::cluster.u32 %0, %0, %1;" : "+r"(addr) : "r"(rank));
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(addr) : "memory");
-#else
-  (void)bar;
-  (void)rank;
 #endif
 }
 
