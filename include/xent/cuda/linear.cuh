@@ -228,6 +228,18 @@ struct linear_call {
   }
 };
 
+/// Whether the Hopper GEMM (stats_gemm.cuh, form Stats, clusters of policy::stats_gemm_cluster)
+/// takes this call's operands on its device: bf16 without bias, D a multiple of 8 and V within
+/// int (no tensor map holds a dimension of 0: the cuBLAS path's logits are then the bias, or 0),
+/// 16-byte aligned rows, and the kernel's sm_90a build running there (sg::ready).
+template <bool Stats, class I, class T, class G>
+bool hopper_gemm_fits(const linear_call<T, G>& c, const device_facts& dev) {
+  const std::int64_t D = c.dim(), V = c.vocab();
+  return !c.bias && D > 0 && D % 8 == 0 && D <= INT_MAX && V > 0 && V <= INT_MAX &&
+         aligned16(c.hidden.data, c.hidden.ld * 2) && aligned16(c.weight.data, c.weight.ld * 2) &&
+         stats_gemm::ready<Stats, I>(dev.id, policy::stats_gemm_cluster);
+}
+
 /// L = X_c · Wᵀ for the chunk's n rows starting at r0 by the Hopper GEMM's logits-storing form
 /// (stats_gemm.cuh, policy::stats_gemm_logits), where it applies: bf16 operands without bias, D
 /// a multiple of 8, 16-byte aligned operands, an sm_90 device running the kernel's sm_90a build.
@@ -240,24 +252,20 @@ bool hopper_chunk_logits(const linear_call<T, G>& c, std::int64_t r0, std::int64
                 !policy::stats_gemm_logits) {
     return false;
   } else {
-    const std::int64_t D = c.dim(), V = c.vocab();
-    const DT* x = c.hidden.row(r0);
-    // The chunk's logits buffer is 256-byte aligned with rows of whole 16-byte vectors.
-    if (c.bias || D == 0 || D % 8 != 0 || D > INT_MAX || V == 0 || V > INT_MAX || n > INT_MAX ||
-        !aligned16(x, c.hidden.ld * 2) || !aligned16(c.weight.data, c.weight.ld * 2) ||
-        !aligned16(c.logits(), c.plan.ld * 2))
-      return false;
     const char* fn = c.blas.fn();
-    constexpr int cluster = policy::stats_gemm_cluster;
     const device_facts dev = query_device(fn);
-    if (!sg::ready<false, std::int64_t>(dev.id, cluster)) return false;
+    // The chunk's logits buffer is 256-byte aligned with rows of whole 16-byte vectors.
+    if (n > INT_MAX || !aligned16(c.logits(), c.plan.ld * 2) ||
+        !hopper_gemm_fits<false, std::int64_t>(c, dev))
+      return false;
+    const std::int64_t V = c.vocab();
     sg::args<std::int64_t> a{};
     a.rows = static_cast<int>(n);
     a.cols = static_cast<int>(V);
-    a.depth = static_cast<int>(D);
+    a.depth = static_cast<int>(c.dim());
     a.col_tiles = static_cast<int>((V + sg::tile_n - 1) / sg::tile_n);
-    sg::launch<false>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms, cluster,
-                      c.exec.stream, c.logits(), c.plan.ld);
+    sg::launch<false>(fn, c.hidden.row(r0), c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms,
+                      policy::stats_gemm_cluster, c.exec.stream, c.logits(), c.plan.ld);
     return true;
   }
 }
@@ -514,14 +522,9 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
     return false;
   } else {
     const std::int64_t N = c.rows(), D = c.dim(), V = c.vocab();
-    // D = 0: no tensor map holds a dimension of 0 (the cuBLAS path's logits are the bias, or 0).
-    if (c.bias || opts.label_smoothing != 0.0f || opts.softcap != 0.0f || t.argmax || N == 0 ||
-        D == 0 || D % 8 != 0 || D > INT_MAX || V > INT_MAX ||
-        !aligned16(c.hidden.data, c.hidden.ld * 2) || !aligned16(c.weight.data, c.weight.ld * 2))
-      return false;
+    if (opts.label_smoothing != 0.0f || opts.softcap != 0.0f || t.argmax || N == 0) return false;
     const device_facts dev = query_device(fn);
-    constexpr int cluster = policy::stats_gemm_cluster;
-    if (!sg::ready<true, I>(dev.id, cluster)) return false;
+    if (!hopper_gemm_fits<true, I>(c, dev)) return false;
     const int col_tiles = static_cast<int>((V + sg::tile_n - 1) / sg::tile_n);
     const std::size_t room = sizeof(DT) * static_cast<std::size_t>(c.plan.chunk_rows) *
                              static_cast<std::size_t>(c.plan.ld);
@@ -550,7 +553,7 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
       a.partials = reinterpret_cast<sg::partial*>(c.logits());
       a.target_logit = reinterpret_cast<float*>(a.partials + n * col_tiles);
       sg::launch<true>(fn, c.hidden.data + r0 * c.hidden.ld, c.hidden.ld, c.weight.data,
-                       c.weight.ld, a, dev.sms, cluster, c.exec.stream);
+                       c.weight.ld, a, dev.sms, policy::stats_gemm_cluster, c.exec.stream);
       m.rows = n;
       m.targets.ids = a.targets;
       m.row_loss = t.row_loss ? t.row_loss + r0 : nullptr;

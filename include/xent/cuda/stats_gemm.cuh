@@ -89,15 +89,17 @@ struct args {
 
 /// Tile t of the grouped order: group_m row tiles at a time, each group's column tiles in turn.
 /// With clusters (Cluster CTAs side by side on Cluster row tiles, sharing each W tile) the order is
-/// of row-tile groups of Cluster, `row_tiles` of them, and m the group's first row tile.
-template <int Cluster = 1>
-__device__ __forceinline__ void tile_at(int t, int row_tiles, int col_tiles, int& m, int& n) {
+/// of row-tile groups of Cluster, `row_tiles` of them, and m the row tile of the CTA of cluster
+/// rank `rank` in its group.
+template <int Cluster>
+__device__ __forceinline__ void tile_at(int t, int row_tiles, int col_tiles, int rank, int& m,
+                                        int& n) {
   constexpr int rows_per_group = group_m / Cluster;
   const int per_group = rows_per_group * col_tiles;
   const int first = t / per_group * rows_per_group;
   const int height = row_tiles - first < rows_per_group ? row_tiles - first : rows_per_group;
   const int in_group = t % per_group;
-  m = (first + in_group % height) * Cluster;
+  m = (first + in_group % height) * Cluster + rank;
   n = in_group / height;
 }
 
@@ -243,8 +245,7 @@ __global__ void __launch_bounds__(threads, 1)
       unsigned phase = 0;
       for (int t = first_tile; t < tiles; t += tile_step) {
         int m, n;
-        tile_at<Cluster>(t, groups, a.col_tiles, m, n);
-        m += rank;
+        tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
         for (int kb = 0; kb < k_blocks; ++kb) {
           // A fresh barrier's "previous phase" is complete. With clusters, every CTA's consumers
           // have released the stage (their arrivals come from other SMs: cluster-scope acquire).
@@ -270,8 +271,7 @@ __global__ void __launch_bounds__(threads, 1)
         unsigned phase = 0;
         for (int t = first_tile; t < tiles; t += tile_step) {
           int m, n;
-          tile_at<Cluster>(t, groups, a.col_tiles, m, n);
-          m += rank;
+          tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
           const int col0 = n * tile_n;
           const int valid = a.cols - col0 < tile_n ? a.cols - col0 : tile_n;
           std::int64_t target[2] = {-1, -1};  // read while the tile is computed
@@ -303,8 +303,7 @@ __global__ void __launch_bounds__(threads, 1)
         unsigned phase = 0;
         for (int t = first_tile; t < tiles; t += tile_step) {
           int m, n;
-          tile_at<Cluster>(t, groups, a.col_tiles, m, n);
-          m += rank;
+          tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
           mbarrier_wait(&staged_full, phase);
           for (int b = 0; b < tile_n / 64 && n * tile_n + 64 * b < a.cols; ++b)
             tma_store_2d(&logits_map, n * tile_n + 64 * b, m * tile_m,
@@ -334,8 +333,7 @@ __global__ void __launch_bounds__(threads, 1)
     };
     for (int t = first_tile; t < tiles; t += tile_step) {
       int m, n;
-      tile_at<Cluster>(t, groups, a.col_tiles, m, n);
-      m += rank;
+      tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
       int held = -1;  // the stage whose products are still in flight
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbarrier_wait(&full[s], phase);
