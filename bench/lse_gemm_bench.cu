@@ -93,11 +93,7 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
   xent_bench::fill_kernel<<<4096, 256>>>(w, V * std::int64_t{D}, 2,
                                          2.0f / std::sqrt(static_cast<float>(D)));
   xent_bench::targets_kernel<<<(N + 255) / 256, 256>>>(y, std::int64_t{N}, std::int64_t{V});
-  sg::args<std::int64_t> a{};
-  a.rows = N;
-  a.cols = V;
-  a.depth = D;
-  a.col_tiles = (V + sg::tile_n - 1) / sg::tile_n;
+  auto a = sg::shape_args<std::int64_t>(N, V, D);
   a.targets = y;
   float *target_logit, *lse, *loss;
   check(cudaMalloc(&a.partials, sizeof(sg::partial) * N * std::int64_t{a.col_tiles}), "parts");
@@ -124,10 +120,10 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
   m.lse_out = lse;
   // Each GEMM in clusters of one CTA and of two (stats_gemm_kernel's Cluster).
   auto plain = [&](int cluster) {
-    sg::launch<false>(fn, x, D, w, D, a, sms, cluster, nullptr, logits, V);
+    sg::launch<sg::form::logits>(fn, x, D, w, D, a, sms, cluster, nullptr, logits, V);
   };
   auto forward = [&](int cluster) {
-    sg::launch<true>(fn, x, D, w, D, a, sms, cluster, nullptr);
+    sg::launch<sg::form::stats>(fn, x, D, w, D, a, sms, cluster, nullptr);
     sg::merge_kernel<<<(N * 32 + 255) / 256, 256>>>(m, a.partials, a.target_logit, a.col_tiles);
   };
 
@@ -246,8 +242,10 @@ int main(int argc, char** argv) {
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "device");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sms");
-  if (!sg::ready<true, std::int64_t>(dev, 1) || !sg::ready<false, std::int64_t>(dev, 1) ||
-      !sg::ready<true, std::int64_t>(dev, 2) || !sg::ready<false, std::int64_t>(dev, 2)) {
+  if (!sg::ready<sg::form::stats, std::int64_t>(dev, 1) ||
+      !sg::ready<sg::form::logits, std::int64_t>(dev, 1) ||
+      !sg::ready<sg::form::stats, std::int64_t>(dev, 2) ||
+      !sg::ready<sg::form::logits, std::int64_t>(dev, 2)) {
     std::printf("lse_gemm_bench: the GEMM needs an sm_90 GPU and an sm_90a build; skipped\n");
     return 0;
   }

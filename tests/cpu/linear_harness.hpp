@@ -182,6 +182,9 @@ struct rounding {
   double logits = 0.0;
   double grad = 0.0;
   double grad_floor = 0.0;
+  /// The hidden rows, scaled by a row factor and stored before the d_weight GEMM (the CUDA
+  /// backend's scaled-probabilities path: d_weight += P^T (diag(beta) X)).
+  double hidden = 0.0;
 };
 
 /// The roundings of a backend that keeps the logits and their gradient in dtype T (none for
@@ -262,7 +265,7 @@ bounds error_bounds(const ldata<T>& L, const oracle::linear_problem& pb,
       }
     }
   for (std::int64_t i = 0; i < V * D; ++i)
-    e.dw[i] += (2.0 * (N + 2) * u + chunks_rounding) * dw_terms[i];
+    e.dw[i] += (2.0 * (N + 2) * u + chunks_rounding + stored.hidden) * dw_terms[i];
   for (std::int64_t v = 0; v < V; ++v) e.db[v] += 2.0 * (N + 2) * u * db_terms[v];
   return e;
 }

@@ -224,6 +224,50 @@ TEST_F(CudaLinearTest, OddSizesAndManyChunksMatchOracle) {
       }
 }
 
+/// Shapes for the Hopper GEMM's paths: partial last row and column tiles, D below, at and past one
+/// 64-column block. The last has 588 tiles of 128 x 256, more than any GPU has SMs: the GEMM's
+/// persistent CTAs walk several tiles each, so its stage and staging barriers turn phase.
+const std::int64_t hopper_shapes[][3] = {
+    {200, 64, 300}, {129, 520, 1000}, {300, 8, 257}, {70, 136, 4100}, {300, 64, 50000}};
+
+/// A case those paths take (bf16 with no bias), its options varied by `seed`: class weights,
+/// z-loss, every reduction, int32 and int64 class ids, some rows ignored.
+lspec hopper_spec(const std::int64_t (&shape)[3], budget space, std::uint64_t seed) {
+  lspec s = make_spec(shape[0], shape[1], shape[2]);
+  s.bias = false;
+  s.space = space;
+  s.ce.seed = seed;
+  s.ce.ignore = ignore_mode::some;
+  s.ce.weights = seed % 2 == 0;
+  s.ce.z_loss = seed % 3 == 0 ? 1e-3f : 0.0f;
+  s.ce.reduce = seed % 3 == 1 ? reduction::sum : seed % 3 == 2 ? reduction::none : reduction::mean;
+  s.ce.kind = seed % 4 == 0 ? target_kind::int32 : target_kind::int64;
+  return s;
+}
+
+/// f's outputs with no argmax or num_correct asked for (the Hopper paths take no argmax).
+xent::forward_outputs without_argmax(device_outputs& f, const xt::spec& s) {
+  xent::forward_outputs o = f.all(s);
+  o.argmax = {};
+  o.num_correct = nullptr;
+  return o;
+}
+
+/// f's outputs after a call without argmax, with the argmax and num_correct the harness checks
+/// taken from the oracle.
+outputs fetch_with_oracle_argmax(device_outputs& f, const ldata<bf16>& L,
+                                 const oracle::linear_result& r) {
+  outputs got = f.fetch();
+  std::int64_t correct = 0;
+  for (std::int64_t n = 0; n < L.N(); ++n) {
+    const bool ignored = L.d.target(n) == L.s.ce.ignore_index;
+    got.argmax[n] = ignored ? -1 : r.ce.argmax[n];
+    if (!ignored && r.ce.argmax[n] == L.d.target(n)) ++correct;
+  }
+  got.correct = correct;
+  return got;
+}
+
 /// The forward by the sm_90a GEMM (cuda/stats_gemm.cuh) where a build and GPU have it: bf16, no
 /// bias, smoothing, softcap or argmax / num_correct asked, D a multiple of 8. Partial last row and
 /// column tiles, D below, at and past one 64-column block, class weights, ignored rows, z-loss,
@@ -232,23 +276,9 @@ TEST_F(CudaLinearTest, OddSizesAndManyChunksMatchOracle) {
 /// case runs twice and must give the same bits. Elsewhere the cuBLAS path answers the same cases.
 TEST_F(CudaLinearTest, Bfloat16ForwardWithoutArgmaxMatchesOracle) {
   std::uint64_t seed = 900;
-  // The last shape has 588 tiles of 128 x 256, more than any GPU has SMs: the Hopper GEMM's
-  // persistent CTAs walk several tiles each, so its stage and staging barriers turn phase.
-  const std::int64_t shapes[][3] = {
-      {200, 64, 300}, {129, 520, 1000}, {300, 8, 257}, {70, 136, 4100}, {300, 64, 50000}};
-  for (const auto& shape : shapes)
+  for (const auto& shape : hopper_shapes)
     for (budget space : {budget::minimal, budget::all_rows}) {
-      lspec s = make_spec(shape[0], shape[1], shape[2]);
-      s.bias = false;
-      s.space = space;
-      s.ce.seed = ++seed;
-      s.ce.ignore = ignore_mode::some;
-      s.ce.weights = seed % 2 == 0;
-      s.ce.z_loss = seed % 3 == 0 ? 1e-3f : 0.0f;
-      s.ce.reduce = seed % 3 == 1   ? reduction::sum
-                    : seed % 3 == 2 ? reduction::none
-                                    : reduction::mean;
-      s.ce.kind = seed % 4 == 0 ? target_kind::int32 : target_kind::int64;
+      const lspec s = hopper_spec(shape, space, ++seed);
       SCOPED_TRACE(s.describe());
       const ldata<bf16> L = make_data<bf16>(s);
       const oracle::linear_problem pb = L.problem();
@@ -260,22 +290,12 @@ TEST_F(CudaLinearTest, Bfloat16ForwardWithoutArgmaxMatchesOracle) {
       const xent::cuda ex = exec(errors.ptr);
       auto run = [&](device_outputs& f) {
         device_workspace ws(workspace_bytes<bf16>(ex, L, xent::linear_pass::forward), seed * 16);
-        xent::forward_outputs o = f.all(s.ce);
-        o.argmax = {};
-        o.num_correct = nullptr;
         in.with_targets([&](auto t) {
-          xent::linear_forward(ex, in.hidden(), in.weight(), in.bias(), t, in.options(), o, ws.ws);
+          xent::linear_forward(ex, in.hidden(), in.weight(), in.bias(), t, in.options(),
+                               without_argmax(f, s.ce), ws.ws);
         });
         ok(cudaDeviceSynchronize());
-        outputs got = f.fetch();
-        std::int64_t correct = 0;
-        for (std::int64_t n = 0; n < L.N(); ++n) {
-          const bool ignored = L.d.target(n) == s.ce.ignore_index;
-          got.argmax[n] = ignored ? -1 : r.ce.argmax[n];
-          if (!ignored && r.ce.argmax[n] == L.d.target(n)) ++correct;
-        }
-        got.correct = correct;
-        return got;
+        return fetch_with_oracle_argmax(f, L, r);
       };
       device_outputs f1(L.N()), f2(L.N());
       const outputs a = run(f1), b = run(f2);
@@ -285,6 +305,66 @@ TEST_F(CudaLinearTest, Bfloat16ForwardWithoutArgmaxMatchesOracle) {
       EXPECT_TRUE(xt::same_bits(a.loss, b.loss));
       EXPECT_EQ(errors.download()[0], 0);
     }
+}
+
+/// Training by the scaled-probabilities path (cuda/scaled_probs.cuh) where a build and GPU have
+/// it (bf16, no bias, smoothing, softcap or argmax asked, D a multiple of 8), the cases of the
+/// forward test above with every reduction (none with per-row upstream gradients), and rows whose
+/// loss passes the path's range (every third row's hidden values 24 times larger: losses of
+/// hundreds of nats), which the second pass takes. The bounds add the scaled hidden rows'
+/// rounding. Each case runs twice and must give the same bits. Elsewhere the cross-entropy pass
+/// answers the same cases.
+TEST_F(CudaLinearTest, Bfloat16TrainingWithoutArgmaxMatchesOracle) {
+  std::uint64_t seed = 1900;
+  for (const auto& shape : hopper_shapes)
+    for (budget space : {budget::minimal, budget::all_rows})
+      for (bool far_rows : {false, true}) {
+        lspec s = hopper_spec(shape, space, ++seed);
+        s.ce.up = seed % 5 < 2 ? upstream_mode::pointer_or_rows : upstream_mode::scale;
+        s.accumulate = seed % 5 == 4 ? xent::dw_accumulation::output : xent::dw_accumulation::fp32;
+        SCOPED_TRACE(s.describe() + (far_rows ? " far rows" : ""));
+        ldata<bf16> L = make_data<bf16>(s);
+        if (far_rows)
+          for (std::int64_t n = 0; n < L.N(); n += 3)
+            for (std::int64_t k = 0; k < L.D(); ++k)
+              L.x[n * s.ld() + k] =
+                  xt::from_double<bf16>(24.0 * xt::to_double(L.x[n * s.ld() + k]));
+        const oracle::linear_problem pb = L.problem();
+        const oracle::upstream up = L.d.oracle_upstream();
+        const oracle::linear_result r = oracle::evaluate_linear(pb, &up);
+        rounding stored = stored_in<bf16>();
+        stored.hidden = xt::unit_roundoff<bf16>();
+        double chunk_rounding = 0.0;
+        const std::size_t bytes = workspace_bytes<bf16>(exec(), L, xent::linear_pass::training);
+        if (s.accumulate == xent::dw_accumulation::output) {
+          const auto rows =
+              xent::cuda_detail::plan_linear<bf16, bf16>(
+                  {L.N(), L.D(), L.V()}, xent::linear_pass::training, s.accumulate, bytes)
+                  .chunk_rows;
+          chunk_rounding = 2.0 * xt::unit_roundoff<bf16>() * ((L.N() + rows - 1) / rows);
+        }
+        const bounds e = error_bounds(L, pb, r, chunk_rounding, stored);
+        const device_inputs<bf16> in(L);
+        dbuf<int> errors(std::vector<int>{0});
+        const xent::cuda ex = exec(errors.ptr);
+        auto run = [&](device_outputs& f, device_gradients<bf16>& g) {
+          device_workspace ws(bytes, seed * 16);
+          in.with_targets([&](auto t) {
+            xent::linear_forward_backward(ex, in.hidden(), in.weight(), in.bias(), t, in.options(),
+                                          in.upstream(), without_argmax(f, s.ce), g.views(), ws.ws);
+          });
+          ok(cudaDeviceSynchronize());
+          return fetch_with_oracle_argmax(f, L, r);
+        };
+        device_outputs f1(L.N()), f2(L.N());
+        device_gradients<bf16> g1(s), g2(s);
+        const outputs a = run(f1, g1), b = run(f2, g2);
+        EXPECT_EQ("", check_outputs(L, r, e, a));
+        EXPECT_EQ("", check_gradients(L, r, e, g1.fetch()));
+        EXPECT_TRUE(result_bytes(a.loss, g1.fetch()) == result_bytes(b.loss, g2.fetch()));
+        EXPECT_EQ(std::memcmp(a.row_loss.data(), b.row_loss.data(), a.row_loss.size() * 4), 0);
+        EXPECT_EQ(errors.download()[0], 0);
+      }
 }
 
 TEST_F(CudaLinearTest, RealisticVocabularyMatchesOracle) {

@@ -36,6 +36,12 @@
 // statistics are of the logits rounded to T, as this path's: the same losses up to the order of
 // the sums).
 //
+// Training on Hopper (sm_90a builds, policy::scaled_probs): bf16 fused calls with the same
+// options and no d_bias take scaled_probs.cuh instead of steps 1-2: the GEMM's epilogue stores
+// each chunk's exp(z - ref) and row statistics, and steps 3 take each row's scale aside (the
+// scaled hidden rows for d_weight, the scale in d_hidden's rounding), so no pass over the chunk's
+// logits runs between the GEMMs.
+//
 // One chunk of every row: training with the float accumulator needs none when all the rows fit
 // one chunk (linear_plan.cuh, plan_linear): its d_weight GEMM writes d_weight directly.
 //
@@ -73,6 +79,7 @@
 #include "linear_kernels.cuh"
 #include "linear_plan.cuh"
 #include "policy.cuh"
+#include "scaled_probs.cuh"
 #include "stats_gemm.cuh"
 
 namespace xent {
@@ -228,16 +235,16 @@ struct linear_call {
   }
 };
 
-/// Whether the Hopper GEMM (stats_gemm.cuh, form Stats, clusters of policy::stats_gemm_cluster)
+/// Whether the Hopper GEMM (stats_gemm.cuh, form F, clusters of policy::stats_gemm_cluster)
 /// takes this call's operands on its device: bf16 without bias, D a multiple of 8 and V within
 /// int (no tensor map holds a dimension of 0: the cuBLAS path's logits are then the bias, or 0),
 /// 16-byte aligned rows, and the kernel's sm_90a build running there (sg::ready).
-template <bool Stats, class I, class T, class G>
+template <stats_gemm::form F, class I, class T, class G>
 bool hopper_gemm_fits(const linear_call<T, G>& c, const device_facts& dev) {
   const std::int64_t D = c.dim(), V = c.vocab();
   return !c.bias && D > 0 && D % 8 == 0 && D <= INT_MAX && V > 0 && V <= INT_MAX &&
          aligned16(c.hidden.data, c.hidden.ld * 2) && aligned16(c.weight.data, c.weight.ld * 2) &&
-         stats_gemm::ready<Stats, I>(dev.id, policy::stats_gemm_cluster);
+         stats_gemm::ready<F, I>(dev.id, policy::stats_gemm_cluster);
 }
 
 /// L = X_c · Wᵀ for the chunk's n rows starting at r0 by the Hopper GEMM's logits-storing form
@@ -256,16 +263,12 @@ bool hopper_chunk_logits(const linear_call<T, G>& c, std::int64_t r0, std::int64
     const device_facts dev = query_device(fn);
     // The chunk's logits buffer is 256-byte aligned with rows of whole 16-byte vectors.
     if (n > INT_MAX || !aligned16(c.logits(), c.plan.ld * 2) ||
-        !hopper_gemm_fits<false, std::int64_t>(c, dev))
+        !hopper_gemm_fits<sg::form::logits, std::int64_t>(c, dev))
       return false;
-    const std::int64_t V = c.vocab();
-    sg::args<std::int64_t> a{};
-    a.rows = static_cast<int>(n);
-    a.cols = static_cast<int>(V);
-    a.depth = static_cast<int>(c.dim());
-    a.col_tiles = static_cast<int>((V + sg::tile_n - 1) / sg::tile_n);
-    sg::launch<false>(fn, c.hidden.row(r0), c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms,
-                      policy::stats_gemm_cluster, c.exec.stream, c.logits(), c.plan.ld);
+    const auto a = sg::shape_args<std::int64_t>(n, c.vocab(), c.dim());
+    sg::launch<sg::form::logits>(fn, c.hidden.row(r0), c.hidden.ld, c.weight.data, c.weight.ld, a,
+                                 dev.sms, policy::stats_gemm_cluster, c.exec.stream, c.logits(),
+                                 c.plan.ld);
     return true;
   }
 }
@@ -282,15 +285,19 @@ void chunk_logits(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n) {
        sizeof(DT), c.plan.ld);
 }
 
-/// d_weight += Gᵀ · X_c, d_bias += column sums of G, d_hidden rows = G · W.
+/// d_weight += Gᵀ · X_c, d_bias += column sums of G, d_hidden rows = G · W. With `row_scale`
+/// (the scaled-probabilities path, scaled_probs.cuh: no bias there) the chunk's buffer holds P'
+/// and G = diag(row_scale) P': `x` (leading dimension ldx) is then the hidden rows already
+/// scaled, and each d_hidden row takes its scale as it is rounded.
 template <class T, class G>
-void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bool first) {
+void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bool first,
+                 const typename linear_call<T, G>::DT* x, std::int64_t ldx,
+                 const float* row_scale = nullptr) {
   using DT = typename linear_call<T, G>::DT;
   using DG = typename linear_call<T, G>::DG;
   const cudaStream_t s = c.exec.stream;
   const std::int64_t V = c.vocab(), D = c.dim(), ld = c.plan.ld;
   const DT* grad = c.logits();
-  const DT* x = c.hidden.row(r0);
   const float beta = first ? 0.0f : 1.0f;
   if (c.d_weight.data) {
     // The float V x D sum (dw_accumulation::fp32's accumulator with G not float, or a float
@@ -305,24 +312,24 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
     bool added = false;
     if constexpr (policy::accumulate_by_lt && !std::is_same<DT, float>::value)
       added = acc && c.plan.dw_block == 0 && c.plan.lt_work != linear_absent &&
-              accumulate_gemm(c.blas.handle(), s, cublas_type<DT>(), D, V, n, x, c.hidden.ld, grad,
-                              ld, beta, acc, ld_acc, c.template buffer<void>(c.plan.lt_work),
+              accumulate_gemm(c.blas.handle(), s, cublas_type<DT>(), D, V, n, x, ldx, grad, ld,
+                              beta, acc, ld_acc, c.template buffer<void>(c.plan.lt_work),
                               linear_lt_workspace);
     if (added) {
       // done
     } else if (acc && c.plan.dw_block == 0) {
-      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta, acc,
-           CUDA_R_32F, sizeof(float), ld_acc);
+      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, ldx, grad, ld, beta, acc, CUDA_R_32F,
+           sizeof(float), ld_acc);
     } else if (c.plan.dw_block == 0) {
       // dw_accumulation::output with G == T adds in G.
-      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, c.hidden.ld, grad, ld, beta,
-           c.d_weight.data, cublas_type<DG>(), sizeof(DG), c.d_weight.ld);
+      gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, V, n, x, ldx, grad, ld, beta, c.d_weight.data,
+           cublas_type<DG>(), sizeof(DG), c.d_weight.ld);
     } else {
       // dw_accumulation::output with G neither float nor T: a block of weight rows at a time.
       for (std::int64_t v0 = 0; v0 < V; v0 += c.plan.dw_block) {
         const std::int64_t nb = std::min(c.plan.dw_block, V - v0);
-        gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, nb, n, x, c.hidden.ld, grad + v0, ld, 0.0f,
-             acc, CUDA_R_32F, sizeof(float), D);
+        gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_T, D, nb, n, x, ldx, grad + v0, ld, 0.0f, acc,
+             CUDA_R_32F, sizeof(float), D);
         launch_rows_kernel(add_rounded_op<DG>{acc, D, c.d_weight.row(v0), c.d_weight.ld, first}, nb,
                            D, s);
       }
@@ -337,13 +344,22 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
     if constexpr (linear_call<T, G>::float_grads) {
       gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld, 0.0f,
            c.d_hidden.row(r0), CUDA_R_32F, sizeof(float), c.d_hidden.ld);
+      if (row_scale) {
+        float* dh = c.d_hidden.row(r0);
+        launch_rows_kernel(scaled_round_op<float>{dh, c.d_hidden.ld, row_scale, dh, c.d_hidden.ld},
+                           n, D, s);
+      }
     } else {
       // A float C, rounded once into d_hidden: cuBLAS may reduce split-K partial sums (K = V
       // here) in C's dtype when C is bf16 / fp16.
       float* dx = c.template buffer<float>(c.plan.dx);
       gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld, 0.0f,
            dx, CUDA_R_32F, sizeof(float), D);
-      launch_rows_kernel(round_op<DG>{dx, D, c.d_hidden.row(r0), c.d_hidden.ld}, n, D, s);
+      if (row_scale)
+        launch_rows_kernel(scaled_round_op<DG>{dx, D, row_scale, c.d_hidden.row(r0), c.d_hidden.ld},
+                           n, D, s);
+      else
+        launch_rows_kernel(round_op<DG>{dx, D, c.d_hidden.row(r0), c.d_hidden.ld}, n, D, s);
     }
   }
   check_cuda(c.blas.fn(), cudaGetLastError());  // the small kernels' launches
@@ -524,7 +540,7 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
     const std::int64_t N = c.rows(), D = c.dim(), V = c.vocab();
     if (opts.label_smoothing != 0.0f || opts.softcap != 0.0f || t.argmax || N == 0) return false;
     const device_facts dev = query_device(fn);
-    if (!hopper_gemm_fits<true, I>(c, dev)) return false;
+    if (!hopper_gemm_fits<sg::form::stats, I>(c, dev)) return false;
     const int col_tiles = static_cast<int>((V + sg::tile_n - 1) / sg::tile_n);
     const std::size_t room = sizeof(DT) * static_cast<std::size_t>(c.plan.chunk_rows) *
                              static_cast<std::size_t>(c.plan.ld);
@@ -544,16 +560,13 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
     m.error_count = c.exec.error_count;
     for (std::int64_t r0 = 0; r0 < N; r0 += most) {
       const std::int64_t n = std::min(most, N - r0);
-      sg::args<I> a{};
-      a.rows = static_cast<int>(n);
-      a.cols = static_cast<int>(V);
-      a.depth = static_cast<int>(D);
-      a.col_tiles = col_tiles;
+      auto a = sg::shape_args<I>(n, V, D);
       a.targets = targets.ids + r0;
       a.partials = reinterpret_cast<sg::partial*>(c.logits());
       a.target_logit = reinterpret_cast<float*>(a.partials + n * col_tiles);
-      sg::launch<true>(fn, c.hidden.data + r0 * c.hidden.ld, c.hidden.ld, c.weight.data,
-                       c.weight.ld, a, dev.sms, policy::stats_gemm_cluster, c.exec.stream);
+      sg::launch<sg::form::stats>(fn, c.hidden.data + r0 * c.hidden.ld, c.hidden.ld, c.weight.data,
+                                  c.weight.ld, a, dev.sms, policy::stats_gemm_cluster,
+                                  c.exec.stream);
       m.rows = n;
       m.targets.ids = a.targets;
       m.row_loss = t.row_loss ? t.row_loss + r0 : nullptr;
@@ -564,6 +577,97 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
       check_cuda(fn, cudaGetLastError());
     }
     return true;
+  }
+}
+
+/// Whether fused training takes the scaled-probabilities path (scaled_probs.cuh) on this call:
+/// policy::scaled_probs, bf16 operands, class-id targets without label smoothing or softcap, no
+/// bias or d_bias, no argmax asked for (num_correct), the plan's room for its buffers, chunks
+/// and tile counts within int, D a multiple of 8 and 16-byte aligned operands and logits rows, on
+/// an sm_90 device running the kernel's sm_90a build.
+template <class T, class G, class I>
+bool scaled_probs_fit(const char* fn, const linear_call<T, G>& c, class_ids<I>,
+                      const linear_options& opts, const linear_totals& t) {
+  namespace sg = stats_gemm;
+  using DT = typename linear_call<T, G>::DT;
+  if constexpr (!std::is_same<DT, __nv_bfloat16>::value || !policy::stats_gemm ||
+                !policy::scaled_probs) {
+    return false;
+  } else {
+    const std::int64_t R = c.plan.chunk_rows, V = c.vocab();
+    if (opts.label_smoothing != 0.0f || opts.softcap != 0.0f || t.argmax || c.d_bias ||
+        c.plan.probs == linear_absent || c.rows() == 0 || R > INT_MAX / 2)
+      return false;
+    const std::int64_t col_tiles = (V + sg::tile_n - 1) / sg::tile_n;
+    if ((R + sg::tile_m - 1) / sg::tile_m > INT_MAX / std::max<std::int64_t>(col_tiles, 1))
+      return false;
+    if (!aligned16(c.logits(), c.plan.ld * 2)) return false;
+    const device_facts dev = query_device(fn);
+    return hopper_gemm_fits<sg::form::probs, I>(c, dev);
+  }
+}
+
+/// One chunk of fused training by the scaled-probabilities path (scaled_probs.cuh has the steps):
+/// rows [r0, r0 + n) into the chunk's buffer as P', their outputs written, then the gradients.
+template <class T, class G, class I>
+void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I> targets,
+                        const linear_options& opts, const upstream& up, const forward_outputs& out,
+                        std::int64_t r0, std::int64_t n) {
+  namespace sg = stats_gemm;
+  namespace sp = scaled_probs;
+  using DT = typename linear_call<T, G>::DT;
+  if constexpr (std::is_same<DT, __nv_bfloat16>::value) {
+    const cudaStream_t s = c.exec.stream;
+    const std::int64_t D = c.dim(), V = c.vocab();
+    const int rows = static_cast<int>(n);
+    const probs_layout layout = make_probs_layout(c.plan.chunk_rows, V, D);
+    const sp::buffers b = sp::make_buffers(c.base + c.plan.probs, layout);
+    const DT* x = c.hidden.row(r0);
+    const I* y = targets.ids + r0;
+    const auto warps = static_cast<unsigned>((n * 32 + linear_threads - 1) / linear_threads);
+    sp::reference_kernel<<<warps, linear_threads, 0, s>>>(x, c.hidden.ld, c.weight.data,
+                                                          c.weight.ld, static_cast<int>(D), y, rows,
+                                                          V, opts.ignore_index, b.ref);
+    check_cuda(fn, cudaGetLastError());
+    const device_facts dev = query_device(fn);
+    auto a = sg::shape_args<I>(n, V, D);
+    a.targets = y;
+    a.partials = b.partials;
+    a.target_logit = b.target_logit;
+    a.ref = b.ref;
+    sg::launch<sg::form::probs>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms,
+                                policy::stats_gemm_cluster, s, c.logits(), c.plan.ld);
+    check_cuda(fn, cudaMemsetAsync(b.tile_flags, 0, sizeof(int) * (layout.row_tiles + 1), s));
+    // The merge's view of the chunk: the core's row arguments as reduction none.
+    row_args<DT, DT, class_ids<I>> m{};
+    m.rows = n;
+    m.cols = m.vocab = V;
+    m.targets.ids = y;
+    m.weights = opts.class_weights.data;
+    m.k = make_loss_constants(opts, V, static_cast<float>(V));
+    m.ignore_index = opts.ignore_index;
+    m.reduce = reduction::none;
+    m.scale = up.scale;
+    m.up_rows = up.rows.data;
+    m.row_loss = out.row_loss.data;
+    m.lse_out = out.lse.data;
+    m.error_count = c.exec.error_count;
+    sp::merge_kernel<<<warps, linear_threads, 0, s>>>(m, b, a.col_tiles, x, c.hidden.ld,
+                                                      static_cast<int>(D));
+    check_cuda(fn, cudaGetLastError());
+    // The rows the first pass could not scale, by their LSE (none: the kernel leaves at once).
+    a.partials = nullptr;
+    a.target_logit = nullptr;
+    a.mult = b.mult;
+    a.tile_flags = b.tile_flags;
+    a.flagged = b.flagged();
+    sg::launch<sg::form::probs>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms,
+                                policy::stats_gemm_cluster, s, c.logits(), c.plan.ld);
+    sp::patch_kernel<<<static_cast<unsigned>((n + linear_threads - 1) / linear_threads),
+                       linear_threads, 0, s>>>(c.logits(), c.plan.ld, y, rows, V, opts.ignore_index,
+                                               b.patch);
+    check_cuda(fn, cudaGetLastError());
+    chunk_grads(c, r0, n, r0 == 0, b.hidden, D, b.beta);
   }
 }
 
@@ -599,8 +703,18 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
   options core = opts;
   core.reduce = reduction::none;
   const cuda core_exec{exec.stream, nullptr, 0, exec.error_count, nullptr};
+  bool scaled = false;
+  if constexpr (Mode == linear_mode::fused && !decltype(dt)::soft)
+    scaled = scaled_probs_fit(fn, c, dt, opts, totals);
   for (std::int64_t r0 = 0; r0 < N; r0 += plan.chunk_rows) {
     const std::int64_t n = std::min(plan.chunk_rows, N - r0);
+    if constexpr (Mode == linear_mode::fused && !decltype(dt)::soft) {
+      if (scaled) {
+        scaled_probs_chunk(fn, c, dt, opts, chunk_upstream(up, opts, totals, r0, n),
+                           chunk_outputs(out, totals, r0, n), r0, n);
+        continue;
+      }
+    }
     chunk_logits(c, r0, n);
     const matrix_view<T> chunk(reinterpret_cast<T*>(c.logits()), n, V, plan.ld);
     const auto chunk_targets = detail::target_rows(targets, r0, n);
@@ -616,7 +730,8 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
       backend_traits<cuda>::forward(core_exec, matrix_view<const T>(chunk), chunk_targets, core,
                                     chunk_outputs(out, totals, r0, n));
     }
-    if constexpr (Mode != linear_mode::forward) chunk_grads(c, r0, n, r0 == 0);
+    if constexpr (Mode != linear_mode::forward)
+      chunk_grads(c, r0, n, r0 == 0, c.hidden.row(r0), c.hidden.ld);
   }
   if constexpr (Mode != linear_mode::forward) finish_grads(c);
   if constexpr (Mode != linear_mode::backward)
@@ -633,7 +748,9 @@ struct linear_traits<cuda> {
   /// losses and argmax kept for the reduced loss and num_correct when the caller keeps none),
   /// and for training with G not float V floats of d_bias and either the V x D float d_weight
   /// accumulator (dw_accumulation::fp32) or, with dw_accumulation::output and G not T, a block
-  /// of 1024 weight rows in float. Every buffer is 256-byte aligned. Training with
+  /// of 1024 weight rows in float; bf16 training with policy::scaled_probs adds about V / 32 +
+  /// 2 D + 20 bytes per chunk row (linear_plan.cuh's probs_layout). Every buffer is 256-byte
+  /// aligned. Training with
   /// dw_accumulation::fp32 and 16-bit gradients plans one chunk of every row without the
   /// accumulator when that fits the bytes the accumulator's plan would take (the figure returned
   /// is then that plan's); otherwise, with a d_weight without row padding, a call may take larger

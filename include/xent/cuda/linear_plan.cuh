@@ -14,6 +14,8 @@
 //             or dw_block x D floats (dw_accumulation::output with G neither float nor T): one
 //             weight block's contribution before it is added to d_weight
 //   db        V floats (training, G not float): d_bias's accumulator
+//   probs     (training, bf16 inputs, policy::scaled_probs) the chunk's buffers of the path that
+//             stores scaled probabilities (scaled_probs.cuh; probs_layout)
 //   lt_work   linear_lt_workspace bytes (training with dw as the V x D float accumulator, or a
 //             float d_weight from bf16 / fp16 inputs): cuBLASLt's workspace for the
 //             accumulating d_weight GEMM (accumulate_gemm.cuh)
@@ -28,6 +30,7 @@
 #include "../linear/options.hpp"
 #include "../linear/plan.hpp"
 #include "dtype.cuh"
+#include "policy.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -55,6 +58,45 @@ std::int64_t logits_ld(std::int64_t vocab) {
   return (vocab + per - 1) / per * per;
 }
 
+/// Columns per tile of the Hopper GEMM (stats_gemm::tile_n) and the size of its row partials: each
+/// row of a chunk has one partial per 256 columns (scaled_probs.cuh checks both).
+constexpr std::int64_t probs_tile_cols = 256;
+constexpr std::size_t probs_partial_bytes = 8;
+
+/// The buffers of training's scaled-probabilities path (scaled_probs.cuh) for chunks of `rows`
+/// rows, as byte offsets from the region's start, each 256-byte aligned: the row partials (rows x
+/// V / 256), the scaled hidden rows (rows x D bf16), five floats per row (reference, multiplier,
+/// scale, target patch, target logit), and a flag per 128-row tile with the count of flagged rows.
+/// About V / 32 + 2 D + 20 bytes per row beside its 2 V bytes of logits.
+struct probs_layout {
+  std::size_t partials = 0, hidden = 0, ref = 0, mult = 0, beta = 0, patch = 0, target_logit = 0;
+  std::size_t flags = 0, bytes = 0;
+  std::int64_t row_tiles = 0;
+};
+
+inline probs_layout make_probs_layout(std::int64_t rows, std::int64_t vocab, std::int64_t hidden) {
+  probs_layout l;
+  std::size_t at = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t offset = at;
+    at += (bytes + linear_alignment - 1) / linear_alignment * linear_alignment;
+    return offset;
+  };
+  const auto R = static_cast<std::size_t>(rows);
+  const auto col_tiles = static_cast<std::size_t>((vocab + probs_tile_cols - 1) / probs_tile_cols);
+  l.row_tiles = (rows + 127) / 128;
+  l.partials = take(probs_partial_bytes * R * col_tiles);
+  l.hidden = take(2 * R * static_cast<std::size_t>(hidden));
+  l.ref = take(sizeof(float) * R);
+  l.mult = take(sizeof(float) * R);
+  l.beta = take(sizeof(float) * R);
+  l.patch = take(sizeof(float) * R);
+  l.target_logit = take(sizeof(float) * R);
+  l.flags = take(sizeof(int) * (static_cast<std::size_t>(l.row_tiles) + 1));
+  l.bytes = at;
+  return l;
+}
+
 /// Byte offsets of a call's buffers from the aligned base (linear_absent when not needed).
 struct linear_plan {
   std::int64_t chunk_rows = 1;  ///< rows of hidden per chunk
@@ -69,8 +111,9 @@ struct linear_plan {
   std::size_t dw = linear_absent;
   std::size_t db = linear_absent;
   std::size_t lt_work = linear_absent;
-  std::size_t end = 0;    ///< the end of the last buffer, from the aligned base
-  std::size_t bytes = 0;  ///< what the call needs, alignment slack included
+  std::size_t probs = linear_absent;  ///< the probs_layout region
+  std::size_t end = 0;                ///< the end of the last buffer, from the aligned base
+  std::size_t bytes = 0;              ///< what the call needs, alignment slack included
 };
 
 /// `logits_outside`: the chunk's logits live in the caller's d_weight (linear_logits_room), not in
@@ -113,6 +156,11 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
   constexpr bool float_dw_from_narrow = !narrow_grads && !std::is_same<DT, float>::value;
   p.lt_work = take(linear_lt_workspace, (p.dw != linear_absent && p.dw_block == 0) ||
                                             (training && float_dw_from_narrow));
+  // Whether a call takes that path is known only on the device (an sm_90 GPU running the sm_90a
+  // build): every bf16 training plan has the room.
+  constexpr bool probs_dtype = std::is_same<DT, __nv_bfloat16>::value;
+  p.probs = take(make_probs_layout(chunk_rows, s.vocab, s.hidden).bytes,
+                 training && probs_dtype && policy::stats_gemm && policy::scaled_probs);
   p.end = at;
   p.bytes = at + linear_alignment;  // room to align whatever address the caller's buffer has
   return p;

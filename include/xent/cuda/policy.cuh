@@ -92,6 +92,9 @@
 #ifndef XENT_CUDA_STATS_GEMM_LOGITS  // 1: fused linear training's chunk logits by that GEMM too
 #define XENT_CUDA_STATS_GEMM_LOGITS 0
 #endif
+#ifndef XENT_CUDA_SCALED_PROBS  // 0: fused linear training by the cross-entropy pass over logits
+#define XENT_CUDA_SCALED_PROBS 1
+#endif
 #ifndef XENT_CUDA_ACCUMULATE_BY_LT  // 0: d_weight's float accumulator by cublasGemmEx (see policy)
 #define XENT_CUDA_ACCUMULATE_BY_LT 1
 #endif
@@ -279,12 +282,24 @@ struct policy {
   static_assert(stats_gemm_cluster == 1 || stats_gemm_cluster == 2, "the stats GEMM's forms");
   /// Whether fused linear training and backward form each chunk's logits by that GEMM's
   /// logits-storing form (stats_gemm.cuh; bf16, no bias, D a multiple of 8, 16-byte aligned
-  /// operands, sm_90a) rather than cublasGemmEx. That form measured 1.012x / 0.935x of
-  /// cublasGemmEx in pairs (H100, 2026-11-27, bench/lse_gemm_bench.cu, 8192 x 4096 x 128256 /
-  /// 16384 x 2304 x 256000; bench/results/2026-11-27-h100-stats-tma-store/). Off: written after
-  /// the session's device time was spent, compiled, not run; run the linear tests with it on and
-  /// time xent_bench_cuda_linear's training lines both ways before it becomes the default.
+  /// operands, sm_90a) rather than cublasGemmEx, where scaled_probs below does not apply. That
+  /// form measured 1.012x / 0.935x of cublasGemmEx in pairs (H100, 2026-11-27,
+  /// bench/lse_gemm_bench.cu, 8192 x 4096 x 128256 / 16384 x 2304 x 256000;
+  /// bench/results/2026-11-27-h100-stats-tma-store/), but in training (H100, 2026-11-27, one
+  /// lease, with / without, two rounds, the scaled path not yet built) 38.8 / 38.2 vs 38.6 / 38.6
+  /// ms and 91.3 / 91.5 vs 92.3 / 91.9 ms: within the runs' spread. The linear tests pass with it
+  /// (bench/results/2026-11-27-h100-stats-gemm-logits/). Off.
   static constexpr bool stats_gemm_logits = XENT_CUDA_STATS_GEMM_LOGITS != 0;
+  /// Whether fused linear training (bf16, class ids without smoothing or softcap, no bias, no
+  /// argmax asked; D a multiple of 8, sm_90a) stores each chunk's scaled probabilities from that
+  /// GEMM and takes the row scales into the backward GEMMs, so no cross-entropy pass runs
+  /// (scaled_probs.cuh). Every bf16 training plan has room for its buffers while this is on.
+  /// H200, 2026-11-27, one lease, xent_bench_cuda_linear built both ways, two rounds, medians
+  /// against the three GEMMs alone: 8192 x 4096 x 128256 38.9 / 38.7 -> 38.4 / 38.4 ms (1.021 /
+  /// 1.034x -> 1.004 / 1.016x), 16384 x 2304 x 256000 93.6 / 93.5 -> 88.8 / 88.8 ms (1.070 /
+  /// 1.063x -> 1.014 / 1.026x), with one 6 GiB chunk 1.048 / 1.046x -> 1.009 / 1.006x
+  /// (bench/results/2026-11-27-h200-scaled-probs/).
+  static constexpr bool scaled_probs = XENT_CUDA_SCALED_PROBS != 0;
   /// Whether fused linear training adds each chunk's d_weight into the float accumulator through
   /// cuBLASLt with the tile accumulate_gemm.cuh chooses (where it offers one) rather than
   /// cublasGemmEx's own choice; that header has the GEMM's measurements.

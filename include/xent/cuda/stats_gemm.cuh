@@ -18,7 +18,9 @@
 // 12-15% of the GEMM, bench/results/2026-11-27-h100-stats-tma-store/). When the consumer warpgroups
 // computed the statistics themselves, the tensor cores stood idle through them (one MUFU
 // exponential per logit): several percent of the GEMM's time
-// (bench/results/2026-11-24-h200-lse-gemm/). Tiles are walked 16 row tiles at a time (Triton's
+// (bench/results/2026-11-24-h200-lse-gemm/). In training's form (form::probs, scaled_probs.cuh)
+// the statistics warps also rewrite the staged tile as scaled exponentials of the logits and one
+// of them stores it by tensor stores. Tiles are walked 16 row tiles at a time (Triton's
 // grouped order), so the tiles in flight share their X and W tiles in L2. By default
 // (policy::stats_gemm_cluster) the CTAs run in clusters of two on neighbouring row tiles, each
 // loading half of every W tile into both by a multicast copy. Its body exists only in an sm_90a
@@ -74,10 +76,20 @@ static_assert(smem_bytes + 128 <= 227 * 1024, "sm_90's shared memory per CTA (st
 /// the core's mergeable state.
 using partial = online_lse;
 
-/// What the GEMM reads and writes beside its operands. Stats: `partials` (rows x col_tiles) and
-/// `target_logit` (one per row whose target is a class in [0, cols), written by the tile holding
-/// it); otherwise (measuring the main loop: bench/lse_gemm_bench.cu) the logits, rows x cols bf16,
-/// through the kernel's logits tensor map.
+/// What the kernel makes of each tile: each row's statistics alone (the forward), the logits
+/// (measuring the main loop: bench/lse_gemm_bench.cu; training's chunk logits behind
+/// policy::stats_gemm_logits), or the statistics and the scaled exponentials of the logits
+/// (training's chunk, scaled_probs.cuh).
+enum class form { stats, logits, probs };
+
+/// What the GEMM reads and writes beside its operands. form::stats: `partials` (rows x col_tiles)
+/// and `target_logit` (one per row whose target is a class in [0, cols), written by the tile
+/// holding it). form::logits: the rows x cols bf16 logits, through the kernel's output tensor map.
+/// form::probs: through that map P = mult exp(z - ref), rounded to bf16, with `ref` and `mult` per
+/// row (mult null: 1; ref +inf gives a row of zeros), and, where the pointers are given, the
+/// partials and target logits as form::stats. With `tile_flags` (one per row tile) the kernel
+/// takes only the tiles whose cluster's row tiles have a flag set, and with `flagged` nothing at
+/// all when *flagged is 0 (scaled_probs.cuh's second pass over the rows it could not scale).
 template <class I>
 struct args {
   int rows, cols, depth;  // N, V, D of this launch
@@ -85,7 +97,23 @@ struct args {
   const I* targets;
   partial* partials;
   float* target_logit;
+  const float* ref = nullptr;
+  const float* mult = nullptr;
+  const int* tile_flags = nullptr;
+  const int* flagged = nullptr;
 };
+
+/// The arguments of a launch over `rows` x `cols` logits with `depth` products each, nothing else
+/// set.
+template <class I>
+args<I> shape_args(std::int64_t rows, std::int64_t cols, std::int64_t depth) {
+  args<I> a{};
+  a.rows = static_cast<int>(rows);
+  a.cols = static_cast<int>(cols);
+  a.depth = static_cast<int>(depth);
+  a.col_tiles = static_cast<int>((cols + tile_n - 1) / tile_n);
+  return a;
+}
 
 /// Tile t of the grouped order: group_m row tiles at a time, each group's column tiles in turn.
 /// With clusters (Cluster CTAs side by side on Cluster row tiles, sharing each W tile) the order is
@@ -140,26 +168,29 @@ __device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char*
 /// A statistics thread's work on one staged row (staging row `row` of a tile whose first `valid`
 /// columns are logits): the partial of the row's max and sum of exponentials, and the logit of
 /// column `target` (-1: another tile's) into `z`. Columns past V (W's rows there read as zeros)
-/// are outside `valid`.
-__device__ __forceinline__ partial staged_row_stats(const unsigned char* staged, int row, int valid,
-                                                    std::int64_t target, float& z) {
-  auto at = [&](int c) {
-    return __bfloat162float(
-        *reinterpret_cast<const __nv_bfloat16*>(staged + staged_offset(row, c / 8) + 2 * (c % 8)));
+/// are outside `valid`. Probs: each logit is replaced in the staging tile by mult exp(z - ref),
+/// formed as exp(z - max), the sum's term, times mult exp(max - ref): one multiply per logit
+/// beside the exponential the sum takes anyway.
+template <bool Probs>
+__device__ __forceinline__ partial staged_row(unsigned char* staged, int row, int valid,
+                                              std::int64_t target, float& z, float ref,
+                                              float mult) {
+  auto at = [&](int c) -> __nv_bfloat16& {
+    return *reinterpret_cast<__nv_bfloat16*>(staged + staged_offset(row, c / 8) + 2 * (c % 8));
   };
-  if (target >= 0 && target < valid) z = at(static_cast<int>(target));
+  if (target >= 0 && target < valid) z = __bfloat162float(at(static_cast<int>(target)));
   float m = -HUGE_VALF, s = 0.0f;
   if (valid == tile_n) {
     // A whole row in column order: the 8 rows a quarter warp reads at once sit in distinct banks
     // (the swizzle). Four independent chains each for the max and the sum (one chain of 256
     // dependent instructions would wait on latency); the max on bf16 pairs, exact.
-    auto v = [&](int i) { return *reinterpret_cast<const uint4*>(staged + staged_offset(row, i)); };
+    auto v = [&](int i) { return reinterpret_cast<uint4*>(staged + staged_offset(row, i)); };
     __nv_bfloat162 mc[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) mc[k] = __float2bfloat162_rn(-HUGE_VALF);
 #pragma unroll 4  // 16 registers of loads in flight: the statistics warps have 64 in all
     for (int i = 0; i < tile_n / 8; ++i) {
-      const uint4 q = v(i);
+      const uint4 q = *v(i);
       const unsigned u[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k)
@@ -168,36 +199,71 @@ __device__ __forceinline__ partial staged_row_stats(const unsigned char* staged,
     const __nv_bfloat162 m2 = __hmax2(__hmax2(mc[0], mc[1]), __hmax2(mc[2], mc[3]));
     m = fmaxf(__low2float(m2), __high2float(m2));
     const float shift = m * log2e;
+    const float f = Probs ? mult * fast_exp2((m - ref) * log2e) : 0.0f;
     float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
     for (int i = 0; i < tile_n / 8; ++i) {
-      const uint4 q = v(i);
+      const uint4 q = *v(i);
       const unsigned u[4] = {q.x, q.y, q.z, q.w};
+      unsigned p[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k)  // the pair of word k, as tile.cuh's word_element unpacks it
-        sc[k] += fast_exp2(fmaf(word_element<__nv_bfloat16>(u, 2 * k), log2e, -shift)) +
-                 fast_exp2(fmaf(word_element<__nv_bfloat16>(u, 2 * k + 1), log2e, -shift));
+      for (int k = 0; k < 4; ++k) {  // the pair of word k, as tile.cuh's word_element unpacks it
+        const float e0 = fast_exp2(fmaf(word_element<__nv_bfloat16>(u, 2 * k), log2e, -shift));
+        const float e1 = fast_exp2(fmaf(word_element<__nv_bfloat16>(u, 2 * k + 1), log2e, -shift));
+        sc[k] += e0 + e1;
+        if constexpr (Probs) {
+          const __nv_bfloat162 pk = __floats2bfloat162_rn(e0 * f, e1 * f);
+          p[k] = *reinterpret_cast<const unsigned*>(&pk);
+        }
+      }
+      if constexpr (Probs) *v(i) = make_uint4(p[0], p[1], p[2], p[3]);
     }
     s = (sc[0] + sc[1]) + (sc[2] + sc[3]);
   } else {  // the last column tile: element by element (one tile of the row's)
-    for (int c = 0; c < valid; ++c) m = fmaxf(m, at(c));
+    for (int c = 0; c < valid; ++c) m = fmaxf(m, __bfloat162float(at(c)));
     const float shift = m * log2e;
-    for (int c = 0; c < valid; ++c) s += fast_exp2(fmaf(at(c), log2e, -shift));
+    const float f = Probs ? mult * fast_exp2((m - ref) * log2e) : 0.0f;
+    for (int c = 0; c < valid; ++c) {
+      const float e = fast_exp2(fmaf(__bfloat162float(at(c)), log2e, -shift));
+      s += e;
+      if constexpr (Probs) at(c) = __float2bfloat16_rn(e * f);
+    }
   }
   return partial::of_block(m, s);
 }
 
-/// The GEMM over every tile (Stats: row partials; otherwise bf16 logits). One CTA per SM. With
-/// Cluster 2, the two CTAs of a cluster take two neighbouring row tiles at the same column tile
-/// and each loads half of the W tile into both by a multicast copy: half the L2-to-shared
-/// traffic of W, for CTAs that wait on each other's stage releases.
-template <bool Stats, int Cluster, class I>
+/// Whether the tiles of row-tile group `g` (row tiles g Cluster .. g Cluster + Cluster - 1) are
+/// left out: a second pass (tile_flags given) takes only the groups holding a flagged row tile.
+template <int Cluster, class I>
+__device__ __forceinline__ bool group_skipped(const args<I>& a, int g, int row_tiles) {
+  if (!a.tile_flags) return false;
+  int any = 0;
+#pragma unroll
+  for (int r = 0; r < Cluster; ++r)
+    if (g * Cluster + r < row_tiles) any |= a.tile_flags[g * Cluster + r];
+  return any == 0;
+}
+
+/// The statistics warps' named barrier (warps 1-3: 96 threads), before one of them stores the
+/// scaled tile; barrier 0 is __syncthreads'.
+__device__ __forceinline__ void stats_warps_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(stats_threads) : "memory");
+}
+
+/// The GEMM over every tile (form F: row partials, bf16 logits, or both with the logits scaled).
+/// One CTA per SM. With Cluster 2, the two CTAs of a cluster take two neighbouring row tiles at
+/// the same column tile and each loads half of the W tile into both by a multicast copy: half the
+/// L2-to-shared traffic of W, for CTAs that wait on each other's stage releases.
+template <form F, int Cluster, class I>
 __global__ void __launch_bounds__(threads, 1)
     stats_gemm_kernel(const __grid_constant__ CUtensorMap x_map,
                       const __grid_constant__ CUtensorMap w_map,
                       const __grid_constant__ CUtensorMap logits_map, args<I> a) {
   static_assert(Cluster == 1 || Cluster == 2, "a W tile's halves go to at most two CTAs");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // A second pass with nothing to do leaves at once: every CTA of a cluster reads the same count
+  // before any barrier, so all of them leave together.
+  if (a.flagged && *a.flagged == 0) return;
   extern __shared__ unsigned char smem_raw[];
   // Static shared memory only in this build: ready() reads its presence.
   __shared__ unsigned long long full[stages], empty[stages], staged_full, staged_empty;
@@ -217,7 +283,7 @@ __global__ void __launch_bounds__(threads, 1)
     mbarrier_init(&staged_full, 256);  // every consumer thread, after its matrix stores
     // Every statistics thread after its reads, or the thread that stores the tile once its
     // tensor stores have read it.
-    mbarrier_init(&staged_empty, Stats ? stats_threads : 1);
+    mbarrier_init(&staged_empty, F == form::stats ? stats_threads : 1);
     mbarrier_init_fence();
   }
   // The barriers are initialised before another CTA of the cluster arrives on them or copies.
@@ -246,6 +312,7 @@ __global__ void __launch_bounds__(threads, 1)
       for (int t = first_tile; t < tiles; t += tile_step) {
         int m, n;
         tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
+        if (group_skipped<Cluster>(a, m / Cluster, row_tiles)) continue;
         for (int kb = 0; kb < k_blocks; ++kb) {
           // A fresh barrier's "previous phase" is complete. With clusters, every CTA's consumers
           // have released the stage (their arrivals come from other SMs: cluster-scope acquire).
@@ -265,22 +332,30 @@ __global__ void __launch_bounds__(threads, 1)
         }
       }
     } else if (threadIdx.x >= 32) {
-      if constexpr (Stats) {
+      if constexpr (F != form::logits) {
         // Warps 1-3: thread i takes rows i and i + 96 of each tile.
+        constexpr bool probs = F == form::probs;
         const int r = static_cast<int>(threadIdx.x) - 32;
         unsigned phase = 0;
         for (int t = first_tile; t < tiles; t += tile_step) {
           int m, n;
           tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
+          if (group_skipped<Cluster>(a, m / Cluster, row_tiles)) continue;
           const int col0 = n * tile_n;
           const int valid = a.cols - col0 < tile_n ? a.cols - col0 : tile_n;
-          std::int64_t target[2] = {-1, -1};  // read while the tile is computed
+          // Read while the tile is computed.
+          std::int64_t target[2] = {-1, -1};  // this tile's only
+          float ref[2] = {0.0f, 0.0f}, mult[2] = {1.0f, 1.0f};
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = m * tile_m + r + stats_threads * h;
             if (r + stats_threads * h < tile_m && row < a.rows) {
               const auto y = static_cast<std::int64_t>(a.targets[row]);
-              target[h] = y >= col0 && y < col0 + valid ? y - col0 : -1;  // this tile's only
+              target[h] = y >= col0 && y < col0 + valid ? y - col0 : -1;
+              if constexpr (probs) {
+                ref[h] = a.ref[row];
+                if (a.mult) mult[h] = a.mult[row];
+              }
             }
           }
           mbarrier_wait(&staged_full, phase);
@@ -289,14 +364,30 @@ __global__ void __launch_bounds__(threads, 1)
             const int in_tile = r + stats_threads * h, row = m * tile_m + in_tile;
             if (in_tile < tile_m && row < a.rows) {
               float z = 0.0f;
-              a.partials[static_cast<std::int64_t>(row) * a.col_tiles + n] =
-                  staged_row_stats(staged, in_tile, valid, target[h], z);
-              if (target[h] >= 0) a.target_logit[row] = z;
+              const partial p =
+                  staged_row<probs>(staged, in_tile, valid, target[h], z, ref[h], mult[h]);
+              if (a.partials) a.partials[static_cast<std::int64_t>(row) * a.col_tiles + n] = p;
+              if (target[h] >= 0 && a.target_logit) a.target_logit[row] = z;
             }
           }
-          mbarrier_arrive(&staged_empty);
+          if constexpr (probs) {
+            // The scaled tile leaves by tensor stores from one thread, once every statistics
+            // thread's writes are visible to them.
+            fence_async_shared();
+            stats_warps_sync();
+            if (r == 0) {
+              for (int b = 0; b < tile_n / 64 && col0 + 64 * b < a.cols; ++b)
+                tma_store_2d(&logits_map, col0 + 64 * b, m * tile_m,
+                             staged + b * staged_block_bytes);
+              bulk_stores_wait<0>();  // read: the staging tile may be written again
+              mbarrier_arrive(&staged_empty);
+            }
+          } else {
+            mbarrier_arrive(&staged_empty);
+          }
           phase ^= 1;
         }
+        if (probs && r == 0) bulk_stores_wait<0, true>();  // written, before the CTA ends
       } else if (threadIdx.x == 32) {
         // The logits: each staged tile leaves by four tensor stores of 64 columns (the parts past
         // the matrix are not written), so the consumer warpgroups never wait on global stores.
@@ -304,6 +395,7 @@ __global__ void __launch_bounds__(threads, 1)
         for (int t = first_tile; t < tiles; t += tile_step) {
           int m, n;
           tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
+          if (group_skipped<Cluster>(a, m / Cluster, row_tiles)) continue;
           mbarrier_wait(&staged_full, phase);
           for (int b = 0; b < tile_n / 64 && n * tile_n + 64 * b < a.cols; ++b)
             tma_store_2d(&logits_map, n * tile_n + 64 * b, m * tile_m,
@@ -334,6 +426,7 @@ __global__ void __launch_bounds__(threads, 1)
     for (int t = first_tile; t < tiles; t += tile_step) {
       int m, n;
       tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
+      if (group_skipped<Cluster>(a, m / Cluster, row_tiles)) continue;
       int held = -1;  // the stage whose products are still in flight
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbarrier_wait(&full[s], phase);
@@ -360,7 +453,9 @@ __global__ void __launch_bounds__(threads, 1)
       // need a few percent of a main loop's time), so this wait rarely waits.
       mbarrier_wait(&staged_empty, staged_phase ^ 1);
       stage_tile(d, staged, c);
-      if constexpr (!Stats) fence_async_shared();  // the tensor stores read what stmatrix wrote
+      // The tensor stores read what stmatrix wrote (form::probs: after the statistics warps'
+      // rewrite, which they fence themselves).
+      if constexpr (F == form::logits) fence_async_shared();
       mbarrier_arrive(&staged_full);
       staged_phase ^= 1;
     }
@@ -408,29 +503,29 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, const partial* partials,
 /// was compiled for the code the device runs (it alone has static shared memory) and the device
 /// grants the dynamic shared memory (prepare_cluster_kernel: once per kernel and device, no stream
 /// work, so it may run under graph capture).
-template <bool Stats, class I>
+template <form F, class I>
 bool ready(int dev, int cluster) {
-  const auto kernel = cluster == 2 ? reinterpret_cast<const void*>(stats_gemm_kernel<Stats, 2, I>)
-                                   : reinterpret_cast<const void*>(stats_gemm_kernel<Stats, 1, I>);
+  const auto kernel = cluster == 2 ? reinterpret_cast<const void*>(stats_gemm_kernel<F, 2, I>)
+                                   : reinterpret_cast<const void*>(stats_gemm_kernel<F, 1, I>);
   cudaFuncAttributes attr{};
   return prepare_cluster_kernel(kernel, dev, smem_bytes) &&
          cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.sharedSizeBytes > 0;
 }
 
 /// Enqueues the GEMM over X (a.rows x a.depth, leading dimension ldx) and W (a.cols x a.depth,
-/// leading dimension ldw), one CTA per SM in clusters of `cluster`; ready<Stats, I>(device,
-/// cluster) must hold.
-template <bool Stats, class I>
+/// leading dimension ldw), one CTA per SM in clusters of `cluster`; ready<F, I>(device, cluster)
+/// must hold.
+template <form F, class I>
 void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std::int64_t ldw,
             const args<I>& a, int sms, int cluster, cudaStream_t stream, void* logits = nullptr,
             std::int64_t ld_logits = 0) {
   static_assert(tile_k == 64, "make_map's boxes are 64 columns (128 bytes) wide");
   const CUtensorMap xm = make_map(fn, "hidden", x, a.rows, a.depth, ldx, tile_m);
   const CUtensorMap wm = make_map(fn, "weight", w, a.cols, a.depth, ldw, tile_n / cluster);
-  // Stats: no logits (an unused map, the hidden one); otherwise rows x cols bf16, leading
+  // form::stats: no logits (an unused map, the hidden one); otherwise rows x cols bf16, leading
   // dimension ld_logits, stored in boxes of 128 rows x 64 columns.
   const CUtensorMap lm =
-      Stats ? xm : make_map(fn, "logits", logits, a.rows, a.cols, ld_logits, tile_m);
+      F == form::stats ? xm : make_map(fn, "logits", logits, a.rows, a.cols, ld_logits, tile_m);
   // Groups of `cluster` row tiles, each at every column tile; at most one CTA per SM.
   const std::int64_t groups = (a.rows + std::int64_t{tile_m} * cluster - 1) /
                               (std::int64_t{tile_m} * cluster) * a.col_tiles;
@@ -444,8 +539,8 @@ void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std:
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   check_cuda(fn, cluster == 2
-                     ? cudaLaunchKernelEx(&cfg, stats_gemm_kernel<Stats, 2, I>, xm, wm, lm, a)
-                     : cudaLaunchKernelEx(&cfg, stats_gemm_kernel<Stats, 1, I>, xm, wm, lm, a));
+                     ? cudaLaunchKernelEx(&cfg, stats_gemm_kernel<F, 2, I>, xm, wm, lm, a)
+                     : cudaLaunchKernelEx(&cfg, stats_gemm_kernel<F, 1, I>, xm, wm, lm, a));
 }
 
 }  // namespace stats_gemm

@@ -1,0 +1,218 @@
+// Fused linear training without a cross-entropy pass (Hopper, bf16): each chunk's logits GEMM
+// (stats_gemm.cuh, form::probs) stores P = exp(z - ref) instead of z, with ref a reference per row
+// known before the GEMM (the target's logit), and keeps each row's statistics as the forward's
+// does. Since a class-id row's logit gradient is
+//     G = g (alpha softmax - w_y onehot(y)) = beta P',   beta = g alpha exp(ref - lse),
+// with P' = P except at the target, P'_y = P_y - w_y exp(lse - ref) / alpha, the backward GEMMs
+// take P' as it is and the row's scale beta aside: d_hidden = diag(beta) (P' W) (the float
+// product rounded with its row's scale) and d_weight += P'^T (diag(beta) X_c) (a chunk-sized
+// copy of the hidden rows, scaled). No pass reads and writes the N_c x V logits between the GEMMs:
+// that pass was about 4 of 92 ms at 16384 x 2304 x 256000 on an H100
+// (bench/results/cuda-notes.md, 2026-11-27).
+//
+// Per chunk, on the call's stream:
+//   1. reference_kernel: ref = the target's logit (bf16, as the GEMM rounds it), +inf for a row
+//      that is ignored or out of range (its P row is then 0);
+//   2. the GEMM (form::probs): P, the row partials and the target logits;
+//   3. merge_kernel: each row's LSE, loss and outputs (as the forward's merge), beta, the target
+//      element's patch and the scaled hidden row. A row whose P cannot be trusted in float range
+//      (lse - ref above `range`: P up to e^range, beta down to e^-range; or a z-loss alpha below
+//      half the class weight) is flagged instead: its ref becomes its LSE and its multiplier
+//      alpha, so that the second pass stores P' = alpha softmax with beta = g;
+//   4. the GEMM again over the row tiles holding a flagged row only (nothing at all when none is,
+//      the count read on the device: no host synchronisation);
+//   5. patch_kernel: each row's target element P'_y (after the second pass, which rewrites whole
+//      row tiles).
+// Rows that lose more than `range` nats are rare in training (a probability of e^-40 for the
+// target), so the second pass is normally empty; at worst it is one more logits GEMM.
+//
+// Included only by nvcc (cuda/linear.cuh).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../loss_math.hpp"
+#include "kernels.cuh"
+#include "linear_plan.cuh"
+#include "row_reduce.cuh"
+#include "stats_gemm.cuh"
+
+namespace xent {
+namespace cuda_detail {
+namespace scaled_probs {
+
+static_assert(probs_tile_cols == stats_gemm::tile_n, "the plan's partials per row");
+static_assert(sizeof(stats_gemm::partial) == probs_partial_bytes, "the plan's partial size");
+
+/// The largest lse - ref for which a row keeps the first pass's P: P_j <= e^40 ~ 2e17 and beta >=
+/// g alpha e^-40 ~ 4e-18 g alpha, so P, beta and the scaled hidden row beta x stay normal floats
+/// and bf16 for any plausible upstream gradient and hidden values.
+constexpr float range = 40.0f;
+
+/// A chunk's buffers (linear_plan.cuh's probs_layout), each per row of the chunk.
+struct buffers {
+  stats_gemm::partial* partials;  ///< rows x col_tiles
+  __nv_bfloat16* hidden;          ///< rows x D: beta x, the d_weight GEMM's operand
+  float* ref;
+  float* mult;
+  float* beta;
+  float* patch;
+  float* target_logit;
+  int* tile_flags;  ///< one per 128-row tile, then the count of flagged rows
+  int row_tiles;
+
+  __host__ __device__ int* flagged() const { return tile_flags + row_tiles; }
+};
+
+inline buffers make_buffers(char* region, const probs_layout& l) {
+  buffers b;
+  b.partials = reinterpret_cast<stats_gemm::partial*>(region + l.partials);
+  b.hidden = reinterpret_cast<__nv_bfloat16*>(region + l.hidden);
+  b.ref = reinterpret_cast<float*>(region + l.ref);
+  b.mult = reinterpret_cast<float*>(region + l.mult);
+  b.beta = reinterpret_cast<float*>(region + l.beta);
+  b.patch = reinterpret_cast<float*>(region + l.patch);
+  b.target_logit = reinterpret_cast<float*>(region + l.target_logit);
+  b.tile_flags = reinterpret_cast<int*>(region + l.flags);
+  b.row_tiles = static_cast<int>(l.row_tiles);
+  return b;
+}
+
+/// The 8 bf16 of a 16-byte vector as floats.
+__device__ __forceinline__ void unpack8(const uint4& q, float (&v)[8]) {
+  const unsigned u[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = word_element<__nv_bfloat16>(u, e);
+}
+
+/// One warp per row: ref = x . w_y rounded to bf16 (the GEMM's rounding of the logit), or +inf
+/// for a row that is ignored or whose class id is outside [0, vocab). D is a multiple of 8 and
+/// the rows are 16-byte aligned (the Hopper path's conditions).
+template <class I>
+XENT_KERNEL void reference_kernel(const __nv_bfloat16* x, std::int64_t ldx, const __nv_bfloat16* w,
+                                  std::int64_t ldw, int depth, const I* targets, int rows,
+                                  std::int64_t vocab, std::int64_t ignore_index, float* ref) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t row = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (row >= rows) return;
+  const auto y = static_cast<std::int64_t>(targets[row]);
+  if (y == ignore_index || y < 0 || y >= vocab) {
+    if (lane == 0) ref[row] = HUGE_VALF;
+    return;
+  }
+  const __nv_bfloat16* xr = x + row * ldx;
+  const __nv_bfloat16* wr = w + y * ldw;
+  float s = 0.0f;
+  for (int k = 8 * lane; k < depth; k += 256) {
+    float a[8], b[8];
+    unpack8(*reinterpret_cast<const uint4*>(xr + k), a);
+    unpack8(*reinterpret_cast<const uint4*>(wr + k), b);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s = fmaf(a[e], b[e], s);
+  }
+  s = warp_sum(s);
+  if (lane == 0) ref[row] = __bfloat162float(__float2bfloat16_rn(s));
+}
+
+/// One warp per row of the chunk, after the first pass: the row's LSE from its partials, its loss
+/// and outputs by the core's pieces (class_row_loss, write_row_outputs, write_skipped_row: no
+/// smoothing or softcap on this path), then beta, the target's patch and the scaled hidden row,
+/// or the row flagged for the second pass (see the file's comment). `a` holds the chunk's rows
+/// (targets, outputs and upstream offset to them) as reduction none; `x` the chunk's hidden rows.
+template <class T, class G, class Tgt>
+XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles,
+                              const __nv_bfloat16* x, std::int64_t ldx, int depth) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t row = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (row >= a.rows) return;
+  const auto y = static_cast<std::int64_t>(a.targets.ids[row]);
+  float beta = 0.0f;
+  if (skipped_target(a, y)) {
+    if (lane == 0) {
+      write_skipped_row(a, row, y != a.ignore_index, true, false);
+      b.beta[row] = 0.0f;
+      b.mult[row] = 1.0f;
+    }
+  } else {
+    online_lse acc;
+    for (int i = lane; i < col_tiles; i += 32) acc.merge(b.partials[row * col_tiles + i]);
+    row_partial r;
+    r.lse = acc;
+    r = warp_merge<32>(r);  // every lane has the row's state
+    const float lse = r.lse.lse(), z_y = b.target_logit[row], ref = b.ref[row];
+    r.target_logit = z_y;
+    const float w_y = a.weights ? a.weights[y] : 1.0f;
+    const float g = row_scale(a, row, 0.0);
+    const float alpha = gradient_alpha(class_target_mass(w_y, a.k), lse, a.k);
+    // Written so that a NaN anywhere flags the row (the second pass then gives what the
+    // cross-entropy pass would: NaN where the statistics are).
+    const bool kept = lse - ref <= range && (w_y == 0.0f || alpha / w_y >= 0.5f);
+    if (kept) {
+      beta = g * alpha * expf(ref - lse);
+      const float onehot = w_y == 0.0f ? 0.0f : w_y * expf(lse - ref) / alpha;
+      if (lane == 0) b.patch[row] = expf(z_y - ref) - onehot;
+    } else {
+      beta = g;
+      if (lane == 0) {
+        b.patch[row] = alpha * expf(z_y - lse) - w_y;
+        b.ref[row] = lse;
+        b.mult[row] = alpha;
+        b.tile_flags[row / stats_gemm::tile_m] = 1;
+        atomicAdd(b.flagged(), 1);
+      }
+    }
+    if (lane == 0) {
+      b.beta[row] = beta;
+      if (kept) b.mult[row] = 1.0f;
+      write_row_outputs(a, row, class_row_loss(r, w_y, a.k), lse, -1, false, false);
+    }
+  }
+  // The scaled hidden row (zeros for a skipped row: its G row is 0).
+  const __nv_bfloat16* xr = x + row * ldx;
+  __nv_bfloat16* hr = b.hidden + row * depth;
+  for (int k = 8 * lane; k < depth; k += 256) {
+    float v[8];
+    unpack8(*reinterpret_cast<const uint4*>(xr + k), v);
+    unsigned o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const __nv_bfloat162 p = __floats2bfloat162_rn(beta * v[2 * e], beta * v[2 * e + 1]);
+      o[e] = *reinterpret_cast<const unsigned*>(&p);
+    }
+    *reinterpret_cast<uint4*>(hr + k) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+/// A thread per row, after the second pass: the target element of P' (rows with a class in
+/// [0, vocab) and not ignored).
+template <class I>
+XENT_KERNEL void patch_kernel(__nv_bfloat16* p, std::int64_t ld, const I* targets, int rows,
+                              std::int64_t vocab, std::int64_t ignore_index, const float* patch) {
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= rows) return;
+  const auto y = static_cast<std::int64_t>(targets[row]);
+  if (y == ignore_index || y < 0 || y >= vocab) return;
+  p[row * ld + y] = __float2bfloat16_rn(patch[row]);
+}
+
+}  // namespace scaled_probs
+
+/// dst = scale[r] src rounded to dst's dtype (dst may be src: each element is read, then written,
+/// by one thread).
+template <class G>
+struct scaled_round_op {
+  const float* src;
+  std::int64_t src_ld;
+  const float* scale;
+  G* dst;
+  std::int64_t dst_ld;
+  __device__ void operator()(std::int64_t r, std::int64_t c) const {
+    dst[r * dst_ld + c] = from_float<G>(scale[r] * src[r * src_ld + c]);
+  }
+};
+
+}  // namespace cuda_detail
+}  // namespace xent
