@@ -117,10 +117,12 @@ struct linear_plan {
 };
 
 /// `logits_outside`: the chunk's logits live in the caller's d_weight (linear_logits_room), not in
-/// the workspace.
+/// the workspace. `probs_room`: room for the scaled-probabilities path where it may run (the
+/// vocab-parallel calls, which do not take it, plan none).
 template <class T, class G>
 linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumulation accumulate,
-                             std::int64_t chunk_rows, bool logits_outside = false) {
+                             std::int64_t chunk_rows, bool logits_outside = false,
+                             bool probs_room = true) {
   using DT = device_t<T>;
   using DG = device_t<G>;
   constexpr bool narrow_grads = !std::is_same<DG, float>::value;
@@ -159,8 +161,9 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
   // Whether a call takes that path is known only on the device (an sm_90 GPU running the sm_90a
   // build): every bf16 training plan has the room.
   constexpr bool probs_dtype = std::is_same<DT, __nv_bfloat16>::value;
-  p.probs = take(make_probs_layout(chunk_rows, s.vocab, s.hidden).bytes,
-                 training && probs_dtype && policy::stats_gemm && policy::scaled_probs);
+  p.probs =
+      take(make_probs_layout(chunk_rows, s.vocab, s.hidden).bytes,
+           probs_room && training && probs_dtype && policy::stats_gemm && policy::scaled_probs);
   p.end = at;
   p.bytes = at + linear_alignment;  // room to align whatever address the caller's buffer has
   return p;

@@ -59,7 +59,7 @@ class vp_linear_call {
         plan_(make_linear_plan<T, G>(
             {a.hidden.rows, a.hidden.cols, a.weight.rows},
             m == mode::forward ? linear_pass::forward : linear_pass::training, a.opts.accumulate,
-            detail::planned_chunk_rows(a.ws.chunk_rows, a.hidden.rows))),
+            detail::planned_chunk_rows(a.ws.chunk_rows, a.hidden.rows), false, false)),
         checked_(check(fn, exec, group, a, plan_)),
         blas_(fn, exec),
         c_(make_linear_call(exec, blas_, a.hidden, a.weight, a.bias, a.grads, plan_, a.ws.data)),
@@ -102,7 +102,9 @@ class vp_linear_call {
                 backward && !soft ? exec_.error_count : nullptr);
   }
 
-  void accumulate(std::int64_t r0, std::int64_t n) { chunk_grads(c_, r0, n, r0 == 0); }
+  void accumulate(std::int64_t r0, std::int64_t n) {
+    chunk_grads(c_, r0, n, r0 == 0, c_.hidden.row(r0), c_.hidden.ld);
+  }
 
   void finish() {
     if (mode_ != mode::forward) finish_grads(c_);
@@ -156,7 +158,8 @@ struct vocab_parallel_linear_traits<cuda> {
   static std::size_t workspace_bytes(const cuda&, const linear_shape& shape, int ranks,
                                      linear_pass pass, dw_accumulation accumulate,
                                      std::int64_t chunk_rows) {
-    return cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, chunk_rows).bytes +
+    return cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, chunk_rows, false, false)
+               .bytes +
            cuda_detail::vp_layout(chunk_rows, ranks, false).total;
   }
 

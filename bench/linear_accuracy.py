@@ -1,0 +1,97 @@
+"""Errors of fused linear cross-entropy in bf16 against a float64 reference, beside torch eager's on
+the same bf16 inputs (the fused linear issue: xent's errors no larger than torch eager's, d_weight
+included).
+
+    python3 bench/linear_accuracy.py [--shapes N,D,V ...] [--sigma S] [--seeds K]
+
+For each shape and seed: bf16 hidden ~ N(0, 1) and weight ~ N(0, S^2 / D) (logits ~ N(0, S^2)),
+class ids uniform with every tenth row ignored, reduction mean. The reference widens those same
+bf16 values to float64 and takes the logits, loss and gradients in float64 (torch autograd). Torch
+eager is cross_entropy(F.linear(h, w), y) in bf16, as a training script writes it (bf16 logits, the
+softmax in float inside, bf16 gradients); xent is xent_torch.linear_cross_entropy in bf16 (on an
+sm_90a build the Hopper paths: no logits in the forward, scaled probabilities in training).
+Each error is the relative norm ||got - ref|| / ||ref|| (for the loss, |got - ref| / |ref|), and
+the largest absolute difference; `ratio` is xent's relative error over torch's. Prints a table and
+writes JSON lines to $OUT/linear_accuracy.json when OUT is set.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples" / "pytorch"))
+import xent_torch  # noqa: E402
+
+
+def inputs(n, d, v, sigma, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, d, generator=g, device="cuda").bfloat16()
+    weight = (torch.randn(v, d, generator=g, device="cuda") * (sigma / d**0.5)).bfloat16()
+    target = torch.randint(0, v, (n,), generator=g, device="cuda")
+    target[::10] = -100
+    return hidden, weight, target
+
+
+def loss_and_grads(fn, hidden, weight, target, dtype):
+    h = hidden.detach().to(dtype).requires_grad_()
+    w = weight.detach().to(dtype).requires_grad_()
+    loss = fn(h, w, target)
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    return loss.detach().double(), dh.double(), dw.double()
+
+
+def errors(got, ref):
+    out = {}
+    for name, g, r in zip(("loss", "d_hidden", "d_weight"), got, ref):
+        out[name] = {"rel": ((g - r).norm() / r.norm()).item(),
+                     "max_abs": (g - r).abs().max().item()}
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="*",
+                   default=["4096,2048,32000", "2048,4096,128256", "8192,2304,65536"])
+    p.add_argument("--sigma", type=float, default=4.0)
+    p.add_argument("--seeds", type=int, default=2)
+    a = p.parse_args()
+    out = os.environ.get("OUT")
+    rows = []
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, sigma {a.sigma}")
+    print("| N x D x V | seed | what | torch rel | xent rel | ratio | torch max | xent max |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape in a.shapes:
+        n, d, v = (int(x) for x in shape.split(","))
+        for seed in range(a.seeds):
+            hidden, weight, target = inputs(n, d, v, a.sigma, seed)
+
+            def eager(h, w, y):
+                return F.cross_entropy(F.linear(h, w), y)
+
+            ref = loss_and_grads(eager, hidden, weight, target, torch.float64)
+            torch_err = errors(loss_and_grads(eager, hidden, weight, target, torch.bfloat16), ref)
+            xent_err = errors(loss_and_grads(xent_torch.linear_cross_entropy, hidden, weight,
+                                             target, torch.bfloat16), ref)
+            del ref
+            torch.cuda.empty_cache()
+            for what in ("loss", "d_hidden", "d_weight"):
+                t, x = torch_err[what], xent_err[what]
+                ratio = x["rel"] / t["rel"] if t["rel"] > 0 else float("inf")
+                rows.append({"shape": [n, d, v], "seed": seed, "sigma": a.sigma, "what": what,
+                             "torch": t, "xent": x, "ratio": ratio})
+                print(f"| {n} x {d} x {v} | {seed} | {what} | {t['rel']:.3e} | {x['rel']:.3e} | "
+                      f"{ratio:.3f} | {t['max_abs']:.3e} | {x['max_abs']:.3e} |")
+    if out:
+        with open(os.path.join(out, "linear_accuracy.json"), "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
