@@ -12,8 +12,9 @@ Environment:
   XENT_TORCH_CUDA        auto (default): CUDA kernels when torch has CUDA and nvcc is found;
                          1: require them (an error otherwise); 0: CPU only
   TORCH_CUDA_ARCH_LIST   GPU architectures (torch's variable); when unset and no GPU is visible,
-                         9.0 (the kernels use sm_90 thread-block clusters; older GPUs need their
-                         own entry, e.g. "8.0;9.0")
+                         or every visible GPU is a Hopper (9.0), 9.0a (the kernels use sm_90
+                         thread-block clusters, the fused linear paths sm_90a's wgmma; older GPUs
+                         need their own entry, e.g. "8.0;9.0"); otherwise torch's choice
   XENT_TORCH_EIGEN       Eigen's include directory (default: /usr/include/eigen3)
   XENT_TORCH_NATIVE=0    build without -march=native (portable, slower Eigen packet math)
   XENT_TORCH_VERBOSE=1   print the compiler commands
@@ -73,8 +74,14 @@ def load(verbose=None):
     cuda_flags = []
     if cuda:
         sources.append(str(csrc / "xent_ops_cuda.cu"))
-        if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        if "TORCH_CUDA_ARCH_LIST" not in os.environ:
+            # Hopper (compute capability 9.0) gets sm_90a, as xent's CMake builds for .ci/device:
+            # the wgmma GEMMs of the fused linear paths (cuda/stats_gemm.cuh: the forward without
+            # logits, training without the cross-entropy pass) exist only there; an sm_90 build
+            # takes cuBLAS and the cross-entropy pass instead. torch would ask for plain 9.0.
+            caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+            if not caps or caps == {(9, 0)}:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
         # Eigen is a system include, as in xent's CMake build, and its two nvcc diagnostics
         # (20012: annotations on defaulted functions, 20015: constexpr host calls) are off.
         cuda_flags = ["-O3", "-DNDEBUG", "-isystem", eigen, "-diag-suppress=20012,20015",
