@@ -131,9 +131,13 @@ __device__ __forceinline__ void write_row_outputs(const row_args<T, G, Tgt>& a, 
 
 /// Whether a row with class-id target y takes no statistics and a zero gradient: y is the ignore
 /// index, or outside [0, vocab) (then its loss is NaN and it counts as a device error).
+__device__ __forceinline__ bool skipped_class(std::int64_t y, std::int64_t ignore_index,
+                                              std::int64_t vocab) {
+  return y == ignore_index || y < 0 || y >= vocab;
+}
 template <class T, class G, class Tgt>
 __device__ __forceinline__ bool skipped_target(const row_args<T, G, Tgt>& a, std::int64_t y) {
-  return y == a.ignore_index || y < 0 || y >= a.vocab;
+  return skipped_class(y, a.ignore_index, a.vocab);
 }
 
 /// What one thread writes for row n that skipped_target leaves out: its forward outputs where

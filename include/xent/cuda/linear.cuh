@@ -346,8 +346,8 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
            c.d_hidden.row(r0), CUDA_R_32F, sizeof(float), c.d_hidden.ld);
       if (row_scale) {
         float* dh = c.d_hidden.row(r0);
-        launch_rows_kernel(scaled_round_op<float>{dh, c.d_hidden.ld, row_scale, dh, c.d_hidden.ld},
-                           n, D, s);
+        launch_rows_kernel(round_op<float>{dh, c.d_hidden.ld, dh, c.d_hidden.ld, row_scale}, n, D,
+                           s);
       }
     } else {
       // A float C, rounded once into d_hidden: cuBLAS may reduce split-K partial sums (K = V
@@ -355,11 +355,8 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
       float* dx = c.template buffer<float>(c.plan.dx);
       gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld, 0.0f,
            dx, CUDA_R_32F, sizeof(float), D);
-      if (row_scale)
-        launch_rows_kernel(scaled_round_op<DG>{dx, D, row_scale, c.d_hidden.row(r0), c.d_hidden.ld},
-                           n, D, s);
-      else
-        launch_rows_kernel(round_op<DG>{dx, D, c.d_hidden.row(r0), c.d_hidden.ld}, n, D, s);
+      launch_rows_kernel(round_op<DG>{dx, D, c.d_hidden.row(r0), c.d_hidden.ld, row_scale}, n, D,
+                         s);
     }
   }
   check_cuda(c.blas.fn(), cudaGetLastError());  // the small kernels' launches
@@ -520,6 +517,29 @@ void finish_totals(const char* fn, cudaStream_t stream, const linear_totals& t, 
   check_cuda(fn, cudaGetLastError());
 }
 
+/// Whether a call's options are those the Hopper GEMM's row statistics cover (stats_forward and
+/// the scaled-probabilities training): no label smoothing or softcap (class ids are the caller's
+/// check), and no argmax asked for (num_correct).
+inline bool plain_class_options(const linear_options& opts, const linear_totals& t) {
+  return opts.label_smoothing == 0.0f && opts.softcap == 0.0f && !t.argmax;
+}
+
+/// The merge kernels' view of a call over V classes: the core's row arguments as reduction none,
+/// with the call's class weights, loss constants, ignore index and error count; the caller sets
+/// the rows, targets, outputs and upstream gradient of each launch.
+template <class DT, class I, class T, class G>
+row_args<DT, DT, class_ids<I>> merge_args(const linear_call<T, G>& c, const linear_options& opts) {
+  const std::int64_t V = c.vocab();
+  row_args<DT, DT, class_ids<I>> m{};
+  m.cols = m.vocab = V;
+  m.weights = opts.class_weights.data;
+  m.k = make_loss_constants(opts, V, static_cast<float>(V));
+  m.ignore_index = opts.ignore_index;
+  m.reduce = reduction::none;
+  m.error_count = c.exec.error_count;
+  return m;
+}
+
 /// The forward by the Hopper GEMM whose epilogue keeps each row's statistics (stats_gemm.cuh),
 /// where it applies: bf16 operands, class-id targets without label smoothing, softcap, bias or an
 /// argmax asked for (num_correct), D a multiple of 8 and 16-byte aligned operands, on an sm_90
@@ -538,7 +558,7 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
     return false;
   } else {
     const std::int64_t N = c.rows(), D = c.dim(), V = c.vocab();
-    if (opts.label_smoothing != 0.0f || opts.softcap != 0.0f || t.argmax || N == 0) return false;
+    if (!plain_class_options(opts, t) || N == 0) return false;
     const device_facts dev = query_device(fn);
     if (!hopper_gemm_fits<sg::form::stats, I>(c, dev)) return false;
     const int col_tiles = static_cast<int>((V + sg::tile_n - 1) / sg::tile_n);
@@ -550,14 +570,8 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
         {static_cast<std::int64_t>(room / per_row), INT_MAX / sg::tile_m * sg::tile_m,
          std::int64_t{INT_MAX} / col_tiles * sg::tile_m});
     if (most < 1) return false;
-    // The merge's view of the call: the core's row arguments, outputs only (no reduction here).
-    row_args<DT, DT, class_ids<I>> m{};
-    m.cols = m.vocab = V;
-    m.weights = opts.class_weights.data;
-    m.k = make_loss_constants(opts, V, static_cast<float>(V));
-    m.ignore_index = opts.ignore_index;
-    m.reduce = reduction::none;
-    m.error_count = c.exec.error_count;
+    // The merge's view of the call: outputs only (no reduction here).
+    auto m = merge_args<DT, I>(c, opts);
     for (std::int64_t r0 = 0; r0 < N; r0 += most) {
       const std::int64_t n = std::min(most, N - r0);
       auto a = sg::shape_args<I>(n, V, D);
@@ -595,8 +609,8 @@ bool scaled_probs_fit(const char* fn, const linear_call<T, G>& c, class_ids<I>,
     return false;
   } else {
     const std::int64_t R = c.plan.chunk_rows, V = c.vocab();
-    if (opts.label_smoothing != 0.0f || opts.softcap != 0.0f || t.argmax || c.d_bias ||
-        c.plan.probs == linear_absent || c.rows() == 0 || R > INT_MAX / 2)
+    if (!plain_class_options(opts, t) || c.d_bias || c.plan.probs == linear_absent ||
+        c.rows() == 0 || R > INT_MAX / 2)
       return false;
     const std::int64_t col_tiles = (V + sg::tile_n - 1) / sg::tile_n;
     if ((R + sg::tile_m - 1) / sg::tile_m > INT_MAX / std::max<std::int64_t>(col_tiles, 1))
@@ -638,20 +652,14 @@ void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I>
     sg::launch<sg::form::probs>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms,
                                 policy::stats_gemm_cluster, s, c.logits(), c.plan.ld);
     check_cuda(fn, cudaMemsetAsync(b.tile_flags, 0, sizeof(int) * (layout.row_tiles + 1), s));
-    // The merge's view of the chunk: the core's row arguments as reduction none.
-    row_args<DT, DT, class_ids<I>> m{};
+    // The merge's view of the chunk: its rows, outputs and upstream gradient.
+    auto m = merge_args<DT, I>(c, opts);
     m.rows = n;
-    m.cols = m.vocab = V;
     m.targets.ids = y;
-    m.weights = opts.class_weights.data;
-    m.k = make_loss_constants(opts, V, static_cast<float>(V));
-    m.ignore_index = opts.ignore_index;
-    m.reduce = reduction::none;
     m.scale = up.scale;
     m.up_rows = up.rows.data;
     m.row_loss = out.row_loss.data;
     m.lse_out = out.lse.data;
-    m.error_count = c.exec.error_count;
     sp::merge_kernel<<<warps, linear_threads, 0, s>>>(m, b, a.col_tiles, x, c.hidden.ld,
                                                       static_cast<int>(D));
     check_cuda(fn, cudaGetLastError());

@@ -88,15 +88,19 @@ struct fill_bias_op {
   __device__ void operator()(std::int64_t r, std::int64_t c) const { out[r * ld + c] = bias[c]; }
 };
 
-/// dst = src rounded to dst's dtype.
+/// dst = src rounded to dst's dtype, each row times row_scale[r] first where that is given (the
+/// scaled-probabilities path's d_hidden, scaled_probs.cuh). dst may be src: each element is read,
+/// then written, by one thread.
 template <class G>
 struct round_op {
   const float* src;
   std::int64_t src_ld;
   G* dst;
   std::int64_t dst_ld;
+  const float* row_scale = nullptr;
   __device__ void operator()(std::int64_t r, std::int64_t c) const {
-    dst[r * dst_ld + c] = from_float<G>(src[r * src_ld + c]);
+    const float v = src[r * src_ld + c];
+    dst[r * dst_ld + c] = from_float<G>(row_scale ? row_scale[r] * v : v);
   }
 };
 

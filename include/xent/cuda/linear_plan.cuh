@@ -58,9 +58,22 @@ std::int64_t logits_ld(std::int64_t vocab) {
   return (vocab + per - 1) / per * per;
 }
 
-/// Columns per tile of the Hopper GEMM (stats_gemm::tile_n) and the size of its row partials: each
-/// row of a chunk has one partial per 256 columns (scaled_probs.cuh checks both).
-constexpr std::int64_t probs_tile_cols = 256;
+/// Lays buffers out one after another, each at a linear_alignment boundary from the start.
+struct aligned_layout {
+  std::size_t end = 0;
+  /// The next buffer's offset; linear_absent, taking nothing, when it is not `needed`.
+  std::size_t take(std::size_t bytes, bool needed = true) {
+    if (!needed) return linear_absent;
+    const std::size_t offset = end;
+    end += (bytes + linear_alignment - 1) / linear_alignment * linear_alignment;
+    return offset;
+  }
+};
+
+/// Rows and columns per tile of the Hopper GEMM (stats_gemm::tile_m, tile_n) and the size of its
+/// row partials: each row of a chunk has one partial per 256 columns, each 128 rows one flag
+/// (scaled_probs.cuh checks all three).
+constexpr std::int64_t probs_tile_rows = 128, probs_tile_cols = 256;
 constexpr std::size_t probs_partial_bytes = 8;
 
 /// The buffers of training's scaled-probabilities path (scaled_probs.cuh) for chunks of `rows`
@@ -76,15 +89,11 @@ struct probs_layout {
 
 inline probs_layout make_probs_layout(std::int64_t rows, std::int64_t vocab, std::int64_t hidden) {
   probs_layout l;
-  std::size_t at = 0;
-  auto take = [&](std::size_t bytes) {
-    const std::size_t offset = at;
-    at += (bytes + linear_alignment - 1) / linear_alignment * linear_alignment;
-    return offset;
-  };
+  aligned_layout at;
+  auto take = [&](std::size_t bytes) { return at.take(bytes); };
   const auto R = static_cast<std::size_t>(rows);
   const auto col_tiles = static_cast<std::size_t>((vocab + probs_tile_cols - 1) / probs_tile_cols);
-  l.row_tiles = (rows + 127) / 128;
+  l.row_tiles = (rows + probs_tile_rows - 1) / probs_tile_rows;
   l.partials = take(probs_partial_bytes * R * col_tiles);
   l.hidden = take(2 * R * static_cast<std::size_t>(hidden));
   l.ref = take(sizeof(float) * R);
@@ -93,7 +102,7 @@ inline probs_layout make_probs_layout(std::int64_t rows, std::int64_t vocab, std
   l.patch = take(sizeof(float) * R);
   l.target_logit = take(sizeof(float) * R);
   l.flags = take(sizeof(int) * (static_cast<std::size_t>(l.row_tiles) + 1));
-  l.bytes = at;
+  l.bytes = at.end;
   return l;
 }
 
@@ -131,13 +140,8 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
   linear_plan p;
   p.chunk_rows = chunk_rows;
   p.ld = logits_ld<DT>(s.vocab);
-  std::size_t at = 0;
-  auto take = [&](std::size_t bytes, bool needed) {
-    if (!needed) return linear_absent;
-    const std::size_t offset = at;
-    at += (bytes + linear_alignment - 1) / linear_alignment * linear_alignment;
-    return offset;
-  };
+  aligned_layout at;
+  auto take = [&](std::size_t bytes, bool needed) { return at.take(bytes, needed); };
   const auto R = static_cast<std::size_t>(chunk_rows), N = static_cast<std::size_t>(s.rows);
   const auto V = static_cast<std::size_t>(s.vocab), D = static_cast<std::size_t>(s.hidden);
   p.logits = take(sizeof(DT) * R * static_cast<std::size_t>(p.ld), !logits_outside);
@@ -164,8 +168,8 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
   p.probs =
       take(make_probs_layout(chunk_rows, s.vocab, s.hidden).bytes,
            probs_room && training && probs_dtype && policy::stats_gemm && policy::scaled_probs);
-  p.end = at;
-  p.bytes = at + linear_alignment;  // room to align whatever address the caller's buffer has
+  p.end = at.end;
+  p.bytes = at.end + linear_alignment;  // room to align whatever address the caller's buffer has
   return p;
 }
 

@@ -45,6 +45,7 @@ namespace cuda_detail {
 namespace scaled_probs {
 
 static_assert(probs_tile_cols == stats_gemm::tile_n, "the plan's partials per row");
+static_assert(probs_tile_rows == stats_gemm::tile_m, "the plan's flags per row tile");
 static_assert(sizeof(stats_gemm::partial) == probs_partial_bytes, "the plan's partial size");
 
 /// The largest lse - ref for which a row keeps the first pass's P: P_j <= e^40 ~ 2e17 and beta >=
@@ -99,7 +100,7 @@ XENT_KERNEL void reference_kernel(const __nv_bfloat16* x, std::int64_t ldx, cons
   const std::int64_t row = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (row >= rows) return;
   const auto y = static_cast<std::int64_t>(targets[row]);
-  if (y == ignore_index || y < 0 || y >= vocab) {
+  if (skipped_class(y, ignore_index, vocab)) {
     if (lane == 0) ref[row] = HUGE_VALF;
     return;
   }
@@ -194,25 +195,10 @@ XENT_KERNEL void patch_kernel(__nv_bfloat16* p, std::int64_t ld, const I* target
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row >= rows) return;
   const auto y = static_cast<std::int64_t>(targets[row]);
-  if (y == ignore_index || y < 0 || y >= vocab) return;
+  if (skipped_class(y, ignore_index, vocab)) return;
   p[row * ld + y] = __float2bfloat16_rn(patch[row]);
 }
 
 }  // namespace scaled_probs
-
-/// dst = scale[r] src rounded to dst's dtype (dst may be src: each element is read, then written,
-/// by one thread).
-template <class G>
-struct scaled_round_op {
-  const float* src;
-  std::int64_t src_ld;
-  const float* scale;
-  G* dst;
-  std::int64_t dst_ld;
-  __device__ void operator()(std::int64_t r, std::int64_t c) const {
-    dst[r * dst_ld + c] = from_float<G>(scale[r] * src[r * src_ld + c]);
-  }
-};
-
 }  // namespace cuda_detail
 }  // namespace xent

@@ -244,6 +244,18 @@ __device__ __forceinline__ bool group_skipped(const args<I>& a, int g, int row_t
   return any == 0;
 }
 
+/// One thread: the staged tile (m, n) leaves by four tensor stores of 64 columns (the parts past
+/// the matrix are not written), and once they have read it, `staged_empty` hears that it may be
+/// written again.
+__device__ __forceinline__ void store_staged(const CUtensorMap* map, const unsigned char* staged,
+                                             int m, int n, int cols,
+                                             unsigned long long* staged_empty) {
+  for (int b = 0; b < tile_n / 64 && n * tile_n + 64 * b < cols; ++b)
+    tma_store_2d(map, n * tile_n + 64 * b, m * tile_m, staged + b * staged_block_bytes);
+  bulk_stores_wait<0>();  // read
+  mbarrier_arrive(staged_empty);
+}
+
 /// The statistics warps' named barrier (warps 1-3: 96 threads), before one of them stores the
 /// scaled tile; barrier 0 is __syncthreads'.
 __device__ __forceinline__ void stats_warps_sync() {
@@ -375,13 +387,7 @@ __global__ void __launch_bounds__(threads, 1)
             // thread's writes are visible to them.
             fence_async_shared();
             stats_warps_sync();
-            if (r == 0) {
-              for (int b = 0; b < tile_n / 64 && col0 + 64 * b < a.cols; ++b)
-                tma_store_2d(&logits_map, col0 + 64 * b, m * tile_m,
-                             staged + b * staged_block_bytes);
-              bulk_stores_wait<0>();  // read: the staging tile may be written again
-              mbarrier_arrive(&staged_empty);
-            }
+            if (r == 0) store_staged(&logits_map, staged, m, n, a.cols, &staged_empty);
           } else {
             mbarrier_arrive(&staged_empty);
           }
@@ -397,11 +403,7 @@ __global__ void __launch_bounds__(threads, 1)
           tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
           if (group_skipped<Cluster>(a, m / Cluster, row_tiles)) continue;
           mbarrier_wait(&staged_full, phase);
-          for (int b = 0; b < tile_n / 64 && n * tile_n + 64 * b < a.cols; ++b)
-            tma_store_2d(&logits_map, n * tile_n + 64 * b, m * tile_m,
-                         staged + b * staged_block_bytes);
-          bulk_stores_wait<0>();  // read: the staging tile may be written again
-          mbarrier_arrive(&staged_empty);
+          store_staged(&logits_map, staged, m, n, a.cols, &staged_empty);
           phase ^= 1;
         }
         bulk_stores_wait<0, true>();  // written, before the CTA ends
