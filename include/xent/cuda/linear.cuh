@@ -617,7 +617,8 @@ bool scaled_probs_fit(const char* fn, const linear_call<T, G>& c, class_ids<I>,
       return false;
     if (!aligned16(c.logits(), c.plan.ld * 2)) return false;
     const device_facts dev = query_device(fn);
-    return hopper_gemm_fits<sg::form::probs, I>(c, dev);
+    return hopper_gemm_fits<sg::form::probs, I>(c, dev) &&
+           hopper_gemm_fits<sg::form::stats, I>(c, dev);
   }
 }
 
@@ -651,7 +652,7 @@ void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I>
     a.ref = b.ref;
     sg::launch<sg::form::probs>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms,
                                 policy::stats_gemm_cluster, s, c.logits(), c.plan.ld);
-    check_cuda(fn, cudaMemsetAsync(b.tile_flags, 0, sizeof(int) * (layout.row_tiles + 1), s));
+    check_cuda(fn, cudaMemsetAsync(b.tile_flags, 0, sizeof(int) * 2 * (layout.row_tiles + 1), s));
     // The merge's view of the chunk: its rows, outputs and upstream gradient.
     auto m = merge_args<DT, I>(c, opts);
     m.rows = n;
@@ -662,6 +663,18 @@ void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I>
     m.lse_out = out.lse.data;
     sp::merge_kernel<<<warps, linear_threads, 0, s>>>(m, b, a.col_tiles, x, c.hidden.ld,
                                                       static_cast<int>(D));
+    check_cuda(fn, cudaGetLastError());
+    // Rows whose fp16 differences overflowed: their statistics again from bf16 logits (the
+    // forward's form over their row tiles), then their outputs (none: both leave at once).
+    auto st = sg::shape_args<I>(n, V, D);
+    st.targets = y;
+    st.partials = b.partials;
+    st.target_logit = b.target_logit;
+    st.tile_flags = b.sat_flags();
+    st.flagged = b.sat_count();
+    sg::launch<sg::form::stats>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, st, dev.sms,
+                                policy::stats_gemm_cluster, s);
+    sp::saturated_merge_kernel<<<warps, linear_threads, 0, s>>>(m, b, a.col_tiles);
     check_cuda(fn, cudaGetLastError());
     // The rows the first pass could not scale, by their LSE (none: the kernel leaves at once).
     a.partials = nullptr;

@@ -62,10 +62,14 @@ struct buffers {
   float* beta;
   float* patch;
   float* target_logit;
-  int* tile_flags;  ///< one per 128-row tile, then the count of flagged rows
+  int* tile_flags;  ///< the second pass's: one per 128-row tile, then the count of its rows
+  int* saturated;   ///< the rows whose statistics need the statistics pass, in no order
   int row_tiles;
 
   __host__ __device__ int* flagged() const { return tile_flags + row_tiles; }
+  /// The statistics pass's flags per row tile, then the count of its rows.
+  __host__ __device__ int* sat_flags() const { return tile_flags + row_tiles + 1; }
+  __host__ __device__ int* sat_count() const { return sat_flags() + row_tiles; }
 };
 
 inline buffers make_buffers(char* region, const probs_layout& l) {
@@ -78,6 +82,7 @@ inline buffers make_buffers(char* region, const probs_layout& l) {
   b.patch = reinterpret_cast<float*>(region + l.patch);
   b.target_logit = reinterpret_cast<float*>(region + l.target_logit);
   b.tile_flags = reinterpret_cast<int*>(region + l.flags);
+  b.saturated = reinterpret_cast<int*>(region + l.saturated);
   b.row_tiles = static_cast<int>(l.row_tiles);
   return b;
 }
@@ -118,11 +123,69 @@ XENT_KERNEL void reference_kernel(const __nv_bfloat16* x, std::int64_t ldx, cons
   if (lane == 0) ref[row] = __bfloat162float(__float2bfloat16_rn(s));
 }
 
+/// Every lane of a warp on row `row`: the row's statistics merged from its partials, and whether
+/// one of them is the first pass's mark of a row whose fp16 differences overflowed
+/// (stats_gemm::staged_row).
+__device__ __forceinline__ row_partial merged_row(const buffers& b, std::int64_t row, int col_tiles,
+                                                  int lane, bool& saturated) {
+  online_lse acc;
+  bool sat = false;
+  for (int i = lane; i < col_tiles; i += 32) {
+    const stats_gemm::partial p = b.partials[row * col_tiles + i];
+    sat |= p.max == HUGE_VALF;
+    acc.merge(p);
+  }
+  saturated = __any_sync(0xffffffffu, sat);
+  row_partial r;
+  r.lse = acc;
+  r = warp_merge<32>(r);  // every lane has the row's state
+  r.target_logit = b.target_logit[row];
+  return r;
+}
+
+/// Every lane of a warp on a row of class y, from its merged statistics: the row's loss and
+/// outputs (lane 0), its patch, and its scale beta (returned), or, where the first pass's P cannot
+/// be kept (`second` asks for that: the statistics pass's rows), the second pass's reference (the
+/// LSE; NaN for an infinite one, so that the row's gradient is NaN) and multiplier alpha.
+template <class T, class G, class Tgt>
+__device__ float settle_row(const row_args<T, G, Tgt>& a, const buffers& b, std::int64_t row,
+                            std::int64_t y, const row_partial& r, int lane, bool second) {
+  const float lse = r.lse.lse(), z_y = r.target_logit, ref = b.ref[row];
+  const float w_y = a.weights ? a.weights[y] : 1.0f;
+  const float g = row_scale(a, row, 0.0);
+  const float alpha = gradient_alpha(class_target_mass(w_y, a.k), lse, a.k);
+  // Written so that a NaN anywhere takes the second pass (which then gives what the
+  // cross-entropy pass would: NaN where the statistics are).
+  const bool kept = !second && lse - ref <= range && (w_y == 0.0f || alpha / w_y >= 0.5f);
+  float beta = g;
+  if (kept) {
+    beta = g * alpha * expf(ref - lse);
+    const float onehot = w_y == 0.0f ? 0.0f : w_y * expf(lse - ref) / alpha;
+    if (lane == 0) {
+      b.patch[row] = expf(z_y - ref) - onehot;
+      b.mult[row] = 1.0f;
+    }
+  } else if (lane == 0) {
+    b.patch[row] = alpha * expf(z_y - lse) - w_y;
+    b.ref[row] = lse == HUGE_VALF ? NAN : lse;
+    b.mult[row] = alpha;
+    b.tile_flags[row / stats_gemm::tile_m] = 1;
+    atomicAdd(b.flagged(), 1);
+  }
+  if (lane == 0) {
+    b.beta[row] = beta;
+    write_row_outputs(a, row, class_row_loss(r, w_y, a.k), lse, -1, false, false);
+  }
+  return beta;
+}
+
 /// One warp per row of the chunk, after the first pass: the row's LSE from its partials, its loss
 /// and outputs by the core's pieces (class_row_loss, write_row_outputs, write_skipped_row: no
 /// smoothing or softcap on this path), then beta, the target's patch and the scaled hidden row,
-/// or the row flagged for the second pass (see the file's comment). `a` holds the chunk's rows
-/// (targets, outputs and upstream offset to them) as reduction none; `x` the chunk's hidden rows.
+/// or the row flagged for the second pass (see the file's comment). A row whose differences
+/// overflowed fp16 goes on the statistics pass's list instead, its outputs left to
+/// saturated_merge_kernel (its beta is g either way). `a` holds the chunk's rows (targets,
+/// outputs and upstream offset to them) as reduction none; `x` the chunk's hidden rows.
 template <class T, class G, class Tgt>
 XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles,
                               const __nv_bfloat16* x, std::int64_t ldx, int depth) {
@@ -138,37 +201,17 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles,
       b.mult[row] = 1.0f;
     }
   } else {
-    online_lse acc;
-    for (int i = lane; i < col_tiles; i += 32) acc.merge(b.partials[row * col_tiles + i]);
-    row_partial r;
-    r.lse = acc;
-    r = warp_merge<32>(r);  // every lane has the row's state
-    const float lse = r.lse.lse(), z_y = b.target_logit[row], ref = b.ref[row];
-    r.target_logit = z_y;
-    const float w_y = a.weights ? a.weights[y] : 1.0f;
-    const float g = row_scale(a, row, 0.0);
-    const float alpha = gradient_alpha(class_target_mass(w_y, a.k), lse, a.k);
-    // Written so that a NaN anywhere flags the row (the second pass then gives what the
-    // cross-entropy pass would: NaN where the statistics are).
-    const bool kept = lse - ref <= range && (w_y == 0.0f || alpha / w_y >= 0.5f);
-    if (kept) {
-      beta = g * alpha * expf(ref - lse);
-      const float onehot = w_y == 0.0f ? 0.0f : w_y * expf(lse - ref) / alpha;
-      if (lane == 0) b.patch[row] = expf(z_y - ref) - onehot;
+    bool saturated = false;
+    const row_partial r = merged_row(b, row, col_tiles, lane, saturated);
+    if (!saturated) {
+      beta = settle_row(a, b, row, y, r, lane, false);
     } else {
-      beta = g;
+      beta = row_scale(a, row, 0.0);
       if (lane == 0) {
-        b.patch[row] = alpha * expf(z_y - lse) - w_y;
-        b.ref[row] = lse;
-        b.mult[row] = alpha;
-        b.tile_flags[row / stats_gemm::tile_m] = 1;
-        atomicAdd(b.flagged(), 1);
+        b.beta[row] = beta;
+        b.sat_flags()[row / stats_gemm::tile_m] = 1;
+        b.saturated[atomicAdd(b.sat_count(), 1)] = static_cast<int>(row);
       }
-    }
-    if (lane == 0) {
-      b.beta[row] = beta;
-      if (kept) b.mult[row] = 1.0f;
-      write_row_outputs(a, row, class_row_loss(r, w_y, a.k), lse, -1, false, false);
     }
   }
   // The scaled hidden row (zeros for a skipped row: its G row is 0).
@@ -185,6 +228,20 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles,
     }
     *reinterpret_cast<uint4*>(hr + k) = make_uint4(o[0], o[1], o[2], o[3]);
   }
+}
+
+/// One warp per entry of the statistics pass's list (warps past its count leave at once), after
+/// that pass (the statistics form over bf16 logits) rewrote the partials of the listed rows' tiles:
+/// each row settled for the second pass, as merge_kernel settles the others.
+template <class T, class G, class Tgt>
+XENT_KERNEL void saturated_merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (i >= *b.sat_count()) return;
+  const std::int64_t row = b.saturated[i];
+  bool saturated = false;
+  const row_partial r = merged_row(b, row, col_tiles, lane, saturated);
+  settle_row(a, b, row, static_cast<std::int64_t>(a.targets.ids[row]), r, lane, true);
 }
 
 /// A thread per row, after the second pass: the target element of P' (rows with a class in

@@ -32,9 +32,11 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend.cuh"
 #include "wgmma.cuh"
@@ -137,20 +139,31 @@ __device__ __forceinline__ int staged_offset(int row, int chunk) {
 }
 
 /// One consumer thread's epilogue: its logits rounded to bf16 into the staging tile by 16 matrix
-/// stores. Accumulator layout of m64nNk16: thread lane of warp w holds rows 16 w + lane / 4
-/// and + 8, columns 8 j + 2 (lane % 4) + {0, 1}, in d[4 j + {0, 1}] and d[4 j + {2, 3}]: each
-/// 8 x 8 block is a matrix in stmatrix's fragment layout, and d[8 i .. 8 i + 7] are the blocks
-/// (2 i, rows +0), (2 i, +8), (2 i + 1, +0), (2 i + 1, +8), whose row addresses lanes 0-7, 8-15,
-/// 16-23 and 24-31 give. Consumer warpgroup `c` holds staging rows 64 c .. 64 c + 63.
-__device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char* staged, int c) {
+/// stores; with Diff (form::probs), each logit less its row's reference rounded to fp16 instead:
+/// fp16 carries |z - ref| 2^-11 where bf16 carried |z| 2^-9, and |z - ref| is of the size of the
+/// row's loss for the logits whose exponentials matter (a difference past fp16's 65504 becomes
+/// +-inf: the statistics warps see it). Accumulator layout of m64nNk16: thread lane of warp w
+/// holds rows 16 w + lane / 4 and + 8, columns 8 j + 2 (lane % 4) + {0, 1}, in d[4 j + {0, 1}] and
+/// d[4 j + {2, 3}]: each 8 x 8 block is a matrix in stmatrix's fragment layout, and d[8 i .. 8 i +
+/// 7] are the blocks (2 i, rows +0), (2 i, +8), (2 i + 1, +0), (2 i + 1, +8), whose row addresses
+/// lanes 0-7, 8-15, 16-23 and 24-31 give. Consumer warpgroup `c` holds staging rows 64 c .. 64 c +
+/// 63; `ref` the references of the thread's two rows (+0, +8).
+template <bool Diff>
+__device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char* staged, int c,
+                                           const float (&ref)[2]) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const int lane = static_cast<int>(threadIdx.x) % 32,
             warp = static_cast<int>(threadIdx.x) / 32 % 4;
   const int q = lane / 8, row = 64 * c + 16 * warp + 8 * (q % 2) + lane % 8;
   const unsigned base = shared_address(staged);
-  auto pair = [&](int k) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(d[2 * k], d[2 * k + 1]);
-    return *reinterpret_cast<const unsigned*>(&v);
+  auto pair = [&](int k) {  // d[2 k], d[2 k + 1]: row +0 for even k, +8 for odd
+    if constexpr (Diff) {
+      const __half2 v = __floats2half2_rn(d[2 * k] - ref[k % 2], d[2 * k + 1] - ref[k % 2]);
+      return *reinterpret_cast<const unsigned*>(&v);
+    } else {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(d[2 * k], d[2 * k + 1]);
+      return *reinterpret_cast<const unsigned*>(&v);
+    }
   };
 #pragma unroll
   for (int i = 0; i < 16; ++i)
@@ -162,44 +175,66 @@ __device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char*
   (void)d;
   (void)staged;
   (void)c;
+  (void)ref;
 #endif
 }
 
 /// A statistics thread's work on one staged row (staging row `row` of a tile whose first `valid`
 /// columns are logits): the partial of the row's max and sum of exponentials, and the logit of
 /// column `target` (-1: another tile's) into `z`. Columns past V (W's rows there read as zeros)
-/// are outside `valid`. Probs: each logit is replaced in the staging tile by mult exp(z - ref),
-/// formed as exp(z - max), the sum's term, times mult exp(max - ref): one multiply per logit
-/// beside the exponential the sum takes anyway.
+/// are outside `valid`.
+///
+/// Probs: the staged values are d = z - ref in fp16 (stage_tile<true>), and each is replaced by
+/// P = mult exp(d) in bf16, formed as exp(d - max d), the sum's term, times mult exp(max d): one
+/// multiply per element beside the exponential the sum takes anyway. The partial is of z (max d +
+/// ref). A row whose largest difference is +inf (past fp16's range, or an infinite logit) gets
+/// the partial {+inf, 1} and no P: the merge sends it to the statistics form's pass over bf16
+/// logits (scaled_probs.cuh). A tile row of differences all below fp16's range (-inf) and a row
+/// of reference +inf (ignored or out of range) get P = 0 and an empty partial.
 template <bool Probs>
 __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, int valid,
                                               std::int64_t target, float& z, float ref,
                                               float mult) {
-  auto at = [&](int c) -> __nv_bfloat16& {
-    return *reinterpret_cast<__nv_bfloat16*>(staged + staged_offset(row, c / 8) + 2 * (c % 8));
+  using E = std::conditional_t<Probs, __half, __nv_bfloat16>;
+  using E2 = std::conditional_t<Probs, __half2, __nv_bfloat162>;
+  auto at = [&](int c) -> E& {
+    return *reinterpret_cast<E*>(staged + staged_offset(row, c / 8) + 2 * (c % 8));
   };
-  if (target >= 0 && target < valid) z = __bfloat162float(at(static_cast<int>(target)));
+  auto v = [&](int i) { return reinterpret_cast<uint4*>(staged + staged_offset(row, i)); };
+  if constexpr (Probs) {
+    if (ref == HUGE_VALF) {  // P = 0 (the row's gradient is 0); its partial is not read
+      for (int i = 0; i < tile_n / 8; ++i) *v(i) = make_uint4(0u, 0u, 0u, 0u);
+      return partial{};
+    }
+  }
+  const float shift_ref = Probs ? ref : 0.0f;  // staged value + shift_ref = the logit
+  auto value = [](E x) { return static_cast<float>(x); };
+  if (target >= 0 && target < valid) z = value(at(static_cast<int>(target))) + shift_ref;
   float m = -HUGE_VALF, s = 0.0f;
+  float f = 0.0f;  // Probs: mult exp(max d)
   if (valid == tile_n) {
     // A whole row in column order: the 8 rows a quarter warp reads at once sit in distinct banks
     // (the swizzle). Four independent chains each for the max and the sum (one chain of 256
-    // dependent instructions would wait on latency); the max on bf16 pairs, exact.
-    auto v = [&](int i) { return reinterpret_cast<uint4*>(staged + staged_offset(row, i)); };
-    __nv_bfloat162 mc[4];
+    // dependent instructions would wait on latency); the max on 16-bit pairs, exact.
+    E2 mc[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) mc[k] = __float2bfloat162_rn(-HUGE_VALF);
+    for (int k = 0; k < 4; ++k) mc[k] = E2(E(-HUGE_VALF), E(-HUGE_VALF));
 #pragma unroll 4  // 16 registers of loads in flight: the statistics warps have 64 in all
     for (int i = 0; i < tile_n / 8; ++i) {
       const uint4 q = *v(i);
       const unsigned u[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        mc[k] = __hmax2(mc[k], *reinterpret_cast<const __nv_bfloat162*>(&u[k]));
+      for (int k = 0; k < 4; ++k) mc[k] = __hmax2(mc[k], *reinterpret_cast<const E2*>(&u[k]));
     }
-    const __nv_bfloat162 m2 = __hmax2(__hmax2(mc[0], mc[1]), __hmax2(mc[2], mc[3]));
-    m = fmaxf(__low2float(m2), __high2float(m2));
+    const E2 m2 = __hmax2(__hmax2(mc[0], mc[1]), __hmax2(mc[2], mc[3]));
+    m = fmaxf(value(m2.x), value(m2.y));
+    if (Probs && m == HUGE_VALF) return partial::of_block(HUGE_VALF, 1.0f);
+    if (Probs && m == -HUGE_VALF) {  // every difference below -65504: P = 0, an empty partial
+      for (int i = 0; i < tile_n / 8; ++i) *v(i) = make_uint4(0u, 0u, 0u, 0u);
+      return partial{};
+    }
     const float shift = m * log2e;
-    const float f = Probs ? mult * fast_exp2((m - ref) * log2e) : 0.0f;
+    if constexpr (Probs) f = mult * fast_exp2(shift);
     float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
     for (int i = 0; i < tile_n / 8; ++i) {
@@ -208,8 +243,8 @@ __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, in
       unsigned p[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {  // the pair of word k, as tile.cuh's word_element unpacks it
-        const float e0 = fast_exp2(fmaf(word_element<__nv_bfloat16>(u, 2 * k), log2e, -shift));
-        const float e1 = fast_exp2(fmaf(word_element<__nv_bfloat16>(u, 2 * k + 1), log2e, -shift));
+        const float e0 = fast_exp2(fmaf(word_element<E>(u, 2 * k), log2e, -shift));
+        const float e1 = fast_exp2(fmaf(word_element<E>(u, 2 * k + 1), log2e, -shift));
         sc[k] += e0 + e1;
         if constexpr (Probs) {
           const __nv_bfloat162 pk = __floats2bfloat162_rn(e0 * f, e1 * f);
@@ -220,16 +255,21 @@ __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, in
     }
     s = (sc[0] + sc[1]) + (sc[2] + sc[3]);
   } else {  // the last column tile: element by element (one tile of the row's)
-    for (int c = 0; c < valid; ++c) m = fmaxf(m, __bfloat162float(at(c)));
+    for (int c = 0; c < valid; ++c) m = fmaxf(m, value(at(c)));
+    if (Probs && m == HUGE_VALF) return partial::of_block(HUGE_VALF, 1.0f);
+    if (Probs && m == -HUGE_VALF) {
+      for (int c = 0; c < valid; ++c) *reinterpret_cast<__nv_bfloat16*>(&at(c)) = 0.0f;
+      return partial{};
+    }
     const float shift = m * log2e;
-    const float f = Probs ? mult * fast_exp2((m - ref) * log2e) : 0.0f;
+    if constexpr (Probs) f = mult * fast_exp2(shift);
     for (int c = 0; c < valid; ++c) {
-      const float e = fast_exp2(fmaf(__bfloat162float(at(c)), log2e, -shift));
+      const float e = fast_exp2(fmaf(value(at(c)), log2e, -shift));
       s += e;
-      if constexpr (Probs) at(c) = __float2bfloat16_rn(e * f);
+      if constexpr (Probs) *reinterpret_cast<__nv_bfloat16*>(&at(c)) = __float2bfloat16_rn(e * f);
     }
   }
-  return partial::of_block(m, s);
+  return partial::of_block(m + shift_ref, s);
 }
 
 /// Whether the tiles of row-tile group `g` (row tiles g Cluster .. g Cluster + Cluster - 1) are
@@ -429,6 +469,19 @@ __global__ void __launch_bounds__(threads, 1)
       int m, n;
       tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
       if (group_skipped<Cluster>(a, m / Cluster, row_tiles)) continue;
+      // form::probs: the references of this thread's two rows (stage_tile), read while the
+      // tile's products run; a row past the matrix or of reference +inf (whose P the statistics
+      // warps write as zeros) stages its logits as they are.
+      float ref[2] = {0.0f, 0.0f};
+      if constexpr (F == form::probs) {
+        const int row = m * tile_m + 64 * c + 16 * (static_cast<int>(threadIdx.x) / 32 % 4) +
+                        static_cast<int>(threadIdx.x) % 32 / 4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float r = row + 8 * h < a.rows ? a.ref[row + 8 * h] : 0.0f;
+          ref[h] = r == HUGE_VALF ? 0.0f : r;
+        }
+      }
       int held = -1;  // the stage whose products are still in flight
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbarrier_wait(&full[s], phase);
@@ -454,7 +507,7 @@ __global__ void __launch_bounds__(threads, 1)
       // The statistics warps (or the storing thread) finished the previous tile long ago (they
       // need a few percent of a main loop's time), so this wait rarely waits.
       mbarrier_wait(&staged_empty, staged_phase ^ 1);
-      stage_tile(d, staged, c);
+      stage_tile<F == form::probs>(d, staged, c, ref);
       // The tensor stores read what stmatrix wrote (form::probs: after the statistics warps'
       // rewrite, which they fence themselves).
       if constexpr (F == form::logits) fence_async_shared();
