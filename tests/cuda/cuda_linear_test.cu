@@ -312,7 +312,7 @@ TEST_F(CudaLinearTest, Bfloat16ForwardWithoutArgmaxMatchesOracle) {
 /// forward test above with every reduction (none with per-row upstream gradients), and rows whose
 /// loss passes the path's range (every third row's hidden values 24 times larger: losses of
 /// hundreds of nats), which the second pass takes, or whose logits differ from the target's by more
-/// than fp16's range (10^4 times larger), which the statistics pass takes first. The bounds add the
+/// than fp16's range (10^4 times larger), which the second pass takes too. The bounds add the
 /// scaled hidden rows' rounding. Each case runs twice and must give the same bits. Elsewhere the
 /// cross-entropy pass answers the same cases.
 TEST_F(CudaLinearTest, Bfloat16TrainingWithoutArgmaxMatchesOracle) {

@@ -652,7 +652,7 @@ void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I>
     a.ref = b.ref;
     sg::launch<sg::form::probs>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms,
                                 policy::stats_gemm_cluster, s, c.logits(), c.plan.ld);
-    check_cuda(fn, cudaMemsetAsync(b.tile_flags, 0, sizeof(int) * 2 * (layout.row_tiles + 1), s));
+    check_cuda(fn, cudaMemsetAsync(b.tile_flags, 0, sizeof(int) * (layout.row_tiles + 1), s));
     // The merge's view of the chunk: its rows, outputs and upstream gradient.
     auto m = merge_args<DT, I>(c, opts);
     m.rows = n;
@@ -664,24 +664,25 @@ void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I>
     sp::merge_kernel<<<warps, linear_threads, 0, s>>>(m, b, a.col_tiles, x, c.hidden.ld,
                                                       static_cast<int>(D));
     check_cuda(fn, cudaGetLastError());
-    // Rows whose fp16 differences overflowed: their statistics again from bf16 logits (the
-    // forward's form over their row tiles), then their outputs (none: both leave at once).
+    // The rows the first pass could not scale (none: each launch below leaves at once): their
+    // statistics again from bf16 logits (the forward's form over their row tiles), their outputs,
+    // then P' over the same logits by their LSE.
     auto st = sg::shape_args<I>(n, V, D);
     st.targets = y;
     st.partials = b.partials;
     st.target_logit = b.target_logit;
-    st.tile_flags = b.sat_flags();
-    st.flagged = b.sat_count();
+    st.tile_flags = b.tile_flags;
+    st.flagged = b.flagged();
     sg::launch<sg::form::stats>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, st, dev.sms,
                                 policy::stats_gemm_cluster, s);
-    sp::saturated_merge_kernel<<<warps, linear_threads, 0, s>>>(m, b, a.col_tiles);
+    sp::second_merge_kernel<<<warps, linear_threads, 0, s>>>(m, b, a.col_tiles);
     check_cuda(fn, cudaGetLastError());
-    // The rows the first pass could not scale, by their LSE (none: the kernel leaves at once).
     a.partials = nullptr;
     a.target_logit = nullptr;
     a.mult = b.mult;
     a.tile_flags = b.tile_flags;
     a.flagged = b.flagged();
+    a.logit_rows = b.second;
     sg::launch<sg::form::probs>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms,
                                 policy::stats_gemm_cluster, s, c.logits(), c.plan.ld);
     sp::patch_kernel<<<static_cast<unsigned>((n + linear_threads - 1) / linear_threads),

@@ -79,11 +79,11 @@ constexpr std::size_t probs_partial_bytes = 8;
 /// The buffers of training's scaled-probabilities path (scaled_probs.cuh) for chunks of `rows`
 /// rows, as byte offsets from the region's start, each 256-byte aligned: the row partials (rows x
 /// V / 256), the scaled hidden rows (rows x D bf16), five floats per row (reference, multiplier,
-/// scale, target patch, target logit), two sets of a flag per 128-row tile and a count, and a list
-/// of rows. About V / 32 + 2 D + 24 bytes per row beside its 2 V bytes of logits.
+/// scale, target patch, target logit), a flag per 128-row tile with the count of flagged rows, and
+/// a flag per row. About V / 32 + 2 D + 24 bytes per row beside its 2 V bytes of logits.
 struct probs_layout {
   std::size_t partials = 0, hidden = 0, ref = 0, mult = 0, beta = 0, patch = 0, target_logit = 0;
-  std::size_t flags = 0, saturated = 0, bytes = 0;
+  std::size_t flags = 0, second = 0, bytes = 0;
   std::int64_t row_tiles = 0;
 };
 
@@ -101,11 +101,8 @@ inline probs_layout make_probs_layout(std::int64_t rows, std::int64_t vocab, std
   l.beta = take(sizeof(float) * R);
   l.patch = take(sizeof(float) * R);
   l.target_logit = take(sizeof(float) * R);
-  // Two sets: the second pass's (rows scaled by their LSE) and the statistics pass's (rows
-  // whose fp16 differences overflowed), each a flag per row tile and a count; then the list of
-  // the latter rows.
-  l.flags = take(sizeof(int) * 2 * (static_cast<std::size_t>(l.row_tiles) + 1));
-  l.saturated = take(sizeof(int) * R);
+  l.flags = take(sizeof(int) * (static_cast<std::size_t>(l.row_tiles) + 1));
+  l.second = take(sizeof(int) * R);
   l.bytes = at.end;
   return l;
 }

@@ -11,20 +11,26 @@
 // (bench/results/cuda-notes.md, 2026-11-27).
 //
 // Per chunk, on the call's stream:
-//   1. reference_kernel: ref = the target's logit (bf16, as the GEMM rounds it), +inf for a row
-//      that is ignored or out of range (its P row is then 0);
-//   2. the GEMM (form::probs): P, the row partials and the target logits;
+//   1. reference_kernel: ref = the target's logit, +inf for a row that is ignored or out of range
+//      (its P row is then 0);
+//   2. the GEMM (form::probs): P, the row partials and the target logits. It stages each logit as
+//      the fp16 difference z - ref rather than bf16 z, so P carries |z - ref| 2^-11 of rounding
+//      where torch's bf16 logits carry |z| 2^-9; the partials come from the same differences, so
+//      each row's P and LSE agree;
 //   3. merge_kernel: each row's LSE, loss and outputs (as the forward's merge), beta, the target
 //      element's patch and the scaled hidden row. A row whose P cannot be trusted in float range
-//      (lse - ref above `range`: P up to e^range, beta down to e^-range; or a z-loss alpha below
-//      half the class weight) is flagged instead: its ref becomes its LSE and its multiplier
-//      alpha, so that the second pass stores P' = alpha softmax with beta = g;
-//   4. the GEMM again over the row tiles holding a flagged row only (nothing at all when none is,
-//      the count read on the device: no host synchronisation);
-//   5. patch_kernel: each row's target element P'_y (after the second pass, which rewrites whole
-//      row tiles).
+//      (lse - ref above `range`: P up to e^range, beta down to e^-range; a z-loss alpha below half
+//      the class weight; a difference past fp16's range; a NaN) is flagged for the second pass
+//      instead, with beta = g;
+//   4. for the flagged rows' row tiles only (nothing at all when none is: the count is read on the
+//      device, no host synchronisation): the GEMM's statistics form (partials from bf16 logits),
+//      second_merge_kernel (the flagged rows' outputs, ref = their LSE, multiplier alpha), then
+//      the GEMM's probs form again with the flagged rows staged as bf16 logits, storing P' =
+//      alpha softmax over the logits their LSE came from (the other rows of those tiles store
+//      the bits they stored in step 2);
+//   5. patch_kernel: each row's target element P'_y.
 // Rows that lose more than `range` nats are rare in training (a probability of e^-40 for the
-// target), so the second pass is normally empty; at worst it is one more logits GEMM.
+// target), so step 4 is normally empty; at worst it is two more logits GEMMs.
 //
 // Included only by nvcc (cuda/linear.cuh).
 #pragma once
@@ -62,14 +68,11 @@ struct buffers {
   float* beta;
   float* patch;
   float* target_logit;
-  int* tile_flags;  ///< the second pass's: one per 128-row tile, then the count of its rows
-  int* saturated;   ///< the rows whose statistics need the statistics pass, in no order
+  int* tile_flags;  ///< one per 128-row tile holding a second-pass row, then their count
+  int* second;      ///< per row: 1 for a row the second pass takes, else 0
   int row_tiles;
 
   __host__ __device__ int* flagged() const { return tile_flags + row_tiles; }
-  /// The statistics pass's flags per row tile, then the count of its rows.
-  __host__ __device__ int* sat_flags() const { return tile_flags + row_tiles + 1; }
-  __host__ __device__ int* sat_count() const { return sat_flags() + row_tiles; }
 };
 
 inline buffers make_buffers(char* region, const probs_layout& l) {
@@ -82,7 +85,7 @@ inline buffers make_buffers(char* region, const probs_layout& l) {
   b.patch = reinterpret_cast<float*>(region + l.patch);
   b.target_logit = reinterpret_cast<float*>(region + l.target_logit);
   b.tile_flags = reinterpret_cast<int*>(region + l.flags);
-  b.saturated = reinterpret_cast<int*>(region + l.saturated);
+  b.second = reinterpret_cast<int*>(region + l.second);
   b.row_tiles = static_cast<int>(l.row_tiles);
   return b;
 }
@@ -94,8 +97,8 @@ __device__ __forceinline__ void unpack8(const uint4& q, float (&v)[8]) {
   for (int e = 0; e < 8; ++e) v[e] = word_element<__nv_bfloat16>(u, e);
 }
 
-/// One warp per row: ref = x . w_y rounded to bf16 (the GEMM's rounding of the logit), or +inf
-/// for a row that is ignored or whose class id is outside [0, vocab). D is a multiple of 8 and
+/// One warp per row: ref = x . w_y (the target's logit, up to the order of the sums), or +inf for
+/// a row that is ignored or whose class id is outside [0, vocab). D is a multiple of 8 and
 /// the rows are 16-byte aligned (the Hopper path's conditions).
 template <class I>
 XENT_KERNEL void reference_kernel(const __nv_bfloat16* x, std::int64_t ldx, const __nv_bfloat16* w,
@@ -120,7 +123,7 @@ XENT_KERNEL void reference_kernel(const __nv_bfloat16* x, std::int64_t ldx, cons
     for (int e = 0; e < 8; ++e) s = fmaf(a[e], b[e], s);
   }
   s = warp_sum(s);
-  if (lane == 0) ref[row] = __bfloat162float(__float2bfloat16_rn(s));
+  if (lane == 0) ref[row] = s;
 }
 
 /// Every lane of a warp on row `row`: the row's statistics merged from its partials, and whether
@@ -143,49 +146,30 @@ __device__ __forceinline__ row_partial merged_row(const buffers& b, std::int64_t
   return r;
 }
 
-/// Every lane of a warp on a row of class y, from its merged statistics: the row's loss and
-/// outputs (lane 0), its patch, and its scale beta (returned), or, where the first pass's P cannot
-/// be kept (`second` asks for that: the statistics pass's rows), the second pass's reference (the
-/// LSE; NaN for an infinite one, so that the row's gradient is NaN) and multiplier alpha.
+/// What a row of class y needs of its merged statistics: LSE, target logit, class weight,
+/// upstream scale g and the gradient's alpha (z-loss).
+struct row_terms {
+  float lse, z_y, w_y, g, alpha;
+};
+
 template <class T, class G, class Tgt>
-__device__ float settle_row(const row_args<T, G, Tgt>& a, const buffers& b, std::int64_t row,
-                            std::int64_t y, const row_partial& r, int lane, bool second) {
-  const float lse = r.lse.lse(), z_y = r.target_logit, ref = b.ref[row];
-  const float w_y = a.weights ? a.weights[y] : 1.0f;
-  const float g = row_scale(a, row, 0.0);
-  const float alpha = gradient_alpha(class_target_mass(w_y, a.k), lse, a.k);
-  // Written so that a NaN anywhere takes the second pass (which then gives what the
-  // cross-entropy pass would: NaN where the statistics are).
-  const bool kept = !second && lse - ref <= range && (w_y == 0.0f || alpha / w_y >= 0.5f);
-  float beta = g;
-  if (kept) {
-    beta = g * alpha * expf(ref - lse);
-    const float onehot = w_y == 0.0f ? 0.0f : w_y * expf(lse - ref) / alpha;
-    if (lane == 0) {
-      b.patch[row] = expf(z_y - ref) - onehot;
-      b.mult[row] = 1.0f;
-    }
-  } else if (lane == 0) {
-    b.patch[row] = alpha * expf(z_y - lse) - w_y;
-    b.ref[row] = lse == HUGE_VALF ? NAN : lse;
-    b.mult[row] = alpha;
-    b.tile_flags[row / stats_gemm::tile_m] = 1;
-    atomicAdd(b.flagged(), 1);
-  }
-  if (lane == 0) {
-    b.beta[row] = beta;
-    write_row_outputs(a, row, class_row_loss(r, w_y, a.k), lse, -1, false, false);
-  }
-  return beta;
+__device__ row_terms terms_of(const row_args<T, G, Tgt>& a, std::int64_t row, std::int64_t y,
+                              const row_partial& r) {
+  row_terms t;
+  t.lse = r.lse.lse();
+  t.z_y = r.target_logit;
+  t.w_y = a.weights ? a.weights[y] : 1.0f;
+  t.g = row_scale(a, row, 0.0);
+  t.alpha = gradient_alpha(class_target_mass(t.w_y, a.k), t.lse, a.k);
+  return t;
 }
 
 /// One warp per row of the chunk, after the first pass: the row's LSE from its partials, its loss
 /// and outputs by the core's pieces (class_row_loss, write_row_outputs, write_skipped_row: no
-/// smoothing or softcap on this path), then beta, the target's patch and the scaled hidden row,
-/// or the row flagged for the second pass (see the file's comment). A row whose differences
-/// overflowed fp16 goes on the statistics pass's list instead, its outputs left to
-/// saturated_merge_kernel (its beta is g either way). `a` holds the chunk's rows (targets,
-/// outputs and upstream offset to them) as reduction none; `x` the chunk's hidden rows.
+/// smoothing or softcap on this path), then beta, the target's patch and the scaled hidden row;
+/// or the row left to the second pass (see the file's comment), its outputs to second_merge_kernel
+/// (its beta is g). `a` holds the chunk's rows (targets, outputs and upstream offset to them) as
+/// reduction none; `x` the chunk's hidden rows.
 template <class T, class G, class Tgt>
 XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles,
                               const __nv_bfloat16* x, std::int64_t ldx, int depth) {
@@ -194,25 +178,39 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles,
   if (row >= a.rows) return;
   const auto y = static_cast<std::int64_t>(a.targets.ids[row]);
   float beta = 0.0f;
+  bool second = false;
   if (skipped_target(a, y)) {
     if (lane == 0) {
       write_skipped_row(a, row, y != a.ignore_index, true, false);
-      b.beta[row] = 0.0f;
       b.mult[row] = 1.0f;
     }
   } else {
     bool saturated = false;
     const row_partial r = merged_row(b, row, col_tiles, lane, saturated);
-    if (!saturated) {
-      beta = settle_row(a, b, row, y, r, lane, false);
-    } else {
-      beta = row_scale(a, row, 0.0);
+    const row_terms t = terms_of(a, row, y, r);
+    const float ref = b.ref[row];
+    // Written so that a NaN anywhere takes the second pass (which then gives what the
+    // cross-entropy pass would: NaN where the statistics are).
+    second = !(!saturated && t.lse - ref <= range && (t.w_y == 0.0f || t.alpha / t.w_y >= 0.5f));
+    if (!second) {
+      beta = t.g * t.alpha * expf(ref - t.lse);
+      const float onehot = t.w_y == 0.0f ? 0.0f : t.w_y * expf(t.lse - ref) / t.alpha;
       if (lane == 0) {
-        b.beta[row] = beta;
-        b.sat_flags()[row / stats_gemm::tile_m] = 1;
-        b.saturated[atomicAdd(b.sat_count(), 1)] = static_cast<int>(row);
+        b.patch[row] = expf(t.z_y - ref) - onehot;
+        b.mult[row] = 1.0f;
+        write_row_outputs(a, row, class_row_loss(r, t.w_y, a.k), t.lse, -1, false, false);
+      }
+    } else {
+      beta = t.g;
+      if (lane == 0) {
+        b.tile_flags[row / stats_gemm::tile_m] = 1;
+        atomicAdd(b.flagged(), 1);
       }
     }
+  }
+  if (lane == 0) {
+    b.beta[row] = beta;
+    b.second[row] = second ? 1 : 0;
   }
   // The scaled hidden row (zeros for a skipped row: its G row is 0).
   const __nv_bfloat16* xr = x + row * ldx;
@@ -230,18 +228,27 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles,
   }
 }
 
-/// One warp per entry of the statistics pass's list (warps past its count leave at once), after
-/// that pass (the statistics form over bf16 logits) rewrote the partials of the listed rows' tiles:
-/// each row settled for the second pass, as merge_kernel settles the others.
+/// One warp per row of the chunk, after the statistics form rewrote the partials of the second
+/// pass's row tiles from bf16 logits: each second-pass row's loss and outputs from those, its
+/// target's patch, and the second pass's reference (its LSE; NaN for an infinite one, so that the
+/// row's gradient is NaN) and multiplier alpha, so that the pass stores P' = alpha softmax over
+/// the same bf16 logits as the LSE's. Other rows (and every row when none is flagged) leave at
+/// once.
 template <class T, class G, class Tgt>
-XENT_KERNEL void saturated_merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles) {
+XENT_KERNEL void second_merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (i >= *b.sat_count()) return;
-  const std::int64_t row = b.saturated[i];
-  bool saturated = false;
+  const std::int64_t row = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (*b.flagged() == 0 || row >= a.rows || b.second[row] == 0) return;
+  const auto y = static_cast<std::int64_t>(a.targets.ids[row]);
+  bool saturated = false;  // no marks in the statistics form's partials
   const row_partial r = merged_row(b, row, col_tiles, lane, saturated);
-  settle_row(a, b, row, static_cast<std::int64_t>(a.targets.ids[row]), r, lane, true);
+  const row_terms t = terms_of(a, row, y, r);
+  if (lane == 0) {
+    b.patch[row] = t.alpha * expf(t.z_y - t.lse) - t.w_y;
+    b.ref[row] = t.lse == HUGE_VALF ? NAN : t.lse;
+    b.mult[row] = t.alpha;
+    write_row_outputs(a, row, class_row_loss(r, t.w_y, a.k), t.lse, -1, false, false);
+  }
 }
 
 /// A thread per row, after the second pass: the target element of P' (rows with a class in

@@ -89,9 +89,12 @@ enum class form { stats, logits, probs };
 /// holding it). form::logits: the rows x cols bf16 logits, through the kernel's output tensor map.
 /// form::probs: through that map P = mult exp(z - ref), rounded to bf16, with `ref` and `mult` per
 /// row (mult null: 1; ref +inf gives a row of zeros), and, where the pointers are given, the
-/// partials and target logits as form::stats. With `tile_flags` (one per row tile) the kernel
-/// takes only the tiles whose cluster's row tiles have a flag set, and with `flagged` nothing at
-/// all when *flagged is 0 (scaled_probs.cuh's second pass over the rows it could not scale).
+/// partials and target logits as form::stats. Its logits are staged as fp16 differences z - ref
+/// (stage_tile) except in the rows that `logit_rows` (null: none) flags with a 1, staged as bf16
+/// logits: the rows a second pass takes with ref their LSE over bf16 logits. With `tile_flags` (one
+/// per row tile) the kernel takes only the tiles whose cluster's row tiles have a flag set, and
+/// with `flagged` nothing at all when *flagged is 0 (scaled_probs.cuh's second pass over the rows
+/// it could not scale).
 template <class I>
 struct args {
   int rows, cols, depth;  // N, V, D of this launch
@@ -103,6 +106,7 @@ struct args {
   const float* mult = nullptr;
   const int* tile_flags = nullptr;
   const int* flagged = nullptr;
+  const int* logit_rows = nullptr;
 };
 
 /// The arguments of a launch over `rows` x `cols` logits with `depth` products each, nothing else
@@ -139,31 +143,31 @@ __device__ __forceinline__ int staged_offset(int row, int chunk) {
 }
 
 /// One consumer thread's epilogue: its logits rounded to bf16 into the staging tile by 16 matrix
-/// stores; with Diff (form::probs), each logit less its row's reference rounded to fp16 instead:
-/// fp16 carries |z - ref| 2^-11 where bf16 carried |z| 2^-9, and |z - ref| is of the size of the
-/// row's loss for the logits whose exponentials matter (a difference past fp16's 65504 becomes
-/// +-inf: the statistics warps see it). Accumulator layout of m64nNk16: thread lane of warp w
-/// holds rows 16 w + lane / 4 and + 8, columns 8 j + 2 (lane % 4) + {0, 1}, in d[4 j + {0, 1}] and
-/// d[4 j + {2, 3}]: each 8 x 8 block is a matrix in stmatrix's fragment layout, and d[8 i .. 8 i +
-/// 7] are the blocks (2 i, rows +0), (2 i, +8), (2 i + 1, +0), (2 i + 1, +8), whose row addresses
-/// lanes 0-7, 8-15, 16-23 and 24-31 give. Consumer warpgroup `c` holds staging rows 64 c .. 64 c +
-/// 63; `ref` the references of the thread's two rows (+0, +8).
-template <bool Diff>
+/// stores; with Probs (form::probs), each logit less its row's reference rounded to fp16 instead,
+/// but for the rows `logits` flags: fp16 carries |z - ref| 2^-11 where bf16 carried |z| 2^-9, and
+/// |z - ref| is of the size of the row's loss for the logits whose exponentials matter (a
+/// difference past fp16's 65504 becomes +-inf: the statistics warps see it). Accumulator layout of
+/// m64nNk16: thread lane of warp w holds rows 16 w + lane / 4 and + 8, columns 8 j + 2 (lane % 4) +
+/// {0, 1}, in d[4 j + {0, 1}] and d[4 j + {2, 3}]: each 8 x 8 block is a matrix in stmatrix's
+/// fragment layout, and d[8 i .. 8 i + 7] are the blocks (2 i, rows +0), (2 i, +8), (2 i + 1, +0),
+/// (2 i + 1, +8), whose row addresses lanes 0-7, 8-15, 16-23 and 24-31 give. Consumer warpgroup `c`
+/// holds staging rows 64 c .. 64 c + 63; `ref` the references of the thread's two rows (+0, +8),
+/// `logits` whether they stage bf16 logits.
+template <bool Probs>
 __device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char* staged, int c,
-                                           const float (&ref)[2]) {
+                                           const float (&ref)[2], const bool (&logits)[2]) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const int lane = static_cast<int>(threadIdx.x) % 32,
             warp = static_cast<int>(threadIdx.x) / 32 % 4;
   const int q = lane / 8, row = 64 * c + 16 * warp + 8 * (q % 2) + lane % 8;
   const unsigned base = shared_address(staged);
   auto pair = [&](int k) {  // d[2 k], d[2 k + 1]: row +0 for even k, +8 for odd
-    if constexpr (Diff) {
+    if (Probs && !logits[k % 2]) {
       const __half2 v = __floats2half2_rn(d[2 * k] - ref[k % 2], d[2 * k + 1] - ref[k % 2]);
       return *reinterpret_cast<const unsigned*>(&v);
-    } else {
-      const __nv_bfloat162 v = __floats2bfloat162_rn(d[2 * k], d[2 * k + 1]);
-      return *reinterpret_cast<const unsigned*>(&v);
     }
+    const __nv_bfloat162 v = __floats2bfloat162_rn(d[2 * k], d[2 * k + 1]);
+    return *reinterpret_cast<const unsigned*>(&v);
   };
 #pragma unroll
   for (int i = 0; i < 16; ++i)
@@ -176,49 +180,59 @@ __device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char*
   (void)staged;
   (void)c;
   (void)ref;
+  (void)logits;
 #endif
 }
+
+/// A 16-bit staged value as a float, by intrinsics: PyTorch's extensions build with
+/// __CUDA_NO_HALF_CONVERSIONS__ and __CUDA_NO_BFLOAT16_CONVERSIONS__.
+__device__ __forceinline__ float staged_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float staged_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 /// A statistics thread's work on one staged row (staging row `row` of a tile whose first `valid`
 /// columns are logits): the partial of the row's max and sum of exponentials, and the logit of
 /// column `target` (-1: another tile's) into `z`. Columns past V (W's rows there read as zeros)
-/// are outside `valid`.
+/// are outside `valid`. E: the staged type, bf16 logits or (Probs only) fp16 differences.
 ///
-/// Probs: the staged values are d = z - ref in fp16 (stage_tile<true>), and each is replaced by
-/// P = mult exp(d) in bf16, formed as exp(d - max d), the sum's term, times mult exp(max d): one
-/// multiply per element beside the exponential the sum takes anyway. The partial is of z (max d +
-/// ref). A row whose largest difference is +inf (past fp16's range, or an infinite logit) gets
-/// the partial {+inf, 1} and no P: the merge sends it to the statistics form's pass over bf16
-/// logits (scaled_probs.cuh). A tile row of differences all below fp16's range (-inf) and a row
-/// of reference +inf (ignored or out of range) get P = 0 and an empty partial.
-template <bool Probs>
+/// Probs: each staged value is replaced by P = mult exp(z - ref) in bf16, formed as exp(v - max
+/// v), the sum's term, times mult exp(max v - drop), with v the staged value (z, or d = z - ref in
+/// fp16) and drop what is left to subtract (ref, or 0): one multiply per element beside the
+/// exponential the sum takes anyway. The partial is of z (max v, plus ref for differences). A row
+/// whose largest difference is +inf (past fp16's range, or an infinite logit) gets the partial
+/// {+inf, 1} and no P: the merge sends it to the second pass (scaled_probs.cuh). A tile row whose
+/// values are all -inf (differences below fp16's range) and a row of reference +inf (ignored or
+/// out of range) get P = 0 and an empty partial.
+template <bool Probs, class E = __nv_bfloat16>
 __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, int valid,
                                               std::int64_t target, float& z, float ref,
                                               float mult) {
-  using E = std::conditional_t<Probs, __half, __nv_bfloat16>;
-  using E2 = std::conditional_t<Probs, __half2, __nv_bfloat162>;
+  constexpr bool diff = std::is_same<E, __half>::value;
+  static_assert(Probs || !diff, "fp16 differences are form::probs' alone");
+  using E2 = std::conditional_t<diff, __half2, __nv_bfloat162>;
   auto at = [&](int c) -> E& {
     return *reinterpret_cast<E*>(staged + staged_offset(row, c / 8) + 2 * (c % 8));
   };
   auto v = [&](int i) { return reinterpret_cast<uint4*>(staged + staged_offset(row, i)); };
+  auto zero_row = [&] {  // P = 0 over the tile row
+    for (int i = 0; i < tile_n / 8; ++i) *v(i) = make_uint4(0u, 0u, 0u, 0u);
+  };
   if constexpr (Probs) {
-    if (ref == HUGE_VALF) {  // P = 0 (the row's gradient is 0); its partial is not read
-      for (int i = 0; i < tile_n / 8; ++i) *v(i) = make_uint4(0u, 0u, 0u, 0u);
+    if (ref == HUGE_VALF) {  // the row's gradient is 0; its partial is not read
+      zero_row();
       return partial{};
     }
   }
-  const float shift_ref = Probs ? ref : 0.0f;  // staged value + shift_ref = the logit
-  auto value = [](E x) { return static_cast<float>(x); };
-  if (target >= 0 && target < valid) z = value(at(static_cast<int>(target))) + shift_ref;
+  const float lift = diff ? ref : 0.0f, drop = Probs && !diff ? ref : 0.0f;
+  if (target >= 0 && target < valid) z = staged_float(at(static_cast<int>(target))) + lift;
   float m = -HUGE_VALF, s = 0.0f;
-  float f = 0.0f;  // Probs: mult exp(max d)
+  float f = 0.0f;  // Probs: mult exp(max v - drop)
   if (valid == tile_n) {
     // A whole row in column order: the 8 rows a quarter warp reads at once sit in distinct banks
     // (the swizzle). Four independent chains each for the max and the sum (one chain of 256
     // dependent instructions would wait on latency); the max on 16-bit pairs, exact.
     E2 mc[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) mc[k] = E2(E(-HUGE_VALF), E(-HUGE_VALF));
+    for (int k = 0; k < 4; ++k) mc[k] = E2(negative_infinity<E>(), negative_infinity<E>());
 #pragma unroll 4  // 16 registers of loads in flight: the statistics warps have 64 in all
     for (int i = 0; i < tile_n / 8; ++i) {
       const uint4 q = *v(i);
@@ -227,14 +241,14 @@ __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, in
       for (int k = 0; k < 4; ++k) mc[k] = __hmax2(mc[k], *reinterpret_cast<const E2*>(&u[k]));
     }
     const E2 m2 = __hmax2(__hmax2(mc[0], mc[1]), __hmax2(mc[2], mc[3]));
-    m = fmaxf(value(m2.x), value(m2.y));
-    if (Probs && m == HUGE_VALF) return partial::of_block(HUGE_VALF, 1.0f);
-    if (Probs && m == -HUGE_VALF) {  // every difference below -65504: P = 0, an empty partial
-      for (int i = 0; i < tile_n / 8; ++i) *v(i) = make_uint4(0u, 0u, 0u, 0u);
+    m = fmaxf(__low2float(m2), __high2float(m2));
+    if (diff && m == HUGE_VALF) return partial::of_block(HUGE_VALF, 1.0f);
+    if (Probs && m == -HUGE_VALF) {
+      zero_row();
       return partial{};
     }
     const float shift = m * log2e;
-    if constexpr (Probs) f = mult * fast_exp2(shift);
+    if constexpr (Probs) f = mult * fast_exp2((m - drop) * log2e);
     float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
     for (int i = 0; i < tile_n / 8; ++i) {
@@ -255,21 +269,21 @@ __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, in
     }
     s = (sc[0] + sc[1]) + (sc[2] + sc[3]);
   } else {  // the last column tile: element by element (one tile of the row's)
-    for (int c = 0; c < valid; ++c) m = fmaxf(m, value(at(c)));
-    if (Probs && m == HUGE_VALF) return partial::of_block(HUGE_VALF, 1.0f);
+    for (int c = 0; c < valid; ++c) m = fmaxf(m, staged_float(at(c)));
+    if (diff && m == HUGE_VALF) return partial::of_block(HUGE_VALF, 1.0f);
     if (Probs && m == -HUGE_VALF) {
-      for (int c = 0; c < valid; ++c) *reinterpret_cast<__nv_bfloat16*>(&at(c)) = 0.0f;
+      zero_row();
       return partial{};
     }
     const float shift = m * log2e;
-    if constexpr (Probs) f = mult * fast_exp2(shift);
+    if constexpr (Probs) f = mult * fast_exp2((m - drop) * log2e);
     for (int c = 0; c < valid; ++c) {
-      const float e = fast_exp2(fmaf(value(at(c)), log2e, -shift));
+      const float e = fast_exp2(fmaf(staged_float(at(c)), log2e, -shift));
       s += e;
       if constexpr (Probs) *reinterpret_cast<__nv_bfloat16*>(&at(c)) = __float2bfloat16_rn(e * f);
     }
   }
-  return partial::of_block(m + shift_ref, s);
+  return partial::of_block(m + lift, s);
 }
 
 /// Whether the tiles of row-tile group `g` (row tiles g Cluster .. g Cluster + Cluster - 1) are
@@ -398,6 +412,7 @@ __global__ void __launch_bounds__(threads, 1)
           // Read while the tile is computed.
           std::int64_t target[2] = {-1, -1};  // this tile's only
           float ref[2] = {0.0f, 0.0f}, mult[2] = {1.0f, 1.0f};
+          bool logits[2] = {false, false};
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = m * tile_m + r + stats_threads * h;
@@ -407,6 +422,7 @@ __global__ void __launch_bounds__(threads, 1)
               if constexpr (probs) {
                 ref[h] = a.ref[row];
                 if (a.mult) mult[h] = a.mult[row];
+                logits[h] = a.logit_rows && a.logit_rows[row];
               }
             }
           }
@@ -416,8 +432,15 @@ __global__ void __launch_bounds__(threads, 1)
             const int in_tile = r + stats_threads * h, row = m * tile_m + in_tile;
             if (in_tile < tile_m && row < a.rows) {
               float z = 0.0f;
-              const partial p =
-                  staged_row<probs>(staged, in_tile, valid, target[h], z, ref[h], mult[h]);
+              partial p;
+              if constexpr (probs) {
+                p = logits[h]
+                        ? staged_row<true>(staged, in_tile, valid, target[h], z, ref[h], mult[h])
+                        : staged_row<true, __half>(staged, in_tile, valid, target[h], z, ref[h],
+                                                   mult[h]);
+              } else {
+                p = staged_row<false>(staged, in_tile, valid, target[h], z, ref[h], mult[h]);
+              }
               if (a.partials) a.partials[static_cast<std::int64_t>(row) * a.col_tiles + n] = p;
               if (target[h] >= 0 && a.target_logit) a.target_logit[row] = z;
             }
@@ -469,17 +492,20 @@ __global__ void __launch_bounds__(threads, 1)
       int m, n;
       tile_at<Cluster>(t, groups, a.col_tiles, rank, m, n);
       if (group_skipped<Cluster>(a, m / Cluster, row_tiles)) continue;
-      // form::probs: the references of this thread's two rows (stage_tile), read while the
-      // tile's products run; a row past the matrix or of reference +inf (whose P the statistics
-      // warps write as zeros) stages its logits as they are.
+      // form::probs: the references of this thread's two rows and whether they stage logits
+      // (stage_tile), read while the tile's products run; a row past the matrix or of reference
+      // +inf (whose P the statistics warps write as zeros) stages its values less 0.
       float ref[2] = {0.0f, 0.0f};
+      bool logits[2] = {false, false};
       if constexpr (F == form::probs) {
         const int row = m * tile_m + 64 * c + 16 * (static_cast<int>(threadIdx.x) / 32 % 4) +
                         static_cast<int>(threadIdx.x) % 32 / 4;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const float r = row + 8 * h < a.rows ? a.ref[row + 8 * h] : 0.0f;
+          const bool in = row + 8 * h < a.rows;
+          const float r = in ? a.ref[row + 8 * h] : 0.0f;
           ref[h] = r == HUGE_VALF ? 0.0f : r;
+          logits[h] = in && a.logit_rows && a.logit_rows[row + 8 * h];
         }
       }
       int held = -1;  // the stage whose products are still in flight
@@ -507,7 +533,7 @@ __global__ void __launch_bounds__(threads, 1)
       // The statistics warps (or the storing thread) finished the previous tile long ago (they
       // need a few percent of a main loop's time), so this wait rarely waits.
       mbarrier_wait(&staged_empty, staged_phase ^ 1);
-      stage_tile<F == form::probs>(d, staged, c, ref);
+      stage_tile<F == form::probs>(d, staged, c, ref, logits);
       // The tensor stores read what stmatrix wrote (form::probs: after the statistics warps'
       // rewrite, which they fence themselves).
       if constexpr (F == form::logits) fence_async_shared();
