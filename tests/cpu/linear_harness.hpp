@@ -233,13 +233,17 @@ bounds error_bounds(const ldata<T>& L, const oracle::linear_problem& pb,
     for (std::int64_t v = 0; v < V; ++v) {
       const double gm = r.ce.grad_magnitude[n * V + v], z = r.ce.z[n * V + v];
       double t = bwd_tol * (1.0 + std::fabs(z) + std::fabs(r.ce.lse[n])) * gm;
+      // p_v moves by the factor exp(dz_v - dlse), |dlse| <= dzmax: a relative change of at most
+      // expm1(|dz_v| + dzmax), which is |dz_v| + dzmax to first order but not for logits whose
+      // stored rounding is many nats (|z| in the thousands, bf16: the training test's far rows).
+      // Capped so that a zero magnitude keeps a zero bound rather than 0 * inf.
       double rel = e.dz[n * V + v] + dzmax;
       if (s.softcap > 0) {
         const double slope = 1.0 - (z / s.softcap) * (z / s.softcap);
         if (slope > 0) t += 8 * u * gm / slope;
         rel += 2.0 * e.dz[n * V + v] / s.softcap;
       }
-      e.grad[n * V + v] = t + 2.0 * gm * rel;
+      e.grad[n * V + v] = t + 2.0 * gm * std::expm1(std::min(rel, 600.0));
       e.grad[n * V + v] +=
           stored.grad * (std::fabs(r.ce.grad[n * V + v]) + e.grad[n * V + v]) + stored.grad_floor;
     }
