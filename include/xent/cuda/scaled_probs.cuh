@@ -15,8 +15,8 @@
 //      (its P row is then 0);
 //   2. the GEMM (form::probs): P, the row partials and the target logits. It stages each logit as
 //      the fp16 difference z - ref rather than bf16 z, so P carries |z - ref| 2^-11 of rounding
-//      where torch's bf16 logits carry |z| 2^-9; the partials come from the same differences, so
-//      each row's P and LSE agree;
+//      where torch's bf16 logits carry |z| 2^-8 (unit roundoffs); the partials come from the same
+//      differences, so each row's P and LSE agree;
 //   3. merge_kernel: each row's LSE, loss and outputs (as the forward's merge), beta, the target
 //      element's patch and the scaled hidden row. A row whose P cannot be trusted in float range
 //      (lse - ref above `range`: P up to e^range, beta down to e^-range; a z-loss alpha below half

@@ -19,16 +19,18 @@
 // computed the statistics themselves, the tensor cores stood idle through them (one MUFU
 // exponential per logit): several percent of the GEMM's time
 // (bench/results/2026-11-24-h200-lse-gemm/). In training's form (form::probs, scaled_probs.cuh)
-// the statistics warps also rewrite the staged tile as scaled exponentials of the logits and one
-// of them stores it by tensor stores. Tiles are walked 16 row tiles at a time (Triton's
-// grouped order), so the tiles in flight share their X and W tiles in L2. By default
-// (policy::stats_gemm_cluster) the CTAs run in clusters of two on neighbouring row tiles, each
-// loading half of every W tile into both by a multicast copy. Its body exists only in an sm_90a
-// build (wgmma, setmaxnreg): a build without it leaves an empty kernel, which ready() recognises by
-// its lack of static shared memory (the real kernel's mbarriers).
+// the consumers stage each logit as its fp16 difference from a row reference instead (eight times
+// finer where it matters: see stage_tile), and the statistics warps also rewrite the staged tile
+// as scaled exponentials and one of them stores it by tensor stores. Tiles are walked 16 row tiles
+// at a time (Triton's grouped order), so the tiles in flight share their X and W tiles in L2. By
+// default (policy::stats_gemm_cluster) the CTAs run in clusters of two on neighbouring row tiles,
+// each loading half of every W tile into both by a multicast copy. Its body exists only in an
+// sm_90a build (wgmma, setmaxnreg): a build without it leaves an empty kernel, which ready()
+// recognises by its lack of static shared memory (the real kernel's mbarriers).
 //
 // The statistics are of the logits rounded to bf16, as the cuBLAS path (which stores them so) and
-// PyTorch eager have them: both paths give the same losses up to the order of the sums.
+// PyTorch eager have them: both paths give the same losses up to the order of the sums. Training's
+// first pass alone takes them from the fp16 differences, the same values its P comes from.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -144,7 +146,7 @@ __device__ __forceinline__ int staged_offset(int row, int chunk) {
 
 /// One consumer thread's epilogue: its logits rounded to bf16 into the staging tile by 16 matrix
 /// stores; with Probs (form::probs), each logit less its row's reference rounded to fp16 instead,
-/// but for the rows `logits` flags: fp16 carries |z - ref| 2^-11 where bf16 carried |z| 2^-9, and
+/// but for the rows `logits` flags: fp16 carries |z - ref| 2^-11 where bf16 carried |z| 2^-8, and
 /// |z - ref| is of the size of the row's loss for the logits whose exponentials matter (a
 /// difference past fp16's 65504 becomes +-inf: the statistics warps see it). Accumulator layout of
 /// m64nNk16: thread lane of warp w holds rows 16 w + lane / 4 and + 8, columns 8 j + 2 (lane % 4) +
