@@ -90,19 +90,18 @@ struct probs_layout {
 inline probs_layout make_probs_layout(std::int64_t rows, std::int64_t vocab, std::int64_t hidden) {
   probs_layout l;
   aligned_layout at;
-  auto take = [&](std::size_t bytes) { return at.take(bytes); };
   const auto R = static_cast<std::size_t>(rows);
   const auto col_tiles = static_cast<std::size_t>((vocab + probs_tile_cols - 1) / probs_tile_cols);
   l.row_tiles = (rows + probs_tile_rows - 1) / probs_tile_rows;
-  l.partials = take(probs_partial_bytes * R * col_tiles);
-  l.hidden = take(2 * R * static_cast<std::size_t>(hidden));
-  l.ref = take(sizeof(float) * R);
-  l.mult = take(sizeof(float) * R);
-  l.beta = take(sizeof(float) * R);
-  l.patch = take(sizeof(float) * R);
-  l.target_logit = take(sizeof(float) * R);
-  l.flags = take(sizeof(int) * (static_cast<std::size_t>(l.row_tiles) + 1));
-  l.second = take(sizeof(int) * R);
+  l.partials = at.take(probs_partial_bytes * R * col_tiles);
+  l.hidden = at.take(2 * R * static_cast<std::size_t>(hidden));
+  l.ref = at.take(sizeof(float) * R);
+  l.mult = at.take(sizeof(float) * R);
+  l.beta = at.take(sizeof(float) * R);
+  l.patch = at.take(sizeof(float) * R);
+  l.target_logit = at.take(sizeof(float) * R);
+  l.flags = at.take(sizeof(int) * (static_cast<std::size_t>(l.row_tiles) + 1));
+  l.second = at.take(sizeof(int) * R);
   l.bytes = at.end;
   return l;
 }
@@ -142,33 +141,32 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
   p.chunk_rows = chunk_rows;
   p.ld = logits_ld<DT>(s.vocab);
   aligned_layout at;
-  auto take = [&](std::size_t bytes, bool needed) { return at.take(bytes, needed); };
   const auto R = static_cast<std::size_t>(chunk_rows), N = static_cast<std::size_t>(s.rows);
   const auto V = static_cast<std::size_t>(s.vocab), D = static_cast<std::size_t>(s.hidden);
-  p.logits = take(sizeof(DT) * R * static_cast<std::size_t>(p.ld), !logits_outside);
-  p.row_up = take(sizeof(float) * R, training);
-  p.scalars = take(sizeof(double), true);
-  p.row_loss = take(sizeof(float) * N, true);
-  p.argmax = take(sizeof(std::int64_t) * N, true);
-  p.dx = take(sizeof(float) * R * D, training && narrow_grads);
+  p.logits = at.take(sizeof(DT) * R * static_cast<std::size_t>(p.ld), !logits_outside);
+  p.row_up = at.take(sizeof(float) * R, training);
+  p.scalars = at.take(sizeof(double), true);
+  p.row_loss = at.take(sizeof(float) * N, true);
+  p.argmax = at.take(sizeof(std::int64_t) * N, true);
+  p.dx = at.take(sizeof(float) * R * D, training && narrow_grads);
   if (accumulate == dw_accumulation::fp32) {
-    p.dw = take(sizeof(float) * V * D, training && narrow_grads);
+    p.dw = at.take(sizeof(float) * V * D, training && narrow_grads);
   } else if (training && narrow_grads && !grads_as_inputs) {
     p.dw_block = std::max<std::int64_t>(1, std::min(s.vocab, linear_dw_block_rows));
-    p.dw = take(sizeof(float) * static_cast<std::size_t>(p.dw_block) * D, true);
+    p.dw = at.take(sizeof(float) * static_cast<std::size_t>(p.dw_block) * D, true);
   }
-  p.db = take(sizeof(float) * V, training && narrow_grads);
+  p.db = at.take(sizeof(float) * V, training && narrow_grads);
   // The accumulating d_weight GEMM's: into the float accumulator, or into a float d_weight
   // (its own accumulator) from 16-bit inputs.
   constexpr bool float_dw_from_narrow = !narrow_grads && !std::is_same<DT, float>::value;
-  p.lt_work = take(linear_lt_workspace, (p.dw != linear_absent && p.dw_block == 0) ||
-                                            (training && float_dw_from_narrow));
+  p.lt_work = at.take(linear_lt_workspace, (p.dw != linear_absent && p.dw_block == 0) ||
+                                               (training && float_dw_from_narrow));
   // Whether a call takes that path is known only on the device (an sm_90 GPU running the sm_90a
   // build): every bf16 training plan has the room.
   constexpr bool probs_dtype = std::is_same<DT, __nv_bfloat16>::value;
   p.probs =
-      take(make_probs_layout(chunk_rows, s.vocab, s.hidden).bytes,
-           probs_room && training && probs_dtype && policy::stats_gemm && policy::scaled_probs);
+      at.take(make_probs_layout(chunk_rows, s.vocab, s.hidden).bytes,
+              probs_room && training && probs_dtype && policy::stats_gemm && policy::scaled_probs);
   p.end = at.end;
   p.bytes = at.end + linear_alignment;  // room to align whatever address the caller's buffer has
   return p;

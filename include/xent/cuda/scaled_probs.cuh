@@ -41,6 +41,7 @@
 #include <cstdint>
 
 #include "../loss_math.hpp"
+#include "backward_kernel.cuh"
 #include "kernels.cuh"
 #include "linear_plan.cuh"
 #include "row_reduce.cuh"
@@ -146,24 +147,6 @@ __device__ __forceinline__ row_partial merged_row(const buffers& b, std::int64_t
   return r;
 }
 
-/// What a row of class y needs of its merged statistics: LSE, target logit, class weight,
-/// upstream scale g and the gradient's alpha (z-loss).
-struct row_terms {
-  float lse, z_y, w_y, g, alpha;
-};
-
-template <class T, class G, class Tgt>
-__device__ row_terms terms_of(const row_args<T, G, Tgt>& a, std::int64_t row, std::int64_t y,
-                              const row_partial& r) {
-  row_terms t;
-  t.lse = r.lse.lse();
-  t.z_y = r.target_logit;
-  t.w_y = a.weights ? a.weights[y] : 1.0f;
-  t.g = row_scale(a, row, 0.0);
-  t.alpha = gradient_alpha(class_target_mass(t.w_y, a.k), t.lse, a.k);
-  return t;
-}
-
 /// One warp per row of the chunk, after the first pass: the row's LSE from its partials, its loss
 /// and outputs by the core's pieces (class_row_loss, write_row_outputs, write_skipped_row: no
 /// smoothing or softcap on this path), then beta, the target's patch and the scaled hidden row;
@@ -187,7 +170,7 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles,
   } else {
     bool saturated = false;
     const row_partial r = merged_row(b, row, col_tiles, lane, saturated);
-    const row_terms t = terms_of(a, row, y, r);
+    const row_gradient t = backward_row(a, row, y, r.lse.lse(), 0.0);
     const float ref = b.ref[row];
     // Written so that a NaN anywhere takes the second pass (which then gives what the
     // cross-entropy pass would: NaN where the statistics are).
@@ -196,7 +179,7 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_tiles,
       beta = t.g * t.alpha * expf(ref - t.lse);
       const float onehot = t.w_y == 0.0f ? 0.0f : t.w_y * expf(t.lse - ref) / t.alpha;
       if (lane == 0) {
-        b.patch[row] = expf(t.z_y - ref) - onehot;
+        b.patch[row] = expf(r.target_logit - ref) - onehot;
         b.mult[row] = 1.0f;
         write_row_outputs(a, row, class_row_loss(r, t.w_y, a.k), t.lse, -1, false, false);
       }
@@ -242,9 +225,9 @@ XENT_KERNEL void second_merge_kernel(row_args<T, G, Tgt> a, buffers b, int col_t
   const auto y = static_cast<std::int64_t>(a.targets.ids[row]);
   bool saturated = false;  // no marks in the statistics form's partials
   const row_partial r = merged_row(b, row, col_tiles, lane, saturated);
-  const row_terms t = terms_of(a, row, y, r);
+  const row_gradient t = backward_row(a, row, y, r.lse.lse(), 0.0);
   if (lane == 0) {
-    b.patch[row] = t.alpha * expf(t.z_y - t.lse) - t.w_y;
+    b.patch[row] = t.alpha * expf(r.target_logit - t.lse) - t.w_y;
     b.ref[row] = t.lse == HUGE_VALF ? NAN : t.lse;
     b.mult[row] = t.alpha;
     write_row_outputs(a, row, class_row_loss(r, t.w_y, a.k), t.lse, -1, false, false);

@@ -186,11 +186,6 @@ __device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char*
 #endif
 }
 
-/// A 16-bit staged value as a float, by intrinsics: PyTorch's extensions build with
-/// __CUDA_NO_HALF_CONVERSIONS__ and __CUDA_NO_BFLOAT16_CONVERSIONS__.
-__device__ __forceinline__ float staged_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float staged_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
 /// A statistics thread's work on one staged row (staging row `row` of a tile whose first `valid`
 /// columns are logits): the partial of the row's max and sum of exponentials, and the logit of
 /// column `target` (-1: another tile's) into `z`. Columns past V (W's rows there read as zeros)
@@ -225,7 +220,7 @@ __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, in
     }
   }
   const float lift = diff ? ref : 0.0f, drop = Probs && !diff ? ref : 0.0f;
-  if (target >= 0 && target < valid) z = staged_float(at(static_cast<int>(target))) + lift;
+  if (target >= 0 && target < valid) z = to_float(at(static_cast<int>(target))) + lift;
   float m = -HUGE_VALF, s = 0.0f;
   float f = 0.0f;  // Probs: mult exp(max v - drop)
   if (valid == tile_n) {
@@ -271,7 +266,7 @@ __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, in
     }
     s = (sc[0] + sc[1]) + (sc[2] + sc[3]);
   } else {  // the last column tile: element by element (one tile of the row's)
-    for (int c = 0; c < valid; ++c) m = fmaxf(m, staged_float(at(c)));
+    for (int c = 0; c < valid; ++c) m = fmaxf(m, to_float(at(c)));
     if (diff && m == HUGE_VALF) return partial::of_block(HUGE_VALF, 1.0f);
     if (Probs && m == -HUGE_VALF) {
       zero_row();
@@ -280,7 +275,7 @@ __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, in
     const float shift = m * log2e;
     if constexpr (Probs) f = mult * fast_exp2((m - drop) * log2e);
     for (int c = 0; c < valid; ++c) {
-      const float e = fast_exp2(fmaf(staged_float(at(c)), log2e, -shift));
+      const float e = fast_exp2(fmaf(to_float(at(c)), log2e, -shift));
       s += e;
       if constexpr (Probs) *reinterpret_cast<__nv_bfloat16*>(&at(c)) = __float2bfloat16_rn(e * f);
     }
