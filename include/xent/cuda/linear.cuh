@@ -346,8 +346,7 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
            c.d_hidden.row(r0), CUDA_R_32F, sizeof(float), c.d_hidden.ld);
       if (row_scale) {
         float* dh = c.d_hidden.row(r0);
-        launch_rows_kernel(round_op<float>{dh, c.d_hidden.ld, dh, c.d_hidden.ld, row_scale}, n, D,
-                           s);
+        launch_round(round_op<float>{dh, c.d_hidden.ld, dh, c.d_hidden.ld, row_scale}, n, D, s);
       }
     } else {
       // A float C, rounded once into d_hidden: cuBLAS may reduce split-K partial sums (K = V
@@ -355,8 +354,7 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
       float* dx = c.template buffer<float>(c.plan.dx);
       gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld, 0.0f,
            dx, CUDA_R_32F, sizeof(float), D);
-      launch_rows_kernel(round_op<DG>{dx, D, c.d_hidden.row(r0), c.d_hidden.ld, row_scale}, n, D,
-                         s);
+      launch_round(round_op<DG>{dx, D, c.d_hidden.row(r0), c.d_hidden.ld, row_scale}, n, D, s);
     }
   }
   check_cuda(c.blas.fn(), cudaGetLastError());  // the small kernels' launches
@@ -376,9 +374,8 @@ void finish_grads(const linear_call<T, G>& c) {
   }
   if constexpr (!linear_call<T, G>::float_grads) {
     if (c.d_weight.data && c.plan.dw_block == 0 && c.dw_accumulator())
-      launch_rows_kernel(round_op<DG>{c.dw_accumulator(), D, c.d_weight.data, c.d_weight.ld}, V, D,
-                         s);
-    if (c.d_bias) launch_rows_kernel(round_op<DG>{c.db_sum(), V, c.d_bias, V}, 1, V, s);
+      launch_round(round_op<DG>{c.dw_accumulator(), D, c.d_weight.data, c.d_weight.ld}, V, D, s);
+    if (c.d_bias) launch_round(round_op<DG>{c.db_sum(), V, c.d_bias, V}, 1, V, s);
   }
   check_cuda(c.blas.fn(), cudaGetLastError());
 }
