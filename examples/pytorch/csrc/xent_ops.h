@@ -91,9 +91,11 @@ constexpr bool runs_float64 =
     xent::backend_traits<std::decay_t<decltype(B::exec(std::declval<const at::Tensor&>(), false)
                                                    .exec)>>::template supports_dtype<double>;
 
+/// A RuntimeError, as torch's own operators raise for tensors on different devices (and as the
+/// Python wrappers' check before it, xent_torch/ops.py).
 inline void check_same_device(const at::Tensor& input, const at::Tensor& other, const char* name) {
-  TORCH_CHECK_VALUE(other.device() == input.device(), "xent: ", name, " is on ", other.device(),
-                    ", the input on ", input.device(), ": every tensor must be on one device");
+  TORCH_CHECK(other.device() == input.device(), "xent: ", name, " is on ", other.device(),
+              ", the input on ", input.device(), ": every tensor must be on one device");
 }
 
 // The targets of a call over N rows of C classes: class ids (N,), int64 or int32, contiguous; or

@@ -792,7 +792,7 @@ def test_cuda_concurrent_streams_each_get_their_own_workspace():
 @requires_cuda
 def test_cuda_mixed_devices_are_refused():
     x, t = make()
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(RuntimeError, match="one device"):
         xent_torch.cross_entropy(x.cuda(), t.cuda(), weight=weights())
 
 
