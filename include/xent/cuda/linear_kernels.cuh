@@ -99,10 +99,18 @@ struct round_op {
   G* dst;
   std::int64_t dst_ld;
   const float* row_scale = nullptr;
-  __device__ void operator()(std::int64_t r, std::int64_t c) const {
-    const float v = src[r * src_ld + c];
-    dst[r * dst_ld + c] = from_float<G>(row_scale ? row_scale[r] * v : v);
+  /// Elements [c, c + N) of row r, moved as one load and one store (N = 4: 16-byte loads, which
+  /// need src's and dst's addresses there aligned to N elements).
+  template <int N>
+  __device__ void elements(std::int64_t r, std::int64_t c) const {
+    const vec_t<float, N> v = load_vec<float, N>(src + r * src_ld + c);
+    const float scale = row_scale ? row_scale[r] : 1.0f;
+    vec_t<G, N> out;
+#pragma unroll
+    for (int i = 0; i < N; ++i) out.v[i] = from_float<G>(row_scale ? scale * v.v[i] : v.v[i]);
+    store_vec<G, N>(dst + r * dst_ld + c, out);
   }
+  __device__ void operator()(std::int64_t r, std::int64_t c) const { elements<1>(r, c); }
 };
 
 /// round_op over rows x cols four elements at a time (16-byte loads, one store of four): a
@@ -115,13 +123,8 @@ XENT_KERNEL void round_quads_kernel(round_op<G> op, std::int64_t rows, std::int6
   const std::int64_t total = rows * quads, stride = std::int64_t{gridDim.x} * linear_threads;
   for (std::int64_t q = blockIdx.x * std::int64_t{linear_threads} + threadIdx.x; q < total;
        q += stride) {
-    const std::int64_t r = q / quads, c = (q - r * quads) * 4;
-    vec_t<float, 4> v = load_vec<float, 4>(op.src + r * op.src_ld + c);
-    const float scale = op.row_scale ? op.row_scale[r] : 1.0f;
-    vec_t<G, 4> out;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) out.v[i] = from_float<G>(op.row_scale ? scale * v.v[i] : v.v[i]);
-    store_vec<G, 4>(op.dst + r * op.dst_ld + c, out);
+    const std::int64_t r = q / quads;
+    op.template elements<4>(r, (q - r * quads) * 4);
   }
 }
 
