@@ -48,6 +48,7 @@ linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shap
                 "xent: no fused linear backend for this execution object");
   detail::check_linear_shape("xent::linear_workspace_size", "shape", shape);
   detail::check_accumulation("xent::linear_workspace_size", opts);
+  detail::check_pass("xent::linear_workspace_size", pass);
   return linear_traits<Exec>::template workspace_size<T, G>(exec, shape, pass, opts.accumulate,
                                                             budget);
 }

@@ -494,6 +494,13 @@ TEST(CpuLinearValidation, BadArgumentsThrowNamingThemBeforeWriting) {
     xent::linear_workspace_size<float>(exec, {4, 3, 5}, xent::linear_pass::training,
                                        bad_accumulate);
   });
+  expect_error("pass", "forward, training", [&] {
+    xent::linear_workspace_size<float>(exec, {4, 3, 5}, static_cast<xent::linear_pass>(5));
+  });
+  expect_error("pass", "forward, training", [&] {
+    xent::vocab_parallel_linear_workspace_size<float>(exec, {4, 3, 5}, 5, 1,
+                                                      static_cast<xent::linear_pass>(5));
+  });
 
   // linear_forward needs the reduction's loss; linear_backward the LSE.
   expect_error("outputs.loss", "required", [&] {

@@ -300,6 +300,60 @@ TEST(CpuVocabParallelLinearWorkspace, ChunkRowsAreTheSameOnEveryRankAndBytesFoll
                xent::error);
 }
 
+// Rows that hold no element (an empty shard, D = 0) are bounded by the exchange alone: at 2^57
+// rows or so the workspace sizes wrapped to a few bytes, which passed the call's workspace check
+// before it wrote its exchange header 2^60 bytes into the buffer.
+TEST(CpuVocabParallelLinearWorkspace, RowsBeyondWhatAWorkspaceSizeCountsAreRefused) {
+  const xent::cpu exec(1);
+  const std::int64_t rows = std::int64_t{1} << 53;  // x (1 + 3) units: 2^55, the most allowed
+  const auto fits = xent::vocab_parallel_linear_workspace_size<float>(
+      exec, {rows, 0, 0}, 1, 1, linear_pass::forward, {}, SIZE_MAX);
+  EXPECT_EQ(fits.chunk_rows, rows);
+  EXPECT_GT(fits.bytes, static_cast<std::size_t>(rows) * 80);  // no wrap at the bound
+  expect_error("shape", "exceeds 2^55", [&] {
+    xent::vocab_parallel_linear_workspace_size<float>(exec, {rows + 1, 0, 0}, 1, 1,
+                                                      linear_pass::forward);
+  });
+  expect_error("shape", "exceeds 2^55", [&] {
+    xent::vocab_parallel_linear_workspace_size<float>(exec, {std::int64_t{1} << 57, 0, 0}, 1, 1,
+                                                      linear_pass::training);
+  });
+  // The plan's reference shard, ceil(V / R) classes, is wider than this rank's empty one.
+  expect_error("vocab", "more than 2^59", [&] {
+    xent::vocab_parallel_linear_workspace_size<float>(
+        exec, {std::int64_t{1} << 24, 1, 0}, std::int64_t{1} << 41, 2, linear_pass::forward);
+  });
+  expect_error("vocab", "more than 2^59", [&] {
+    xent::vocab_parallel_linear_workspace_size<float>(
+        exec, {1, std::int64_t{1} << 40, 1}, std::int64_t{1} << 40, 1, linear_pass::forward);
+  });
+  // The call itself, with a workspace the wrapped size would have let through.
+  std::vector<unsigned char> buffer(4096);
+  xent::inprocess_group group(1);
+  std::string named;
+  try {
+    group.run([&](xent::inprocess_group::communicator comm) {
+      float loss = 0.0f;
+      xent::forward_outputs out;
+      out.loss = &loss;
+      const std::int64_t n = std::int64_t{1} << 57;
+      xent::vocab_parallel_linear_workspace ws;
+      ws.data = buffer.data();
+      ws.bytes = buffer.size();
+      ws.chunk_rows = n;
+      xent::vocab_parallel_linear_forward(
+          exec, comm, xent::matrix_view<const float>(nullptr, n, 0),
+          xent::matrix_view<const float>(nullptr, 0, 0), xent::vector_view<const float>{},
+          xent::vocab_shard{0, 1},
+          xent::soft_targets<float>{xent::matrix_view<const float>(nullptr, n, 0)},
+          xent::linear_options{}, out, ws);
+    });
+  } catch (const xent::error& e) {
+    named = e.argument();
+  }
+  EXPECT_EQ(named, "hidden");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Arguments
 // ---------------------------------------------------------------------------------------------
@@ -424,6 +478,8 @@ TEST(CpuVocabParallelLinearValidation, BadArgumentsThrowNamingThemBeforeAnything
        }},
       {"grads.d_weight", [](int, bad_call::args& a) { a.grads.d_weight.rows += 1; }},
       {"grads.d_bias", [](int, bad_call::args& a) { a.bias = {}; }},
+      // The hidden rows are checked before the outputs sized by them.
+      {"hidden", [](int, bad_call::args& a) { a.hidden.rows = -1; }},
   };
   for (const expectation& c : cases) {
     bad_call call;

@@ -513,6 +513,27 @@ TEST(CpuVocabParallelValidation, GradientShardAndSoftTargetShapes) {
             "targets");  // soft targets are the shard's, N x V_local
 }
 
+TEST(CpuVocabParallelValidation, RowsOfAnEmptyShardBeyondWhatAWorkspaceSizeCountsAreRefused) {
+  // An empty shard's N x 0 logits hold no element whatever N; the exchange holds (R + 1) records
+  // a row, so rows x (R + 3) is bounded by itself (2^55), before any buffer is sized.
+  xent::inprocess_group group(1);
+  std::string named;
+  float loss = 0.0f;
+  try {
+    group.run([&](xent::inprocess_group::communicator comm) {
+      const std::int64_t n = std::int64_t{1} << 57;
+      xent::vocab_parallel_forward(xent::cpu{}, comm, xent::matrix_view<const float>(nullptr, n, 0),
+                                   xent::vocab_shard{0, 1},
+                                   xent::soft(xent::matrix_view<const float>(nullptr, n, 0)), {},
+                                   xent::forward_outputs{&loss});
+    });
+  } catch (const xent::error& e) {
+    named = e.argument();
+    EXPECT_NE(std::string(e.what()).find("exceeds 2^55"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(named, "logits");
+}
+
 // ---------------------------------------------------------------------------------------------
 // The in-process group itself
 // ---------------------------------------------------------------------------------------------

@@ -358,11 +358,14 @@ void vp_backward(const cuda& exec, const Group& group, matrix_view<const T> logi
 /// Bytes of exec.workspace a CUDA vocab-parallel call over `rows` rows on `ranks` ranks needs
 /// (zero-filled once before its first use; see cuda/vocab_parallel.cuh).
 inline std::size_t cuda_vocab_parallel_workspace_size(std::int64_t rows, int ranks) {
+  detail::check_exchange_rows("xent::cuda_vocab_parallel_workspace_size", "rows", rows,
+                              ranks < 1 ? 1 : ranks);
   return cuda_detail::vp_layout(rows, ranks).total;
 }
 
 /// Bytes each rank sends through the collective per call: a 32-byte header and one record per row.
 inline std::size_t cuda_vocab_parallel_exchange_bytes(std::int64_t rows) {
+  detail::check_exchange_rows("xent::cuda_vocab_parallel_exchange_bytes", "rows", rows, 1);
   return cuda_detail::vp_layout(rows, 1).block;
 }
 

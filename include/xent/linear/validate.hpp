@@ -35,6 +35,11 @@ inline void check_accumulation(const char* fn, const linear_options& opts) {
           fn, "options.accumulate", "not one of fp32, output");
 }
 
+inline void check_pass(const char* fn, linear_pass pass) {
+  require(pass == linear_pass::forward || pass == linear_pass::training, fn, "pass",
+          "not one of forward, training");
+}
+
 /// hidden N x D, weight V_w x D (the same D), bias V_w or absent, targets for N rows (soft
 /// targets: N x V_w, a probability per weight row), the loss options for `vocab` classes: V_w
 /// unsharded, the whole vocabulary (`vocab_arg`, named in errors) when the weight is a

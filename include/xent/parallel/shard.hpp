@@ -2,6 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+
+#include "../detail/validate.hpp"
 
 namespace xent {
 
@@ -25,6 +28,24 @@ struct shard_header {
   std::int64_t vocab = 0;
   std::int64_t rows = 0;
 };
+
+/// The most rows x (ranks + 3) a vocab-parallel call may have. Per row a rank's workspace holds
+/// (ranks + 1) exchanged records (sent and received, 40 bytes each) and at most two more records'
+/// worth (this shard's statistics, the merged LSE and mass, the reduction's entries): below 64
+/// bytes per unit, so the exchange stays under 2^61 bytes and adding it to a single-device call's
+/// buffers does not wrap a workspace size. Rows alone are bounded only by the views: 2^59 rows of
+/// an empty shard (or of D = 0) wrapped the sizes to a few bytes that passed the workspace check.
+constexpr std::int64_t max_exchange_units = std::int64_t{1} << 55;
+
+/// `rows` rows exchanged among `ranks` ranks (ranks >= 1, rows >= 0) fit max_exchange_units.
+inline void check_exchange_rows(const char* fn, const char* arg, std::int64_t rows, int ranks) {
+  const std::int64_t units = static_cast<std::int64_t>(ranks) + 3;
+  require(rows <= max_exchange_units / units, fn, arg, [&] {
+    return std::to_string(rows) + " rows over " + std::to_string(ranks) +
+           " ranks: rows x (ranks + 3) exceeds 2^55, more exchange records than a workspace "
+           "size can count";
+  });
+}
 
 }  // namespace detail
 

@@ -86,6 +86,7 @@ void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<
   check_group(fn, group);
   check_matrix(fn, "logits", logits);
   check_shard(fn, shard, logits.cols, logits.rows);
+  check_exchange_rows(fn, "logits", logits.rows, group.size());
   check_targets(fn, typename target_traits<Targets>::type(targets), logits.rows, logits.cols);
   check_options(fn, opts, shard.vocab);  // class_weights: all V of them
 }

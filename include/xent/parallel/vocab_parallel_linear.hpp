@@ -125,6 +125,7 @@ void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<
   check_linear_inputs(fn, hidden, weight, bias, typename target_traits<Targets>::type(targets),
                       opts, shard.vocab, "shard.vocab");
   check_shard(fn, shard, weight.rows, hidden.rows);
+  check_exchange_rows(fn, "hidden", hidden.rows, group.size());
   require(
       ws.chunk_rows >= 1 || (hidden.rows == 0 && ws.chunk_rows == 0), fn, "workspace.chunk_rows",
       [&] {
@@ -151,17 +152,18 @@ vp_linear_args<T, G, typename target_traits<Targets>::type> vp_args(
   return a;
 }
 
-/// A training call's checks (the call's, its upstream, gradients and workspace; `mem` holds its
-/// targets and its outputs or saved LSE) and its arguments with the upstream and the gradients
-/// set.
-template <class Exec, class Group, class T, class Targets, class G>
+/// A training call's checks (the call's, then the entry's own `outputs_check` of its outputs or
+/// saved LSE, then its upstream, gradients and workspace; `mem` holds its targets and those
+/// outputs or that LSE) and its arguments with the upstream and the gradients set.
+template <class Exec, class Group, class T, class Targets, class G, class OutputsCheck>
 vp_linear_args<T, G, typename target_traits<Targets>::type> vp_training_args(
     const char* fn, const Exec& exec, const Group& group, const matrix_view<const T>& x,
     const matrix_view<const T>& weight, const vector_view<const T>& bias, vocab_shard shard,
     const Targets& targets, const linear_options& opts, const upstream& up,
     const linear_grads<G>& grads, const vocab_parallel_linear_workspace& workspace,
-    call_memory mem) {
+    OutputsCheck&& outputs_check, call_memory mem) {
   check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
+  outputs_check();
   check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
       vp_linear_need<T, G>(exec, group.size(), x, weight, linear_pass::training, opts, workspace),
@@ -193,6 +195,7 @@ linear_workspace_sizes vocab_parallel_linear_workspace_size(
   constexpr const char* fn = "xent::vocab_parallel_linear_workspace_size";
   detail::check_linear_shape(fn, "shape", shape);
   detail::check_accumulation(fn, opts);
+  detail::check_pass(fn, pass);
   detail::require(ranks >= 1, fn, "ranks",
                   [&] { return "must be >= 1, got " + std::to_string(ranks); });
   detail::require(vocab <= detail::max_elements, fn, "vocab",
@@ -202,6 +205,17 @@ linear_workspace_sizes vocab_parallel_linear_workspace_size(
            ") is smaller than this rank's shard (shape.vocab = " + std::to_string(shape.vocab) +
            ")";
   });
+  detail::check_exchange_rows(fn, "shape", shape.rows, ranks);
+  // Chunks are planned for a shard of ceil(V / R) classes, which may be wider than this rank's.
+  const std::int64_t reference = (vocab + ranks - 1) / ranks;
+  detail::require(detail::within_max_elements(shape.rows, reference) &&
+                      detail::within_max_elements(reference, shape.hidden),
+                  fn, "vocab", [&] {
+                    return "a shard of ceil(" + std::to_string(vocab) + " / " +
+                           std::to_string(ranks) + ") classes by " + std::to_string(shape.rows) +
+                           " rows or " + std::to_string(shape.hidden) +
+                           " hidden units spans more than 2^59 elements";
+                  });
   return detail::vp_linear_sizes<T, G>(exec, shape, vocab, ranks, pass, opts.accumulate, budget);
 }
 
@@ -247,9 +261,12 @@ void vocab_parallel_linear_forward_backward(
   constexpr const char* fn = "xent::vocab_parallel_linear_forward_backward";
   using T = std::remove_const_t<H>;
   const matrix_view<const T> x(hidden);
-  detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, false);
   auto a = detail::vp_training_args(
       fn, exec, group, x, weight, bias, shard, targets, opts, up, grads, workspace,
+      [&] {
+        detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft,
+                              false);
+      },
       detail::linear_memory(fn, targets, opts).writes_outputs(outputs));
   a.out = outputs;
   detail::run_vp_linear<detail::vp_linear_mode::fused>(fn, exec, group, a);
@@ -270,10 +287,10 @@ void vocab_parallel_linear_backward(const Exec& exec, const Group& group, matrix
   constexpr const char* fn = "xent::vocab_parallel_linear_backward";
   using T = std::remove_const_t<H>;
   const matrix_view<const T> x(hidden);
-  detail::check_vector(fn, "lse", lse, x.rows, false);
-  auto a = detail::vp_training_args(fn, exec, group, x, weight, bias, shard, targets, opts, up,
-                                    grads, workspace,
-                                    detail::linear_memory(fn, targets, opts).reads("lse", lse));
+  auto a = detail::vp_training_args(
+      fn, exec, group, x, weight, bias, shard, targets, opts, up, grads, workspace,
+      [&] { detail::check_vector(fn, "lse", lse, x.rows, false); },
+      detail::linear_memory(fn, targets, opts).reads("lse", lse));
   a.lse = lse;
   detail::run_vp_linear<detail::vp_linear_mode::backward>(fn, exec, group, a);
 }
