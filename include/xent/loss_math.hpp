@@ -155,16 +155,24 @@ XENT_HOST_DEVICE A gradient_alpha(detail::non_deduced_t<A> mass, detail::non_ded
   return mass + A(2) * k.z_loss * lse;
 }
 
+/// `total` over the mean's normaliser W (`divisor` 1 for a sum). W = 0 gives NaN whatever the
+/// total, as PyTorch's mean does: every row ignored is 0 / 0, and so is the NLL term of
+/// (1 - eps) * NLL / W + eps * S / W when every kept row's class weight is 0, though S / W alone
+/// (label smoothing, and likewise z-loss) would be +inf.
+XENT_HOST_DEVICE inline double over_normalizer(double total, double divisor) {
+  return divisor == 0.0 ? static_cast<double>(NAN) : total / divisor;
+}
+
 /// The upstream gradient every row of a mean or sum reduction gets: scale, times *scale_ptr when
 /// given (read in the caller's memory space: host for the CPU, device inside a kernel), divided by
-/// the mean's normaliser W. In double, rounded once by the caller.
+/// the mean's normaliser W (NaN for W = 0: PyTorch's gradient of its NaN mean is NaN on every row
+/// it keeps; ignored rows stay 0). In double, rounded once by the caller.
 template <class A>
 XENT_HOST_DEVICE double scalar_upstream(detail::non_deduced_t<A> scale, const A* scale_ptr,
                                         reduction reduce, double normalizer) {
   double g = static_cast<double>(scale);
   if (scale_ptr) g *= static_cast<double>(*scale_ptr);
-  if (reduce == reduction::mean) g /= normalizer;
-  return g;
+  return reduce == reduction::mean ? over_normalizer(g, normalizer) : g;
 }
 
 /// The gradient at the target class of a class-id row, formed in A from its (soft-capped)

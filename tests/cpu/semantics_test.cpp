@@ -242,10 +242,10 @@ TEST(CpuEdge, MaskedLogitsWithLabelSmoothingGiveInfiniteLossAndFiniteGradient) {
   EXPECT_TRUE(xt::run_case<float>(d));
 }
 
-// DISABLED: doubtful behaviour, reported rather than failed. A soft target with no mass on the
-// masked classes has a finite loss, -sum_c t_c log p_c with 0 * log 0 = 0; xent returns NaN (its
-// dot sum_c t'_c z_c forms 0 * -inf), as PyTorch's -(t * log_softmax(x)).sum() does too.
-TEST(CpuEdge, DISABLED_MaskedLogitsWithSoftTargetsOfZeroMassGiveFiniteLoss) {
+// A soft target with no mass on the masked classes: PyTorch's -(t * log_softmax(x)).sum() forms
+// 0 * -inf there and returns NaN, and so do xent (its dot sum_c t'_c z_c) and the oracle (which
+// forms PyTorch's terms; it once skipped classes without mass and expected a finite loss).
+TEST(CpuEdge, MaskedLogitsWithSoftTargetsOfZeroMassAreNaNLikePyTorch) {
   spec s = base(3, 20, 31);
   s.kind = target_kind::soft;
   s.reduce = reduction::none;
@@ -255,9 +255,59 @@ TEST(CpuEdge, DISABLED_MaskedLogitsWithSoftTargetsOfZeroMassGiveFiniteLoss) {
     for (std::int64_t c = 0; c < 20; ++c)
       if (std::isinf(d.x(n, c))) d.probs[n * s.ld() + c] = 0.0f;
   auto r = xt::call(d);
-  for (std::int64_t n = 0; n < 3; ++n)
-    EXPECT_TRUE(std::isfinite(r.row_loss[n])) << "row " << n << ": " << r.row_loss[n];
+  const oracle::result o = oracle::evaluate(d.problem());
+  for (std::int64_t n = 0; n < 3; ++n) {
+    EXPECT_TRUE(std::isnan(r.row_loss[n])) << "row " << n << ": " << r.row_loss[n];
+    EXPECT_TRUE(std::isnan(o.row_loss[n])) << "oracle row " << n << ": " << o.row_loss[n];
+  }
   EXPECT_TRUE(xt::run_case<float>(d));
+}
+
+// The same with label smoothing over class ids: a masked class of weight 0 enters the smoothing
+// sum -sum_c w_c log p_c as 0 * -inf, NaN in PyTorch and in xent alike.
+TEST(CpuEdge, MaskedClassOfZeroWeightWithLabelSmoothingIsNaNLikePyTorch) {
+  spec s = base(3, 20, 32);
+  s.weights = true;
+  s.label_smoothing = 0.1f;
+  s.reduce = reduction::none;
+  auto d = xt::make_dataset<float>(s);
+  mask(d);
+  for (std::int64_t c = 0; c < 20; ++c)
+    if (std::isinf(d.x(0, c))) d.weights[c] = 0.0f;  // row 0's masked classes weigh nothing
+  auto r = xt::call(d);
+  const oracle::result o = oracle::evaluate(d.problem());
+  EXPECT_TRUE(std::isnan(r.row_loss[0])) << r.row_loss[0];
+  EXPECT_TRUE(std::isnan(o.row_loss[0])) << o.row_loss[0];
+  EXPECT_TRUE(xt::run_case<float>(d));
+}
+
+// Mean over rows whose every class weight is 0 (W = 0 with rows kept): PyTorch's
+// (1 - eps) * nll_mean + eps * smooth / W is NaN through its 0 / 0 NLL term, and its gradient is
+// NaN on every kept row (nll_loss_backward's w_y * g / W = 0 * inf); ignored rows stay 0. Without
+// the rule a positive smoothing or z-loss total gave +inf, and +inf and NaN mixed in the rows.
+TEST(CpuEdge, MeanOverKeptRowsOfZeroWeightIsNaNLikePyTorch) {
+  for (float eps : {0.0f, 0.1f})
+    for (float z : {0.0f, 1e-3f}) {
+      SCOPED_TRACE(std::to_string(eps) + " " + std::to_string(z));
+      spec s = base(3, 6, 33);
+      s.weights = true;
+      s.label_smoothing = eps;
+      s.z_loss = z;
+      auto d = xt::make_dataset<float>(s);
+      d.weights = {0.0f, 1.0f, 2.0f, 0.5f, 1.0f, 3.0f};
+      const std::int64_t targets[3] = {0, -100, 0};
+      for (std::int64_t n = 0; n < 3; ++n) d.set_target(n, targets[n]);
+      for (bool fused : {true, false}) {
+        auto r = xt::call(d, fused);
+        EXPECT_TRUE(std::isnan(r.loss)) << r.loss;
+        for (std::int64_t c = 0; c < s.cols; ++c) {
+          EXPECT_TRUE(std::isnan(r.grad[0 * s.ld() + c])) << "row 0 col " << c;
+          EXPECT_TRUE(xt::same_bits(r.grad[1 * s.ld() + c], 0.0f)) << "ignored row, col " << c;
+          EXPECT_TRUE(std::isnan(r.grad[2 * s.ld() + c])) << "row 2 col " << c;
+        }
+      }
+      EXPECT_TRUE(xt::run_case<float>(d));
+    }
 }
 
 TEST(CpuEdge, NaNLogitPropagatesToItsRowOnly) {
@@ -385,6 +435,41 @@ TEST(CpuEdge, Float64KeepsPyTorchsResultsAtTheEdges) {
   EXPECT_TRUE(std::isfinite(r.row_loss[0]) && std::isfinite(r.row_loss[2]));
   EXPECT_EQ(r.argmax[1], 26);
   EXPECT_TRUE(xt::run_case<double>(d));
+}
+
+TEST(CpuEdge, SoftcapNearSaturationKeepsDistinctLogitsApart) {
+  // x / cap from 7.6 to 8.0 and one at 8.8: float soft-caps those to at most 4.9999990 and to
+  // 4.9999995 (a float step apart), but Eigen's float packet tanh gave one value for every
+  // argument past 7.9053, so 8.0 and 8.8 tied and argmax named the first class past 7.9053, where
+  // torch.argmax of float32 soft-capped logits (and xent's float64 path) names the 8.8.
+  constexpr float cap = 5.0f;
+  for (std::int64_t cols : {16, 19}) {  // whole packets, and a remainder
+    for (std::int64_t best : {std::int64_t{0}, cols / 2, cols - 1}) {
+      std::vector<float> row(static_cast<std::size_t>(cols));
+      for (std::int64_t c = 0; c < cols; ++c)
+        row[c] = cap * (7.6f + 0.4f * static_cast<float>(c) / static_cast<float>(cols - 1));
+      row[best] = cap * 8.8f;
+      SCOPED_TRACE(::testing::Message() << cols << " classes, largest at " << best);
+      const std::int64_t target = best;
+      xent::options o;
+      o.softcap = cap;
+      float loss = 0.0f;
+      std::int64_t argmax = -2, correct = -1;
+      xent::forward_outputs out;
+      out.loss = &loss;
+      out.argmax = {&argmax, 1};
+      out.num_correct = &correct;
+      xent::forward(xent::cpu{1}, xent::matrix_view<const float>(row.data(), 1, cols),
+                    xent::vector_view<const std::int64_t>(&target, 1), o, out);
+      EXPECT_EQ(argmax, best);
+      EXPECT_EQ(correct, 1);
+      double m = -1e300, sum = 0.0;
+      for (float v : row) m = std::max(m, cap * std::tanh(double(v) / cap));
+      for (float v : row) sum += std::exp(cap * std::tanh(double(v) / cap) - m);
+      const double expected = m + std::log(sum) - cap * std::tanh(double(row[best]) / cap);
+      EXPECT_NEAR(loss, expected, 1e-5 * expected);
+    }
+  }
 }
 
 TEST(CpuEdge, SaturatedSoftcapTargetNeverGivesANegativeLoss) {

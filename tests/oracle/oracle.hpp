@@ -145,15 +145,29 @@ inline result evaluate(const problem& pb, const upstream* up = nullptr) {
     r.lse[n] = lse;
     for (std::int64_t c = 0; c < V; ++c) logp[c] = z[c] - lse;
 
-    // l = -sum_c w_c t'_c log p_c + z_loss lse^2. A class with w_c t'_c = 0 contributes nothing
-    // (0 log 0 = 0), so a masked (-inf) logit with no target mass keeps the loss finite.
+    // l = -sum_c w_c t'_c log p_c + z_loss lse^2, with the terms PyTorch forms: class ids
+    // (1 - eps) (-w_y log p_y), plus for eps > 0 (eps / V) (-sum_c w_c log p_c) over every class;
+    // soft targets -sum_c w_c t'_c log p_c over every class. So a masked (-inf) logit makes a term
+    // it enters 0 * -inf = NaN where its class has no mass there (a zero weight, a zero
+    // probability), as in PyTorch, and +inf where it has some.
     double loss = 0.0, magnitude = 0.0, mass = 0.0;
+    const double eps = pb.label_smoothing;
+    if (pb.soft) {
+      for (std::int64_t c = 0; c < V; ++c)
+        loss -= pb.weight(c) * smoothed_target(pb, n, c) * logp[c];
+    } else {
+      const std::int64_t y = pb.targets[n];
+      loss -= (1.0 - eps) * pb.weight(y) * logp[y];
+      if (eps > 0.0) {
+        double smooth = 0.0;
+        for (std::int64_t c = 0; c < V; ++c) smooth -= pb.weight(c) * logp[c];
+        loss += eps / static_cast<double>(V) * smooth;
+      }
+    }
     for (std::int64_t c = 0; c < V; ++c) {
       const double a = pb.weight(c) * smoothed_target(pb, n, c);
       mass += a;
-      if (a == 0.0) continue;
-      loss -= a * logp[c];
-      magnitude += std::fabs(a) * (std::fabs(z[c]) + std::fabs(lse));
+      if (a != 0.0) magnitude += std::fabs(a) * (std::fabs(z[c]) + std::fabs(lse));
     }
     loss += pb.z_loss * lse * lse;
     magnitude += pb.z_loss * lse * lse;
@@ -166,7 +180,7 @@ inline result evaluate(const problem& pb, const upstream* up = nullptr) {
       if (pb.reduce == reduction::none)
         g = up->rows.empty() ? up->scale : up->rows[n];
       else if (pb.reduce == reduction::mean)
-        g = up->scale / W;
+        g = W == 0.0 ? nan : up->scale / W;  // PyTorch: its NaN mean's gradient is NaN
       else
         g = up->scale;
       const double alpha = mass + 2.0 * pb.z_loss * lse;
@@ -185,7 +199,9 @@ inline result evaluate(const problem& pb, const upstream* up = nullptr) {
       }
     }
   }
-  r.loss = pb.reduce == reduction::mean ? total / W : total;  // 0 / 0 = NaN when all are ignored
+  // W = 0: NaN, as PyTorch's mean, also where a positive smoothing or z-loss total over 0 would
+  // be +inf (its NLL term is 0 / 0 there).
+  r.loss = pb.reduce == reduction::mean ? (W == 0.0 ? nan : total / W) : total;
   return r;
 }
 

@@ -185,7 +185,8 @@ void write_totals(const totals& sums, int threads, const options& opts, double n
     correct += sums.correct[w];
   }
   if (out.loss && opts.reduce != reduction::none)
-    *out.loss = static_cast<A>(opts.reduce == reduction::mean ? loss / normalizer : loss);
+    *out.loss =
+        static_cast<A>(opts.reduce == reduction::mean ? over_normalizer(loss, normalizer) : loss);
   if (out.num_correct) *out.num_correct = correct;
 }
 

@@ -323,7 +323,8 @@ void run_linear(const char* fn, const cpu& exec, matrix_view<const T> hidden,
   }
   if constexpr (Mode != linear_mode::forward) finish_grads(c);
   if (out.loss && opts.reduce != reduction::none)
-    *out.loss = static_cast<A>(opts.reduce == reduction::mean ? loss / normalizer : loss);
+    *out.loss =
+        static_cast<A>(opts.reduce == reduction::mean ? over_normalizer(loss, normalizer) : loss);
   if (out.num_correct) *out.num_correct = correct;
 }
 

@@ -92,8 +92,29 @@ A packet_exp_sum(const A* z, std::int64_t n, A m, A* out) {
   return s;
 }
 
-/// softcap * tanh(z_j / softcap) over n elements, in place, every element by the same tanh: Eigen's
-/// packet tanh where A has one (a float's: a rational fit, clamped near saturation), its
+/// tanh of a packet by Eigen's ptanh, except for float arguments past 7.5 in magnitude: there
+/// Eigen 3.4's float fit is clamped (one value for every |x| >= 7.9053) where float's tanh still
+/// tells arguments apart up to about 9, so soft-capped logits in that band tied and argmax took
+/// the first of them (logits 40 and 44 under a cap of 5). Past 7.5, tanh |x| = 1 - 2 e^(-2|x|)
+/// to within 2 e^(-4|x|) < 2e-13, far below float's resolution.
+template <class A>
+packet_of<A> packet_tanh(const packet_of<A>& x) {
+  using namespace Eigen::internal;
+  using packet = packet_of<A>;
+  if constexpr (std::is_same<A, float>::value) {
+    const packet a = pabs(x);
+    const packet near_one =
+        psub(pset1<packet>(1.0f), pmul(pset1<packet>(2.0f), pexp(pmul(pset1<packet>(-2.0f), a))));
+    const packet tail = pselect(pcmp_lt(x, pzero(x)), pnegate(near_one), near_one);
+    return pselect(pcmp_lt(pset1<packet>(7.5f), a), tail, ptanh(x));
+  } else {
+    return ptanh(x);
+  }
+}
+
+/// softcap * tanh(z_j / softcap) over n elements, in place, every element by the same tanh:
+/// packet_tanh where A has a packet tanh (a float's: Eigen's rational fit, 1 - 2 e^(-2|x|) past
+/// 7.5), its
 /// remainder through one zero-padded packet. Eigen's own loops take std::tanh for a remainder,
 /// which differs from the packet form by up to about 3e-7 relative near saturation: a row's
 /// target logit capped alone could then exceed the LSE of its capped row, a negative loss.
@@ -106,11 +127,11 @@ void packet_softcap(A* z, std::int64_t n, A softcap, A inv_softcap) {
     const std::int64_t whole = n - n % lanes;
     const packet cap = pset1<packet>(softcap), inv = pset1<packet>(inv_softcap);
     for (std::int64_t i = 0; i < whole; i += lanes)
-      pstoreu(z + i, pmul(ptanh(pmul(ploadu<packet>(z + i), inv)), cap));
+      pstoreu(z + i, pmul(packet_tanh<A>(pmul(ploadu<packet>(z + i), inv)), cap));
     if (whole < n) {
       alignas(64) A tail[lanes] = {};
       std::copy(z + whole, z + n, tail);
-      pstoreu(tail, pmul(ptanh(pmul(ploadu<packet>(tail), inv)), cap));
+      pstoreu(tail, pmul(packet_tanh<A>(pmul(ploadu<packet>(tail), inv)), cap));
       std::copy(tail, tail + (n - whole), z + whole);
     }
   } else {

@@ -147,7 +147,7 @@ __device__ void write_totals(double sum, double hits, double divisor, float* los
   const double total = block_sum<Block>(sum);
   const double total_hits = block_sum<Block>(hits);  // exact: integers below 2^53
   if (threadIdx.x == 0) {
-    if (loss) *loss = static_cast<float>(total / divisor);
+    if (loss) *loss = static_cast<float>(over_normalizer(total, divisor));
     if (num_correct) *num_correct = static_cast<std::int64_t>(total_hits);
   }
 }
@@ -264,7 +264,7 @@ __device__ inline void warp_poll_reduction(void* workspace, std::int64_t rows, f
   sum = warp_sum(sum);
   for (std::int64_t r = lane; r < rows; r += 32) records[r] = 0ull;
   if (lane == 0) {
-    if (loss) *loss = static_cast<float>(sum / normalizer);
+    if (loss) *loss = static_cast<float>(over_normalizer(sum, normalizer));
     if (num_correct) *num_correct = 0;  // plain rows only: no argmax, nothing counted
   }
 }
