@@ -53,7 +53,7 @@ void forward(const Exec& exec, matrix_view<L> logits, const Targets& targets, co
   detail::check_common<Exec>(fn, logits, targets, opts);
   detail::require_accumulator<L, A>();
   detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft, true);
-  detail::check_forward_memory(fn, logits, targets, opts, outputs);
+  detail::check_forward_memory(fn, exec, logits, targets, opts, outputs);
   using T = std::remove_const_t<L>;
   backend_traits<Exec>::forward(exec, matrix_view<const T>(logits),
                                 typename detail::target_traits<Targets>::type(targets), opts,
@@ -78,8 +78,8 @@ void backward(const Exec& exec, matrix_view<L> logits, const Targets& targets, c
   detail::check_vector(fn, "lse", lse, logits.rows, false);
   detail::check_upstream(fn, up, opts, logits.rows);
   detail::check_gradient(fn, logits, grad);
-  detail::check_gradient_memory(fn, logits, targets, opts, lse, up, basic_forward_outputs<A>{},
-                                grad);
+  detail::check_gradient_memory(fn, exec, logits, targets, opts, lse, up,
+                                basic_forward_outputs<A>{}, grad);
   using T = std::remove_const_t<L>;
   backend_traits<Exec>::backward(exec, matrix_view<const T>(logits),
                                  typename detail::target_traits<Targets>::type(targets), opts, lse,
@@ -104,8 +104,8 @@ void forward_backward(const Exec& exec, matrix_view<L> logits, const Targets& ta
                         false);
   detail::check_upstream(fn, up, opts, logits.rows);
   detail::check_gradient(fn, logits, grad);
-  detail::check_gradient_memory(fn, logits, targets, opts, vector_view<const A>{}, up, outputs,
-                                grad);
+  detail::check_gradient_memory(fn, exec, logits, targets, opts, vector_view<const A>{}, up,
+                                outputs, grad);
   using T = std::remove_const_t<L>;
   backend_traits<Exec>::forward_backward(exec, matrix_view<const T>(logits),
                                          typename detail::target_traits<Targets>::type(targets),

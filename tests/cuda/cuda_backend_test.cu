@@ -615,6 +615,41 @@ TEST(CudaBackendSemantics, MissingWorkspaceIsAClearError) {
   }
 }
 
+// No GPU needed: the overlap checks throw from the views' addresses (host memory here) before
+// anything reaches the device.
+TEST(CudaBackendArguments, WorkspaceOrErrorCountOverlappingAnArgumentIsAClearError) {
+  std::vector<float> x(3 * 10, 0.0f), g(3 * 10, 0.0f);
+  std::vector<std::int64_t> y{0, 1, 2};
+  float loss = 0.0f;
+  xent::forward_outputs out;
+  out.loss = &loss;
+  const xent::matrix_view<const float> logits(x.data(), 3, 10);
+  const xent::vector_view<const std::int64_t> targets(y.data(), 3);
+  auto named = [&](const xent::cuda& exec, bool fused) -> std::string {
+    try {
+      if (fused)
+        xent::forward_backward(exec, logits, targets, xent::options{}, xent::upstream{}, out,
+                               xent::matrix_view<float>(g.data(), 3, 10));
+      else
+        xent::forward(exec, logits, targets, xent::options{}, out);
+    } catch (const xent::error& e) {
+      return e.argument();
+    }
+    return "(no error)";
+  };
+  const xent::cuda over_logits{nullptr, x.data() + 5, 64, nullptr, nullptr};
+  EXPECT_EQ(named(over_logits, false), "exec.workspace");
+  EXPECT_EQ(named(over_logits, true), "exec.workspace");
+  const xent::cuda over_grad{nullptr, g.data() + 29, 64, nullptr, nullptr};
+  EXPECT_EQ(named(over_grad, true), "grad");  // the first written span of the pair is named
+  const xent::cuda over_loss{nullptr, &loss, sizeof loss, nullptr, nullptr};
+  EXPECT_EQ(named(over_loss, false), "outputs.loss");
+  const xent::cuda count_in_targets{nullptr, nullptr, 0, reinterpret_cast<int*>(y.data() + 1),
+                                    nullptr};
+  EXPECT_EQ(named(count_in_targets, false), "exec.error_count");
+  EXPECT_EQ(named(count_in_targets, true), "exec.error_count");
+}
+
 /// Everything at once, in a CUDA graph: captured, replayed twice, equal to the direct call.
 TEST(CudaBackendGraphs, ForwardBackwardAndBackwardUnderStreamCaptureMatchDirectCalls) {
   REQUIRE_GPU();

@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../detail/disjoint.hpp"
+
 // cuBLAS's handle type (cublasHandle_t is `cublasContext*`), declared here so that the execution
 // object carries one without every user of the cross-entropy core including cuBLAS.
 struct cublasContext;
@@ -28,7 +30,8 @@ namespace xent {
 /// on clearing it.
 ///
 /// `error_count`, when given, is a device int that every call adds the number of rows whose class
-/// id is outside [0, V) and not ignore_index to. Such a row never reads or writes out of bounds:
+/// id is outside [0, V) and not ignore_index to. Neither it nor the workspace may overlap a call's
+/// arguments (exec_writes below). Such a row never reads or writes out of bounds:
 /// its loss and LSE are NaN, its gradient row zero, and it is left out of the mean's normaliser.
 ///
 /// `cublas` is the caller's cuBLAS handle, which fused linear cross-entropy (linear.hpp,
@@ -44,6 +47,15 @@ struct cuda {
   int* error_count = nullptr;
   cublasContext* cublas = nullptr;
 };
+
+/// The cross-entropy calls (and the vocab-parallel ones) write the workspace, all
+/// `workspace_bytes` of it counted, and the error count: neither may overlap an argument the call
+/// reads or writes (detail/disjoint.hpp checks them with the call's own spans, from addresses
+/// alone).
+inline void exec_writes(detail::call_memory& mem, const cuda& exec) {
+  mem.writes_bytes("exec.workspace", exec.workspace, exec.workspace ? exec.workspace_bytes : 0)
+      .writes("exec.error_count", exec.error_count);
+}
 
 namespace cuda_detail {
 

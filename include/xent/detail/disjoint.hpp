@@ -116,7 +116,8 @@ class call_memory {
 
  private:
   // The most spans any entry point has: hidden, weight, bias, targets, class weights, LSE and
-  // two upstream pieces read; three gradients, a workspace and five outputs written.
+  // two upstream pieces read; three gradients, a workspace and five outputs written (a gradient,
+  // five outputs, a CUDA execution object's workspace and error count in the core's calls).
   static constexpr int capacity = 10;
 
   call_memory& add(span_of (&list)[capacity], int& count, const span_of& s) {
@@ -133,29 +134,42 @@ class call_memory {
   int writes_ = 0;
 };
 
-/// A forward call's memory: the logits, targets and class weights read, the outputs written.
-template <class L, class Targets, class B>
-void check_forward_memory(const char* fn, const matrix_view<L>& logits, const Targets& targets,
-                          const options& opts, const basic_forward_outputs<B>& out) {
-  call_memory(fn).reads("logits", logits).reads_targets(targets, opts).writes_outputs(out).check();
+/// Memory an execution object names that the cross-entropy calls write beside their arguments:
+/// none by default. A backend that has some (xent::cuda: its workspace and error count) overloads
+/// `exec_writes(detail::call_memory&, const Exec&)` in namespace xent, which argument-dependent
+/// lookup prefers to this template.
+template <class Exec>
+void exec_writes(call_memory&, const Exec&) {}
+
+/// A forward call's memory: the logits, targets and class weights read, the outputs (and the
+/// execution object's memory) written.
+template <class Exec, class L, class Targets, class B>
+void check_forward_memory(const char* fn, const Exec& exec, const matrix_view<L>& logits,
+                          const Targets& targets, const options& opts,
+                          const basic_forward_outputs<B>& out) {
+  call_memory mem(fn);
+  mem.reads("logits", logits).reads_targets(targets, opts).writes_outputs(out);
+  exec_writes(mem, exec);
+  mem.check();
 }
 
 /// A call that writes a gradient: the logits (unless in place), targets, class weights, a saved
-/// LSE (backward; empty for forward_backward) and the upstream gradient read, the gradient and
-/// the outputs (forward_backward; empty for backward) written.
-template <class L, class Targets, class A, class B, class G>
-void check_gradient_memory(const char* fn, const matrix_view<L>& logits, const Targets& targets,
-                           const options& opts, const vector_view<const A>& lse,
-                           const basic_upstream<A>& up, const basic_forward_outputs<B>& out,
-                           const matrix_view<G>& grad) {
-  call_memory(fn)
-      .reads_logits(logits, grad)
+/// LSE (backward; empty for forward_backward) and the upstream gradient read, the gradient, the
+/// outputs (forward_backward; empty for backward) and the execution object's memory written.
+template <class Exec, class L, class Targets, class A, class B, class G>
+void check_gradient_memory(const char* fn, const Exec& exec, const matrix_view<L>& logits,
+                           const Targets& targets, const options& opts,
+                           const vector_view<const A>& lse, const basic_upstream<A>& up,
+                           const basic_forward_outputs<B>& out, const matrix_view<G>& grad) {
+  call_memory mem(fn);
+  mem.reads_logits(logits, grad)
       .reads_targets(targets, opts)
       .reads("lse", lse)
       .reads_upstream(up)
       .writes("grad", grad)
-      .writes_outputs(out)
-      .check();
+      .writes_outputs(out);
+  exec_writes(mem, exec);
+  mem.check();
 }
 
 }  // namespace detail

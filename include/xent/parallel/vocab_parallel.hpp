@@ -106,7 +106,7 @@ void vocab_parallel_forward(const Exec& exec, const Group& group, matrix_view<L>
   constexpr const char* fn = "xent::vocab_parallel_forward";
   detail::check_vocab_parallel<Exec>(fn, group, logits, shard, targets, opts);
   detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft, true);
-  detail::check_forward_memory(fn, logits, targets, opts, outputs);
+  detail::check_forward_memory(fn, exec, logits, targets, opts, outputs);
   using T = std::remove_const_t<L>;
   vocab_parallel_traits<Exec>::forward(exec, group, matrix_view<const T>(logits), shard,
                                        typename detail::target_traits<Targets>::type(targets), opts,
@@ -130,7 +130,7 @@ void vocab_parallel_backward(const Exec& exec, const Group& group, matrix_view<L
   detail::check_vector(fn, "lse", lse, logits.rows, false);
   detail::check_upstream(fn, up, opts, logits.rows);
   detail::check_gradient(fn, logits, grad);
-  detail::check_gradient_memory(fn, logits, targets, opts, lse, up, forward_outputs{}, grad);
+  detail::check_gradient_memory(fn, exec, logits, targets, opts, lse, up, forward_outputs{}, grad);
   using T = std::remove_const_t<L>;
   vocab_parallel_traits<Exec>::backward(exec, group, matrix_view<const T>(logits), shard,
                                         typename detail::target_traits<Targets>::type(targets),
@@ -154,8 +154,8 @@ void vocab_parallel_forward_backward(const Exec& exec, const Group& group, matri
                         false);
   detail::check_upstream(fn, up, opts, logits.rows);
   detail::check_gradient(fn, logits, grad);
-  detail::check_gradient_memory(fn, logits, targets, opts, vector_view<const float>{}, up, outputs,
-                                grad);
+  detail::check_gradient_memory(fn, exec, logits, targets, opts, vector_view<const float>{}, up,
+                                outputs, grad);
   using T = std::remove_const_t<L>;
   vocab_parallel_traits<Exec>::forward_backward(
       exec, group, matrix_view<const T>(logits), shard,
