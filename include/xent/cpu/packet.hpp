@@ -114,10 +114,9 @@ packet_of<A> packet_tanh(const packet_of<A>& x) {
 
 /// softcap * tanh(z_j / softcap) over n elements, in place, every element by the same tanh:
 /// packet_tanh where A has a packet tanh (a float's: Eigen's rational fit, 1 - 2 e^(-2|x|) past
-/// 7.5), its
-/// remainder through one zero-padded packet. Eigen's own loops take std::tanh for a remainder,
-/// which differs from the packet form by up to about 3e-7 relative near saturation: a row's
-/// target logit capped alone could then exceed the LSE of its capped row, a negative loss.
+/// 7.5), its remainder through one zero-padded packet. Eigen's own loops take std::tanh for a
+/// remainder, which differs from the packet form by up to about 3e-7 relative near saturation: a
+/// row's target logit capped alone could then exceed the LSE of its capped row, a negative loss.
 template <class A>
 void packet_softcap(A* z, std::int64_t n, A softcap, A inv_softcap) {
   using namespace Eigen::internal;

@@ -30,9 +30,9 @@ namespace xent {
 /// on clearing it.
 ///
 /// `error_count`, when given, is a device int that every call adds the number of rows whose class
-/// id is outside [0, V) and not ignore_index to. Neither it nor the workspace may overlap a call's
-/// arguments (exec_writes below). Such a row never reads or writes out of bounds:
+/// id is outside [0, V) and not ignore_index to. Such a row never reads or writes out of bounds:
 /// its loss and LSE are NaN, its gradient row zero, and it is left out of the mean's normaliser.
+/// Neither the error count nor the workspace may overlap a call's arguments (exec_writes below).
 ///
 /// `cublas` is the caller's cuBLAS handle, which fused linear cross-entropy (linear.hpp,
 /// cuda/linear.cuh) needs for its GEMMs and nothing else uses; xent never creates one. Bind it to
