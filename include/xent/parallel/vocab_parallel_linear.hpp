@@ -79,7 +79,7 @@ namespace detail {
 /// The sizes of a rank's workspace: rows per chunk planned for a shard of ceil(V / R) classes
 /// (the same on every rank), the bytes for this rank's `shape` at that chunk and at one row.
 template <class T, class G, class Exec>
-linear_workspace_sizes vp_linear_sizes(const Exec& exec, const linear_shape& shape,
+linear_workspace_sizes vp_linear_sizes(const char* fn, const Exec& exec, const linear_shape& shape,
                                        std::int64_t vocab, int ranks, linear_pass pass,
                                        dw_accumulation accumulate, std::size_t budget) {
   auto bytes_at = [&](const linear_shape& s, std::int64_t rows) {
@@ -87,6 +87,14 @@ linear_workspace_sizes vp_linear_sizes(const Exec& exec, const linear_shape& sha
                                                                               accumulate, rows);
   };
   const linear_shape reference{shape.rows, shape.hidden, (vocab + ranks - 1) / ranks};
+  // The reference shard may be wider than this rank's (an empty one, say): its sizes too must fit.
+  require(within_max_elements(reference.rows, reference.vocab) &&
+              within_max_elements(reference.vocab, reference.hidden),
+          fn, "vocab", [&] {
+            return "a shard of ceil(" + std::to_string(vocab) + " / " + std::to_string(ranks) +
+                   ") classes by " + std::to_string(shape.rows) + " rows or " +
+                   std::to_string(shape.hidden) + " hidden units spans more than 2^59 elements";
+          });
   struct sized {
     std::int64_t rows;
     std::size_t bytes;
@@ -206,17 +214,8 @@ linear_workspace_sizes vocab_parallel_linear_workspace_size(
            ")";
   });
   detail::check_exchange_rows(fn, "shape", shape.rows, ranks);
-  // Chunks are planned for a shard of ceil(V / R) classes, which may be wider than this rank's.
-  const std::int64_t reference = (vocab + ranks - 1) / ranks;
-  detail::require(detail::within_max_elements(shape.rows, reference) &&
-                      detail::within_max_elements(reference, shape.hidden),
-                  fn, "vocab", [&] {
-                    return "a shard of ceil(" + std::to_string(vocab) + " / " +
-                           std::to_string(ranks) + ") classes by " + std::to_string(shape.rows) +
-                           " rows or " + std::to_string(shape.hidden) +
-                           " hidden units spans more than 2^59 elements";
-                  });
-  return detail::vp_linear_sizes<T, G>(exec, shape, vocab, ranks, pass, opts.accumulate, budget);
+  return detail::vp_linear_sizes<T, G>(fn, exec, shape, vocab, ranks, pass, opts.accumulate,
+                                       budget);
 }
 
 /// Evaluation: the loss of every row and the reduced loss on every rank. hidden: N x D (the
