@@ -47,6 +47,9 @@
 #ifndef XENT_CUDA_SMALL_CTAS_PER_SM  // the most CTAs per SM a small-batch launch may span
 #define XENT_CUDA_SMALL_CTAS_PER_SM 8
 #endif
+#ifndef XENT_CUDA_SMALL_WIDE_REGS  // vectors per thread of its one-wave form (0: off)
+#define XENT_CUDA_SMALL_WIDE_REGS 8
+#endif
 #ifndef XENT_CUDA_BULK_BACKWARD  // 1: plain backward tiles moved by bulk copies both ways (sm_90)
 #define XENT_CUDA_BULK_BACKWARD 1
 #endif
@@ -227,6 +230,15 @@ struct policy {
   /// which the row kernel's persistent clusters take the batch.
   static constexpr int small_regs = XENT_CUDA_SMALL_REGS;
   static constexpr int small_ctas_per_sm = XENT_CUDA_SMALL_CTAS_PER_SM;
+  /// Its wide form, for aligned rows: slices of small_wide_regs vectors per thread at
+  /// small_wide_ctas_per_sm CTAs per SM (the launch bound: 64 registers, 32 of them the slice),
+  /// taken where the narrow grid runs in more than one wave and the wide one fits in one. Each
+  /// wave pays the row's whole chain (cold loads, the cluster's exchange, the dependent stores).
+  /// fp32 128 x 32000: 1024 narrow CTAs, of which 528-660 are in flight on 132 SMs (48-64
+  /// registers, by build), against 512 wide ones; bf16: 512 narrow CTAs of 72 registers (396 in
+  /// flight), 256 wide ones. Which narrow grids run in one wave is asked of the runtime.
+  static constexpr int small_wide_regs = XENT_CUDA_SMALL_WIDE_REGS;
+  static constexpr int small_wide_ctas_per_sm = 4;
   /// Whether forward calls with plain class-id rows, 16-byte aligned, run the streaming forward
   /// kernel (forward_kernel.cuh: whole rows per CTA, tiles of stream_forward_regs vectors per
   /// thread straight from global memory, stream_forward_min_blocks CTAs per SM) when the batch
@@ -479,6 +491,7 @@ struct launch_plan {
   std::int64_t chunks = 1;      ///< stages per slice (1: the slice stays resident)
   std::size_t chunk_bytes = 0;  ///< bytes per stage, a 16-byte multiple
   std::size_t smem_bytes = 0;   ///< dynamic shared memory per CTA
+  int regs = 0;                 ///< vectors per thread (the small-batch kernel's plans)
 };
 
 inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
@@ -531,24 +544,43 @@ inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int el
   return p;
 }
 
+/// A small-batch plan of `regs` vectors per thread over at most `ctas_per_sm` CTAs per SM (see
+/// make_small_plan), or cluster 0.
+inline launch_plan small_plan_of(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms,
+                                 int regs, int ctas_per_sm) {
+  launch_plan p;
+  p.cluster = 0;
+  if (regs == 0) return p;
+  const int vec = 16 / elem_bytes;
+  const std::int64_t per_cta = std::int64_t{regs} * 16 * policy::block;
+  const std::int64_t row_bytes = cols * elem_bytes;
+  std::int64_t c = ceil_div(row_bytes, per_cta);
+  if (c > policy::cluster_max || rows > workspace_records) return p;
+  c = spread_rows(c < 1 ? 1 : c, rows, row_bytes, sms, policy::cluster_max);
+  if (rows * c > std::int64_t{ctas_per_sm} * sms) return p;
+  p.cluster = static_cast<int>(c);
+  p.slice = slice_classes(cols, c, vec);
+  p.regs = regs;
+  return p;
+}
+
 /// The small-batch kernel's cut of rows of `cols` elements of `elem_bytes` over a cluster (each
 /// CTA's slice whole 16-byte vectors, at most small_regs of them per thread), or cluster 0 when
 /// the batch is not small: a row longer than a cluster holds so, more CTAs than
 /// small_ctas_per_sm per SM, or more rows than the workspace keeps records for.
 inline launch_plan make_small_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms) {
-  launch_plan p;
-  p.cluster = 0;
-  if (policy::small_regs == 0) return p;
-  const int vec = 16 / elem_bytes;
-  const std::int64_t per_cta = std::int64_t{policy::small_regs} * 16 * policy::block;
-  const std::int64_t row_bytes = cols * elem_bytes;
-  std::int64_t c = ceil_div(row_bytes, per_cta);
-  if (c > policy::cluster_max || rows > workspace_records) return p;
-  c = spread_rows(c < 1 ? 1 : c, rows, row_bytes, sms, policy::cluster_max);
-  if (rows * c > std::int64_t{policy::small_ctas_per_sm} * sms) return p;
-  p.cluster = static_cast<int>(c);
-  p.slice = slice_classes(cols, c, vec);
-  return p;
+  return small_plan_of(rows, cols, elem_bytes, sms, policy::small_regs, policy::small_ctas_per_sm);
+}
+
+/// The wide form's plan (policy::small_wide_regs) for a batch whose plan `narrow` needs more CTAs
+/// than `resident` per SM keep in flight at once; `narrow` itself where it needs no more, or
+/// where the wide grid would not fit in one wave either.
+inline launch_plan make_small_wide_plan(const launch_plan& narrow, std::int64_t rows,
+                                        std::int64_t cols, int elem_bytes, int sms, int resident) {
+  if (narrow.cluster == 0 || rows * narrow.cluster <= std::int64_t{resident} * sms) return narrow;
+  const launch_plan wide = small_plan_of(rows, cols, elem_bytes, sms, policy::small_wide_regs,
+                                         policy::small_wide_ctas_per_sm);
+  return wide.cluster > 0 ? wide : narrow;
 }
 
 }  // namespace cuda_detail

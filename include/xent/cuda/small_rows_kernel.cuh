@@ -57,6 +57,15 @@ __device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
 /// cut; or anywhere (every element loaded and stored alone).
 enum class row_start { aligned, shifted, any };
 
+/// CTAs per SM a small-batch kernel of `regs` vectors per thread is bounded for: the wide form
+/// (policy::small_wide_regs) at its planned count, so that its grid is the one wave it was cut
+/// for; the narrow form unbounded (45-77 registers by instantiation on sm_90a).
+constexpr int small_min_blocks(int regs) {
+  return regs == policy::small_wide_regs && regs != policy::small_regs
+             ? policy::small_wide_ctas_per_sm
+             : 1;
+}
+
 /// Grid (cluster, rows): CTA `rank` of row blockIdx.y's cluster owns classes [rank * slice,
 /// (rank + 1) * slice), or with row_start::shifted, [rank * slice - lead, (rank + 1) * slice -
 /// lead) where the row starts `lead` elements past a 16-byte boundary: every CTA's tile starts on
@@ -82,7 +91,8 @@ enum class row_start { aligned, shifted, any };
 ///   polls (row_sums.cuh), not through a fence, an atomic counter and the last CTA's reads (11.5
 ///   / 23.9 / 16.0 with the count taken before the gradient): -> 10.2 / 21.3 / 12.8.
 template <int Block, int Regs, row_start Start, pass P, class T, class G, class Tgt>
-XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
+XENT_KERNEL void __launch_bounds__(Block, small_min_blocks(Regs))
+    small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool want_grad = P == pass::fused;
