@@ -266,7 +266,8 @@ bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
 }
 
 /// CTAs of `kernel` (of policy::block threads, no dynamic shared memory) that one SM of device
-/// `device` keeps in flight at once, asked of the runtime once per kernel and device.
+/// `device` keeps in flight at once, asked of the runtime once per kernel and device; where the
+/// runtime does not answer, policy::small_ctas_per_sm (the narrow plan's own bound: it stays).
 inline int resident_ctas(const void* kernel, int device) {
   struct entry {
     const void* kernel;
@@ -280,8 +281,8 @@ inline int resident_ctas(const void* kernel, int device) {
   int ctas = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, policy::block, 0) !=
       cudaSuccess) {
-    (void)cudaGetLastError();  // taken back, as in prepare_cluster_kernel
-    ctas = 0;
+    (void)cudaGetLastError();  // taken back, as in prepare_cluster_kernel; asked again next call
+    return policy::small_ctas_per_sm;
   }
   known.push_back({kernel, device, ctas});
   return ctas;
