@@ -59,11 +59,14 @@ enum class row_start { aligned, shifted, any };
 
 /// CTAs per SM a small-batch kernel of `regs` vectors per thread is bounded for: the wide form
 /// (policy::small_wide_regs) at its planned count, so that its grid is the one wave it was cut
-/// for; the narrow form unbounded (45-77 registers by instantiation on sm_90a).
+/// for; the narrow form 0, no bound at all (no .minnctapersm). A bound of 1 is not the same to
+/// ptxas: it took the fp32 fused narrow kernel from 48 registers to 62-64 (sm_90a), and on an
+/// H200 (2026-11-28) fp32 32 x 50257 fused ran 12.8-12.9 us and 128 x 32000 19.2, against
+/// 10.2-10.3 and 17.3 before.
 constexpr int small_min_blocks(int regs) {
   return regs == policy::small_wide_regs && regs != policy::small_regs
              ? policy::small_wide_ctas_per_sm
-             : 1;
+             : 0;
 }
 
 /// Grid (cluster, rows): CTA `rank` of row blockIdx.y's cluster owns classes [rank * slice,
