@@ -963,46 +963,6 @@ TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
       }
 }
 
-// A small batch of aligned rows whose narrow grid runs in two waves: the small-batch kernel's
-// wide form (policy::small_wide_regs) in one, each thread holding twice the vectors. As many rows
-// of 32000 classes as its grid holds in one wave, less three (fp32: 4 CTAs a row, one SM each;
-// 16-bit: 2), rows of whole vectors and of a partial last one, targets at the edges of the wide
-// cut, rows ignored, every reduction, in place and out of place.
-TYPED_TEST(CudaBackend, PlainSmallBatchInOneWaveOfTheWideForm) {
-  using xent::cuda_detail::make_small_plan;
-  using xent::cuda_detail::make_small_wide_plan;
-  using xent::cuda_detail::policy;
-  if (policy::small_regs == 0 || policy::small_wide_regs <= policy::small_regs)
-    GTEST_SKIP() << "no wide small-batch form in this build";
-  const int sms = sm_count();
-  constexpr int bytes = sizeof(TypeParam);
-  const std::int64_t wide_bytes = std::int64_t{policy::small_wide_regs} * 16 * policy::block;
-  const std::int64_t wide_cluster = (32000 * bytes + wide_bytes - 1) / wide_bytes;
-  const std::int64_t rows = policy::small_wide_ctas_per_sm * std::int64_t{sms} / wide_cluster - 3;
-  std::uint64_t seed = 1500;
-  for (auto shape : {std::pair<std::int64_t, std::int64_t>{32000, 0}, {31999, 32000}})
-    for (auto red : {xent::reduction::mean, xent::reduction::sum, xent::reduction::none})
-      for (bool in_place : {true, false}) {
-        spec s;
-        s.rows = rows;
-        s.cols = shape.first;
-        s.ld = shape.second;
-        s.reduce = red;
-        s.in_place = in_place;
-        s.some_ignored = true;
-        s.argmax = false;
-        const auto narrow = make_small_plan(s.rows, s.cols, bytes, sms);
-        // Five narrow CTAs per SM (48 registers) keep at most 5 sms of the narrow grid.
-        const auto wide = make_small_wide_plan(narrow, s.rows, s.cols, bytes, sms, 5);
-        ASSERT_EQ(wide.regs, policy::small_wide_regs)
-            << s.rows << " rows, narrow " << narrow.cluster;
-        s.edge_targets = true;
-        s.edge_cluster = wide.cluster;
-        s.seed = seed++;
-        check_spec<TypeParam>(s);
-      }
-}
-
 // Plain rows of at most 12 KiB, 16-byte aligned, several per warp in flight: the warp-rows kernel
 // where policy::warp_rows_kib takes them (a warp's registers hold the row from its load to its
 // gradient's store; 2 CTAs of 8 warps per SM, or for fused rows past that tile, 1 CTA of lanes
@@ -1088,14 +1048,14 @@ TYPED_TEST(CudaBackend, PlainLongBatchRowsCutAtTheirOwn16ByteBoundaries) {
     }
 }
 
-// Plain fused rows longer than 128 KiB (policy::wide_rows): CTAs of twice the threads and chunks,
+// Plain fused rows longer than 120 KiB (policy::wide_rows): CTAs of twice the threads and chunks,
 // one per SM, clusters of up to 16 holding rows of up to 1 MiB; just past 1 MiB the default shape
 // streams them in chunks. Targets at every slice's edge, rows ignored, in place and not, a spike
 // in the last columns.
 TYPED_TEST(CudaBackend, PlainFusedLongRowsTakeTheWideShape) {
   constexpr std::int64_t bytes = sizeof(TypeParam);
   for (std::int64_t row_bytes :
-       {(128 << 10) + 16, (256 << 10) + 16, 600000, 1 << 20, (1 << 20) + 16}) {
+       {128000, (128 << 10) + 16, (256 << 10) + 16, 600000, 1 << 20, (1 << 20) + 16}) {
     spec s;
     s.rows = 90;  // enough clusters that the plan does not spread a row over more CTAs
     s.cols = row_bytes / bytes;
@@ -1124,22 +1084,6 @@ TEST(CudaLaunchPlan, SmallBatchesCutEachRowOverAClusterThatHoldsIt) {
   EXPECT_EQ(make_small_plan(32, 32000, 4, sms).slice, 3556);
   EXPECT_EQ(make_small_plan(32, 50257, 4, sms).cluster, 13);
   EXPECT_EQ(make_small_plan(128, 32000, 4, sms).cluster, 8);
-  // 128 x 32000 fp32 in one wave of the wide form (four CTAs of 8 vectors a thread per row) where
-  // five narrow CTAs per SM keep only 660 of its 1024; 32 x 32000 stays narrow (288 CTAs).
-  using xent::cuda_detail::make_small_wide_plan;
-  if (policy::small_wide_regs > policy::small_regs) {
-    const auto wide =
-        make_small_wide_plan(make_small_plan(128, 32000, 4, sms), 128, 32000, 4, sms, 5);
-    EXPECT_EQ(wide.cluster, 4);
-    EXPECT_EQ(wide.regs, policy::small_wide_regs);
-    EXPECT_EQ(make_small_wide_plan(make_small_plan(32, 32000, 4, sms), 32, 32000, 4, sms, 5).regs,
-              policy::small_regs);
-    // Too many rows for one wave of the wide form either (200 x 3 CTAs): the narrow plan.
-    const auto narrow =
-        make_small_wide_plan(make_small_plan(200, 20000, 4, sms), 200, 20000, 4, sms, 5);
-    EXPECT_EQ(narrow.cluster, 5);
-    EXPECT_EQ(narrow.regs, policy::small_regs);
-  }
   // Not small: too many rows, or rows longer than 16 CTAs hold, or more rows than the workspace
   // keeps records for (however many SMs there are).
   EXPECT_EQ(make_small_plan(8192, 32000, 2, sms).cluster, 0);

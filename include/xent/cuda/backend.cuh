@@ -265,50 +265,13 @@ bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   return true;
 }
 
-/// CTAs of `kernel` (of policy::block threads, no dynamic shared memory) that one SM of device
-/// `device` keeps in flight at once, asked of the runtime once per kernel and device; where the
-/// runtime does not answer, policy::small_ctas_per_sm (the narrow plan's own bound: it stays).
-inline int resident_ctas(const void* kernel, int device) {
-  struct entry {
-    const void* kernel;
-    int device, ctas;
-  };
-  static std::mutex lock;
-  static std::vector<entry> known;
-  std::lock_guard<std::mutex> hold(lock);
-  for (const entry& e : known)
-    if (e.kernel == kernel && e.device == device) return e.ctas;
-  int ctas = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, policy::block, 0) !=
-      cudaSuccess) {
-    (void)cudaGetLastError();  // taken back, as in prepare_cluster_kernel; asked again next call
-    return policy::small_ctas_per_sm;
-  }
-  known.push_back({kernel, device, ctas});
-  return ctas;
-}
-
-/// A small batch of plain class-id rows by the small-batch kernel (one cluster per row, `narrow`
-/// from make_small_plan), aligned rows by its wide form where that makes one wave of two
-/// (make_small_wide_plan); false, launching nothing, where its code has no clusters.
+/// A small batch of plain class-id rows by the small-batch kernel (one cluster per row, `plan`
+/// from make_small_plan); false, launching nothing, where its code has no clusters.
 template <row_start Start, pass P, class T, class G, class Tgt>
 bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
-                       const launch_plan& narrow, const device_facts& dev) {
+                       const launch_plan& plan, const device_facts& dev) {
   auto kernel = small_rows_kernel<policy::block, policy::small_regs, Start, P, T, G, Tgt>;
   if (!prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), dev.id, 0)) return false;
-  launch_plan plan = narrow;
-  if constexpr (Start == row_start::aligned && policy::small_wide_regs > policy::small_regs) {
-    auto wide_kernel =
-        small_rows_kernel<policy::block, policy::small_wide_regs, Start, P, T, G, Tgt>;
-    plan = make_small_wide_plan(narrow, args.rows, args.cols, sizeof(T), dev.sms,
-                                resident_ctas(reinterpret_cast<const void*>(kernel), dev.id));
-    if (plan.regs == policy::small_wide_regs) {
-      if (!prepare_cluster_kernel(reinterpret_cast<const void*>(wide_kernel), dev.id, 0))
-        plan = narrow;
-      else
-        kernel = wide_kernel;
-    }
-  }
   args.cluster = plan.cluster;
   args.slice = plan.slice;
   cudaLaunchConfig_t cfg{};

@@ -47,9 +47,6 @@
 #ifndef XENT_CUDA_SMALL_CTAS_PER_SM  // the most CTAs per SM a small-batch launch may span
 #define XENT_CUDA_SMALL_CTAS_PER_SM 8
 #endif
-#ifndef XENT_CUDA_SMALL_WIDE_REGS  // vectors per thread of its one-wave form (0: off)
-#define XENT_CUDA_SMALL_WIDE_REGS 8
-#endif
 #ifndef XENT_CUDA_BULK_BACKWARD  // 1: plain backward tiles moved by bulk copies both ways (sm_90)
 #define XENT_CUDA_BULK_BACKWARD 1
 #endif
@@ -69,7 +66,7 @@
 #define XENT_CUDA_WIDE_ROWS 1
 #endif
 #ifndef XENT_CUDA_WIDE_FROM_KIB  // rows longer than this take the wide shape
-#define XENT_CUDA_WIDE_FROM_KIB 128
+#define XENT_CUDA_WIDE_FROM_KIB 120
 #endif
 #ifndef XENT_CUDA_STREAM_FORWARD  // 0: plain forwards by the row kernel too (see policy)
 #define XENT_CUDA_STREAM_FORWARD 1
@@ -230,15 +227,6 @@ struct policy {
   /// which the row kernel's persistent clusters take the batch.
   static constexpr int small_regs = XENT_CUDA_SMALL_REGS;
   static constexpr int small_ctas_per_sm = XENT_CUDA_SMALL_CTAS_PER_SM;
-  /// Its wide form, for aligned rows: slices of small_wide_regs vectors per thread at
-  /// small_wide_ctas_per_sm CTAs per SM (the launch bound: 64 registers, 32 of them the slice),
-  /// taken where the narrow grid runs in more than one wave and the wide one fits in one. Each
-  /// wave pays the row's whole chain (cold loads, the cluster's exchange, the dependent stores).
-  /// fp32 128 x 32000: 1024 narrow CTAs, of which 528-660 are in flight on 132 SMs (48-64
-  /// registers, by build), against 512 wide ones; bf16: 512 narrow CTAs of 72 registers (396 in
-  /// flight), 256 wide ones. Which narrow grids run in one wave is asked of the runtime.
-  static constexpr int small_wide_regs = XENT_CUDA_SMALL_WIDE_REGS;
-  static constexpr int small_wide_ctas_per_sm = 4;
   /// Whether forward calls with plain class-id rows, 16-byte aligned, run the streaming forward
   /// kernel (forward_kernel.cuh: whole rows per CTA, tiles of stream_forward_regs vectors per
   /// thread straight from global memory, stream_forward_min_blocks CTAs per SM) when the batch
@@ -452,7 +440,11 @@ struct policy {
   /// made the others slower, so it is chosen here alone); from 256 KiB, fp32 8192 x 128256 2.190
   /// -> 2.091 ms; from 128 KiB, bf16 16384 x 128256 (clusters of 4 where they were 8) 2.198 ->
   /// 2.113 ms (90.2 -> 93.5%). From 32 KiB, bf16 8192 x 32000 (one wide CTA per row) went 284 ->
-  /// 281 us in one lease, too little to take it there unmeasured elsewhere.
+  /// 281 us in one lease, too little to take it there unmeasured elsewhere. From 120 KiB (H200,
+  /// 2026-11-28, two rounds in one lease, bench/results/2026-11-28-h200-small-wide/): rows of 125
+  /// and 128 KiB, fp32 8192 x 32000 547 -> 534 us (90.8-91.3 -> 92.8-93.0%), bf16 8192 x 65536
+  /// 567-569 -> 556-557 us; from 32 KiB (one round) 8192 x 20480 and 8192 x 49152 ran 195 -> 214
+  /// and 429 -> 472 us, so shorter rows keep the default shape.
   static constexpr bool wide_rows = XENT_CUDA_WIDE_ROWS != 0;
   static constexpr std::int64_t wide_from_bytes = std::int64_t{XENT_CUDA_WIDE_FROM_KIB} * 1024;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
@@ -491,7 +483,6 @@ struct launch_plan {
   std::int64_t chunks = 1;      ///< stages per slice (1: the slice stays resident)
   std::size_t chunk_bytes = 0;  ///< bytes per stage, a 16-byte multiple
   std::size_t smem_bytes = 0;   ///< dynamic shared memory per CTA
-  int regs = 0;                 ///< vectors per thread (the small-batch kernel's plans)
 };
 
 inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
@@ -544,43 +535,24 @@ inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int el
   return p;
 }
 
-/// A small-batch plan of `regs` vectors per thread over at most `ctas_per_sm` CTAs per SM (see
-/// make_small_plan), or cluster 0.
-inline launch_plan small_plan_of(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms,
-                                 int regs, int ctas_per_sm) {
-  launch_plan p;
-  p.cluster = 0;
-  if (regs == 0) return p;
-  const int vec = 16 / elem_bytes;
-  const std::int64_t per_cta = std::int64_t{regs} * 16 * policy::block;
-  const std::int64_t row_bytes = cols * elem_bytes;
-  std::int64_t c = ceil_div(row_bytes, per_cta);
-  if (c > policy::cluster_max || rows > workspace_records) return p;
-  c = spread_rows(c < 1 ? 1 : c, rows, row_bytes, sms, policy::cluster_max);
-  if (rows * c > std::int64_t{ctas_per_sm} * sms) return p;
-  p.cluster = static_cast<int>(c);
-  p.slice = slice_classes(cols, c, vec);
-  p.regs = regs;
-  return p;
-}
-
 /// The small-batch kernel's cut of rows of `cols` elements of `elem_bytes` over a cluster (each
 /// CTA's slice whole 16-byte vectors, at most small_regs of them per thread), or cluster 0 when
 /// the batch is not small: a row longer than a cluster holds so, more CTAs than
 /// small_ctas_per_sm per SM, or more rows than the workspace keeps records for.
 inline launch_plan make_small_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms) {
-  return small_plan_of(rows, cols, elem_bytes, sms, policy::small_regs, policy::small_ctas_per_sm);
-}
-
-/// The wide form's plan (policy::small_wide_regs) for a batch whose plan `narrow` needs more CTAs
-/// than `resident` per SM keep in flight at once; `narrow` itself where it needs no more, or
-/// where the wide grid would not fit in one wave either.
-inline launch_plan make_small_wide_plan(const launch_plan& narrow, std::int64_t rows,
-                                        std::int64_t cols, int elem_bytes, int sms, int resident) {
-  if (narrow.cluster == 0 || rows * narrow.cluster <= std::int64_t{resident} * sms) return narrow;
-  const launch_plan wide = small_plan_of(rows, cols, elem_bytes, sms, policy::small_wide_regs,
-                                         policy::small_wide_ctas_per_sm);
-  return wide.cluster > 0 ? wide : narrow;
+  launch_plan p;
+  p.cluster = 0;
+  if (policy::small_regs == 0) return p;
+  const int vec = 16 / elem_bytes;
+  const std::int64_t per_cta = std::int64_t{policy::small_regs} * 16 * policy::block;
+  const std::int64_t row_bytes = cols * elem_bytes;
+  std::int64_t c = ceil_div(row_bytes, per_cta);
+  if (c > policy::cluster_max || rows > workspace_records) return p;
+  c = spread_rows(c < 1 ? 1 : c, rows, row_bytes, sms, policy::cluster_max);
+  if (rows * c > std::int64_t{policy::small_ctas_per_sm} * sms) return p;
+  p.cluster = static_cast<int>(c);
+  p.slice = slice_classes(cols, c, vec);
+  return p;
 }
 
 }  // namespace cuda_detail

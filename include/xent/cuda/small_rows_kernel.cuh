@@ -57,18 +57,6 @@ __device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
 /// cut; or anywhere (every element loaded and stored alone).
 enum class row_start { aligned, shifted, any };
 
-/// CTAs per SM a small-batch kernel of `regs` vectors per thread is bounded for: the wide form
-/// (policy::small_wide_regs) at its planned count, so that its grid is the one wave it was cut
-/// for; the narrow form 0, no bound at all (no .minnctapersm). A bound of 1 is not the same to
-/// ptxas: it took the fp32 fused narrow kernel from 48 registers to 62-64 (sm_90a), and on an
-/// H200 (2026-11-28) fp32 32 x 50257 fused ran 12.8-12.9 us and 128 x 32000 19.2, against
-/// 10.2-10.3 and 17.3 before.
-constexpr int small_min_blocks(int regs) {
-  return regs == policy::small_wide_regs && regs != policy::small_regs
-             ? policy::small_wide_ctas_per_sm
-             : 0;
-}
-
 /// Grid (cluster, rows): CTA `rank` of row blockIdx.y's cluster owns classes [rank * slice,
 /// (rank + 1) * slice), or with row_start::shifted, [rank * slice - lead, (rank + 1) * slice -
 /// lead) where the row starts `lead` elements past a 16-byte boundary: every CTA's tile starts on
@@ -94,8 +82,7 @@ constexpr int small_min_blocks(int regs) {
 ///   polls (row_sums.cuh), not through a fence, an atomic counter and the last CTA's reads (11.5
 ///   / 23.9 / 16.0 with the count taken before the gradient): -> 10.2 / 21.3 / 12.8.
 template <int Block, int Regs, row_start Start, pass P, class T, class G, class Tgt>
-XENT_KERNEL void __launch_bounds__(Block, small_min_blocks(Regs))
-    small_rows_kernel(row_args<T, G, Tgt> a) {
+XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool want_grad = P == pass::fused;
