@@ -447,39 +447,65 @@ TEST(CudaBackendSemantics, OutOfRangeTargetGivesNanRowZeroGradientAndCountsAnErr
 }
 
 // One workspace for calls of different batch sizes in turn, as a training loop with a last short
-// batch has them: the reduced loss of each is its own, whichever kernel takes it (the small-batch
-// kernel's records and the other kernels' per-row entries must not see each other's leftovers).
+// batch has them: the reduced loss and num_correct of each are its own, whichever kernel takes it
+// (the small-batch kernel's polled records and the other kernels' per-row entries and counter
+// must not see each other's leftovers). Rows of 100 classes (short rows' kernels) and of 8192
+// (32 KiB: the row kernel for 700 and 4000 fused rows, the small-batch kernel for 32), some rows
+// ignored, each reduction by forward and fused calls in turn, twice over.
 TEST(CudaBackendSemantics, OneWorkspaceServesBatchesOfEverySizeInTurn) {
   REQUIRE_GPU();
-  const std::int64_t V = 100, most = 4000;
-  std::vector<float> x(most * V);
-  std::vector<std::int64_t> y(most);
-  for (std::int64_t r = 0; r < most; ++r) {
-    y[r] = (r * 7) % V;
-    for (std::int64_t c = 0; c < V; ++c) x[r * V + c] = 3.0f * std::sin(0.37f * r + 0.11f * c);
-  }
-  dbuf<float> dx(x), dl(1);
-  dbuf<std::int64_t> dy(y);
-  dbuf<char> ws(xent::cuda_workspace_size(most));
-  const xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
-  xent::options opts;
-  opts.reduce = xent::reduction::sum;
-  xent::forward_outputs out;
-  out.loss = dl.ptr;
-  // 4000 rows: more than the small-batch kernel takes; 32 and 700: it takes them.
-  for (std::int64_t rows : {most, std::int64_t{32}, std::int64_t{700}, std::int64_t{32}, most}) {
-    double want = 0.0;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      double m = -HUGE_VAL, s = 0.0;
-      for (std::int64_t c = 0; c < V; ++c) m = std::max(m, static_cast<double>(x[r * V + c]));
-      for (std::int64_t c = 0; c < V; ++c) s += std::exp(static_cast<double>(x[r * V + c]) - m);
-      want += m + std::log(s) - static_cast<double>(x[r * V + y[r]]);
+  const std::int64_t most = 4000, ignore = -100;
+  for (const std::int64_t V : {std::int64_t{100}, std::int64_t{8192}}) {
+    std::vector<float> x(most * V);
+    std::vector<std::int64_t> y(most);
+    for (std::int64_t r = 0; r < most; ++r) {
+      y[r] = r % 5 == 3 ? ignore : (r * 7) % V;
+      for (std::int64_t c = 0; c < V; ++c) x[r * V + c] = 3.0f * std::sin(0.37f * r + 0.11f * c);
     }
-    for (int repeat = 0; repeat < 2; ++repeat) {
-      xent::forward(exec, xent::matrix_view<const float>(dx.ptr, rows, V),
-                    xent::vector_view<const std::int64_t>(dy.ptr, rows), opts, out);
-      ok(cudaDeviceSynchronize());
-      EXPECT_NEAR(dl.download()[0], want, 1e-5 * want) << rows << " rows, call " << repeat;
+    dbuf<float> dx(x), dg(most * V), dl(1);
+    dbuf<std::int64_t> dy(y), dhits(1);
+    dbuf<char> ws(xent::cuda_workspace_size(most));
+    const xent::cuda exec{nullptr, ws.ptr, ws.n, nullptr};
+    xent::options opts;
+    opts.ignore_index = ignore;
+    xent::forward_outputs out;
+    out.loss = dl.ptr;
+    // 4000 rows: more than the small-batch kernel takes; 32 and 700 of 100 classes: it takes
+    // them; 32 of 8192.
+    for (std::int64_t rows : {most, std::int64_t{32}, std::int64_t{700}, std::int64_t{32}, most}) {
+      double sum = 0.0;
+      std::int64_t kept = 0, hits = 0;
+      for (std::int64_t r = 0; r < rows; ++r) {
+        if (y[r] == ignore) continue;
+        const float* row = &x[r * V];
+        double m = -HUGE_VAL, e = 0.0;
+        for (std::int64_t c = 0; c < V; ++c) m = std::max(m, static_cast<double>(row[c]));
+        for (std::int64_t c = 0; c < V; ++c) e += std::exp(static_cast<double>(row[c]) - m);
+        sum += m + std::log(e) - static_cast<double>(row[y[r]]);
+        ++kept;
+        hits += std::max_element(row, row + V) - row == y[r];
+      }
+      // num_correct asked for (an argmax per row: not the plain rows' kernels) or not.
+      for (const auto& [reduce, count] :
+           {std::pair{xent::reduction::sum, false}, std::pair{xent::reduction::mean, false},
+            std::pair{xent::reduction::mean, true}}) {
+        opts.reduce = reduce;
+        out.num_correct = count ? dhits.ptr : nullptr;
+        const double want = reduce == xent::reduction::mean ? sum / kept : sum;
+        const xent::matrix_view<const float> L(dx.ptr, rows, V);
+        const xent::vector_view<const std::int64_t> Y(dy.ptr, rows);
+        for (int call = 0; call < 4; ++call) {  // forward, fused, forward, fused
+          if (call % 2 == 0)
+            xent::forward(exec, L, Y, opts, out);
+          else
+            xent::forward_backward(exec, L, Y, opts, xent::upstream{}, out,
+                                   xent::matrix_view<float>(dg.ptr, rows, V));
+          ok(cudaDeviceSynchronize());
+          EXPECT_NEAR(dl.download()[0], want, 1e-5 * std::fabs(want))
+              << V << " classes, " << rows << " rows, call " << call;
+          if (count) EXPECT_EQ(dhits.download()[0], hits) << V << " classes, " << rows << " rows";
+        }
+      }
     }
   }
 }
