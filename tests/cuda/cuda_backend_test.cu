@@ -449,13 +449,15 @@ TEST(CudaBackendSemantics, OutOfRangeTargetGivesNanRowZeroGradientAndCountsAnErr
 // One workspace for calls of different batch sizes in turn, as a training loop with a last short
 // batch has them: the reduced loss and num_correct of each are its own, whichever kernel takes it
 // (the small-batch kernel's polled records and the other kernels' per-row entries and counter
-// must not see each other's leftovers). Rows of 100 classes (short rows' kernels) and of 8192
-// (32 KiB: the row kernel for 700 and 4000 fused rows, the small-batch kernel for 32), some rows
-// ignored, each reduction by forward and fused calls in turn, twice over.
+// must not see each other's leftovers). Rows of 100 classes (short rows' kernels), of 8192 and
+// 16384 (32 and 64 KiB: for 700 and 4000 rows the row kernel, which takes most of them from its
+// queue, by one CTA a row and by clusters of two; for 32 the small-batch kernel), some rows
+// ignored, each reduction by forward and fused calls in turn, twice over; the header's counters
+// back at 0 after each call, and the mean's gradient checked.
 TEST(CudaBackendSemantics, OneWorkspaceServesBatchesOfEverySizeInTurn) {
   REQUIRE_GPU();
   const std::int64_t most = 4000, ignore = -100;
-  for (const std::int64_t V : {std::int64_t{100}, std::int64_t{8192}}) {
+  for (const std::int64_t V : {std::int64_t{100}, std::int64_t{8192}, std::int64_t{16384}}) {
     std::vector<float> x(most * V);
     std::vector<std::int64_t> y(most);
     for (std::int64_t r = 0; r < most; ++r) {
@@ -504,6 +506,34 @@ TEST(CudaBackendSemantics, OneWorkspaceServesBatchesOfEverySizeInTurn) {
           EXPECT_NEAR(dl.download()[0], want, 1e-5 * std::fabs(want))
               << V << " classes, " << rows << " rows, call " << call;
           if (count) EXPECT_EQ(dhits.download()[0], hits) << V << " classes, " << rows << " rows";
+          // The counters are left at 0 for the next call (the rows' queue among them).
+          xent::cuda_detail::workspace_header head;
+          ok(cudaMemcpy(&head, ws.ptr, sizeof head, cudaMemcpyDeviceToHost));
+          EXPECT_EQ(head.rows_done, 0u) << V << " classes, " << rows << " rows, call " << call;
+          EXPECT_EQ(head.rows_taken, 0u) << V << " classes, " << rows << " rows, call " << call;
+        }
+        // The last fused call's gradient, every row: whichever CTA took a row, it is that row's.
+        if (reduce == xent::reduction::mean && !count) {
+          const std::vector<float> g = dg.download();
+          std::int64_t bad = 0;
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const float* row = &x[r * V];
+            double m = -HUGE_VAL, e = 0.0;
+            for (std::int64_t c = 0; c < V; ++c) m = std::max(m, static_cast<double>(row[c]));
+            for (std::int64_t c = 0; c < V; ++c) e += std::exp(static_cast<double>(row[c]) - m);
+            for (std::int64_t c = 0; c < V; ++c) {
+              const double want_g =
+                  y[r] == ignore
+                      ? 0.0
+                      : (std::exp(static_cast<double>(row[c]) - m) / e - (c == y[r] ? 1.0 : 0.0)) /
+                            static_cast<double>(kept);
+              const double got = g[r * V + c];
+              if (std::fabs(got - want_g) > 1e-5 * std::fabs(want_g) + 1e-6 / kept && bad++ == 0)
+                ADD_FAILURE() << V << " classes, " << rows << " rows: gradient of row " << r
+                              << ", class " << c << ": " << got << " against " << want_g;
+            }
+          }
+          EXPECT_EQ(bad, 0) << V << " classes, " << rows << " rows";
         }
       }
     }

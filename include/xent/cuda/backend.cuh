@@ -226,6 +226,10 @@ bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   if (Shifted && plan.chunks != 1) return false;
   args.cluster = plan.cluster;
   args.slice = plan.slice;
+  // The row queue's counter (policy::row_queue), in the workspace where the call gave one.
+  if (!Shifted && policy::row_queue && exec.workspace &&
+      exec.workspace_bytes >= cuda_workspace_size(args.rows))
+    args.queue = &static_cast<workspace_header*>(exec.workspace)->rows_taken;
   args.chunk = plan.chunk;
   args.chunks = plan.chunks;
   args.chunk_bytes = plan.chunk_bytes;

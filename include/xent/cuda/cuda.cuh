@@ -72,6 +72,9 @@ struct workspace_header {
   /// The mean's normaliser of the running call, where a kernel ahead of the row kernel sums it
   /// (normalizer_kernel, row_sums.cuh); the row kernel reads it after griddepcontrol.wait.
   double normalizer;
+  /// Tickets the running row kernel has handed out from its queue of rows (row_queue.cuh); the
+  /// launch's last take resets it to 0.
+  unsigned long long rows_taken;
 };
 
 __host__ __device__ inline std::size_t align_up(std::size_t n, std::size_t a) {

@@ -26,6 +26,7 @@
 #include "cuda.cuh"
 #include "dtype.cuh"
 #include "policy.cuh"
+#include "row_queue.cuh"
 #include "row_reduce.cuh"
 #include "row_sums.cuh"
 #include "tile.cuh"
@@ -89,6 +90,7 @@ struct row_args {
   const float* up_rows;
   // bookkeeping
   void* workspace;
+  unsigned long long* queue;  ///< the row queue's counter (workspace_header::rows_taken) or null
   int* error_count;
   int cluster;
   std::int64_t slice;       ///< classes per CTA
@@ -564,6 +566,16 @@ XENT_KERNEL void __launch_bounds__(
   using exchange_state = row_exchange_state<part_t, exchange_t::warps>;
   __shared__ alignas(exchange_state) unsigned char exchange_bytes[sizeof(exchange_state)];
   exchange_t ex{*reinterpret_cast<exchange_state*>(exchange_bytes), a.cluster};
+  // Rows from the launch's queue (policy::row_queue, row_queue.cuh): resident rows staged by bulk
+  // copies, forward or fused, on 16-byte boundaries, where the call gave a workspace. Item k's row
+  // is then stage_row[k % Stages], set by thread 0 as it issues the item's copy (rows, past the
+  // last item).
+  constexpr bool queue_capable = policy::row_queue && bulk && P != pass::backward && !Shifted;
+  constexpr int queue_slots = 2 * Stages;
+  static_assert(!queue_capable || Block >= 64, "the queue's taker is thread 32");
+  __shared__ row_queue_state<queue_slots> queue_boxes;
+  __shared__ std::int64_t stage_row[Stages];
+  __shared__ std::int64_t queue_end;  // thread 0: the first item past the last row
 
   const int rank = static_cast<int>(blockIdx.x);
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -585,12 +597,21 @@ XENT_KERNEL void __launch_bounds__(
       a.rows > blockIdx.y ? (a.rows - blockIdx.y + gridDim.y - 1) / gridDim.y : 0;
   const std::int64_t items = my_rows * per_row;
   const bool need_reduce = a.workspace && (a.loss || a.num_correct) && P != pass::backward;
+  const bool queued = queue_capable && resident && a.queue != nullptr;
+  const row_queue<Stages, queue_slots> queue{queue_boxes, a.queue,   a.rows,
+                                             gridDim.y,   a.cluster, rank};
+  // The thread of rank 0 that takes tickets (warp 1: warp 0 waits on the cluster and issues the
+  // copies).
+  const bool taker = queued && rank == 0 && threadIdx.x == 32;
+  std::int64_t rows_here = my_rows;  // rows this CTA took statistics of
   auto stage = [&](std::int64_t k) {
     return reinterpret_cast<T*>(smem + static_cast<std::size_t>(k % Stages) * a.chunk_bytes);
   };
   auto gradient_stage = [&] { return reinterpret_cast<G*>(smem + Stages * a.chunk_bytes); };
   // A resident row is one item: no division by per_row on the row's path.
-  auto row_of = [&](std::int64_t k) {
+  auto row_of = [&](std::int64_t k) -> std::int64_t {
+    if constexpr (queue_capable)
+      if (queued) return stage_row[k % Stages];
     return blockIdx.y + (resident ? k : k / per_row) * gridDim.y;
   };
   // Where this CTA's part of row n starts and ends (Shifted: lead(n) classes earlier).
@@ -620,7 +641,18 @@ XENT_KERNEL void __launch_bounds__(
   constexpr bool row_scalars = !Tgt::soft || P == pass::backward;
   // Ignored rows are copied too: knowing that first would put a dependent load before the copy.
   auto issue_bulk = [&](std::int64_t k) {  // thread 0 only
-    if (k >= items) return;
+    if (queue_capable && queued) {
+      if (k > queue_end) return;
+      const std::int64_t n = k < Stages ? queue.dealt(k) : queue.row_of_item(k);
+      stage_row[k % Stages] = n < a.rows ? n : a.rows;
+      if (n >= a.rows) {  // no row: its waiters learn so from stage_row
+        queue_end = k;
+        mbarrier_arrive_expect(&landed[k % Stages], 0);
+        return;
+      }
+    } else if (k >= items) {
+      return;
+    }
     // Thread 0's -inf over a lead (generic proxy) is ordered before the copy that overwrites it.
     if constexpr (Shifted) fence_async_shared();
     const std::int64_t n = row_of(k);
@@ -782,6 +814,10 @@ XENT_KERNEL void __launch_bounds__(
       }
     }
     if (use_cluster) ex.init();
+    if (queue_capable && queued) {
+      queue.init();
+      queue_end = INT64_MAX;
+    }
     mbarrier_init_fence();
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -881,8 +917,9 @@ XENT_KERNEL void __launch_bounds__(
                                         row_tile<T, R, Block, whole_tile>>;
       held_t tile;
       row_state prev;
-      for (std::int64_t i = 0; i <= my_rows; ++i) {
-        const bool has_cur = i < my_rows;
+      for (std::int64_t i = 0;; ++i) {
+        // Queued, whether item i is a row is known once it has landed.
+        bool has_cur = queued || i < my_rows;
         const int slot = static_cast<int>(i & 1);
         const bool prev_stats = want_stats && i > 0 && !prev.skip;
         if (prev_stats) {
@@ -920,6 +957,12 @@ XENT_KERNEL void __launch_bounds__(
         row_state cur;
         if (has_cur) {
           wait_item(i);
+          if (queue_capable && queued) has_cur = stage_row[i % Stages] < a.rows;
+        }
+        if (has_cur) {
+          // Item i + Stages's ticket, posted at once: a ticket held until this warp is done
+          // with item i, or taken a row ahead, made the pass 1-15% slower (thirty-fifth session).
+          if (queue_capable && taker && queue.taking()) queue.post(i + Stages, queue.take());
           cur = begin_row(i);
           if constexpr (Shifted) {  // rank 0's lead: -inf, in the vector thread 0 alone reads
             if (rank == 0 && threadIdx.x == 0)
@@ -979,6 +1022,10 @@ XENT_KERNEL void __launch_bounds__(
           }
         }
         prev = cur;
+        if (!has_cur) {
+          rows_here = i;
+          break;
+        }
       }
     };
     using all_vectors = std::integral_constant<int, Regs>;
@@ -1066,8 +1113,13 @@ XENT_KERNEL void __launch_bounds__(
   if constexpr (store_bulk) {
     if (threadIdx.x == 0) bulk_stores_wait<0, true>();
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Queued: the other ranks' last reads of rank 0's mailboxes and arrivals on them are done
+  // before any CTA of the cluster exits.
+  if (queue_capable && queued && a.cluster > 1) cooperative_groups::this_cluster().sync();
+#endif
   if (need_reduce && rank == 0) {
-    finish_reduction<Block>(a.workspace, a.rows, static_cast<std::uint64_t>(my_rows), a.loss,
+    finish_reduction<Block>(a.workspace, a.rows, static_cast<std::uint64_t>(rows_here), a.loss,
                             a.num_correct, normalizer);
   }
 }

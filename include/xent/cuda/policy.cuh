@@ -101,6 +101,9 @@
 #ifndef XENT_CUDA_NORMALIZER_AHEAD  // 0: every CTA sums the mean's normaliser (see policy)
 #define XENT_CUDA_NORMALIZER_AHEAD 1
 #endif
+#ifndef XENT_CUDA_ROW_QUEUE  // 0: the row kernel's rows dealt out in turn (see policy)
+#define XENT_CUDA_ROW_QUEUE 1
+#endif
 #ifndef XENT_CUDA_STREAM_FORWARD_HANDOFF  // 0: its rows end in a CTA barrier (see policy)
 #define XENT_CUDA_STREAM_FORWARD_HANDOFF 1
 #endif
@@ -312,6 +315,17 @@ struct policy {
   /// (stream capture among them: a programmatic dependency in a graph) and the linear tests pass
   /// with it (H200, 2026-11-25, bench/results/2026-11-25-h200-normalizer-ahead-tests/).
   static constexpr bool normalizer_ahead = XENT_CUDA_NORMALIZER_AHEAD != 0;
+  /// Whether the resident row kernel (bulk copies, forward or fused, a workspace given, rows on
+  /// 16-byte boundaries) takes rows from a queue (row_queue.cuh) rather than each cluster a fixed
+  /// share. H200, 2026-11-29, fused, two rounds each against the same tree without it
+  /// (bench/results/2026-11-29-h200-polled-shares/run4): bf16 8192 x 32000 280.5 -> 267.2 us,
+  /// 8192 x 65536 559 -> 519, 8192 x 49152 436 -> 418, 16384 x 128256 2115 -> 2090, 4096 x
+  /// 262144 1084 -> 1068, fp32 8192 x 32000 537 -> 511, 8192 x 128256 2134 -> 2058; but bf16
+  /// 8192 x 20480 194.5 -> 207.3 and 8192 x 50304 452 -> 472, and these stayed so with the queue
+  /// compiled in but not taken (run5): the code, not the queue, costs there (not understood
+  /// yet). Rows off 16-byte boundaries (Shifted) are compiled without it: bf16 8192 x 50257 lost
+  /// 482.5 -> 499 with it.
+  static constexpr bool row_queue = XENT_CUDA_ROW_QUEUE != 0;
   /// Whether the bulk backward's persistent grid takes as few CTAs as walk the same most tiles
   /// each (persistent_grid) rather than as many as the SMs hold. H200, 2026-11-24, same lease, bf16
   /// backward 8192 x 32000: 278 -> 275 us (two runs each; 16384 x 128256 and 4096 x 262144
