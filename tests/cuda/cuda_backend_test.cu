@@ -1217,6 +1217,60 @@ TEST(CudaLaunchPlan, PersistentGridsWalkEvenShares) {
     }
 }
 
+// The row kernel's queue (row_queue.cuh), its counting on the host: clusters in a random order,
+// each with its first two rows dealt out in turn, then a ticket per row taken while its last one
+// was a row, as the kernel's taker does. Every row is taken once, and the take that resets the
+// counter is the launch's last.
+TEST(CudaRowQueue, EveryRowOnceAndTheLastTakeResetsTheCounter) {
+  constexpr int stages = 2;
+  std::mt19937 rng(11);
+  for (std::int64_t rows : {1, 2, 3, 131, 132, 133, 263, 264, 265, 700, 4000})
+    for (std::int64_t clusters : {1, 2, 7, 132}) {
+      if (clusters > rows) continue;  // the launch's grid has at most a cluster a row
+      const std::int64_t takes = xent::cuda_detail::row_queue_takes(rows, clusters, stages);
+      struct cluster_state {
+        std::vector<std::int64_t> item;  // each item's row, rows past the last
+        std::size_t next = 0;
+        bool dry = false;
+      };
+      std::vector<cluster_state> c(static_cast<std::size_t>(clusters));
+      for (std::int64_t b = 0; b < clusters; ++b) {
+        for (int k = 0; k < stages; ++k) c[b].item.push_back(std::min(b + k * clusters, rows));
+        c[b].dry = c[b].item.back() == rows;
+      }
+      std::vector<int> seen(static_cast<std::size_t>(rows));
+      std::int64_t counter = 0, taken = 0, resets = 0;
+      for (;;) {
+        std::vector<std::size_t> live;
+        for (std::size_t b = 0; b < c.size(); ++b)
+          if (c[b].item[c[b].next] < rows) live.push_back(b);
+        if (live.empty()) break;
+        cluster_state& s = c[live[rng() % live.size()]];
+        ++seen[static_cast<std::size_t>(s.item[s.next])];
+        if (!s.dry) {  // item next + stages's ticket
+          ASSERT_EQ(resets, 0) << "a take after the last";
+          const std::int64_t t = counter++;
+          ++taken;
+          if (t == takes - 1) {
+            counter = 0;
+            ++resets;
+          }
+          const std::int64_t n = std::min(stages * clusters + t, rows);
+          s.item.push_back(n);
+          s.dry = n == rows;
+        }
+        ++s.next;
+        ASSERT_LT(s.next, s.item.size()) << "an item without a row";
+      }
+      EXPECT_EQ(taken, takes) << rows << " rows, " << clusters << " clusters";
+      EXPECT_EQ(counter, 0) << rows << " rows, " << clusters << " clusters";
+      EXPECT_EQ(resets, takes > 0 ? 1 : 0) << rows << " rows, " << clusters << " clusters";
+      for (std::int64_t r = 0; r < rows; ++r)
+        ASSERT_EQ(seen[static_cast<std::size_t>(r)], 1)
+            << "row " << r << " of " << rows << ", " << clusters << " clusters";
+    }
+}
+
 /// 16384 x 131073 bf16 = 2.1e9 elements (> 2^31): 64-bit offsets end to end. Rows are checked by
 /// sampling against the oracle.
 TEST(CudaBackendLarge, MoreThan2Pow31ElementsIndexCorrectly) {

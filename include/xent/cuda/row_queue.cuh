@@ -28,6 +28,16 @@
 namespace xent {
 namespace cuda_detail {
 
+/// Tickets a launch takes from the queue: the rows past those dealt out (`stages` a cluster, in
+/// turn), and one past the last by every cluster whose dealt rows were all rows (those take until
+/// they get one).
+__host__ __device__ constexpr std::int64_t row_queue_takes(std::int64_t rows, std::int64_t clusters,
+                                                           int stages) {
+  const std::int64_t late = rows - (stages - 1) * clusters;
+  const std::int64_t takers = late < 0 ? 0 : (late < clusters ? late : clusters);
+  return (rows > stages * clusters ? rows - stages * clusters : 0) + takers;
+}
+
 /// Mailboxes of one CTA (every rank has them; rank 0's hold what its taker wrote).
 template <int Slots>
 struct row_queue_state {
@@ -66,12 +76,8 @@ struct row_queue {
   __device__ std::int64_t take() const {
     const std::int64_t base = Stages * clusters;
     const auto t = static_cast<std::int64_t>(atomicAdd(counter, 1ull));
-    // Takes in all: the rows past the dealt ones, and one past the last by every cluster that
-    // took any (those whose dealt rows were all rows).
-    const std::int64_t late = rows - (Stages - 1) * clusters;
-    const std::int64_t takers = late < 0 ? 0 : (late < clusters ? late : clusters);
-    const std::int64_t takes = (rows > base ? rows - base : 0) + takers;
-    if (t == takes - 1) atomicExch(counter, 0ull);  // every other take is in: the last one
+    // Every other take is in: the last one.
+    if (t == row_queue_takes(rows, clusters, Stages) - 1) atomicExch(counter, 0ull);
     return base + t < rows ? base + t : rows;
   }
 
