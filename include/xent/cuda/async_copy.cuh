@@ -53,6 +53,18 @@ __device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
       : "memory");
 }
 
+/// Arrives on the mbarrier at `bar`'s offset in cluster CTA `rank` (sm_90), with the default
+/// semantics (CUTLASS's ClusterBarrier does the same: the cluster-scope release form costs a
+/// MEMBAR.ALL.GPU per arrive).
+__device__ __forceinline__ void mbarrier_arrive_in([[maybe_unused]] unsigned long long* bar,
+                                                   [[maybe_unused]] unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned addr = shared_address(bar);
+  asm volatile("mapa.shared::cluster.u32 %0, %0, %1;" : "+r"(addr) : "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(addr) : "memory");
+#endif
+}
+
 /// Arrives and announces `bytes` of transactions still to land in this phase.
 __device__ __forceinline__ void mbarrier_arrive_expect(unsigned long long* bar, unsigned bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -104,23 +104,10 @@ struct row_queue {
     mbarrier_arrive_expect(&s.full[box], 8);
     mbarrier_wait<true>(&s.full[box], static_cast<unsigned>(m / Slots) & 1u);
     const std::int64_t n = s.row[box];
-    if (n < rows) arrive_remote(&s.empty[box], 0);  // none is posted after the last
+    if (n < rows) mbarrier_arrive_in(&s.empty[box], 0);  // none is posted after the last
     return n;
 #else
     return rows;
-#endif
-  }
-
- private:
-  /// Arrives on the mbarrier at `bar`'s offset in cluster CTA `to`.
-  __device__ static void arrive_remote([[maybe_unused]] unsigned long long* bar,
-                                       [[maybe_unused]] unsigned to) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned addr = shared_address(bar);
-    asm volatile("mapa.shared::cluster.u32 %0, %0, %1;" : "+r"(addr) : "r"(to));
-    // The default semantics, as CUTLASS's ClusterBarrier (the release.cluster form costs a
-    // MEMBAR.ALL.GPU): the mailbox's read is this thread's own, done before.
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(addr) : "memory");
 #endif
   }
 };

@@ -260,18 +260,18 @@ __device__ inline void warp_poll_reduction(void* workspace, std::int64_t rows, f
   unsigned long long* records = row_records(workspace);
   const int lane = static_cast<int>(threadIdx.x % 32);
   constexpr int batch = 4;  // 128 rows in one batch, in 8 registers: the kernel keeps its 48
-  auto load = [&](std::int64_t r) { return load_record(records + r); };
   double sum = 0.0;
   for (std::int64_t r0 = lane; r0 < rows; r0 += 32 * batch) {
     unsigned long long word[batch];
 #pragma unroll
-    for (int k = 0; k < batch; ++k) word[k] = r0 + 32 * k < rows ? load(r0 + 32 * k) : 0ull;
+    for (int k = 0; k < batch; ++k)
+      word[k] = r0 + 32 * k < rows ? load_record(records + r0 + 32 * k) : 0ull;
 #pragma unroll
     for (int k = 0; k < batch; ++k) {
       if (r0 + 32 * k >= rows) break;
       while (!(word[k] >> 32)) {
         __nanosleep(32);
-        word[k] = load(r0 + 32 * k);
+        word[k] = load_record(records + r0 + 32 * k);
       }
       sum += static_cast<double>(__uint_as_float(static_cast<unsigned>(word[k])));
     }

@@ -72,18 +72,6 @@ __device__ __forceinline__ void tma_load_2d_multicast([[maybe_unused]] void* dst
 #endif
 }
 
-/// Arrives on the mbarrier at `bar`'s offset in cluster CTA `rank`, with the default semantics
-/// (CUTLASS's ClusterBarrier does the same: the cluster-scope release form costs a
-/// MEMBAR.ALL.GPU per arrive).
-__device__ __forceinline__ void mbarrier_arrive_in([[maybe_unused]] unsigned long long* bar,
-                                                   [[maybe_unused]] unsigned rank) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  unsigned addr = shared_address(bar);
-  asm volatile("mapa.shared::cluster.u32 %0, %0, %1;" : "+r"(addr) : "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(addr) : "memory");
-#endif
-}
-
 /// Every thread of every CTA of the cluster. Not .aligned: a producer thread may arrive apart
 /// from the rest of its warp.
 __device__ __forceinline__ void cluster_sync_all() {
