@@ -135,17 +135,19 @@ constexpr int row_kernel_stages() {
   return policy::stages + (Aligned && policy::bulk_gradient<T, G, Plain, P == pass::fused> ? 1 : 0);
 }
 
-/// The row kernel of one CTA shape (row_shape); `Shifted`: rows cut at their own boundaries.
+/// The row kernel of one CTA shape (row_shape); `Shifted`: rows cut at their own boundaries;
+/// `Queue`: how it takes its rows (row_queue_form).
 template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt,
-          bool Shifted = false>
-constexpr auto row_kernel_of =
-    row_kernel<Shape::block, Shape::regs, policy::stages, Aligned, Plain, P, T, G, Tgt, Shifted>;
+          bool Shifted = false, row_queue_form Queue = row_queue_form::none>
+constexpr auto row_kernel_of = row_kernel<Shape::block, Shape::regs, policy::stages, Aligned, Plain,
+                                          P, T, G, Tgt, Shifted, Queue>;
 
 template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt,
-          bool Shifted = false>
+          bool Shifted = false, row_queue_form Queue = row_queue_form::none>
 bool prepare_kernel_attributes(int device) {
   return prepare_cluster_kernel(
-      reinterpret_cast<const void*>(row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>),
+      reinterpret_cast<const void*>(
+          row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, Shifted, Queue>),
       device, static_cast<int>(row_kernel_stages<Aligned, Plain, P, T, G>() * Shape::chunk_bytes));
 }
 
@@ -169,12 +171,13 @@ void launch_normalizer_ahead(const char* fn, const cuda& exec, row_args<T, G, Tg
   attr.val.programmaticStreamSerializationAllowed = 1;
 }
 
-/// How many clusters of this kernel fit on the device at once, for a launch shaped like `cfg`:
-/// the occupancy query costs microseconds of host time, so answers are kept per instantiation
-/// (keyed by device, cluster size and shared memory).
-template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt, bool Shifted>
-int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_facts& dev) {
+/// How many clusters of `kernel` (`block` threads a CTA) fit on the device at once, for a launch
+/// shaped like `cfg`: the occupancy query costs microseconds of host time, so answers are kept per
+/// kernel (keyed by device, cluster size and shared memory).
+inline int active_clusters(const char* fn, const void* kernel, int block,
+                           const cudaLaunchConfig_t& cfg, const device_facts& dev) {
   struct entry {
+    const void* kernel;
     int device, cluster;
     std::size_t smem;
     int active;
@@ -185,20 +188,20 @@ int active_clusters(const char* fn, const cudaLaunchConfig_t& cfg, const device_
   {
     std::lock_guard<std::mutex> hold(lock);
     for (const entry& e : known)
-      if (e.device == dev.id && e.cluster == cluster && e.smem == cfg.dynamicSmemBytes)
+      if (e.kernel == kernel && e.device == dev.id && e.cluster == cluster &&
+          e.smem == cfg.dynamicSmemBytes)
         return e.active;
   }
-  auto kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>;
   int active = 0;
   if (cluster > 1) {
     check_cuda(fn, cudaOccupancyMaxActiveClusters(&active, kernel, &cfg));
   } else {
-    check_cuda(fn, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&active, kernel, Shape::block,
+    check_cuda(fn, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&active, kernel, block,
                                                                  cfg.dynamicSmemBytes));
     active *= dev.sms;
   }
   std::lock_guard<std::mutex> hold(lock);
-  known.push_back({dev.id, cluster, cfg.dynamicSmemBytes, active});
+  known.push_back({kernel, dev.id, cluster, cfg.dynamicSmemBytes, active});
   return active;
 }
 
@@ -226,10 +229,19 @@ bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   if (Shifted && plan.chunks != 1) return false;
   args.cluster = plan.cluster;
   args.slice = plan.slice;
-  // The row queue's counter (policy::row_queue), in the workspace where the call gave one.
-  if (!Shifted && policy::row_queue && exec.workspace &&
-      exec.workspace_bytes >= cuda_workspace_size(args.rows))
+  // Resident rows staged by bulk copies (sm_90, aligned, forward or fused) take them from the
+  // row queue (policy::row_queue), whose counter is in the workspace, where the call gave one.
+  constexpr row_queue_form form = policy::row_queue && Aligned && P != pass::backward && !Shifted
+                                      ? policy::queue_form<T, Shape::block>
+                                      : row_queue_form::none;
+  const bool queued =
+      form != row_queue_form::none && clusters && plan.chunks == 1 && exec.workspace &&
+      exec.workspace_bytes >= cuda_workspace_size(args.rows) &&
+      prepare_kernel_attributes<Shape, Aligned, Plain, P, T, G, Tgt, false, form>(dev.id);
+  if (queued) {
     args.queue = &static_cast<workspace_header*>(exec.workspace)->rows_taken;
+    kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, false, form>;
+  }
   args.chunk = plan.chunk;
   args.chunks = plan.chunks;
   args.chunk_bytes = plan.chunk_bytes;
@@ -253,16 +265,17 @@ bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   }
   // Persistent clusters: as many as fit at once, each walking its share of the rows.
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), 1, 1);
-  const int active = active_clusters<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>(fn, cfg, dev);
+  const int active =
+      active_clusters(fn, reinterpret_cast<const void*>(kernel), Shape::block, cfg, dev);
   const std::int64_t grid_rows = args.rows < active ? args.rows : (active > 0 ? active : 1);
   cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(grid_rows), 1);
   if (log)
     std::fprintf(stderr,
-                 "%s: %lld x %lld, aligned %d, plain %d, shifted %d: cluster %d, slice %lld, "
-                 "chunk %lld x %lld, smem %zu, grid %lld (active %d)\n",
+                 "%s: %lld x %lld, aligned %d, plain %d, shifted %d, queued %d: cluster %d, "
+                 "slice %lld, chunk %lld x %lld, smem %zu, grid %lld (active %d)\n",
                  fn, static_cast<long long>(args.rows), static_cast<long long>(args.cols),
                  static_cast<int>(Aligned), static_cast<int>(Plain), static_cast<int>(Shifted),
-                 plan.cluster, static_cast<long long>(plan.slice),
+                 static_cast<int>(queued), plan.cluster, static_cast<long long>(plan.slice),
                  static_cast<long long>(plan.chunk), static_cast<long long>(plan.chunks),
                  cfg.dynamicSmemBytes, static_cast<long long>(grid_rows), active);
   check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));

@@ -516,7 +516,7 @@ struct row_state {
 /// thread copies its share with cp.async, and one barrier per item serves both the landed copy
 /// and the freed stage.
 template <int Block, int Regs, int Stages, bool Aligned, bool Plain, pass P, class T, class G,
-          class Tgt, bool Shifted = false>
+          class Tgt, bool Shifted = false, row_queue_form Queue = row_queue_form::none>
 XENT_KERNEL void __launch_bounds__(
     Block, row_shape<Block, Regs>::blocks_at(
                policy::min_blocks<T, P == pass::backward,
@@ -566,13 +566,18 @@ XENT_KERNEL void __launch_bounds__(
   using exchange_state = row_exchange_state<part_t, exchange_t::warps>;
   __shared__ alignas(exchange_state) unsigned char exchange_bytes[sizeof(exchange_state)];
   exchange_t ex{*reinterpret_cast<exchange_state*>(exchange_bytes), a.cluster};
-  // Rows from the launch's queue (policy::row_queue, row_queue.cuh): resident rows staged by bulk
-  // copies, forward or fused, on 16-byte boundaries, where the call gave a workspace. Item k's row
-  // is then stage_row[k % Stages], set by thread 0 as it issues the item's copy (rows, past the
-  // last item).
-  constexpr bool queue_capable = policy::row_queue && bulk && P != pass::backward && !Shifted;
+  // Rows from the launch's queue (policy::row_queue, row_queue.cuh, `Queue`), for resident rows
+  // staged by bulk copies, forward or fused, on 16-byte boundaries, where the call gave a
+  // workspace (launch_rows launches a queued form only there). Item k's row is then
+  // stage_row[k % Stages], set by thread 0 as it issues the item's copy (rows, past the last
+  // item). Own kernel: every queue test is resolved at compile time and the streaming path is
+  // left out; branch: `queued` is decided at run time (policy::queue_form says why both exist).
+  static_assert(Queue == row_queue_form::none || (Aligned && P != pass::backward && !Shifted),
+                "the queue serves aligned forward and fused rows");
+  constexpr bool queue_code = Queue != row_queue_form::none && bulk;
+  constexpr bool own_queue = queue_code && Queue == row_queue_form::own_kernel;
   constexpr int queue_slots = 2 * Stages;
-  static_assert(!queue_capable || Block >= 64, "the queue's taker is thread 32");
+  static_assert(!queue_code || Block >= 64, "the queue's taker is thread 32");
   __shared__ row_queue_state<queue_slots> queue_boxes;
   __shared__ std::int64_t stage_row[Stages];
   __shared__ std::int64_t queue_end;  // thread 0: the first item past the last row
@@ -596,8 +601,8 @@ XENT_KERNEL void __launch_bounds__(
   const std::int64_t my_rows =
       a.rows > blockIdx.y ? (a.rows - blockIdx.y + gridDim.y - 1) / gridDim.y : 0;
   const std::int64_t items = my_rows * per_row;
+  const bool queued = own_queue || (queue_code && resident && a.queue != nullptr);
   const bool need_reduce = a.workspace && (a.loss || a.num_correct) && P != pass::backward;
-  const bool queued = queue_capable && resident && a.queue != nullptr;
   const row_queue<Stages, queue_slots> queue{queue_boxes, a.queue,   a.rows,
                                              gridDim.y,   a.cluster, rank};
   // The thread of rank 0 that takes tickets (warp 1: warp 0 waits on the cluster and issues the
@@ -610,7 +615,7 @@ XENT_KERNEL void __launch_bounds__(
   auto gradient_stage = [&] { return reinterpret_cast<G*>(smem + Stages * a.chunk_bytes); };
   // A resident row is one item: no division by per_row on the row's path.
   auto row_of = [&](std::int64_t k) -> std::int64_t {
-    if constexpr (queue_capable)
+    if constexpr (queue_code)
       if (queued) return stage_row[k % Stages];
     return blockIdx.y + (resident ? k : k / per_row) * gridDim.y;
   };
@@ -641,7 +646,7 @@ XENT_KERNEL void __launch_bounds__(
   constexpr bool row_scalars = !Tgt::soft || P == pass::backward;
   // Ignored rows are copied too: knowing that first would put a dependent load before the copy.
   auto issue_bulk = [&](std::int64_t k) {  // thread 0 only
-    if (queue_capable && queued) {
+    if (queue_code && queued) {
       if (k > queue_end) return;
       const std::int64_t n = k < Stages ? queue.dealt(k) : queue.row_of_item(k);
       stage_row[k % Stages] = n < a.rows ? n : a.rows;
@@ -814,7 +819,7 @@ XENT_KERNEL void __launch_bounds__(
       }
     }
     if (use_cluster) ex.init();
-    if (queue_capable && queued) {
+    if (queue_code && queued) {
       queue.init();
       queue_end = INT64_MAX;
     }
@@ -957,12 +962,12 @@ XENT_KERNEL void __launch_bounds__(
         row_state cur;
         if (has_cur) {
           wait_item(i);
-          if (queue_capable && queued) has_cur = stage_row[i % Stages] < a.rows;
+          if (queue_code && queued) has_cur = stage_row[i % Stages] < a.rows;
         }
         if (has_cur) {
           // Item i + Stages's ticket, posted at once: a ticket held until this warp is done
           // with item i, or taken a row ahead, made the pass 1-15% slower (thirty-fifth session).
-          if (queue_capable && taker && queue.taking()) queue.post(i + Stages, queue.take());
+          if (queue_code && taker && queue.taking()) queue.post(i + Stages, queue.take());
           cur = begin_row(i);
           if constexpr (Shifted) {  // rank 0's lead: -inf, in the vector thread 0 alone reads
             if (rank == 0 && threadIdx.x == 0)
@@ -1046,7 +1051,7 @@ XENT_KERNEL void __launch_bounds__(
     } else {
       resident_rows(std::false_type{}, all_vectors{});
     }
-  } else if constexpr (!Shifted) {  // shifted rows are resident (launch_rows)
+  } else if constexpr (!Shifted && !own_queue) {  // launch_rows: these rows are resident
     // Rows longer than a cluster holds: per chunk, statistics items, then gradient items that
     // stage the chunk again; each row's statistics cross the cluster before its gradient.
     row_state cur;
@@ -1116,7 +1121,7 @@ XENT_KERNEL void __launch_bounds__(
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Queued: the other ranks' last reads of rank 0's mailboxes and arrivals on them are done
   // before any CTA of the cluster exits.
-  if (queue_capable && queued && a.cluster > 1) cooperative_groups::this_cluster().sync();
+  if (queue_code && queued && a.cluster > 1) cooperative_groups::this_cluster().sync();
 #endif
   if (need_reduce && rank == 0) {
     finish_reduction<Block>(a.workspace, a.rows, static_cast<std::uint64_t>(rows_here), a.loss,

@@ -132,6 +132,11 @@
 namespace xent {
 namespace cuda_detail {
 
+/// How a row kernel takes its rows: dealt out in turn (none), from the row queue in a kernel that
+/// does nothing else (own_kernel), or from it in a branch of the kernel that also deals and
+/// streams rows (branch; policy::queue_form).
+enum class row_queue_form { none, own_kernel, branch };
+
 /// Chosen on an H200 (2026-11-21, bench/cuda_variants.sh; bf16 16384 x 128256 and 4096 x 262144,
 /// fp32 8192 x 128256 and 32 x 32000). The figures of every version and alternative measured are
 /// in bench/results/cuda-notes.md. In short: 256 threads holding a 32 KiB chunk as eight 16-byte
@@ -326,6 +331,19 @@ struct policy {
   /// yet). Rows off 16-byte boundaries (Shifted) are compiled without it: bf16 8192 x 50257 lost
   /// 482.5 -> 499 with it.
   static constexpr bool row_queue = XENT_CUDA_ROW_QUEUE != 0;
+  /// How the row kernel's queued rows are compiled (row_queue_form): in a kernel of their own
+  /// (resident rows alone, every queue test resolved at compile time), or as a branch of the
+  /// kernel that also deals rows and streams long ones. The branch's extra code cost the default
+  /// shape and fp32 (H200, 2026-11-29, three rounds in one lease, bench/results/
+  /// 2026-11-29-h200-queued-kernel/: bf16 fused 8192 x 32000 266 -> 260.5 us, 8192 x 20480 207
+  /// -> 198, 8192 x 50304 470 -> 454, fp32 8192 x 128256 2061 -> 2051), but scheduled the wide
+  /// 16-bit kernel better (bf16 16384 x 128256 2082 against 2125 us, 4096 x 262144 1066 against
+  /// 1085; 128 registers both, the branch's with a 16-byte stack frame: not understood beyond
+  /// that), so those keep it.
+  template <class T, int Block>
+  static constexpr row_queue_form queue_form = sizeof(T) == 2 && Block > block
+                                                   ? row_queue_form::branch
+                                                   : row_queue_form::own_kernel;
   /// Whether the bulk backward's persistent grid takes as few CTAs as walk the same most tiles
   /// each (persistent_grid) rather than as many as the SMs hold. H200, 2026-11-24, same lease, bf16
   /// backward 8192 x 32000: 278 -> 275 us (two runs each; 16384 x 128256 and 4096 x 262144
