@@ -327,16 +327,17 @@ struct policy {
   /// 8192 x 65536 559 -> 519, 8192 x 49152 436 -> 418, 16384 x 128256 2115 -> 2090, 4096 x
   /// 262144 1084 -> 1068, fp32 8192 x 32000 537 -> 511, 8192 x 128256 2134 -> 2058; but bf16
   /// 8192 x 20480 194.5 -> 207.3 and 8192 x 50304 452 -> 472, and these stayed so with the queue
-  /// compiled in but not taken (run5): the code, not the queue, costs there (not understood
-  /// yet). Rows off 16-byte boundaries (Shifted) are compiled without it: bf16 8192 x 50257 lost
-  /// 482.5 -> 499 with it.
+  /// compiled in but not taken (run5): the code, not the queue, cost there (queue_form took most
+  /// of that back: 193 dealt against 198 queued in one lease). Rows off 16-byte boundaries
+  /// (Shifted) are dealt: with the queue bf16 8192 x 50257 went 482.5 -> 499, and again 479 -> 495
+  /// as a kernel of its own (fp32 982 -> 971.5; 2026-11-29-h200-queued-kernel/run2).
   static constexpr bool row_queue = XENT_CUDA_ROW_QUEUE != 0;
   /// How the row kernel's queued rows are compiled (row_queue_form): in a kernel of their own
   /// (resident rows alone, every queue test resolved at compile time), or as a branch of the
   /// kernel that also deals rows and streams long ones. The branch's extra code cost the default
   /// shape and fp32 (H200, 2026-11-29, three rounds in one lease, bench/results/
-  /// 2026-11-29-h200-queued-kernel/: bf16 fused 8192 x 32000 266 -> 260.5 us, 8192 x 20480 207
-  /// -> 198, 8192 x 50304 470 -> 454, fp32 8192 x 128256 2061 -> 2051), but scheduled the wide
+  /// 2026-11-29-h200-queued-kernel/run3: bf16 fused 8192 x 32000 266 -> 260.5 us, 8192 x 20480
+  /// 207 -> 198, 8192 x 50304 470 -> 454, fp32 8192 x 128256 2061 -> 2051), but scheduled the wide
   /// 16-bit kernel better (bf16 16384 x 128256 2082 against 2125 us, 4096 x 262144 1066 against
   /// 1085; 128 registers both, the branch's with a 16-byte stack frame: not understood beyond
   /// that), so those keep it.
