@@ -26,10 +26,10 @@ namespace xent {
 /// accept a null workspace. A fused call on rows that do not start on 16-byte boundaries (V = 50257
 /// in bf16, say) with no LSE output keeps each row's LSE there between its two kernels where the
 /// workspace is given; without one it takes a slower kernel. Where it is given, long aligned rows'
-/// forward and fused passes also take their rows from a queue there (row_queue.cuh: 1-7% faster
-/// at 31-64 KiB slices on an H200). Zero-fill it once before its first use (cudaMemset): every
-/// call leaves its counters at zero again for the next, so no call spends a launch on clearing
-/// it; calls that share one workspace must be ordered (one stream, or events).
+/// forward and fused passes also take their rows from a queue there (row_queue.cuh: bf16 8192 x
+/// 32000 fused 279 -> 260 us on an H200, one lease). Zero-fill it once before its first use
+/// (cudaMemset): every call leaves its counters at zero again for the next, so no call spends a
+/// launch on clearing it; calls that share one workspace must be ordered (one stream, or events).
 ///
 /// `error_count`, when given, is a device int that every call adds the number of rows whose class
 /// id is outside [0, V) and not ignore_index to. Such a row never reads or writes out of bounds:
