@@ -1,0 +1,130 @@
+// A row's gradient from its chunk held in registers: the row's constants (row_gradient) and the
+// sweep that writes each vector of a register tile once (tile_gradient). Included only by nvcc
+// (cuda/kernels.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../loss_math.hpp"
+#include "chunk_stats.cuh"
+#include "dtype.cuh"
+#include "row_args.cuh"
+#include "tile.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+/// Per-row constants of the gradient sweep.
+struct row_gradient {
+  float lse;    ///< log-sum-exp of the row
+  float alpha;  ///< coefficient of p_j (gradient_alpha)
+  float g;      ///< the row's upstream gradient
+  float w_y;    ///< class ids: weight of the target
+  std::int64_t y;
+};
+
+/// A vector stored by one instruction per 16 bytes that the compiler cannot split: with a lead
+/// (tile_gradient), nvcc merged the vector and element-wise stores of the same values into
+/// element-wise stores for every vector (SASS of the shifted small-batch kernel: no STG.E.128).
+/// More than 16 bytes (a float gradient of a 16-bit tile) only in instantiations whose launch
+/// the dispatcher never makes (shifted rows need the gradient's element size to be the logits').
+template <class G, int Vec>
+__device__ __forceinline__ void store_whole(G* p, const vec_t<G, Vec>& d) {
+  static_assert(sizeof(d) % 16 == 0, "whole 16-byte vectors");
+  unsigned w[sizeof(d) / 4];
+  memcpy(w, &d, sizeof(w));
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(d) / 16); ++k)
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p + k * (16 / sizeof(G))),
+                 "r"(w[4 * k]), "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3])
+                 : "memory");
+}
+
+/// Gradient of row n's chunk held in `t`, stored to `out` (the row of grad) a vector at a time.
+/// The thread whose vectors hold the target class of a class-id row reads z_y once more from the
+/// logits (before its own store can overwrite it: only this thread writes that element), and after
+/// its vectors rewrites the target's element with the gradient formed once, in float. Picking
+/// z_y out of the registers instead unrolled that formula (an accurate expf) once per element of
+/// the tile: 64 copies for a bf16 tile, a third of the fused kernel's code, which a short launch
+/// runs once from a cold instruction cache (ncu, fp32 32 x 32000: instruction-fetch stalls were
+/// the largest share). `Lead`: the tile starts `lead` elements before the row (global_tile's
+/// lead), which thread 0's first vector does not store.
+template <bool Plain, bool Aligned, bool Lead = false, class T, class Tile, class G, class Tgt>
+__device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, const Tile& t,
+                                              std::int64_t n, std::int64_t base,
+                                              const row_gradient& rg, G* out, int lead = 0) {
+  constexpr int vec = Tile::vec, Regs = Tile::regs, Block = Tile::block;
+  const float ga = rg.g * rg.alpha;
+  // Folded scale (plain kernels, 16-bit gradients): |ga| p_j = 2^(z_j log2e - lse log2e +
+  // log2 |ga|), the sign put back on the rounded pairs by one xor per two elements: one multiply
+  // per element fewer (see policy::fold_scale). |ga| = 0 gives a shift of +inf and zeros; a NaN
+  // stays a NaN.
+  constexpr bool fold = policy::fold_scale && Plain && sizeof(G) == 2 && !Tile::holds_exps;
+  // A tile of kept exponentials (exp_tile): each element's scale, once per row.
+  float kept = 0.0f;
+  if constexpr (Tile::holds_exps) kept = ga * fast_exp2((t.max - rg.lse) * log2e);
+  const float shift = fold ? rg.lse * log2e - log2f(fabsf(ga)) : rg.lse * log2e;
+  const unsigned sign = fold && signbit(ga) ? 0x80008000u : 0u;
+  const bool plain = Plain || (!Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f);
+  // Whether the target is in this thread's vectors; if so, its raw logit, read before any store.
+  bool own = false;
+  T x_y{};
+  if constexpr (!Tgt::soft) {
+    const std::int64_t yo = rg.y - base;
+    own = yo >= 0 && yo < t.count && static_cast<int>(yo / vec) % Block == Tile::thread();
+    if (own) x_y = a.logits[n * a.ld + rg.y];
+  }
+  out += base;
+#pragma unroll
+  for (int r = 0; r < Regs; ++r) {
+    if (!t.has(r)) continue;
+    float f[vec];
+#pragma unroll
+    for (int e = 0; e < vec; ++e) {
+      if constexpr (Tile::holds_exps) {  // p_j = e_j 2^((m - lse) log2e): a multiply
+        f[e] = t.e[r][e] * kept;
+      } else {
+        const float z = capped<Plain>(t.value(r, e), a.k);
+        f[e] = fold ? fast_exp2(fmaf(z, log2e, -shift)) : ga * fast_exp2(fmaf(z, log2e, -shift));
+        if (!plain && e < t.valid(r)) {
+          f[e] -= rg.g * target_mass(a, n, base + t.offset(r) + e);
+          if (a.k.softcap > 0.0f) f[e] *= softcap_slope(z, a.k);
+        }
+      }
+    }
+    vec_t<G, vec> d = round_vector<G, vec>(f);
+    if constexpr (fold) {
+      static_assert(sizeof(d) % 4 == 0, "pairs of 16-bit elements");
+      unsigned w[sizeof(d) / 4];
+      memcpy(w, &d, sizeof(d));
+#pragma unroll
+      for (unsigned& x : w) x ^= sign;
+      memcpy(&d, w, sizeof(d));
+    }
+    const int skip = Lead && r == 0 && Tile::thread() == 0 ? lead : 0;
+    if (Aligned && t.valid(r) == vec && (!Lead || skip == 0)) {
+      if (!Tile::whole || t.stored(r)) {
+        if constexpr (Lead)
+          store_whole(out + t.offset(r), d);
+        else
+          store_vector<G, vec>(out + t.offset(r), d);
+      }
+    } else {  // a row's partial first or last vector, or a row not 16-byte aligned: element by
+      // element (unrolled: a loop indexing d at run time would put d in local memory for every
+      // vector)
+#pragma unroll
+      for (int e = 0; e < vec; ++e)
+        if (e < t.valid(r) && (!Lead || e >= skip)) out[t.offset(r) + e] = d.v[e];
+    }
+  }
+  if constexpr (!Tgt::soft) {
+    if (own)  // after this thread's vector store of the same element: program order keeps this
+      out[rg.y - base] = from_float<G>(
+          class_target_gradient(capped<Plain>(x_y, a.k), rg.w_y, rg.alpha, rg.lse, rg.g, a.k));
+  }
+}
+
+}  // namespace cuda_detail
+}  // namespace xent
