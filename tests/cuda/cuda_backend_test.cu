@@ -1119,6 +1119,16 @@ TYPED_TEST(CudaBackend, PlainFusedLongRowsTakeTheWideShape) {
     s.seed = static_cast<std::uint64_t>(row_bytes);
     check_spec<TypeParam>(s);
   }
+  // Far more rows than clusters (44 of three CTAs on an H200): most come from the row queue, each
+  // ticket handed from rank 0 to its two partners (policy::queue_form: the queue as a branch of
+  // the kernel for 16-bit rows of this shape, a kernel of its own for fp32).
+  spec s;
+  s.rows = 400;
+  s.cols = 128000 / bytes;
+  s.some_ignored = true;
+  s.argmax = false;
+  s.seed = 128400;
+  check_spec<TypeParam>(s);
 }
 
 // Host-only (runs without a GPU): the small-batch kernel's cut of a row over a cluster.
