@@ -4,8 +4,8 @@
 
 DIR holds NAME-ROUND.json files (what .ci/device-prebuilt writes under $OUT/bench for each
 bench/NAME build and round). One line per benchmark in the order first seen, one column per
-build with that build's rounds separated by " / " (microseconds as the JSON gives them:
-manual-time lines report in the unit each benchmark set). Repetition aggregates are left out.
+build with that build's rounds separated by " / " (real_time in each line's own time_unit:
+microseconds for the CUDA benchmarks). Repetition aggregates are left out.
 """
 import collections
 import glob

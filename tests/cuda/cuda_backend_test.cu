@@ -1119,9 +1119,9 @@ TYPED_TEST(CudaBackend, PlainFusedLongRowsTakeTheWideShape) {
     s.seed = static_cast<std::uint64_t>(row_bytes);
     check_spec<TypeParam>(s);
   }
-  // Far more rows than clusters (44 of three CTAs on an H200): most come from the row queue, each
-  // ticket handed from rank 0 to its two partners (policy::queue_form: the queue as a branch of
-  // the kernel for 16-bit rows of this shape, a kernel of its own for fp32).
+  // Far more rows than the clusters in flight: most come from the row queue, each ticket handed
+  // from rank 0 to the other CTAs of its cluster (policy::queue_form: the queue as a branch of the
+  // kernel for 16-bit rows of this shape, a kernel of its own for fp32).
   spec s;
   s.rows = 400;
   s.cols = 128000 / bytes;
