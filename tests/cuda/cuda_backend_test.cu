@@ -1012,6 +1012,37 @@ TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
       }
 }
 
+// A small batch of more clusters than fit at once (fp32 128 x 32000: 1024 CTAs where about 660
+// run together), so that the rows' records reach the polling CTA from two waves. Rows of 125 KiB
+// and of a partial last vector, padded and not, every reduction (the mean's class-weighted
+// normaliser summed by one warp of each row's rank 0), some rows ignored, targets at each rank's
+// edges, in place and out of place.
+TYPED_TEST(CudaBackend, PlainSmallBatchesOfMoreThanOneWave) {
+  using xent::cuda_detail::make_small_plan;
+  const int sms = sm_count();
+  constexpr std::int64_t bytes = sizeof(TypeParam), vec = 16 / bytes;
+  std::uint64_t seed = 1100;
+  for (auto shape : {std::pair<std::int64_t, std::int64_t>{128000 / bytes, 0},
+                     {128000 / bytes - vec - 1, 128000 / bytes}})
+    for (auto red : {xent::reduction::mean, xent::reduction::sum, xent::reduction::none}) {
+      spec s;
+      s.rows = 128;
+      s.cols = shape.first;
+      s.ld = shape.second;
+      s.reduce = red;
+      s.some_ignored = true;
+      s.weights = red == xent::reduction::mean;
+      s.argmax = false;
+      s.in_place = red != xent::reduction::sum;
+      const auto plan = make_small_plan(s.rows, s.cols, static_cast<int>(bytes), sms);
+      ASSERT_GT(plan.cluster * s.rows, 5 * sms) << "the batch should need more than one wave";
+      s.edge_targets = true;
+      s.edge_cluster = static_cast<int>(plan.cluster);
+      s.seed = seed++;
+      check_spec<TypeParam>(s);
+    }
+}
+
 // Plain rows of at most 12 KiB, 16-byte aligned, several per warp in flight: the warp-rows kernel
 // where policy::warp_rows_kib takes them (a warp's registers hold the row from its load to its
 // gradient's store; 2 CTAs of 8 warps per SM, or for fused rows past that tile, 1 CTA of lanes

@@ -91,6 +91,24 @@ __device__ double mean_normalizer(const Tgt& targets, std::int64_t rows, std::in
   }
 }
 
+/// The same normaliser by the 32 lanes of one warp, with no CTA barrier: the small-batch kernel's
+/// rank 0, whose other warps go on to their statistics meanwhile. Exact without class weights (a
+/// count); with them, lane 0's sum in every lane (a butterfly leaves lanes different last bits).
+template <class Tgt>
+__device__ double warp_normalizer(const Tgt& targets, std::int64_t rows, std::int64_t cols,
+                                  std::int64_t ignore_index, const float* weights) {
+  if constexpr (Tgt::soft) {
+    return static_cast<double>(rows);
+  } else {
+    double w = 0.0;
+#pragma unroll 4
+    for (std::int64_t n = threadIdx.x % 32; n < rows; n += 32)
+      w +=
+          normalizer_weight(static_cast<std::int64_t>(targets.ids[n]), ignore_index, cols, weights);
+    return __shfl_sync(0xffffffffu, warp_sum(w), 0);
+  }
+}
+
 /// sum_c w_c (label smoothing with class weights).
 template <int Block>
 __device__ double class_weight_sum(const float* weights, std::int64_t cols) {

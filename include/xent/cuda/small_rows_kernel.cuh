@@ -51,6 +51,26 @@ __device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
   return p;
 }
 
+/// Element k (inside the tile's count) of a tile of `Block` threads, in every lane of the warp
+/// whose thread holds it and 0 in every other warp: a row's target logit out of the registers. The
+/// index is the same in every thread, so the pick is a few selects, and the shuffle reads the
+/// holder's lane. Read from the logits instead, it was a round trip to L2 that waited for the
+/// target id's own load (two cold reads one after the other, where the slice needs one).
+template <class Tile>
+__device__ __forceinline__ float warp_element(const Tile& t, int k) {
+  const int q = k / Tile::vec, r = q / Tile::block, e = k % Tile::vec;
+  const int holder = q % Tile::block;
+  float z = 0.0f;
+  if (Tile::thread() == holder) {
+#pragma unroll
+    for (int i = 0; i < Tile::regs; ++i)
+#pragma unroll
+      for (int j = 0; j < Tile::vec; ++j)
+        if (i == r && j == e) z = t.value(i, j);
+  }
+  return __shfl_sync(0xffffffffu, z, holder % 32);
+}
+
 /// Where the rows of a small-batch launch start: all 16-byte aligned; or each row's 16-byte
 /// boundaries at the same elements of the logits and of the gradient (the same element size, the
 /// two starts and leading dimensions equal modulo 16 bytes: any in-place call), where the row is
@@ -81,6 +101,12 @@ enum class row_start { aligned, shifted, any };
 /// - each row's loss goes into a record with a ready flag that one warp of the last row's rank 0
 ///   polls (row_sums.cuh), not through a fence, an atomic counter and the last CTA's reads (11.5
 ///   / 23.9 / 16.0 with the count taken before the gradient): -> 10.2 / 21.3 / 12.8.
+/// H200, fp32 fused 32 x 32000 / 128 x 32000 / 32 x 50257, one lease, two rounds
+/// (bench/results/2026-11-29-h200-small-target/): the row's target logit taken from the registers
+/// (warp_element) and handed to the gradient, and W summed by one warp of rank 0 with no CTA
+/// barrier (in the forward, only the polling warp's): 9.02-9.14 / 17.0-17.1 / 10.35-10.47 ->
+/// 8.80-8.88 / 16.7 / 10.15-10.24 us; the forward of 32 x 50257 9.6-9.8 -> 9.45-9.5, but of 128
+/// x 32000 14.5-14.6 -> 15.0 (in three leases; not understood).
 template <int Block, int Regs, row_start Start, pass P, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
@@ -92,7 +118,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   // Raw storage: shared memory takes no initialiser (the mbarriers are set up below).
   __shared__ alignas(exchange_state) unsigned char exchange_bytes[sizeof(exchange_state)];
   exchange_t ex{*reinterpret_cast<exchange_state*>(exchange_bytes), static_cast<int>(gridDim.x)};
-  __shared__ double rank0_w;  // W as rank 0 pushed it
+  __shared__ double rank0_w;  // W as rank 0 pushed it (rank 0: as its warp 0 summed it)
   row_partial total_part;     // the row's, in every thread
   const int rank = static_cast<int>(blockIdx.x);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -118,21 +144,21 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const bool skip = skipped_target(a, y);
   const bool invalid = skip && y != a.ignore_index;
   const float w_y = !skip && a.weights ? a.weights[y] : 1.0f;
-  // The target's logit, by the thread that merges it, read beside the slice rather than after it.
-  const bool has_target = threadIdx.x == 0 && !skip && y >= v0 && y < v1;
-  const float z_y = has_target ? to_float(a.logits[n * a.ld + y]) : 0.0f;
+  const bool has_target = !skip && y >= v0 && y < v1;  // the same in the whole CTA
   const bool need_reduce = a.workspace && (a.loss || a.num_correct);
-  // The mean's normaliser W, by rank 0 while the loads fly: the fused pass's other ranks take it
-  // from rank 0's push, the forward's need none (rank 0 records the row; the poll divides).
+  // The mean's normaliser W, by rank 0's warp 0 while the loads fly (no CTA barrier: its other
+  // warps go on to their statistics): the fused pass's other ranks take it from rank 0's push
+  // and rank 0's other warps from its own shared memory. The forward needs it only in the warp
+  // that polls the rows' losses (below) and divides.
   const bool need_w = a.reduce == reduction::mean && (want_grad || need_reduce);
-  double normalizer = need_w && rank == 0 ? mean_normalizer<Block>(a.targets, a.rows, a.vocab,
-                                                                   a.ignore_index, a.weights)
-                                          : 1.0;
+  double normalizer = need_w && rank == 0 && warp == 0 && (want_grad || n == a.rows - 1)
+                          ? warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights)
+                          : 1.0;
   const bool w_pushed = want_grad && need_w;
 
   if (!skip) {
     row_partial p = tile_warp_stats(tile);
-    if (has_target) p.target_logit = z_y;  // read before any gradient store
+    if (has_target) p.target_logit = warp_element(tile, static_cast<int>(y - v0));
     ex.publish(p, 0);
     __syncthreads();  // the warps' parts are in shared memory
     cluster_wait();   // every rank's mbarrier is ready
@@ -143,11 +169,12 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
         memcpy(w, &normalizer, sizeof(w));
         push_words(&rank0_w, w, &ex.x.arrived[0], lane);
       }
+      if (w_pushed && rank == 0 && lane == 0) rank0_w = normalizer;
       ex.receive(0, 0, w_pushed && rank != 0 ? sizeof(double) : 0u);
     }
     __syncthreads();  // the row's total (and W from rank 0) is in shared memory
     total_part = ex.result(0);
-    if (w_pushed && rank != 0) normalizer = rank0_w;
+    if (w_pushed) normalizer = rank0_w;
   } else {
     cluster_wait();  // the arrive above is matched before the CTA leaves
   }
@@ -174,6 +201,8 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       rg.lse = total_part.lse.lse();
       rg.g = row_scale(a, n, scalar);
       rg.alpha = gradient_alpha(class_target_mass(w_y, a.k), rg.lse, a.k);
+      rg.target_known = true;  // the merge's sum of z_y and zeros: z_y itself
+      rg.target_logit = total_part.target_logit;
       tile_gradient<true, Aligned, Shifted>(a, tile, n, v0, rg, out, my_lead);
     }
   }

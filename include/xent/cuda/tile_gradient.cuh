@@ -23,6 +23,10 @@ struct row_gradient {
   float g;      ///< the row's upstream gradient
   float w_y;    ///< class ids: weight of the target
   std::int64_t y;
+  /// Class ids: z_y as the row's merged statistics hold it (`target_known`), so tile_gradient
+  /// need not read it from the logits again (see there).
+  bool target_known = false;
+  float target_logit = 0.0f;
 };
 
 /// A vector stored by one instruction per 16 bytes that the compiler cannot split: with a lead
@@ -43,14 +47,16 @@ __device__ __forceinline__ void store_whole(G* p, const vec_t<G, Vec>& d) {
 }
 
 /// Gradient of row n's chunk held in `t`, stored to `out` (the row of grad) a vector at a time.
-/// The thread whose vectors hold the target class of a class-id row reads z_y once more from the
-/// logits (before its own store can overwrite it: only this thread writes that element), and after
-/// its vectors rewrites the target's element with the gradient formed once, in float. Picking
-/// z_y out of the registers instead unrolled that formula (an accurate expf) once per element of
-/// the tile: 64 copies for a bf16 tile, a third of the fused kernel's code, which a short launch
-/// runs once from a cold instruction cache (ncu, fp32 32 x 32000: instruction-fetch stalls were
-/// the largest share). `Lead`: the tile starts `lead` elements before the row (global_tile's
-/// lead), which thread 0's first vector does not store.
+/// The thread whose vectors hold the target class of a class-id row takes z_y from `rg` where the
+/// caller has it (the small-batch kernel's merged partial: a read of the logits there was a
+/// dependent round trip to L2 at the end of a short launch), or reads it once more from the
+/// logits (before its own store can overwrite it: only this thread writes that element), and
+/// after its vectors rewrites the target's element with the gradient formed once, in float.
+/// Picking z_y out of the registers instead unrolled that formula (an accurate expf) once per
+/// element of the tile: 64 copies for a bf16 tile, a third of the fused kernel's code, which a
+/// short launch runs once from a cold instruction cache (ncu, fp32 32 x 32000: instruction-fetch
+/// stalls were the largest share). `Lead`: the tile starts `lead` elements before the row
+/// (global_tile's lead), which thread 0's first vector does not store.
 template <bool Plain, bool Aligned, bool Lead = false, class T, class Tile, class G, class Tgt>
 __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, const Tile& t,
                                               std::int64_t n, std::int64_t base,
@@ -68,13 +74,13 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
   const float shift = fold ? rg.lse * log2e - log2f(fabsf(ga)) : rg.lse * log2e;
   const unsigned sign = fold && signbit(ga) ? 0x80008000u : 0u;
   const bool plain = Plain || (!Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f);
-  // Whether the target is in this thread's vectors; if so, its raw logit, read before any store.
+  // Whether the target is in this thread's vectors; if so, its logit, read before any store.
   bool own = false;
-  T x_y{};
+  float z_y = 0.0f;
   if constexpr (!Tgt::soft) {
     const std::int64_t yo = rg.y - base;
     own = yo >= 0 && yo < t.count && static_cast<int>(yo / vec) % Block == Tile::thread();
-    if (own) x_y = a.logits[n * a.ld + rg.y];
+    if (own) z_y = rg.target_known ? rg.target_logit : to_float(a.logits[n * a.ld + rg.y]);
   }
   out += base;
 #pragma unroll
@@ -122,7 +128,7 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
   if constexpr (!Tgt::soft) {
     if (own)  // after this thread's vector store of the same element: program order keeps this
       out[rg.y - base] = from_float<G>(
-          class_target_gradient(capped<Plain>(x_y, a.k), rg.w_y, rg.alpha, rg.lse, rg.g, a.k));
+          class_target_gradient(capped<Plain>(z_y, a.k), rg.w_y, rg.alpha, rg.lse, rg.g, a.k));
   }
 }
 
