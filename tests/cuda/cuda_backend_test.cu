@@ -61,6 +61,20 @@ struct spec {
   }
 };
 
+/// Plain class-id rows (no argmax: the kernels without option paths), every third ignored:
+/// `rows` of shape.first classes at leading dimension shape.second (0: packed), reduced by `red`.
+spec plain_rows(std::int64_t rows, std::pair<std::int64_t, std::int64_t> shape,
+                xent::reduction red) {
+  spec s;
+  s.rows = rows;
+  s.cols = shape.first;
+  s.ld = shape.second;
+  s.reduce = red;
+  s.some_ignored = true;
+  s.argmax = false;
+  return s;
+}
+
 /// Runs forward, backward and forward_backward on the device for one spec and checks each against
 /// the oracle evaluated on the same (rounded) inputs.
 template <class T>
@@ -996,13 +1010,7 @@ TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
                      {5, 0}})
     for (auto red : {xent::reduction::mean, xent::reduction::sum, xent::reduction::none})
       for (int layout = 0; layout < 3; ++layout) {  // in place; same offset; another offset
-        spec s;
-        s.rows = 19;
-        s.cols = shape.first;
-        s.ld = shape.second;
-        s.reduce = red;
-        s.some_ignored = true;
-        s.argmax = false;
+        spec s = plain_rows(19, shape, red);
         s.in_place = layout == 0;
         s.grad_offset = layout == 2 ? 1 : 0;
         s.shifted_cluster =
@@ -1025,14 +1033,8 @@ TYPED_TEST(CudaBackend, PlainSmallBatchesOfMoreThanOneWave) {
   for (auto shape : {std::pair<std::int64_t, std::int64_t>{128000 / bytes, 0},
                      {128000 / bytes - vec - 1, 128000 / bytes}})
     for (auto red : {xent::reduction::mean, xent::reduction::sum, xent::reduction::none}) {
-      spec s;
-      s.rows = 128;
-      s.cols = shape.first;
-      s.ld = shape.second;
-      s.reduce = red;
-      s.some_ignored = true;
+      spec s = plain_rows(128, shape, red);
       s.weights = red == xent::reduction::mean;
-      s.argmax = false;
       s.in_place = red != xent::reduction::sum;
       const auto plan = make_small_plan(s.rows, s.cols, static_cast<int>(bytes), sms);
       ASSERT_GT(plan.cluster * s.rows, 5 * sms) << "the batch should need more than one wave";

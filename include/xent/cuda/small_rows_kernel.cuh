@@ -201,9 +201,9 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       rg.lse = total_part.lse.lse();
       rg.g = row_scale(a, n, scalar);
       rg.alpha = gradient_alpha(class_target_mass(w_y, a.k), rg.lse, a.k);
-      rg.target_known = true;  // the merge's sum of z_y and zeros: z_y itself
-      rg.target_logit = total_part.target_logit;
-      tile_gradient<true, Aligned, Shifted>(a, tile, n, v0, rg, out, my_lead);
+      // z_y as the merge summed it with the other ranks' zeros: z_y itself.
+      tile_gradient<true, Aligned, Shifted, true>(a, tile, n, v0, rg, out, my_lead,
+                                                  total_part.target_logit);
     }
   }
   // The last row's rank 0, among the launch's last CTAs to start, so the rows it waits for are

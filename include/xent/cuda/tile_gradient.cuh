@@ -23,10 +23,6 @@ struct row_gradient {
   float g;      ///< the row's upstream gradient
   float w_y;    ///< class ids: weight of the target
   std::int64_t y;
-  /// Class ids: z_y as the row's merged statistics hold it (`target_known`), so tile_gradient
-  /// need not read it from the logits again (see there).
-  bool target_known = false;
-  float target_logit = 0.0f;
 };
 
 /// A vector stored by one instruction per 16 bytes that the compiler cannot split: with a lead
@@ -47,20 +43,24 @@ __device__ __forceinline__ void store_whole(G* p, const vec_t<G, Vec>& d) {
 }
 
 /// Gradient of row n's chunk held in `t`, stored to `out` (the row of grad) a vector at a time.
-/// The thread whose vectors hold the target class of a class-id row takes z_y from `rg` where the
-/// caller has it (the small-batch kernel's merged partial: a read of the logits there was a
-/// dependent round trip to L2 at the end of a short launch), or reads it once more from the
-/// logits (before its own store can overwrite it: only this thread writes that element), and
-/// after its vectors rewrites the target's element with the gradient formed once, in float.
-/// Picking z_y out of the registers instead unrolled that formula (an accurate expf) once per
-/// element of the tile: 64 copies for a bf16 tile, a third of the fused kernel's code, which a
-/// short launch runs once from a cold instruction cache (ncu, fp32 32 x 32000: instruction-fetch
-/// stalls were the largest share). `Lead`: the tile starts `lead` elements before the row
-/// (global_tile's lead), which thread 0's first vector does not store.
-template <bool Plain, bool Aligned, bool Lead = false, class T, class Tile, class G, class Tgt>
+/// The thread whose vectors hold the target class of a class-id row reads z_y once more from the
+/// logits (before its own store can overwrite it: only this thread writes that element), and after
+/// its vectors rewrites the target's element with the gradient formed once, in float. Picking
+/// z_y out of the registers instead unrolled that formula (an accurate expf) once per element of
+/// the tile: 64 copies for a bf16 tile, a third of the fused kernel's code, which a short launch
+/// runs once from a cold instruction cache (ncu, fp32 32 x 32000: instruction-fetch stalls were
+/// the largest share). `Lead`: the tile starts `lead` elements before the row (global_tile's
+/// lead), which thread 0's first vector does not store. `KnownTarget`: the caller has z_y
+/// (`target_logit`; the small-batch kernel, from its merged partial), and the owner of the
+/// target's element reads nothing: there the read was a dependent round trip to L2 at the end of
+/// a short launch. A template argument: every other kernel's SASS stays byte for byte what it was
+/// (cuobjdump), where a run-time flag in row_gradient rescheduled the row kernels.
+template <bool Plain, bool Aligned, bool Lead = false, bool KnownTarget = false, class T,
+          class Tile, class G, class Tgt>
 __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, const Tile& t,
                                               std::int64_t n, std::int64_t base,
-                                              const row_gradient& rg, G* out, int lead = 0) {
+                                              const row_gradient& rg, G* out, int lead = 0,
+                                              float target_logit = 0.0f) {
   constexpr int vec = Tile::vec, Regs = Tile::regs, Block = Tile::block;
   const float ga = rg.g * rg.alpha;
   // Folded scale (plain kernels, 16-bit gradients): |ga| p_j = 2^(z_j log2e - lse log2e +
@@ -74,13 +74,18 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
   const float shift = fold ? rg.lse * log2e - log2f(fabsf(ga)) : rg.lse * log2e;
   const unsigned sign = fold && signbit(ga) ? 0x80008000u : 0u;
   const bool plain = Plain || (!Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f);
-  // Whether the target is in this thread's vectors; if so, its logit, read before any store.
+  // Whether the target is in this thread's vectors; if so, its raw logit, read before any store.
   bool own = false;
-  float z_y = 0.0f;
+  T x_y{};
+  float z_known = 0.0f;
   if constexpr (!Tgt::soft) {
     const std::int64_t yo = rg.y - base;
     own = yo >= 0 && yo < t.count && static_cast<int>(yo / vec) % Block == Tile::thread();
-    if (own) z_y = rg.target_known ? rg.target_logit : to_float(a.logits[n * a.ld + rg.y]);
+    if constexpr (KnownTarget) {
+      if (own) z_known = target_logit;
+    } else if (own) {
+      x_y = a.logits[n * a.ld + rg.y];
+    }
   }
   out += base;
 #pragma unroll
@@ -126,9 +131,15 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
     }
   }
   if constexpr (!Tgt::soft) {
-    if (own)  // after this thread's vector store of the same element: program order keeps this
-      out[rg.y - base] = from_float<G>(
-          class_target_gradient(capped<Plain>(z_y, a.k), rg.w_y, rg.alpha, rg.lse, rg.g, a.k));
+    if (own) {  // after this thread's vector store of the same element: program order keeps this
+      float z;
+      if constexpr (KnownTarget)
+        z = capped<Plain>(z_known, a.k);
+      else
+        z = capped<Plain>(x_y, a.k);
+      out[rg.y - base] =
+          from_float<G>(class_target_gradient(z, rg.w_y, rg.alpha, rg.lse, rg.g, a.k));
+    }
   }
 }
 
