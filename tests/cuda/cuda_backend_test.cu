@@ -1156,11 +1156,7 @@ TYPED_TEST(CudaBackend, PlainFusedLongRowsTakeTheWideShape) {
   // Far more rows than the clusters in flight: most come from the row queue, each ticket handed
   // from rank 0 to the other CTAs of its cluster (policy::queue_form: the queue as a branch of the
   // kernel for 16-bit rows of this shape, a kernel of its own for fp32).
-  spec s;
-  s.rows = 400;
-  s.cols = 128000 / bytes;
-  s.some_ignored = true;
-  s.argmax = false;
+  spec s = plain_rows(400, {128000 / bytes, 0}, xent::reduction::mean);
   s.seed = 128400;
   check_spec<TypeParam>(s);
 }

@@ -66,11 +66,24 @@ __device__ double spread_count(const Tgt& targets, std::int64_t rows, std::int64
   return block_sum<Block>(static_cast<double>(count));
 }
 
+/// A thread's part of the mean's normaliser: w[y] (1 without class weights) summed over rows
+/// `first`, first + Step, ... not ignored and in range.
+template <int Step, class Tgt>
+__device__ __forceinline__ double normalizer_part(const Tgt& targets, std::int64_t rows,
+                                                  std::int64_t cols, std::int64_t ignore_index,
+                                                  const float* weights, std::int64_t first) {
+  double w = 0.0;
+#pragma unroll 4
+  for (std::int64_t n = first; n < rows; n += Step)
+    w += normalizer_weight(static_cast<std::int64_t>(targets.ids[n]), ignore_index, cols, weights);
+  return w;
+}
+
 /// The mean's normaliser: sum of w[y] over rows not ignored and in range (N for soft targets),
 /// by every thread of the calling CTA in a fixed order: normalizer_kernel's one CTA ahead of the
 /// row kernel (policy::normalizer_ahead), or each CTA that needs it in a launch with no such
-/// kernel ahead (the small-batch kernel's rank 0, the streaming backward, the linear and
-/// vocab-parallel kernels, a row kernel without a workspace); the
+/// kernel ahead (the streaming backward, the linear and vocab-parallel kernels, a row kernel
+/// without a workspace; the small-batch kernel sums it in one warp, warp_normalizer); the
 /// targets are a few KiB to a few hundred KiB read from L2. `Spread`: a launch of many CTAs;
 /// without class weights each counts from its own place (spread_count).
 template <int Block, bool Spread = false, class Tgt>
@@ -82,31 +95,23 @@ __device__ double mean_normalizer(const Tgt& targets, std::int64_t rows, std::in
     if constexpr (Spread) {
       if (!weights) return spread_count<Block>(targets, rows, cols, ignore_index);
     }
-    double w = 0.0;
-#pragma unroll 4
-    for (std::int64_t n = threadIdx.x; n < rows; n += Block)
-      w +=
-          normalizer_weight(static_cast<std::int64_t>(targets.ids[n]), ignore_index, cols, weights);
-    return block_sum<Block>(w);
+    return block_sum<Block>(
+        normalizer_part<Block>(targets, rows, cols, ignore_index, weights, threadIdx.x));
   }
 }
 
-/// The same normaliser by the 32 lanes of one warp, with no CTA barrier: the small-batch kernel's
-/// rank 0, whose other warps go on to their statistics meanwhile. Exact without class weights (a
-/// count); with them, lane 0's sum in every lane (a butterfly leaves lanes different last bits).
+/// The same normaliser of class-id rows by the 32 lanes of one warp, with no CTA barrier: the
+/// small-batch kernel's rank 0, whose other warps go on to their statistics meanwhile. Exact
+/// without class weights (a count); with them, lane 0's sum in every lane (a butterfly leaves
+/// lanes different last bits).
 template <class Tgt>
 __device__ double warp_normalizer(const Tgt& targets, std::int64_t rows, std::int64_t cols,
                                   std::int64_t ignore_index, const float* weights) {
-  if constexpr (Tgt::soft) {
-    return static_cast<double>(rows);
-  } else {
-    double w = 0.0;
-#pragma unroll 4
-    for (std::int64_t n = threadIdx.x % 32; n < rows; n += 32)
-      w +=
-          normalizer_weight(static_cast<std::int64_t>(targets.ids[n]), ignore_index, cols, weights);
-    return __shfl_sync(0xffffffffu, warp_sum(w), 0);
-  }
+  static_assert(!Tgt::soft, "soft targets' normaliser is N");
+  return __shfl_sync(
+      0xffffffffu,
+      warp_sum(normalizer_part<32>(targets, rows, cols, ignore_index, weights, threadIdx.x % 32)),
+      0);
 }
 
 /// sum_c w_c (label smoothing with class weights).
