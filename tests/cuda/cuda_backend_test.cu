@@ -32,6 +32,7 @@ struct spec {
   float smoothing = 0.0f, z_loss = 0.0f, softcap = 0.0f;
   float spike = 0.0f;  ///< nonzero: one logit of each row, in its last columns, set to this
   bool weights = false, soft = false, some_ignored = false, all_ignored = false;
+  bool last_ignored = false;  ///< the last row ignored too (a small batch's polling CTA's row)
   bool in_place = true, argmax = true;
   bool edge_targets = false;  ///< class ids at the edges of every cut of a row over 1..16 CTAs
   int edge_cluster = 0;       ///< nonzero: the edges of the cut over this many CTAs alone
@@ -52,8 +53,8 @@ struct spec {
            std::to_string(smoothing) + " z " + std::to_string(z_loss) + " cap " +
            std::to_string(softcap) + (weights ? " weights" : "") + (soft ? " soft" : "") +
            (some_ignored ? " some-ign" : "") + (all_ignored ? " all-ign" : "") +
-           (in_place ? " in-place" : " out-of-place") + (argmax ? " argmax" : "") +
-           (edge_targets ? " edge-targets" : "") +
+           (last_ignored ? " last-ign" : "") + (in_place ? " in-place" : " out-of-place") +
+           (argmax ? " argmax" : "") + (edge_targets ? " edge-targets" : "") +
            (shifted_cluster ? " shifted-edges " + std::to_string(shifted_cluster) : "") +
            (shifted_span ? " shifted-tiles " + std::to_string(shifted_span) : "") +
            (grad_offset ? " grad-offset " + std::to_string(grad_offset) : "") +
@@ -134,7 +135,8 @@ void check_spec(const spec& s) {
     std::uniform_int_distribution<std::int64_t> cls(0, V - 1);
     std::size_t next_edge = 0;  // edges go to the rows that are not ignored, each in turn
     for (std::int64_t n = 0; n < N; ++n) {
-      const bool ignored = s.all_ignored || (s.some_ignored && n % 3 == 1);
+      const bool ignored =
+          s.all_ignored || (s.some_ignored && n % 3 == 1) || (s.last_ignored && n == N - 1);
       if (!shifted_starts.empty()) {  // 0, V - 1, then each rank's first class and the one before
         const std::int64_t lead = n * ld % vec, k = static_cast<std::int64_t>(next_edge++);
         const std::int64_t pick = k % (2 * static_cast<std::int64_t>(shifted_starts.size()) + 2);
@@ -997,7 +999,8 @@ TYPED_TEST(CudaBackend, PlainFusedRowsWithTargetsAtSliceEdges) {
 // elements (row_start::shifted: in place, or out of place at the same offset), rank 0's tile
 // starting up to vec - 1 elements before the row; elsewhere every element alone
 // (row_start::any). Rows of every lead (19 rows of odd ld), targets at 0, V - 1 and each rank's
-// first class and the one before it, rows ignored, every reduction.
+// first class and the one before it, rows ignored (with the same offset, the last row too: its
+// rank 0 polls the rows' losses, and in a fused mean takes W from no exchange), every reduction.
 TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
   using xent::cuda_detail::make_small_plan;
   const int sms = sm_count();
@@ -1013,6 +1016,7 @@ TYPED_TEST(CudaBackend, PlainSmallBatchRowsCutAtTheirOwn16ByteBoundaries) {
         spec s = plain_rows(19, shape, red);
         s.in_place = layout == 0;
         s.grad_offset = layout == 2 ? 1 : 0;
+        s.last_ignored = layout == 1;
         s.shifted_cluster =
             static_cast<int>(make_small_plan(s.rows, s.cols + vec - 1, bytes, sms).cluster);
         s.seed = seed++;

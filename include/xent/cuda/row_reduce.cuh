@@ -182,14 +182,13 @@ struct row_exchange {
     if (lane == 0) x.result[slot] = block;
     __syncwarp();  // the warp may read the result next
   }
-  /// Warp 0: the row sent as `exchange` from slot `slot`, into result[slot]. `extra_bytes`: what
-  /// else the senders push counted on the same mbarrier (push_words on arrived[exchange % 4]).
-  __device__ void receive(int slot, int exchange, unsigned extra_bytes = 0) {
+  /// Warp 0: the row sent as `exchange` from slot `slot`, into result[slot].
+  __device__ void receive(int slot, int exchange) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cluster_size > 1) {
       const int lane = threadIdx.x % 32, set = exchange % 4;
       if (lane == 0)
-        await_partials(x, set, static_cast<unsigned>(cluster_size * sizeof(P)) + extra_bytes,
+        await_partials(x, set, static_cast<unsigned>(cluster_size * sizeof(P)),
                        static_cast<unsigned>(exchange / 4) & 1u);
       __syncwarp();  // lane 0 saw the phase complete; its acquire covers the warp after this
       asm volatile("fence.acq_rel.cta;" ::: "memory");
@@ -200,7 +199,6 @@ struct row_exchange {
 #else
     (void)slot;
     (void)exchange;
-    (void)extra_bytes;
 #endif
   }
   /// Every thread, after the barrier that follows receive.

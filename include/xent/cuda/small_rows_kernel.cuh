@@ -106,10 +106,15 @@ enum class row_start { aligned, shifted, any };
 /// (warp_element) and handed to the gradient, and W summed by one warp of rank 0 with no CTA
 /// barrier (in the forward, only the polling warp's): 9.02-9.14 / 17.0-17.1 / 10.35-10.47 ->
 /// 8.80-8.88 / 16.7 / 10.15-10.24 us; the forward of 32 x 50257 9.6-9.8 -> 9.45-9.5, but of 128
-/// x 32000 14.5-14.6 -> 15.0 (in three leases; not understood).
+/// x 32000 14.5-14.6 -> 15.0 (in three leases; not understood). Then W summed by rank 0's warp 1
+/// after its statistics, while warp 0 waits for the partials, and pushed on a set of mbarriers of
+/// its own that only the gradients wait for (not by warp 0 before its statistics, beside the
+/// partials): 8.76-8.89 / 16.68-16.83 / 10.08-10.22 -> 8.74-8.87 / 15.93-16.05 / 9.80-9.94 us, the
+/// mean now at the sum's cost (bench/results/2026-11-29-h200-w-window/, three rounds).
 template <int Block, int Regs, row_start Start, pass P, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
+  static_assert(Block >= 64, "warp 1 sums the mean's normaliser");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool want_grad = P == pass::fused;
   constexpr bool Aligned = Start != row_start::any, Shifted = Start == row_start::shifted;
@@ -118,7 +123,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   // Raw storage: shared memory takes no initialiser (the mbarriers are set up below).
   __shared__ alignas(exchange_state) unsigned char exchange_bytes[sizeof(exchange_state)];
   exchange_t ex{*reinterpret_cast<exchange_state*>(exchange_bytes), static_cast<int>(gridDim.x)};
-  __shared__ double rank0_w;  // W as rank 0 pushed it (rank 0: as its warp 0 summed it)
+  __shared__ double rank0_w;  // W as rank 0's warp 1 summed it (other ranks: as it pushed it)
   row_partial total_part;     // the row's, in every thread
   const int rank = static_cast<int>(blockIdx.x);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -146,15 +151,18 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const float w_y = !skip && a.weights ? a.weights[y] : 1.0f;
   const bool has_target = !skip && y >= v0 && y < v1;  // the same in the whole CTA
   const bool need_reduce = a.workspace && (a.loss || a.num_correct);
-  // The mean's normaliser W, by rank 0's warp 0 while the loads fly (no CTA barrier: its other
-  // warps go on to their statistics): the fused pass's other ranks take it from rank 0's push
-  // and rank 0's other warps from its own shared memory. The forward needs it only in the warp
-  // that polls the rows' losses (below) and divides.
+  // The mean's normaliser W. In the fused pass rank 0's warp 1 sums it while warp 0 waits for the
+  // row's partials (after this CTA's statistics, so no rank's merge waits for W) and pushes it to
+  // the other ranks on mbarrier set 1, which only their gradients wait for; the targets' lines are
+  // asked of L1 now, while the slice loads.
+  // The forward needs W only in the warp that polls the rows' losses (below) and divides.
   const bool need_w = a.reduce == reduction::mean && (want_grad || need_reduce);
-  double normalizer = need_w && rank == 0 && warp == 0 && (want_grad || n == a.rows - 1)
+  const bool w_pushed = want_grad && need_w;
+  const bool w_warp = w_pushed && rank == 0 && warp == 1;
+  if (w_warp) prefetch_l1_lines(a.targets.ids, a.rows, lane);
+  double normalizer = need_w && !want_grad && rank == 0 && warp == 0 && n == a.rows - 1
                           ? warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights)
                           : 1.0;
-  const bool w_pushed = want_grad && need_w;
 
   if (!skip) {
     row_partial p = tile_warp_stats(tile);
@@ -164,17 +172,18 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
     cluster_wait();   // every rank's mbarrier is ready
     if (warp == 0) {
       ex.send(0, 0);
-      if (w_pushed && rank == 0 && lane > 0 && lane < static_cast<int>(gridDim.x)) {
-        unsigned w[2];
-        memcpy(w, &normalizer, sizeof(w));
-        push_words(&rank0_w, w, &ex.x.arrived[0], lane);
+      ex.receive(0, 0);
+    } else if (w_warp) {
+      const double w = warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights);
+      if (lane > 0 && lane < static_cast<int>(gridDim.x)) {
+        unsigned words[2];
+        memcpy(words, &w, sizeof(words));
+        push_words(&rank0_w, words, &ex.x.arrived[1], lane);
       }
-      if (w_pushed && rank == 0 && lane == 0) rank0_w = normalizer;
-      ex.receive(0, 0, w_pushed && rank != 0 ? sizeof(double) : 0u);
+      if (lane == 0) rank0_w = w;
     }
-    __syncthreads();  // the row's total (and W from rank 0) is in shared memory
+    __syncthreads();  // the row's total (and rank 0's W) is in shared memory
     total_part = ex.result(0);
-    if (w_pushed) normalizer = rank0_w;
   } else {
     cluster_wait();  // the arrive above is matched before the CTA leaves
   }
@@ -192,6 +201,13 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       for (std::int64_t c = (Shifted && v0 < 0 ? 0 : v0) + threadIdx.x; c < v1; c += Block)
         out[c] = from_float<G>(0.0f);
     } else {
+      if (w_pushed) {  // rank 0's W, pushed to the others on set 1 (its only use)
+        if (rank != 0) {
+          if (threadIdx.x == 0) mbarrier_arrive_expect(&ex.x.arrived[1], sizeof(double));
+          mbarrier_wait<true>(&ex.x.arrived[1], 0);
+        }
+        normalizer = rank0_w;
+      }
       const double scalar = a.reduce != reduction::none
                                 ? scalar_upstream(a.scale, a.scale_ptr, a.reduce, normalizer)
                                 : 0.0;
@@ -208,8 +224,11 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   }
   // The last row's rank 0, among the launch's last CTAs to start, so the rows it waits for are
   // mostly done; it holds one CTA slot while the rest of the grid runs around it.
-  if (need_reduce && rank == 0 && n == a.rows - 1 && warp == 0)
+  if (need_reduce && rank == 0 && n == a.rows - 1 && warp == 0) {
+    if (w_pushed && skip)  // the fused pass's W came from warp 1, which a skipped row skips
+      normalizer = warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights);
     warp_poll_reduction(a.workspace, a.rows, a.loss, a.num_correct, normalizer);
+  }
 #else
   (void)a;
 #endif
