@@ -17,6 +17,7 @@
 #include "kernels.cuh"
 #include "row_reduce.cuh"
 #include "row_sums.cuh"
+#include "small_timeline.cuh"
 #include "tile.cuh"
 
 namespace xent {
@@ -128,6 +129,15 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const int rank = static_cast<int>(blockIdx.x);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t n = blockIdx.y;
+#if XENT_CUDA_SMALL_TIMELINE
+  if (small_stamps* st = my_stamps()) {
+    st->global_start = global_ns();
+    st->clock[0] = clock64();
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(st->sm));
+    st->rank = blockIdx.x;
+    st->row = blockIdx.y;
+  }
+#endif
   const int lead = Shifted ? lead_of(a.logits + n * a.ld) : 0;
   const int my_lead = rank == 0 ? lead : 0;
   const std::int64_t v0 = rank * a.slice - lead;
@@ -169,7 +179,9 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
     if (has_target) p.target_logit = warp_element(tile, static_cast<int>(y - v0));
     ex.publish(p, 0);
     __syncthreads();  // the warps' parts are in shared memory
-    cluster_wait();   // every rank's mbarrier is ready
+    XENT_SMALL_STAMP(1);
+    cluster_wait();  // every rank's mbarrier is ready
+    XENT_SMALL_STAMP(2);
     if (warp == 0) {
       ex.send(0, 0);
       ex.receive(0, 0);
@@ -183,6 +195,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       if (lane == 0) rank0_w = w;
     }
     __syncthreads();  // the row's total (and rank 0's W) is in shared memory
+    XENT_SMALL_STAMP(3);
     total_part = ex.result(0);
   } else {
     cluster_wait();  // the arrive above is matched before the CTA leaves
@@ -222,6 +235,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
                                                   total_part.target_logit);
     }
   }
+  XENT_SMALL_STAMP(4);
   // The last row's rank 0, among the launch's last CTAs to start, so the rows it waits for are
   // mostly done; it holds one CTA slot while the rest of the grid runs around it.
   if (need_reduce && rank == 0 && n == a.rows - 1 && warp == 0) {
@@ -229,6 +243,12 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       normalizer = warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights);
     warp_poll_reduction(a.workspace, a.rows, a.loss, a.num_correct, normalizer);
   }
+#if XENT_CUDA_SMALL_TIMELINE
+  if (small_stamps* st = my_stamps()) {
+    st->clock[5] = clock64();
+    st->global_end = global_ns();
+  }
+#endif
 #else
   (void)a;
 #endif
