@@ -101,9 +101,9 @@ __device__ double mean_normalizer(const Tgt& targets, std::int64_t rows, std::in
 }
 
 /// The same normaliser of class-id rows by the 32 lanes of one warp, with no CTA barrier: the
-/// small-batch kernel's rank 0, whose other warps go on to their statistics meanwhile. Exact
-/// without class weights (a count); with them, lane 0's sum in every lane (a butterfly leaves
-/// lanes different last bits).
+/// small-batch kernel's rank 0 (its warp 1 while warp 0 waits for the row's partials; in the
+/// forward, the warp that polls the rows' losses). Exact without class weights (a count); with
+/// them, lane 0's sum in every lane (a butterfly leaves lanes different last bits).
 template <class Tgt>
 __device__ double warp_normalizer(const Tgt& targets, std::int64_t rows, std::int64_t cols,
                                   std::int64_t ignore_index, const float* weights) {
