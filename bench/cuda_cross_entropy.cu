@@ -254,12 +254,13 @@ void dump_small_timeline(const std::string& line) {
       if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
     std::FILE* f = std::fopen((std::string(dir) + "/" + name + ".csv").c_str(), "w");
     if (f) {
-      std::fprintf(f, "row,rank,sm,global_start,global_end,c0,c1,c2,c3,c4,c5\n");
-      for (const small_stamps& s : st)
-        if (s.global_start != 0)
-          std::fprintf(f, "%u,%u,%u,%llu,%llu,%lld,%lld,%lld,%lld,%lld,%lld\n", s.row, s.rank, s.sm,
-                       s.global_start, s.global_end, s.clock[0], s.clock[1], s.clock[2], s.clock[3],
-                       s.clock[4], s.clock[5]);
+      std::fprintf(f, "row,rank,sm,global_start,global_end,c0,c1,c2,c3,c4,c5,c6,c7\n");
+      for (const small_stamps& s : st) {
+        if (s.global_start == 0) continue;
+        std::fprintf(f, "%u,%u,%u,%llu,%llu", s.row, s.rank, s.sm, s.global_start, s.global_end);
+        for (long long c : s.clock) std::fprintf(f, ",%lld", c);
+        std::fprintf(f, "\n");
+      }
       std::fclose(f);
     }
   }

@@ -6,7 +6,8 @@ CSV per line, a row per CTA.
     python3 bench/small_timeline.py DIR/*.csv [--ghz 1.96]
 
 For each file: when the CTAs started and ended (global timer, from the first start), how long
-each step took per CTA by its SM's clock (quantiles 0/10/50/90/100%), and per row how long after
+each step took per CTA by its SM's clock (quantiles 0/10/50/90/100%; the exchange also split at
+warp 0's send and receive), and per row how long after
 its last rank had its statistics the first rank knew the row's total (the exchange's own
 latency, apart from waiting on a slower rank)."""
 import argparse
@@ -14,6 +15,7 @@ import csv
 from collections import Counter, defaultdict
 
 STEPS = [(0, 1, "load and statistics"), (1, 2, "cluster ready"), (2, 3, "exchange"),
+         (2, 6, "  send"), (6, 7, "  receive"), (7, 3, "  barrier"),
          (3, 4, "outputs and gradient"), (4, 5, "poll / end")]
 
 
@@ -41,7 +43,9 @@ def report(path, ghz):
     print(f"  started (us)            {quantiles([(c['global_start'] - g0) / 1e3 for c in ctas])}")
     print(f"  ended (us)              {quantiles([(c['global_end'] - g0) / 1e3 for c in ctas])}")
     for a, b, name in STEPS:
-        d = [(c[f"c{b}"] - c[f"c{a}"]) / per_us for c in ctas if c[f"c{a}"] and c[f"c{b}"]]
+        # c6 and c7 (warp 0's send and receive) exist in stamps taken after 3160668.
+        d = [(c[f"c{b}"] - c[f"c{a}"]) / per_us for c in ctas
+             if c.get(f"c{a}") and c.get(f"c{b}")]
         print(f"  {name:<23} {quantiles(d)}")
     rows = defaultdict(list)
     for c in ctas:

@@ -184,7 +184,9 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
     XENT_SMALL_STAMP(2);
     if (warp == 0) {
       ex.send(0, 0);
+      XENT_SMALL_STAMP(6);
       ex.receive(0, 0);
+      XENT_SMALL_STAMP(7);
     } else if (w_warp) {
       const double w = warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights);
       if (lane > 0 && lane < static_cast<int>(gridDim.x)) {

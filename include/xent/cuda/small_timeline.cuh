@@ -1,11 +1,11 @@
 // Diagnostics for the small-batch kernel (XENT_CUDA_SMALL_TIMELINE=1, off by default): thread 0
 // of every CTA stamps its SM's clock as it passes each step of small_rows_kernel (start, its
-// statistics in shared memory, the cluster ready, the row's total known, its gradient issued,
-// the end), with the global timer at its start and end, into a device array that
-// bench/cuda_cross_entropy.cu copies out after a line (XENT_TIMELINE_DIR) and
-// bench/small_timeline.py reads. The stamps cost the kernel about 0.7 us at fp32 32 x 50257; they
-// are for seeing where a launch's time goes (bench/results/cuda-notes.md), not for its figures.
-// Included only by nvcc.
+// statistics in shared memory, the cluster ready, its partial sent, every rank's received, the
+// row's total known, its gradient issued, the end), with the global timer at its start and end,
+// into a device array that bench/cuda_cross_entropy.cu copies out after a line (XENT_TIMELINE_DIR)
+// and bench/small_timeline.py reads. The stamps cost the kernel about 0.7 us at fp32 32 x 50257;
+// they are for seeing where a launch's time goes (bench/results/cuda-notes.md), not for its
+// figures. Included only by nvcc.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,7 +21,7 @@ namespace cuda_detail {
 /// clock, and the global timer at its start and end; CTA (rank, row) at rank + row * cluster.
 struct small_stamps {
   unsigned long long global_start, global_end;
-  long long clock[6];
+  long long clock[8];  ///< steps 0-5 in order; 6, 7: warp 0's send and receive done (in 2-3)
   unsigned sm, rank, row, pad;
 };
 constexpr unsigned small_timeline_ctas = 8192;
