@@ -7,9 +7,9 @@ CSV per line, a row per CTA.
 
 For each file: when the CTAs started and ended (global timer, from the first start), how long
 each step took per CTA by its SM's clock (quantiles 0/10/50/90/100%; the exchange also split at
-warp 0's send and receive), and per row how long after
-its last rank had its statistics the first rank knew the row's total (the exchange's own
-latency, apart from waiting on a slower rank)."""
+warp 0's send and receive), and per row how long after its last rank had its statistics the
+first rank knew the row's total (the exchange's own latency, apart from waiting on a slower
+rank)."""
 import argparse
 import csv
 from collections import Counter, defaultdict

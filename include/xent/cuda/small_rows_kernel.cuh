@@ -164,8 +164,8 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   // The mean's normaliser W. In the fused pass rank 0's warp 1 sums it while warp 0 waits for the
   // row's partials (after this CTA's statistics, so no rank's merge waits for W) and pushes it to
   // the other ranks on mbarrier set 1, which only their gradients wait for; the targets' lines are
-  // asked of L1 now, while the slice loads.
-  // The forward needs W only in the warp that polls the rows' losses (below) and divides.
+  // asked of L1 now, while the slice loads. The forward needs W only in the warp that polls the
+  // rows' losses (below) and divides.
   const bool need_w = a.reduce == reduction::mean && (want_grad || need_reduce);
   const bool w_pushed = want_grad && need_w;
   const bool w_warp = w_pushed && rank == 0 && warp == 1;
