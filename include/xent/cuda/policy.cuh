@@ -44,6 +44,9 @@
 #ifndef XENT_CUDA_SMALL_REGS  // 16-byte vectors per thread of the small-batch kernel (0: off)
 #define XENT_CUDA_SMALL_REGS 4
 #endif
+#ifndef XENT_CUDA_SMALL_EXP_ONCE  // 1: fp32 fused small batches keep their exponentials
+#define XENT_CUDA_SMALL_EXP_ONCE 1
+#endif
 #ifndef XENT_CUDA_SMALL_CTAS_PER_SM  // the most CTAs per SM a small-batch launch may span
 #define XENT_CUDA_SMALL_CTAS_PER_SM 8
 #endif
@@ -235,6 +238,11 @@ struct policy {
   /// which the row kernel's persistent clusters take the batch.
   static constexpr int small_regs = XENT_CUDA_SMALL_REGS;
   static constexpr int small_ctas_per_sm = XENT_CUDA_SMALL_CTAS_PER_SM;
+  /// Whether the small-batch kernel's fp32 fused rows keep the statistics' exponentials for the
+  /// gradient (a multiply per element instead of a second exponential). H200, one lease, three
+  /// rounds (bench/results/2026-11-29-h200-w-window/run7): fused mean 128 x 32000 15.7 -> 15.45
+  /// us, 32 x 32000 8.85 -> 8.73, 32 x 50257 9.93-10.01 -> 9.88-9.97.
+  static constexpr bool small_exp_once = XENT_CUDA_SMALL_EXP_ONCE != 0;
   /// Whether forward calls with plain class-id rows, 16-byte aligned, run the streaming forward
   /// kernel (forward_kernel.cuh: whole rows per CTA, tiles of stream_forward_regs vectors per
   /// thread straight from global memory, stream_forward_min_blocks CTAs per SM) when the batch

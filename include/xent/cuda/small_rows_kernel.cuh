@@ -52,6 +52,41 @@ __device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
   return p;
 }
 
+/// tile_warp_stats, keeping the exponentials it sums in `x` (2^((z - max) log2e) with the warp's
+/// max, 0 outside the tile), so that the gradient takes a multiply per element where it took a
+/// second exponential (tile_gradient's exp_tile form). The same sums in the same order as
+/// tile_exp_sum's, so the statistics keep their bits.
+template <class Tile, class Exps>
+__device__ __forceinline__ row_partial tile_warp_exps(const Tile& t, Exps& x) {
+  float m = -HUGE_VALF;
+#pragma unroll
+  for (int r = 0; r < Tile::regs; ++r)
+#pragma unroll
+    for (int e = 0; e < Tile::vec; ++e)
+      if (t.has(r) && e < t.valid(r)) m = fmaxf(m, t.value(r, e));
+  m = warp_max(m);
+  const float shift = m == -HUGE_VALF ? 0.0f : m * log2e;
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int r = 0; r < Tile::regs; ++r)
+#pragma unroll
+    for (int e = 0; e < Tile::vec; ++e) {
+      x.e[r][e] = 0.0f;
+      if (t.has(r) && e < t.valid(r)) {
+        x.e[r][e] = fast_exp2(fmaf(t.value(r, e), log2e, -shift));
+        if (e % 2)
+          s1 += x.e[r][e];
+        else
+          s0 += x.e[r][e];
+      }
+    }
+  x.count = t.count;
+  x.max = m;
+  row_partial p;
+  p.lse = online_lse::of_block(m, warp_sum(s0 + s1));
+  return p;
+}
+
 /// Element k (inside the tile's count) of a tile of `Block` threads, in every lane of the warp
 /// whose thread holds it and 0 in every other warp: a row's target logit out of the registers. The
 /// index is the same in every thread, so the pick is a few selects, and the shuffle reads the
@@ -146,6 +181,11 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   // The slice is loaded before the row's target is known, skipped row or not: two cold reads one
   // after the other (the target, then the logits it decides on) were the launch's longest chain.
   global_tile<T, Regs, Block> tile;
+  // fp32 fused rows keep their statistics' exponentials for the gradient (in the registers the
+  // values leave: the target's logit is taken out first); 16-bit ones would need twice the
+  // registers of their tile.
+  constexpr bool keep_exps = policy::small_exp_once && want_grad && sizeof(T) == 4;
+  exp_tile<T, Regs, Block> exps;
   tile.template load<Aligned, Shifted>(a.logits + n * a.ld + v0, count, my_lead);
   // Every rank's mbarrier is set up before anything is pushed to it: the cluster's arrive here,
   // its wait just before the push, with the loads in flight in between.
@@ -175,8 +215,15 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
                           : 1.0;
 
   if (!skip) {
-    row_partial p = tile_warp_stats(tile);
-    if (has_target) p.target_logit = warp_element(tile, static_cast<int>(y - v0));
+    row_partial p;
+    if constexpr (keep_exps) {  // the target's logit first: the exponentials take its registers
+      const float z_y = has_target ? warp_element(tile, static_cast<int>(y - v0)) : 0.0f;
+      p = tile_warp_exps(tile, exps);
+      p.target_logit = z_y;
+    } else {
+      p = tile_warp_stats(tile);
+      if (has_target) p.target_logit = warp_element(tile, static_cast<int>(y - v0));
+    }
     ex.publish(p, 0);
     __syncthreads();  // the warps' parts are in shared memory
     XENT_SMALL_STAMP(1);
@@ -233,8 +280,12 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       rg.g = row_scale(a, n, scalar);
       rg.alpha = gradient_alpha(class_target_mass(w_y, a.k), rg.lse, a.k);
       // z_y as the merge summed it with the other ranks' zeros: z_y itself.
-      tile_gradient<true, Aligned, Shifted, true>(a, tile, n, v0, rg, out, my_lead,
-                                                  total_part.target_logit);
+      if constexpr (keep_exps)
+        tile_gradient<true, Aligned, Shifted, true>(a, exps, n, v0, rg, out, my_lead,
+                                                    total_part.target_logit);
+      else
+        tile_gradient<true, Aligned, Shifted, true>(a, tile, n, v0, rg, out, my_lead,
+                                                    total_part.target_logit);
     }
   }
   XENT_SMALL_STAMP(4);
