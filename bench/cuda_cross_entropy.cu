@@ -392,13 +392,15 @@ void BM_launch_floor(benchmark::State& state) {
   state.counters["cluster"] = clusters ? 9 : 1;
 }
 
-/// The seed shapes' floor for moving their bytes: a kernel that reads every fp32 logit once and
-/// writes it back in place (copy_kernel's register mode, one 16 KiB step per CTA, the last step
-/// rounded up past the logits), after the same refresh, timed between the same events. It does
-/// what a fused pass must at the least (one read, one write, every SM busy, no cluster); a fused
-/// line's time above it is what the statistics, the cluster exchange and the dependent gradient
-/// stores add. roof_pct: the fused pass's minimum traffic against the 2 GiB copy roof, as on the
-/// fused lines.
+/// The seed shapes' floor for moving their bytes, after the same refresh, timed between the same
+/// events: every fp32 logit read once and written back in place by copy_kernel, one 16 KiB step
+/// per CTA (the last rounded up past the logits) from registers (mode 0, the fused pass's own
+/// pattern) or by bulk copies both ways (1); the same steps dealt to four persistent CTAs per SM,
+/// each overlapping one step's stores with the next one's loads (2); or the driver's
+/// device-to-device copy into the gradient buffer (3, cudaMemcpyAsync). Each does what a fused
+/// pass must at the least (one read, one write, no cluster); a fused line's time above the
+/// fastest is what the statistics, the cluster exchange and the dependent gradient stores add.
+/// roof_pct: the fused pass's minimum traffic against the 2 GiB copy roof, as on the fused lines.
 void BM_pass_floor(benchmark::State& state) {
   const std::int64_t rows = state.range(0), cols = state.range(1);
   const std::size_t bytes = sizeof(float) * static_cast<std::size_t>(rows * cols);
@@ -406,8 +408,20 @@ void BM_pass_floor(benchmark::State& state) {
   arena& a = buffers();
   a.reserve(steps * copy_step, rows);
   auto* p = static_cast<uint4*>(a.logits);
+  const auto mode = state.range(2);
+  int device = 0, sms = 0;
+  check(cudaGetDevice(&device), "device");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sms");
+  const auto grid = static_cast<unsigned>(mode == 2 ? sms * XENT_BENCH_COPY_CTAS : steps);
   auto launch = [&] {
-    copy_kernel<copy_mode::registers><<<static_cast<unsigned>(steps), copy_block>>>(p, p, steps);
+    if (mode == 3) {
+      check(cudaMemcpyAsync(a.grad, a.logits, bytes, cudaMemcpyDeviceToDevice), "copy");
+      return;
+    }
+    if (mode == 1)
+      copy_kernel<copy_mode::bulk_both><<<grid, copy_block>>>(p, p, steps);
+    else
+      copy_kernel<copy_mode::registers><<<grid, copy_block>>>(p, p, steps);
     check(cudaGetLastError(), "copy kernel");
   };
   std::uint64_t seed = 1;
@@ -438,7 +452,11 @@ BENCHMARK(BM_copy_kernel)
     ->Unit(benchmark::kMicrosecond)
     ->Iterations(20);
 BENCHMARK(BM_launch_floor)->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_pass_floor)->Apply([](benchmark::internal::Benchmark* b) { shapes(b, true, false); });
+BENCHMARK(BM_pass_floor)
+    ->ArgsProduct({{32}, {32000, 50257}, {0, 1, 2, 3}})
+    ->ArgsProduct({{128}, {32000}, {0, 1, 2, 3}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 #define XENT_CUDA_BENCH(T, OP, SEED, TRAIN)                                                  \
   BENCHMARK_TEMPLATE(BM_cross_entropy, T, OP)->Apply([](benchmark::internal::Benchmark* b) { \
