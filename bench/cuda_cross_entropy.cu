@@ -193,15 +193,21 @@ __global__ void __launch_bounds__(copy_block)
   }
 }
 
+/// The current device's multiprocessors (the copy kernels' persistent grids).
+int sm_count() {
+  int device = 0, sms = 0;
+  check(cudaGetDevice(&device), "device");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sms");
+  return sms;
+}
+
 /// The copy roof's 2 GiB by copy_kernel (copy_mode in the argument), as a % of that roof.
 void BM_copy_kernel(benchmark::State& state) {
   const auto mode = static_cast<copy_mode>(state.range(0));
   const std::size_t bytes = std::size_t{2} << 30;
   arena& a = buffers();
   a.reserve(bytes, 1);
-  int device = 0, sms = 0;
-  check(cudaGetDevice(&device), "device");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sms");
+  const int sms = sm_count();
   const auto* src = static_cast<const uint4*>(a.logits);
   auto* dst = static_cast<uint4*>(mode == copy_mode::registers_in_place ? a.logits : a.grad);
   const std::size_t steps = bytes / copy_step;
@@ -413,9 +419,7 @@ void BM_pass_floor(benchmark::State& state) {
     state.SkipWithError("bulk modes take steps of at most 16 KiB");
     return;
   }
-  int device = 0, sms = 0;
-  check(cudaGetDevice(&device), "device");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sms");
+  const int sms = sm_count();
   const auto grid = static_cast<unsigned>(mode == 2 ? sms * XENT_BENCH_COPY_CTAS : steps);
   auto launch = [&] {
     if (mode == 3) {

@@ -7,7 +7,9 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "../loss_math.hpp"
 #include "../online_lse.hpp"
@@ -30,21 +32,26 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 /// The sum of 2^(x log2e - shift) over this thread's elements of a register tile (`Full`: every
 /// vector of it whole, no masks; `WholeVectors`: each vector whole or absent, one test per
-/// vector), in two chains of additions.
-template <bool Full, class Tile, bool WholeVectors = false>
-__device__ __forceinline__ float tile_exp_sum(const Tile& t, float shift) {
+/// vector), in two chains of additions. With `keep` (an exp_tile of the same shape), each
+/// exponential is also left there, 0 outside the tile, for a gradient that multiplies instead.
+template <bool Full, class Tile, bool WholeVectors = false, class Keep = std::nullptr_t>
+__device__ __forceinline__ float tile_exp_sum(const Tile& t, float shift, Keep keep = nullptr) {
+  constexpr bool keeps = !std::is_same_v<Keep, std::nullptr_t>;
   float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
   for (int r = 0; r < Tile::regs; ++r)
 #pragma unroll
-    for (int e = 0; e < Tile::vec; ++e)
+    for (int e = 0; e < Tile::vec; ++e) {
+      if constexpr (keeps) keep->e[r][e] = 0.0f;
       if (Full || (t.has(r) && (WholeVectors || e < t.valid(r)))) {
         const float p = fast_exp2(fmaf(t.value(r, e), log2e, -shift));
+        if constexpr (keeps) keep->e[r][e] = p;
         if (e % 2)
           s1 += p;
         else
           s0 += p;
       }
+    }
   return s0 + s1;
 }
 

@@ -35,55 +35,41 @@ __device__ __forceinline__ void cluster_wait() {
 }
 #endif
 
-/// This thread's statistics of its vectors of a slice, merged over its warp: the warp's max,
-/// then the exponentials relative to it (the row kernel's chunk_stats, without a stage).
+/// The largest of this thread's elements of a slice, over its warp (fmaxf passes over NaN; the
+/// exponentials' sum still meets it).
 template <class Tile>
-__device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
-  float m = -HUGE_VALF;
-#pragma unroll
-  for (int r = 0; r < Tile::regs; ++r)
-#pragma unroll
-    for (int e = 0; e < Tile::vec; ++e)  // fmaxf passes over NaN; the sum below still meets it
-      if (t.has(r) && e < t.valid(r)) m = fmaxf(m, t.value(r, e));
-  m = warp_max(m);
-  row_partial p;
-  p.lse =
-      online_lse::of_block(m, warp_sum(tile_exp_sum<false>(t, m == -HUGE_VALF ? 0.0f : m * log2e)));
-  return p;
-}
-
-/// tile_warp_stats, keeping the exponentials it sums in `x` (2^((z - max) log2e) with the warp's
-/// max, 0 outside the tile), so that the gradient takes a multiply per element where it took a
-/// second exponential (tile_gradient's exp_tile form). The same sums in the same order as
-/// tile_exp_sum's, so the statistics keep their bits.
-template <class Tile, class Exps>
-__device__ __forceinline__ row_partial tile_warp_exps(const Tile& t, Exps& x) {
+__device__ __forceinline__ float tile_warp_max(const Tile& t) {
   float m = -HUGE_VALF;
 #pragma unroll
   for (int r = 0; r < Tile::regs; ++r)
 #pragma unroll
     for (int e = 0; e < Tile::vec; ++e)
       if (t.has(r) && e < t.valid(r)) m = fmaxf(m, t.value(r, e));
-  m = warp_max(m);
-  const float shift = m == -HUGE_VALF ? 0.0f : m * log2e;
-  float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-  for (int r = 0; r < Tile::regs; ++r)
-#pragma unroll
-    for (int e = 0; e < Tile::vec; ++e) {
-      x.e[r][e] = 0.0f;
-      if (t.has(r) && e < t.valid(r)) {
-        x.e[r][e] = fast_exp2(fmaf(t.value(r, e), log2e, -shift));
-        if (e % 2)
-          s1 += x.e[r][e];
-        else
-          s0 += x.e[r][e];
-      }
-    }
+  return warp_max(m);
+}
+
+/// This thread's statistics of its vectors of a slice, merged over its warp: the warp's max,
+/// then the exponentials relative to it (the row kernel's chunk_stats, without a stage).
+template <class Tile>
+__device__ __forceinline__ row_partial tile_warp_stats(const Tile& t) {
+  const float m = tile_warp_max(t);
+  row_partial p;
+  p.lse =
+      online_lse::of_block(m, warp_sum(tile_exp_sum<false>(t, m == -HUGE_VALF ? 0.0f : m * log2e)));
+  return p;
+}
+
+/// tile_warp_stats, keeping the exponentials it sums in `x` (tile_exp_sum's keep), so that the
+/// gradient takes a multiply per element where it took a second exponential (tile_gradient's
+/// exp_tile form). The same sums in the same order, so the statistics keep their bits.
+template <class Tile, class Exps>
+__device__ __forceinline__ row_partial tile_warp_exps(const Tile& t, Exps& x) {
+  const float m = tile_warp_max(t);
   x.count = t.count;
   x.max = m;
   row_partial p;
-  p.lse = online_lse::of_block(m, warp_sum(s0 + s1));
+  p.lse = online_lse::of_block(
+      m, warp_sum(tile_exp_sum<false>(t, m == -HUGE_VALF ? 0.0f : m * log2e, &x)));
   return p;
 }
 
