@@ -244,39 +244,6 @@ void BM_copy_kernel(benchmark::State& state) {
 
 enum class op { forward, forward_backward, backward };
 
-#if XENT_CUDA_SMALL_TIMELINE
-/// Diagnostics: the small-batch kernel's stamps of the last launch into
-/// $XENT_TIMELINE_DIR/<line>.csv (one line per CTA that ran), then cleared for the next line.
-void dump_small_timeline(const std::string& line) {
-  using xent::cuda_detail::small_stamps;
-  std::vector<small_stamps> st(xent::cuda_detail::small_timeline_ctas);
-  check(cudaMemcpyFromSymbol(st.data(), xent::cuda_detail::small_timeline,
-                             st.size() * sizeof(small_stamps)),
-        "timeline");
-  const char* dir = std::getenv("XENT_TIMELINE_DIR");
-  if (dir) {
-    std::string name = line;
-    for (char& c : name)
-      if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-    std::FILE* f = std::fopen((std::string(dir) + "/" + name + ".csv").c_str(), "w");
-    if (f) {
-      std::fprintf(f, "row,rank,sm,global_start,global_end,c0,c1,c2,c3,c4,c5,c6,c7\n");
-      for (const small_stamps& s : st) {
-        if (s.global_start == 0) continue;
-        std::fprintf(f, "%u,%u,%u,%llu,%llu", s.row, s.rank, s.sm, s.global_start, s.global_end);
-        for (long long c : s.clock) std::fprintf(f, ",%lld", c);
-        std::fprintf(f, "\n");
-      }
-      std::fclose(f);
-    }
-  }
-  std::fill(st.begin(), st.end(), small_stamps{});
-  check(cudaMemcpyToSymbol(xent::cuda_detail::small_timeline, st.data(),
-                           st.size() * sizeof(small_stamps)),
-        "timeline reset");
-}
-#endif
-
 /// Reduction R: mean (the default), sum (no normaliser) or none (each row's loss only, no sum
 /// across rows).
 template <class T, op Op, xent::reduction R = xent::reduction::mean>
@@ -353,12 +320,6 @@ void BM_cross_entropy(benchmark::State& state) {
         "loss");
   state.counters["loss"] = loss;
   if (!std::isfinite(loss)) state.SkipWithError("the loss is not finite");
-#if XENT_CUDA_SMALL_TIMELINE
-  // The last call's (after a refresh, as the timed ones).
-  dump_small_timeline("e" + std::to_string(sizeof(T)) + "_op" + std::to_string(int(Op)) + "_r" +
-                      std::to_string(int(R)) + "_" + std::to_string(rows) + "x" +
-                      std::to_string(cols));
-#endif
 }
 
 __global__ void empty_kernel() {}

@@ -1,135 +1,220 @@
-// Tunables of the CUDA backend, as data, and the choice among them.
+// The tuning table of the CUDA backend: one row per GPU architecture, and `policy`, the row a
+// build compiles its kernels with.
+//
+// A row holds two kinds of column. Capabilities (bulk copies and TMA, thread-block clusters with
+// distributed shared memory, programmatic dependent launch, wgmma) say which kernels a device can
+// run: host dispatch asks tuning_for(the device's compute capability) for them, device code asks
+// XENT_CUDA_SM90_PTX (below: inline PTX that assembles for sm_90 alone, one guard in one place,
+// tied to the row of __CUDA_ARCH__ by a static_assert). Numbers (threads, vectors per thread,
+// stages, thresholds) shape the kernels; they are compile-time constants, the same for every row
+// today (sm_90's: measured on an H200 and an H100), which `policy` exposes to kernels and dispatch.
+// tuning_for picks the first row whose min_major the device reaches; sm_80 and older take the
+// default row (the numbers of sm_90, every Hopper capability off).
+//
+// Adding a GPU (sm_100, say): one new row ahead of the rows it supersedes, its capabilities set,
+// and a run of bench/cuda_variants.sh on it for the numbers that row changes.
+//
+// Overrides: xent's own benchmark and test builds may replace single numbers of the built row
+// through one hook, XENT_CUDA_TUNING_OVERRIDE (a header naming `tuned`; CMake's XENT_CUDA_TUNING
+// sets it, bench/tuning/override.cuh is that header). Without it the build takes the sm_90 row.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda.cuh"
+namespace xent {
+namespace cuda_detail {
 
-// The defaults below; a benchmark build may define others to measure alternatives.
-#ifndef XENT_CUDA_BLOCK
-#define XENT_CUDA_BLOCK 256
+/// One row of the table.
+struct tuning {
+  /// The smallest compute capability major that takes this row.
+  int min_major;
+  /// Capabilities: bulk copies (cp.async.bulk, TMA) and mbarriers.
+  bool bulk_copy;
+  /// Thread-block clusters and distributed shared memory.
+  bool clusters;
+  /// Programmatic dependent launch (griddepcontrol).
+  bool dependent_launch;
+  /// Warpgroup MMA (the fused linear forward's GEMM; its kernel needs an sm_90a build as well).
+  bool wgmma;
+  /// The warp-rows kernel's shapes hold (measured on sm_90 alone).
+  bool warp_rows;
+  /// When nonzero, replaces the per-dtype choice of policy::min_blocks.
+  int min_blocks;
+  /// When 0 or 1, replaces the per-dtype choice of policy::overlap_rows.
+  int overlap_rows;
+  int block;
+  int stages;
+  /// Vectors in flight per thread in a statistics sweep.
+  int stats_unroll;
+  /// 0: full CTA barriers for the row hand-offs (see policy).
+  int split_barriers;
+  int chunk_kib;
+  /// 0: every chunk takes a max sweep before its exponentials.
+  int running_max;
+  /// Forward: rows per CTA in flight from which a CTA streams whole rows.
+  int whole_rows;
+  /// 1: class-id backward by the streaming kernel (see policy).
+  int stream_backward;
+  /// 0: the gradient sweep multiplies every element by the row's scale.
+  int fold_scale;
+  /// 0: fused plain 16-bit rows take a second exponential per element.
+  int exp_once;
+  /// 16-byte vectors per thread per tile of the streaming backward.
+  int stream_regs;
+  /// 16-byte vectors per thread of the small-batch kernel (0: off).
+  int small_regs;
+  /// 1: fp32 fused small batches keep their exponentials.
+  int small_exp_once;
+  /// The most CTAs per SM a small-batch launch may span.
+  int small_ctas_per_sm;
+  /// 1: plain backward tiles moved by bulk copies both ways (sm_90).
+  int bulk_backward;
+  /// 16-byte vectors per thread of its tiles.
+  int bulk_backward_regs;
+  int bulk_backward_stages;
+  int bulk_backward_min_blocks;
+  /// Fused resident rows' gradient by bulk copy (see policy).
+  int bulk_gradient;
+  /// 0: long plain fused rows keep the default CTA shape (see policy).
+  int wide_rows;
+  /// Rows longer than this take the wide shape.
+  int wide_from_kib;
+  /// 0: plain forwards by the row kernel too (see policy).
+  int stream_forward;
+  /// 16-byte vectors per thread per tile of it.
+  int stream_forward_regs;
+  /// CTAs per SM its registers are bounded for.
+  int stream_forward_min_blocks;
+  /// Threads per CTA of it.
+  int stream_forward_block;
+  /// Longer rows take its wide CTAs; 0: none (policy).
+  int stream_forward_wide_from_kib;
+  /// 0: the fused linear forward always by cuBLAS (see policy).
+  int stats_gemm;
+  /// 1: the stats GEMM's CTAs each load their own W tiles.
+  int stats_gemm_cluster;
+  /// 1: fused linear training's chunk logits by that GEMM too.
+  int stats_gemm_logits;
+  /// 0: fused linear training by the cross-entropy pass over logits.
+  int scaled_probs;
+  /// 0: d_weight's float accumulator by cublasGemmEx (see policy).
+  int accumulate_by_lt;
+  /// 0: every CTA sums the mean's normaliser (see policy).
+  int normalizer_ahead;
+  /// 0: the row kernel's rows dealt out in turn (see policy).
+  int row_queue;
+  /// 0: its rows end in a CTA barrier (see policy).
+  int stream_forward_handoff;
+  /// 0: fused rows off 16-byte boundaries by two kernels (policy).
+  int shifted_rows;
+  /// 0: whole-tile rows sweep every vector of the tile (policy).
+  int trim_tiles;
+  /// Rows up to this long (12 at most), a warp each; 0: none (policy).
+  int warp_rows_kib;
+  /// 0: unaligned short rows by the split pass (policy).
+  int warp_rows_shifted;
+  /// 0: unaligned short forwards/backwards streamed.
+  int warp_rows_shifted_passes;
+  /// Fused rows up to this long by two kernels; 0: none (policy).
+  int split_fused_kib;
+  /// 0: the bulk backward's grid as large as the SMs hold.
+  int balanced_grid;
+};
+
+/// sm_90 (H100, H200): every value measured there (bench/cuda_variants.sh).
+constexpr tuning sm90_row = {
+    /*min_major=*/9,
+    /*bulk_copy=*/true,
+    /*clusters=*/true,
+    /*dependent_launch=*/true,
+    /*wgmma=*/true,
+    /*warp_rows=*/true,
+    /*min_blocks=*/0,
+    /*overlap_rows=*/-1,
+    /*block=*/256,
+    /*stages=*/2,
+    /*stats_unroll=*/2,
+    /*split_barriers=*/1,
+    /*chunk_kib=*/32,
+    /*running_max=*/1,
+    /*whole_rows=*/1,
+    /*stream_backward=*/1,
+    /*fold_scale=*/1,
+    /*exp_once=*/1,
+    /*stream_regs=*/4,
+    /*small_regs=*/4,
+    /*small_exp_once=*/1,
+    /*small_ctas_per_sm=*/8,
+    /*bulk_backward=*/1,
+    /*bulk_backward_regs=*/2,
+    /*bulk_backward_stages=*/8,
+    /*bulk_backward_min_blocks=*/3,
+    /*bulk_gradient=*/2,
+    /*wide_rows=*/1,
+    /*wide_from_kib=*/120,
+    /*stream_forward=*/1,
+    /*stream_forward_regs=*/4,
+    /*stream_forward_min_blocks=*/8,
+    /*stream_forward_block=*/128,
+    /*stream_forward_wide_from_kib=*/128,
+    /*stats_gemm=*/1,
+    /*stats_gemm_cluster=*/2,
+    /*stats_gemm_logits=*/0,
+    /*scaled_probs=*/1,
+    /*accumulate_by_lt=*/1,
+    /*normalizer_ahead=*/1,
+    /*row_queue=*/1,
+    /*stream_forward_handoff=*/1,
+    /*shifted_rows=*/1,
+    /*trim_tiles=*/1,
+    /*warp_rows_kib=*/12,
+    /*warp_rows_shifted=*/1,
+    /*warp_rows_shifted_passes=*/1,
+    /*split_fused_kib=*/8,
+    /*balanced_grid=*/1};
+
+/// A row with every capability off and the numbers of `r`.
+constexpr tuning without_capabilities(tuning r, int min_major) {
+  r.min_major = min_major;
+  r.bulk_copy = r.clusters = r.dependent_launch = r.wgmma = r.warp_rows = false;
+  return r;
+}
+
+/// The table, newest architecture first; the last row takes every device.
+constexpr tuning tuning_rows[] = {sm90_row, without_capabilities(sm90_row, 0)};
+
+/// The row of a device of compute capability `major`.
+constexpr const tuning& tuning_for(int major) {
+  for (const tuning& r : tuning_rows)
+    if (major >= r.min_major) return r;
+  return tuning_rows[sizeof(tuning_rows) / sizeof(tuning_rows[0]) - 1];
+}
+
+}  // namespace cuda_detail
+}  // namespace xent
+
+// Device code's view of its row: inline PTX of the capabilities above assembles for sm_90 alone.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define XENT_CUDA_SM90_PTX 1
+#else
+#define XENT_CUDA_SM90_PTX 0
 #endif
-// XENT_CUDA_MIN_BLOCKS, when defined, replaces the per-dtype choice of policy::min_blocks.
-#ifndef XENT_CUDA_STAGES
-#define XENT_CUDA_STAGES 2
+#ifdef __CUDA_ARCH__
+static_assert(xent::cuda_detail::tuning_for(__CUDA_ARCH__ / 100).bulk_copy ==
+                  (XENT_CUDA_SM90_PTX != 0),
+              "the device row's capabilities and the PTX compiled");
 #endif
-#ifndef XENT_CUDA_STATS_UNROLL  // vectors in flight per thread in a statistics sweep
-#define XENT_CUDA_STATS_UNROLL 2
-#endif
-#ifndef XENT_CUDA_SPLIT_BARRIERS  // 0: full CTA barriers for the row hand-offs (see policy)
-#define XENT_CUDA_SPLIT_BARRIERS 1
-#endif
-#ifndef XENT_CUDA_CHUNK_KIB
-#define XENT_CUDA_CHUNK_KIB 32
-#endif
-#ifndef XENT_CUDA_RUNNING_MAX  // 0: every chunk takes a max sweep before its exponentials
-#define XENT_CUDA_RUNNING_MAX 1
-#endif
-#ifndef XENT_CUDA_WHOLE_ROWS  // forward: rows per CTA in flight from which a CTA streams whole rows
-#define XENT_CUDA_WHOLE_ROWS 1
-#endif
-#ifndef XENT_CUDA_STREAM_BACKWARD  // 1: class-id backward by the streaming kernel (see policy)
-#define XENT_CUDA_STREAM_BACKWARD 1
-#endif
-#ifndef XENT_CUDA_FOLD_SCALE  // 0: the gradient sweep multiplies every element by the row's scale
-#define XENT_CUDA_FOLD_SCALE 1
-#endif
-#ifndef XENT_CUDA_EXP_ONCE  // 0: fused plain 16-bit rows take a second exponential per element
-#define XENT_CUDA_EXP_ONCE 1
-#endif
-#ifndef XENT_CUDA_STREAM_REGS  // 16-byte vectors per thread per tile of the streaming backward
-#define XENT_CUDA_STREAM_REGS 4
-#endif
-#ifndef XENT_CUDA_SMALL_REGS  // 16-byte vectors per thread of the small-batch kernel (0: off)
-#define XENT_CUDA_SMALL_REGS 4
-#endif
-#ifndef XENT_CUDA_SMALL_EXP_ONCE  // 1: fp32 fused small batches keep their exponentials
-#define XENT_CUDA_SMALL_EXP_ONCE 1
-#endif
-#ifndef XENT_CUDA_SMALL_CTAS_PER_SM  // the most CTAs per SM a small-batch launch may span
-#define XENT_CUDA_SMALL_CTAS_PER_SM 8
-#endif
-#ifndef XENT_CUDA_BULK_BACKWARD  // 1: plain backward tiles moved by bulk copies both ways (sm_90)
-#define XENT_CUDA_BULK_BACKWARD 1
-#endif
-#ifndef XENT_CUDA_BULK_BACKWARD_REGS  // 16-byte vectors per thread of its tiles
-#define XENT_CUDA_BULK_BACKWARD_REGS 2
-#endif
-#ifndef XENT_CUDA_BULK_BACKWARD_STAGES
-#define XENT_CUDA_BULK_BACKWARD_STAGES 8
-#endif
-#ifndef XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS
-#define XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS 3
-#endif
-#ifndef XENT_CUDA_BULK_GRADIENT  // fused resident rows' gradient by bulk copy (see policy)
-#define XENT_CUDA_BULK_GRADIENT 2
-#endif
-#ifndef XENT_CUDA_WIDE_ROWS  // 0: long plain fused rows keep the default CTA shape (see policy)
-#define XENT_CUDA_WIDE_ROWS 1
-#endif
-#ifndef XENT_CUDA_WIDE_FROM_KIB  // rows longer than this take the wide shape
-#define XENT_CUDA_WIDE_FROM_KIB 120
-#endif
-#ifndef XENT_CUDA_STREAM_FORWARD  // 0: plain forwards by the row kernel too (see policy)
-#define XENT_CUDA_STREAM_FORWARD 1
-#endif
-#ifndef XENT_CUDA_STREAM_FORWARD_REGS  // 16-byte vectors per thread per tile of it
-#define XENT_CUDA_STREAM_FORWARD_REGS 4
-#endif
-#ifndef XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS  // CTAs per SM its registers are bounded for
-#define XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS 8
-#endif
-#ifndef XENT_CUDA_STREAM_FORWARD_BLOCK  // threads per CTA of it
-#define XENT_CUDA_STREAM_FORWARD_BLOCK 128
-#endif
-#ifndef XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB  // longer rows take its wide CTAs; 0: none (policy)
-#define XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB 128
-#endif
-#ifndef XENT_CUDA_STATS_GEMM  // 0: the fused linear forward always by cuBLAS (see policy)
-#define XENT_CUDA_STATS_GEMM 1
-#endif
-#ifndef XENT_CUDA_STATS_GEMM_CLUSTER  // 1: the stats GEMM's CTAs each load their own W tiles
-#define XENT_CUDA_STATS_GEMM_CLUSTER 2
-#endif
-#ifndef XENT_CUDA_STATS_GEMM_LOGITS  // 1: fused linear training's chunk logits by that GEMM too
-#define XENT_CUDA_STATS_GEMM_LOGITS 0
-#endif
-#ifndef XENT_CUDA_SCALED_PROBS  // 0: fused linear training by the cross-entropy pass over logits
-#define XENT_CUDA_SCALED_PROBS 1
-#endif
-#ifndef XENT_CUDA_ACCUMULATE_BY_LT  // 0: d_weight's float accumulator by cublasGemmEx (see policy)
-#define XENT_CUDA_ACCUMULATE_BY_LT 1
-#endif
-#ifndef XENT_CUDA_NORMALIZER_AHEAD  // 0: every CTA sums the mean's normaliser (see policy)
-#define XENT_CUDA_NORMALIZER_AHEAD 1
-#endif
-#ifndef XENT_CUDA_ROW_QUEUE  // 0: the row kernel's rows dealt out in turn (see policy)
-#define XENT_CUDA_ROW_QUEUE 1
-#endif
-#ifndef XENT_CUDA_STREAM_FORWARD_HANDOFF  // 0: its rows end in a CTA barrier (see policy)
-#define XENT_CUDA_STREAM_FORWARD_HANDOFF 1
-#endif
-#ifndef XENT_CUDA_SHIFTED_ROWS  // 0: fused rows off 16-byte boundaries by two kernels (policy)
-#define XENT_CUDA_SHIFTED_ROWS 1
-#endif
-#ifndef XENT_CUDA_TRIM_TILES  // 0: whole-tile rows sweep every vector of the tile (policy)
-#define XENT_CUDA_TRIM_TILES 1
-#endif
-#ifndef XENT_CUDA_WARP_ROWS_KIB  // rows up to this long (12 at most), a warp each; 0: none (policy)
-#define XENT_CUDA_WARP_ROWS_KIB 12
-#endif
-#ifndef XENT_CUDA_WARP_ROWS_SHIFTED  // 0: unaligned short rows by the split pass (policy)
-#define XENT_CUDA_WARP_ROWS_SHIFTED 1
-#endif
-#ifndef XENT_CUDA_WARP_ROWS_SHIFTED_PASSES  // 0: unaligned short forwards/backwards streamed
-#define XENT_CUDA_WARP_ROWS_SHIFTED_PASSES 1
-#endif
-#ifndef XENT_CUDA_SPLIT_FUSED_KIB  // fused rows up to this long by two kernels; 0: none (policy)
-#define XENT_CUDA_SPLIT_FUSED_KIB 8
-#endif
-#ifndef XENT_CUDA_BALANCED_GRID  // 0: the bulk backward's grid as large as the SMs hold
-#define XENT_CUDA_BALANCED_GRID 1
+
+#ifdef XENT_CUDA_TUNING_OVERRIDE
+#include XENT_CUDA_TUNING_OVERRIDE
+#else
+namespace xent {
+namespace cuda_detail {
+/// The row this build's kernels are compiled with.
+constexpr tuning tuned = sm90_row;
+}  // namespace cuda_detail
+}  // namespace xent
 #endif
 
 namespace xent {
@@ -147,7 +232,7 @@ enum class row_queue_form { none, own_kernel, branch };
 /// two); 512-thread CTAs and three stages were slower.
 struct policy {
   /// Threads per CTA.
-  static constexpr int block = XENT_CUDA_BLOCK;
+  static constexpr int block = tuned.block;
   /// CTAs per SM the register budget is set for (__launch_bounds__): three (80 registers), but
   /// two (128) for the backward pass of 16-bit rows, which measured faster so (2.44 against
   /// 2.52 ms for bf16 16384 x 128256), for fused rows that keep their exponentials as floats
@@ -158,20 +243,17 @@ struct policy {
   /// 2.181 at two with the gradient stage (H200, 2026-11-22).
   template <class T, bool Backward, bool Two = false>
   static constexpr int min_blocks() {
-#ifdef XENT_CUDA_MIN_BLOCKS
-    return XENT_CUDA_MIN_BLOCKS;
-#else
+    if (tuned.min_blocks != 0) return tuned.min_blocks;
     return (sizeof(T) == 2 && Backward) || Two ? 2 : 3;
-#endif
   }
   /// Shared-memory stages per CTA: the next row's chunk streams in while this one is processed.
-  static constexpr int stages = XENT_CUDA_STAGES;
+  static constexpr int stages = tuned.stages;
   /// Bytes of a stage. 2 x 32 KiB per CTA leaves room for three CTAs per SM (227 KiB); the fused
   /// rows with a gradient stage (bulk_gradient) take three, at two CTAs per SM.
-  static constexpr std::size_t max_chunk_bytes = XENT_CUDA_CHUNK_KIB * 1024;
+  static constexpr std::size_t max_chunk_bytes = tuned.chunk_kib * 1024;
   /// Vectors per thread in flight in a statistics sweep over shared memory: unrolling the whole
   /// chunk there would hold a second chunk in registers beside the tile.
-  static constexpr int stats_unroll = XENT_CUDA_STATS_UNROLL;
+  static constexpr int stats_unroll = tuned.stats_unroll;
   /// 16-byte vectors per thread that hold a chunk in registers (32 registers for 32 KiB).
   static constexpr int regs = static_cast<int>(max_chunk_bytes / (16 * block));
   static_assert(regs * 16 * block == max_chunk_bytes, "a chunk is whole vectors per thread");
@@ -180,8 +262,8 @@ struct policy {
   /// the gradient is due: bf16 16384 x 128256 fused 3.16 ms, against 3.37 ms with two
   /// __syncthreads per row. compute-sanitizer's racecheck does not model bar.arrive and reports
   /// barrier-separated accesses anywhere in such a kernel as hazards, so the sanitizer build
-  /// (.ci/device) checks the same protocol with full barriers (XENT_CUDA_SPLIT_BARRIERS=0).
-  static constexpr bool split_barriers = XENT_CUDA_SPLIT_BARRIERS != 0;
+  /// (.ci/device) checks the same protocol with full barriers (tuned.split_barriers=0).
+  static constexpr bool split_barriers = tuned.split_barriers != 0;
   /// Whether a row's gradient waits until the next row's statistics are taken (hiding its cluster
   /// round trip) or is written first. Waiting holds the row's register tile across those sweeps:
   /// for fused 16-bit rows that is more than three CTAs per SM leave registers for (the tile
@@ -189,29 +271,25 @@ struct policy {
   /// again at f84c2e6 (H200, bf16 16384 x 128256 fused): 2.715 ms so, 3.00 ms waiting at three
   /// CTAs per SM (80 bytes of spill), 2.79 ms waiting at two (no spill).
   template <class T, bool Fused>
-  static constexpr bool overlap_rows =
-#ifdef XENT_CUDA_OVERLAP_ROWS
-      XENT_CUDA_OVERLAP_ROWS != 0;
-#else
-      sizeof(T) == 4 || !Fused;
-#endif
+  static constexpr bool overlap_rows = tuned.overlap_rows >= 0 ? tuned.overlap_rows != 0
+                                                               : sizeof(T) == 4 || !Fused;
   /// A forward pass over at least this many rows per CTA in flight gives each CTA whole rows,
   /// streamed through its stages chunk by chunk with an online LSE (0: never). No CTA then waits
   /// for another: a row cut over a cluster makes its CTAs meet once per row, and the forward has
   /// no gradient sweep to hide that round trip behind.
-  static constexpr int whole_rows = XENT_CUDA_WHOLE_ROWS;
+  static constexpr int whole_rows = tuned.whole_rows;
   /// Whether a streamed row's chunks after its first take their exponentials relative to the
   /// row's running max in one sweep (no max sweep; see chunk_stats).
-  static constexpr bool running_max = XENT_CUDA_RUNNING_MAX != 0;
+  static constexpr bool running_max = tuned.running_max != 0;
   /// Whether backward from a saved LSE with class-id targets and 16-byte-aligned rows runs the
   /// streaming kernel (backward_kernel.cuh: each element read once from global memory into
   /// registers and its gradient stored, no shared-memory stage, no cluster) instead of the row
   /// kernel. H200, 2026-11-21, bf16 backward: 16384 x 128256 2.292 vs 2.419 ms (86.1 vs 81.6% of
   /// the copy roof), 4096 x 262144 1.179 vs 1.226 ms, 8192 x 32000 0.293 both (cuda-notes.md).
-  static constexpr bool stream_backward = XENT_CUDA_STREAM_BACKWARD != 0;
+  static constexpr bool stream_backward = tuned.stream_backward != 0;
   /// Vectors per thread per tile of the streaming backward: 4 x 16 bytes x 256 threads = 16 KiB
   /// per CTA in flight, several CTAs per SM.
-  static constexpr int stream_regs = XENT_CUDA_STREAM_REGS;
+  static constexpr int stream_regs = tuned.stream_regs;
   /// Whether plain kernels with 16-bit gradients fold the row's scale into the exponent
   /// (2^(x log2e - shift + log2 |scale|), the sign xored onto the rounded pairs) instead of a
   /// multiply per element. H200, 2026-11-21, same lease: bf16 fused 16384 x 128256 2.711 ->
@@ -219,7 +297,7 @@ struct policy {
   /// 331 -> 318 us; backward unchanged (bound by memory). A partial last vector stored through a
   /// function that is not inlined, measured in the same lease, was slower everywhere (fp32 fused
   /// 2.35 -> 3.09 ms).
-  static constexpr bool fold_scale = XENT_CUDA_FOLD_SCALE != 0;
+  static constexpr bool fold_scale = tuned.fold_scale != 0;
   /// Whether plain fused 16-bit rows keep each element's exponential from the statistics (as a
   /// float, exp_tile) and form the gradient with a multiply: one exponential per element in the
   /// pass instead of two (the special-function unit does 16 per SM per cycle: 2 x 2.1e9 of them
@@ -227,7 +305,7 @@ struct policy {
   /// memory fewer. The float tile is 64 registers, so these kernels are bounded for two CTAs per
   /// SM (min_blocks). H200, 2026-11-22, same lease (bench/cuda_variants.sh): bf16 fused 16384 x
   /// 128256 2.569 -> 2.510 ms, 4096 x 262144 1.384 -> 1.363 ms, 8192 x 32000 318 -> 308 us.
-  static constexpr bool exp_once = XENT_CUDA_EXP_ONCE != 0;
+  static constexpr bool exp_once = tuned.exp_once != 0;
   /// The kernels that keep them: plain fused 16-bit rows finished before the next row's
   /// statistics (the float tile is not held across them).
   template <class T, bool Plain, bool Fused>
@@ -236,13 +314,13 @@ struct policy {
   /// The small-batch kernel (small_rows_kernel.cuh): vectors per thread (16 KiB of a row per
   /// 256-thread CTA), and the most CTAs per SM a launch of it may span (rows x cluster), beyond
   /// which the row kernel's persistent clusters take the batch.
-  static constexpr int small_regs = XENT_CUDA_SMALL_REGS;
-  static constexpr int small_ctas_per_sm = XENT_CUDA_SMALL_CTAS_PER_SM;
+  static constexpr int small_regs = tuned.small_regs;
+  static constexpr int small_ctas_per_sm = tuned.small_ctas_per_sm;
   /// Whether the small-batch kernel's fp32 fused rows keep the statistics' exponentials for the
   /// gradient (a multiply per element instead of a second exponential). H200, one lease, three
   /// rounds (bench/results/2026-11-29-h200-w-window/run7): fused mean 128 x 32000 15.7 -> 15.45
   /// us, 32 x 32000 8.85 -> 8.73, 32 x 50257 9.93-10.01 -> 9.88-9.97.
-  static constexpr bool small_exp_once = XENT_CUDA_SMALL_EXP_ONCE != 0;
+  static constexpr bool small_exp_once = tuned.small_exp_once != 0;
   /// Whether forward calls with plain class-id rows, 16-byte aligned, run the streaming forward
   /// kernel (forward_kernel.cuh: whole rows per CTA, tiles of stream_forward_regs vectors per
   /// thread straight from global memory, stream_forward_min_blocks CTAs per SM) when the batch
@@ -256,10 +334,10 @@ struct policy {
   /// 3008 (6 KiB rows) 331-332 -> 181 us, 8192 x 32000 134 -> 132, 8192 x 50304 207 -> 203, 8192
   /// x 50257 224-225 -> 219-220, 16384 x 128256 962-963 -> 953, fp32 8192 x 128256 928 -> 935.
   /// CTAs of 64 x 16 and 32 x 32: slower on every line but the 6 KiB rows (200, 193 us).
-  static constexpr bool stream_forward = XENT_CUDA_STREAM_FORWARD != 0;
-  static constexpr int stream_forward_regs = XENT_CUDA_STREAM_FORWARD_REGS;
-  static constexpr int stream_forward_min_blocks = XENT_CUDA_STREAM_FORWARD_MIN_BLOCKS;
-  static constexpr int stream_forward_block = XENT_CUDA_STREAM_FORWARD_BLOCK;
+  static constexpr bool stream_forward = tuned.stream_forward != 0;
+  static constexpr int stream_forward_regs = tuned.stream_forward_regs;
+  static constexpr int stream_forward_min_blocks = tuned.stream_forward_min_blocks;
+  static constexpr int stream_forward_block = tuned.stream_forward_block;
   /// Rows longer than stream_forward_wide_from_kib KiB take CTAs of twice the threads at half the
   /// CTAs per SM (the same registers per thread, tiles twice as long). H200, 2026-11-24, same
   /// lease, 256 x 4 against 512 x 2 (and 128 x 8): bf16 16384 x 128256 1013 -> 994 us (1020),
@@ -268,7 +346,7 @@ struct policy {
   /// the masked last one, and half as many rows in flight per SM). Measured again 2026-11-24
   /// (later lease): 1013 -> 994 us, 538 -> 529, 993 -> 970, 146 -> 146 (its rows stay on 256
   /// threads) (bench/results/2026-11-24-h200-stream-forward-block/, -warp-rows/).
-  static constexpr int stream_forward_wide_from_kib = XENT_CUDA_STREAM_FORWARD_WIDE_FROM_KIB;
+  static constexpr int stream_forward_wide_from_kib = tuned.stream_forward_wide_from_kib;
   /// Whether the streaming forward hands each row's warp parts to warp 0 by named barriers (warps
   /// 1.. go on to the next row) rather than a CTA barrier, where every warp waited for the
   /// slowest warp's last tile of the row (split_barriers as well). H200, 2026-11-24, same lease,
@@ -276,14 +354,14 @@ struct policy {
   /// longer rows unchanged (16384 x 128256 1.008-1.023 ms both ways). Asking L2 for the tiles
   /// ahead (prefetch.global.L2, one line per thread) made it slower at every distance measured:
   /// 148 us without, 156 one tile ahead, 158 two, 167 four, 215 eight.
-  static constexpr bool stream_forward_handoff = XENT_CUDA_STREAM_FORWARD_HANDOFF != 0;
+  static constexpr bool stream_forward_handoff = tuned.stream_forward_handoff != 0;
   /// Whether the fused linear forward takes the Hopper GEMM that keeps each row's statistics in
   /// its epilogue (stats_gemm.cuh; sm_90a builds, bf16, plain options) rather than cuBLAS and the
   /// cross-entropy pass over each chunk's logits. H200, 2026-11-24, linear_forward against
   /// cuBLAS's X . W^T alone in the same run (xent_bench_cuda_linear, f6d4e74): 8192 x 4096 x
   /// 128256 0.980x, 16384 x 2304 x 256000 1.015x, where the cuBLAS path measured 1.08x and 1.21x
   /// (9b4cb64; bench/results/2026-11-24-h200-f6d4e74/).
-  static constexpr bool stats_gemm = XENT_CUDA_STATS_GEMM != 0;
+  static constexpr bool stats_gemm = tuned.stats_gemm != 0;
   /// CTAs per cluster of that GEMM: two on neighbouring row tiles, each loading half of every W
   /// tile into both by a multicast copy (stats_gemm.cuh), halve the L2-to-shared traffic of W.
   /// H100, 2026-11-27, one lease, xent_bench_cuda_linear built both ways, two rounds each,
@@ -294,7 +372,7 @@ struct policy {
   /// (bench/results/2026-11-27-h100-stats-pairs/). On an H200 an earlier form of the kernel
   /// measured pairs slower at 8192 x 4096 x 128256 (12.14 -> 12.42 / 12.61 ms) and faster at the
   /// larger head (30.3 -> 29.2 / 29.5; 2026-11-24-h200-staged-stats/): not measured there since.
-  static constexpr int stats_gemm_cluster = XENT_CUDA_STATS_GEMM_CLUSTER;
+  static constexpr int stats_gemm_cluster = tuned.stats_gemm_cluster;
   static_assert(stats_gemm_cluster == 1 || stats_gemm_cluster == 2, "the stats GEMM's forms");
   /// Whether fused linear training and backward form each chunk's logits by that GEMM's
   /// logits-storing form (stats_gemm.cuh; bf16, no bias, D a multiple of 8, 16-byte aligned
@@ -305,7 +383,7 @@ struct policy {
   /// lease, with / without, two rounds, the scaled path not yet built) 38.8 / 38.2 vs 38.6 / 38.6
   /// ms and 91.3 / 91.5 vs 92.3 / 91.9 ms: within the runs' spread. The linear tests pass with it
   /// (bench/results/2026-11-27-h100-stats-gemm-logits/). Off.
-  static constexpr bool stats_gemm_logits = XENT_CUDA_STATS_GEMM_LOGITS != 0;
+  static constexpr bool stats_gemm_logits = tuned.stats_gemm_logits != 0;
   /// Whether fused linear training (bf16, class ids without smoothing or softcap, no bias, no
   /// argmax asked; D a multiple of 8, sm_90a) stores each chunk's scaled probabilities from that
   /// GEMM and takes the row scales into the backward GEMMs, so no cross-entropy pass runs
@@ -315,11 +393,11 @@ struct policy {
   /// 1.034x -> 1.004 / 1.016x), 16384 x 2304 x 256000 93.6 / 93.5 -> 88.8 / 88.8 ms (1.070 /
   /// 1.063x -> 1.014 / 1.026x), with one 6 GiB chunk 1.048 / 1.046x -> 1.009 / 1.006x
   /// (bench/results/2026-11-27-h200-scaled-probs/).
-  static constexpr bool scaled_probs = XENT_CUDA_SCALED_PROBS != 0;
+  static constexpr bool scaled_probs = tuned.scaled_probs != 0;
   /// Whether fused linear training adds each chunk's d_weight into the float accumulator through
   /// cuBLASLt with the tile accumulate_gemm.cuh chooses (where it offers one) rather than
   /// cublasGemmEx's own choice; that header has the GEMM's measurements.
-  static constexpr bool accumulate_by_lt = XENT_CUDA_ACCUMULATE_BY_LT != 0;
+  static constexpr bool accumulate_by_lt = tuned.accumulate_by_lt != 0;
   /// Whether the row kernel's mean normaliser (fused and backward passes) is summed by one CTA of
   /// a kernel launched ahead of it, the row kernel its programmatic dependant, rather than by
   /// every CTA of the row kernel at its start. H200, 2026-11-25, three rounds each way: bf16 8192
@@ -327,7 +405,7 @@ struct policy {
   /// every other line unchanged (bench/results/2026-11-25-h200-normalizer-ahead/). The CUDA tests
   /// (stream capture among them: a programmatic dependency in a graph) and the linear tests pass
   /// with it (H200, 2026-11-25, bench/results/2026-11-25-h200-normalizer-ahead-tests/).
-  static constexpr bool normalizer_ahead = XENT_CUDA_NORMALIZER_AHEAD != 0;
+  static constexpr bool normalizer_ahead = tuned.normalizer_ahead != 0;
   /// Whether the resident row kernel (bulk copies, forward or fused, a workspace given, rows on
   /// 16-byte boundaries) takes rows from a queue (row_queue.cuh) rather than each cluster a fixed
   /// share. H200, 2026-11-29, fused, two rounds each against the same tree without it
@@ -339,7 +417,7 @@ struct policy {
   /// of that back: 193 dealt against 198 queued in one lease). Rows off 16-byte boundaries
   /// (Shifted) are dealt: with the queue bf16 8192 x 50257 went 482.5 -> 499, and again 479 -> 495
   /// as a kernel of its own (fp32 982 -> 971.5; 2026-11-29-h200-queued-kernel/run2).
-  static constexpr bool row_queue = XENT_CUDA_ROW_QUEUE != 0;
+  static constexpr bool row_queue = tuned.row_queue != 0;
   /// How the row kernel's queued rows are compiled (row_queue_form): in a kernel of their own
   /// (resident rows alone, every queue test resolved at compile time), or as a branch of the
   /// kernel that also deals rows and streams long ones. The branch's extra code cost the default
@@ -360,7 +438,7 @@ struct policy {
   /// it slower, 148 -> 151 us: there the rows each SM walks set the time (its CTAs share its
   /// load slots), and 512 CTAs put 64 rows on some SMs where 528 put at most 63. The row kernel's
   /// clusters: no change (bf16 fused 8192 x 32000 283 -> 284 us).
-  static constexpr bool balanced_grid = XENT_CUDA_BALANCED_GRID != 0;
+  static constexpr bool balanced_grid = tuned.balanced_grid != 0;
   /// Whether plain fused rows that do not start on 16-byte boundaries, whose gradient rows have
   /// the same boundaries (in place, say), on sm_90, take the row kernel cut at each row's own
   /// boundaries (row_kernel's Shifted: one read and one write of the logits, resident rows up to
@@ -370,7 +448,7 @@ struct policy {
   /// kernels, 592 by the row kernel with masked sweeps, 510 with whole-tile sweeps (row_kernel:
   /// the threads past the row's end reset the stage to -inf after each copy); 256 x 50257 37.3 /
   /// 32.4 / 29.0 us; fp32 8192 x 50257 1231 / 1158 / 975 us.
-  static constexpr bool shifted_rows = XENT_CUDA_SHIFTED_ROWS != 0;
+  static constexpr bool shifted_rows = tuned.shifted_rows != 0;
   /// Whether the row kernel's whole-tile rows (plain fused resident rows; CTAs of the default
   /// shape) whose slices fill at most regs - 2 or regs - 1 of each thread's vectors sweep only
   /// those: the sweeps past a slice take exponentials of -inf, and the rows of 40 KiB (two CTAs
@@ -381,7 +459,7 @@ struct policy {
   /// the full-tile lines unchanged. Each trim alone first: regs - 1 in the wide shape as well
   /// made 16384 x 128256 2109 -> 2127-2129 us (the wide kernel's code; it never took the trimmed
   /// path), so the wide shape keeps its whole tiles.
-  static constexpr bool trim_tiles = XENT_CUDA_TRIM_TILES != 0;
+  static constexpr bool trim_tiles = tuned.trim_tiles != 0;
   /// Plain fused rows of at most split_fused_kib KiB in a batch long enough for the streaming
   /// forward (aligned, or cut at their own boundaries where the gradient's share them) run it and
   /// then the bulk backward from the LSE it wrote (launch_split_fused), rather than the row
@@ -393,7 +471,7 @@ struct policy {
   /// 400, fp32 8192 x 16384 282 -> 395-396: the line lies near 8 KiB. Behind the warp-rows kernel
   /// (warp_rows_kib) it takes the rows that one does not, those off 16-byte boundaries: H200,
   /// 2026-11-25, three rounds, 65536 x 3001 897-898 -> 680-682 us.
-  static constexpr int split_fused_kib = XENT_CUDA_SPLIT_FUSED_KIB;
+  static constexpr int split_fused_kib = tuned.split_fused_kib;
   /// Plain class-id rows, 16-byte aligned, of at most warp_rows_kib KiB (a warp's tile holds 6 at
   /// warp_rows_regs 16-byte vectors per lane, 12 in the long form below), every pass, take the
   /// warp-rows kernel: a
@@ -407,7 +485,7 @@ struct policy {
   /// at 12 none but a float gradient of bf16 logits (12 bytes). Backward calls from the saved
   /// LSE too (same lease, two rounds): 65536 x 3008 282-283 -> 245-246 us (66 -> 76%; the bulk
   /// backward before).
-  static constexpr int warp_rows_kib = XENT_CUDA_WARP_ROWS_KIB;
+  static constexpr int warp_rows_kib = tuned.warp_rows_kib;
   static constexpr int warp_rows_regs = 12;
   static constexpr int warp_rows_min_blocks = 2;  // at most 128 registers per thread
   /// The forward holds no gradient: three CTAs per SM, though ptxas (sm_90) then spills 176
@@ -426,7 +504,7 @@ struct policy {
   /// (the streaming kernels' lead) before the split pass. H200, 2026-11-25, same lease, two
   /// rounds: bf16 65536 x 3001 fused 681 -> 349 us (27 -> 53% of the roof; the row's first and
   /// last vectors go element by element), every other line unchanged.
-  static constexpr bool warp_rows_shifted = XENT_CUDA_WARP_ROWS_SHIFTED != 0;
+  static constexpr bool warp_rows_shifted = tuned.warp_rows_shifted != 0;
   /// Whether forwards of short rows off 16-byte boundaries, and backwards whose gradient rows share
   /// those boundaries, take the same cut form of the warp-rows kernel (the short form) instead of
   /// the streaming kernels' shifted forms. H100, 2026-11-27, same lease, off / on (a build each,
@@ -434,7 +512,7 @@ struct policy {
   /// backward 424 -> 325 us (62 -> 80%); the fused line (408 us), the aligned 65536 x 3008 and
   /// 32768 x 6016 lines and every 8192 x 32000 line unchanged within 1%
   /// (bench/results/2026-11-27-h100-shifted-passes/).
-  static constexpr bool warp_rows_shifted_passes = XENT_CUDA_WARP_ROWS_SHIFTED_PASSES != 0;
+  static constexpr bool warp_rows_shifted_passes = tuned.warp_rows_shifted_passes != 0;
   static constexpr int warp_rows_long_regs = 24;
   static constexpr int warp_rows_long_min_blocks = 1;
   /// Whether backward calls with plain class-id rows, 16-byte aligned, on sm_90, move the
@@ -451,10 +529,10 @@ struct policy {
   /// stages 271-272 us / 2.106-2.122 / 1.104 ms; 12 KiB x 6 stages 312 us / 2.286 / 1.167; 16
   /// KiB x 3 stages at four CTAs per SM 291 us / 2.274 / 1.160. The same bytes in flight in
   /// smaller tiles (not profiled: a CTA's first tile lands sooner, its gradient leaves sooner).
-  static constexpr bool bulk_backward = XENT_CUDA_BULK_BACKWARD != 0;
-  static constexpr int bulk_backward_regs = XENT_CUDA_BULK_BACKWARD_REGS;
-  static constexpr int bulk_backward_stages = XENT_CUDA_BULK_BACKWARD_STAGES;
-  static constexpr int bulk_backward_min_blocks = XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS;
+  static constexpr bool bulk_backward = tuned.bulk_backward != 0;
+  static constexpr int bulk_backward_regs = tuned.bulk_backward_regs;
+  static constexpr int bulk_backward_stages = tuned.bulk_backward_stages;
+  static constexpr int bulk_backward_min_blocks = tuned.bulk_backward_min_blocks;
   /// Whether plain fused resident rows on sm_90 write their gradient into a shared-memory stage
   /// of its own (one chunk more per CTA) and store it by one bulk copy, instead of 16-byte
   /// stores from registers, which stop at 85-86% of the copy roof (BM_copy_kernel). 2: every
@@ -468,9 +546,8 @@ struct policy {
   /// stage at two before whole tiles, 2.181 (90.5%) with both (see min_blocks).
   template <class T, class G, bool Plain, bool Fused>
   static constexpr bool bulk_gradient = (Plain && Fused) && sizeof(T) == sizeof(G) &&
-                                        (XENT_CUDA_BULK_GRADIENT >= 2 ||
-                                         (XENT_CUDA_BULK_GRADIENT == 1 &&
-                                          keep_exps<T, Plain, Fused>));
+                                        (tuned.bulk_gradient >= 2 ||
+                                         (tuned.bulk_gradient == 1 && keep_exps<T, Plain, Fused>));
   /// Whether plain fused aligned rows on sm_90 longer than wide_from_bytes and at most
   /// cluster_max wide chunks take the wide shape (wide_shape: CTAs of twice the threads, each
   /// holding a chunk twice as large, one CTA per SM at the same registers per thread): half the
@@ -486,8 +563,8 @@ struct policy {
   /// and 128 KiB, fp32 8192 x 32000 547 -> 534 us (90.8-91.3 -> 92.8-93.0%), bf16 8192 x 65536
   /// 567-569 -> 556-557 us; from 32 KiB (one round) 8192 x 20480 and 8192 x 49152 ran 195 -> 214
   /// and 429 -> 472 us, so shorter rows keep the default shape.
-  static constexpr bool wide_rows = XENT_CUDA_WIDE_ROWS != 0;
-  static constexpr std::int64_t wide_from_bytes = std::int64_t{XENT_CUDA_WIDE_FROM_KIB} * 1024;
+  static constexpr bool wide_rows = tuned.wide_rows != 0;
+  static constexpr std::int64_t wide_from_bytes = std::int64_t{tuned.wide_from_kib} * 1024;
   /// Cluster size limit: 16 is the non-portable maximum of sm_90.
   static constexpr int cluster_max = 16;
   /// Smallest slice worth a CTA when a short batch is spread over more CTAs.
@@ -508,93 +585,6 @@ struct row_shape {
 using default_shape = row_shape<policy::block, policy::regs>;
 using wide_shape = row_shape<2 * policy::block, policy::regs>;
 static_assert(default_shape::chunk_bytes == policy::max_chunk_bytes, "the default chunk");
-
-/// Whether plain fused aligned rows of `row_bytes` take the wide shape (policy::wide_rows).
-inline bool wide_rows_for(std::int64_t row_bytes) {
-  return policy::wide_rows && row_bytes > policy::wide_from_bytes &&
-         row_bytes <=
-             std::int64_t{policy::cluster_max} * static_cast<std::int64_t>(wide_shape::chunk_bytes);
-}
-
-/// What the dispatcher decided for one call.
-struct launch_plan {
-  int cluster = 1;              ///< CTAs per row
-  std::int64_t slice = 0;       ///< classes per CTA
-  std::int64_t chunk = 0;       ///< classes per stage
-  std::int64_t chunks = 1;      ///< stages per slice (1: the slice stays resident)
-  std::size_t chunk_bytes = 0;  ///< bytes per stage, a 16-byte multiple
-  std::size_t smem_bytes = 0;   ///< dynamic shared memory per CTA
-};
-
-inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
-
-/// Persistent CTAs (or clusters) for `units` of work when at most `most` are in flight at once
-/// (policy::balanced_grid): the fewest that give none more units than the largest grid does, so
-/// every one walks the same count or one fewer at the end of the grid, not half of them.
-inline std::int64_t persistent_grid(std::int64_t units, std::int64_t most) {
-  if (most < 1) most = 1;
-  if (units <= most) return units;
-  return policy::balanced_grid ? ceil_div(units, ceil_div(units, most)) : most;
-}
-
-/// Classes per CTA when `cols` are cut over `cluster` CTAs: whole vectors of `vec` elements.
-inline std::int64_t slice_classes(std::int64_t cols, std::int64_t cluster, int vec) {
-  return ceil_div(ceil_div(cols, cluster), vec) * vec;
-}
-
-/// CTAs per row for `rows` rows of `row_bytes`, from `c`: a short batch spreads each row over
-/// more CTAs so rows * c covers the SMs twice, while a slice keeps at least min_slice_bytes.
-inline std::int64_t spread_rows(std::int64_t c, std::int64_t rows, std::int64_t row_bytes, int sms,
-                                int max_cluster) {
-  while (c < max_cluster && rows * c < 2 * sms && row_bytes / (c + 1) >= policy::min_slice_bytes)
-    ++c;
-  return c;
-}
-
-/// Cuts rows of `cols` elements of `elem_bytes` over a cluster: `sms` multiprocessors,
-/// `max_cluster` 1 without clusters or when each CTA streams whole rows, stages of at most
-/// `max_chunk_bytes`. Slices and chunks are whole 16-byte vectors (the register tiles' unit).
-inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms,
-                                    int max_cluster,
-                                    std::size_t max_chunk_bytes = policy::max_chunk_bytes) {
-  const int vec = 16 / elem_bytes;
-  launch_plan p;
-  const std::int64_t row_bytes = cols * elem_bytes;
-  std::int64_t c = ceil_div(row_bytes, static_cast<std::int64_t>(max_chunk_bytes));
-  if (c <= max_cluster) {
-    c = spread_rows(c, rows, row_bytes, sms, max_cluster);  // resident rows
-  } else {
-    c = max_cluster;  // rows too long for the cluster: each slice streams through in chunks
-  }
-  p.cluster = static_cast<int>(c < 1 ? 1 : c);
-  p.slice = slice_classes(cols, p.cluster, vec);
-  const std::int64_t max_chunk = static_cast<std::int64_t>(max_chunk_bytes) / elem_bytes;
-  p.chunks = ceil_div(p.slice, max_chunk);
-  p.chunk = ceil_div(ceil_div(p.slice, p.chunks), vec) * vec;
-  p.chunk_bytes = static_cast<std::size_t>(ceil_div(p.chunk * elem_bytes, 16) * 16);
-  p.smem_bytes = p.chunk_bytes * policy::stages;
-  return p;
-}
-
-/// The small-batch kernel's cut of rows of `cols` elements of `elem_bytes` over a cluster (each
-/// CTA's slice whole 16-byte vectors, at most small_regs of them per thread), or cluster 0 when
-/// the batch is not small: a row longer than a cluster holds so, more CTAs than
-/// small_ctas_per_sm per SM, or more rows than the workspace keeps records for.
-inline launch_plan make_small_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms) {
-  launch_plan p;
-  p.cluster = 0;
-  if (policy::small_regs == 0) return p;
-  const int vec = 16 / elem_bytes;
-  const std::int64_t per_cta = std::int64_t{policy::small_regs} * 16 * policy::block;
-  const std::int64_t row_bytes = cols * elem_bytes;
-  std::int64_t c = ceil_div(row_bytes, per_cta);
-  if (c > policy::cluster_max || rows > workspace_records) return p;
-  c = spread_rows(c < 1 ? 1 : c, rows, row_bytes, sms, policy::cluster_max);
-  if (rows * c > std::int64_t{policy::small_ctas_per_sm} * sms) return p;
-  p.cluster = static_cast<int>(c);
-  p.slice = slice_classes(cols, c, vec);
-  return p;
-}
 
 }  // namespace cuda_detail
 }  // namespace xent

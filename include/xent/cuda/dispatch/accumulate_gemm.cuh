@@ -11,7 +11,7 @@
 // bench/results/2026-11-25-h200-dw-gemm-wgmma/): 128 x 160 3.49 / 3.19 ms against 3.13 / 3.08 for
 // the chunk's logits GEMM (the same flops, bf16 written once); a wgmma kernel of ours whose
 // epilogue added into the accumulator by TMA reduce-adds took 4.57 / 4.87 (the L2's float adds
-// bound it). Included only by nvcc (cuda/linear.cuh).
+// bound it). Included only by nvcc.
 #pragma once
 
 #include <cublasLt.h>

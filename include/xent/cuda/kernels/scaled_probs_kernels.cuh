@@ -32,7 +32,7 @@
 // Rows that lose more than `range` nats are rare in training (a probability of e^-40 for the
 // target), so step 4 is normally empty; at worst it is two more logits GEMMs.
 //
-// Included only by nvcc (cuda/linear.cuh).
+// Included only by nvcc; dispatch/scaled_probs.cuh lays out its buffers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,27 +40,23 @@
 
 #include <cstdint>
 
-#include "../loss_math.hpp"
-#include "backward_kernel.cuh"
-#include "kernels.cuh"
-#include "linear_plan.cuh"
-#include "row_reduce.cuh"
-#include "stats_gemm.cuh"
+#include "../../loss_math.hpp"
+#include "../block/row_args.cuh"
+#include "../block/row_reduce.cuh"
+#include "../block/row_sums.cuh"
+#include "../cuda.cuh"
+#include "stats_gemm_kernel.cuh"  // the GEMM's partial and tile sizes
 
 namespace xent {
 namespace cuda_detail {
 namespace scaled_probs {
-
-static_assert(probs_tile_cols == stats_gemm::tile_n, "the plan's partials per row");
-static_assert(probs_tile_rows == stats_gemm::tile_m, "the plan's flags per row tile");
-static_assert(sizeof(stats_gemm::partial) == probs_partial_bytes, "the plan's partial size");
 
 /// The largest lse - ref for which a row keeps the first pass's P: P_j <= e^40 ~ 2e17 and beta >=
 /// g alpha e^-40 ~ 4e-18 g alpha, so P, beta and the scaled hidden row beta x stay normal floats
 /// and bf16 for any plausible upstream gradient and hidden values.
 constexpr float range = 40.0f;
 
-/// A chunk's buffers (linear_plan.cuh's probs_layout), each per row of the chunk.
+/// A chunk's buffers (dispatch/linear_plan.cuh's probs_layout), each per row of the chunk.
 struct buffers {
   stats_gemm::partial* partials;  ///< rows x col_tiles
   __nv_bfloat16* hidden;          ///< rows x D: beta x, the d_weight GEMM's operand
@@ -75,21 +71,6 @@ struct buffers {
 
   __host__ __device__ int* flagged() const { return tile_flags + row_tiles; }
 };
-
-inline buffers make_buffers(char* region, const probs_layout& l) {
-  buffers b;
-  b.partials = reinterpret_cast<stats_gemm::partial*>(region + l.partials);
-  b.hidden = reinterpret_cast<__nv_bfloat16*>(region + l.hidden);
-  b.ref = reinterpret_cast<float*>(region + l.ref);
-  b.mult = reinterpret_cast<float*>(region + l.mult);
-  b.beta = reinterpret_cast<float*>(region + l.beta);
-  b.patch = reinterpret_cast<float*>(region + l.patch);
-  b.target_logit = reinterpret_cast<float*>(region + l.target_logit);
-  b.tile_flags = reinterpret_cast<int*>(region + l.flags);
-  b.second = reinterpret_cast<int*>(region + l.second);
-  b.row_tiles = static_cast<int>(l.row_tiles);
-  return b;
-}
 
 /// The 8 bf16 of a 16-byte vector as floats.
 __device__ __forceinline__ void unpack8(const uint4& q, float (&v)[8]) {

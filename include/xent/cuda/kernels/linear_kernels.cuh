@@ -9,11 +9,11 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../loss_math.hpp"
-#include "../options.hpp"
-#include "dtype.cuh"
-#include "kernels.cuh"  // XENT_KERNEL
-#include "row_sums.cuh"
+#include "../../loss_math.hpp"
+#include "../../options.hpp"
+#include "../block/dtype.cuh"
+#include "../block/row_sums.cuh"
+#include "../cuda.cuh"
 
 namespace xent {
 namespace cuda_detail {

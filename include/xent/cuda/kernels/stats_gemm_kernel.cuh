@@ -4,7 +4,7 @@
 // second kernel merges each row's N x V/256 partials into its LSE and loss. The cuBLAS path
 // (linear.cuh) writes each chunk's logits and the cross-entropy pass reads them again: on an H200
 // that read was 4-7% of the forward's time above the GEMM alone (bench/results/cuda-notes.md).
-// Included only by nvcc (cuda/linear.cuh).
+// Included only by nvcc; dispatch/stats_gemm.cuh launches it.
 //
 // The GEMM kernel: persistent CTAs (one per SM) of three warpgroups. Warpgroup 0's first thread
 // loads 128 x 64 tiles of X and 256 x 64 tiles of W by tensor copies (TMA, 128-byte swizzle) into
@@ -40,8 +40,15 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "backend.cuh"
-#include "wgmma.cuh"
+#include "../../loss_math.hpp"
+#include "../../online_lse.hpp"
+#include "../block/chunk_stats.cuh"
+#include "../block/row_args.cuh"
+#include "../block/row_reduce.cuh"
+#include "../block/row_sums.cuh"
+#include "../block/tile.cuh"
+#include "../block/wgmma.cuh"
+#include "../cuda.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -318,7 +325,7 @@ __device__ __forceinline__ void stats_warps_sync() {
 /// the same column tile and each loads half of the W tile into both by a multicast copy: half the
 /// L2-to-shared traffic of W, for CTAs that wait on each other's stage releases.
 template <form F, int Cluster, class I>
-__global__ void __launch_bounds__(threads, 1)
+XENT_KERNEL void __launch_bounds__(threads, 1)
     stats_gemm_kernel(const __grid_constant__ CUtensorMap x_map,
                       const __grid_constant__ CUtensorMap w_map,
                       const __grid_constant__ CUtensorMap logits_map, args<I> a) {
@@ -575,50 +582,6 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, const partial* partials,
     write_row_outputs(a, row, class_row_loss(r, a.weights ? a.weights[y] : 1.0f, a.k), r.lse.lse(),
                       -1, false, false);
   }
-}
-
-/// Whether this build runs the GEMM with clusters of `cluster` on device `dev`: its sm_90a body
-/// was compiled for the code the device runs (it alone has static shared memory) and the device
-/// grants the dynamic shared memory (prepare_cluster_kernel: once per kernel and device, no stream
-/// work, so it may run under graph capture).
-template <form F, class I>
-bool ready(int dev, int cluster) {
-  const auto kernel = cluster == 2 ? reinterpret_cast<const void*>(stats_gemm_kernel<F, 2, I>)
-                                   : reinterpret_cast<const void*>(stats_gemm_kernel<F, 1, I>);
-  cudaFuncAttributes attr{};
-  return prepare_cluster_kernel(kernel, dev, smem_bytes) &&
-         cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.sharedSizeBytes > 0;
-}
-
-/// Enqueues the GEMM over X (a.rows x a.depth, leading dimension ldx) and W (a.cols x a.depth,
-/// leading dimension ldw), one CTA per SM in clusters of `cluster`; ready<F, I>(device, cluster)
-/// must hold.
-template <form F, class I>
-void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std::int64_t ldw,
-            const args<I>& a, int sms, int cluster, cudaStream_t stream, void* logits = nullptr,
-            std::int64_t ld_logits = 0) {
-  static_assert(tile_k == 64, "make_map's boxes are 64 columns (128 bytes) wide");
-  const CUtensorMap xm = make_map(fn, "hidden", x, a.rows, a.depth, ldx, tile_m);
-  const CUtensorMap wm = make_map(fn, "weight", w, a.cols, a.depth, ldw, tile_n / cluster);
-  // form::stats: no logits (an unused map, the hidden one); otherwise rows x cols bf16, leading
-  // dimension ld_logits, stored in boxes of 128 rows x 64 columns.
-  const CUtensorMap lm =
-      F == form::stats ? xm : make_map(fn, "logits", logits, a.rows, a.cols, ld_logits, tile_m);
-  // Groups of `cluster` row tiles, each at every column tile; at most one CTA per SM.
-  const std::int64_t groups = (a.rows + std::int64_t{tile_m} * cluster - 1) /
-                              (std::int64_t{tile_m} * cluster) * a.col_tiles;
-  const int clusters = static_cast<int>(groups < sms / cluster ? groups : sms / cluster);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * cluster), 1, 1);
-  cfg.blockDim = dim3(threads, 1, 1);
-  cfg.dynamicSmemBytes = smem_bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1] = {cluster_attribute(cluster)};
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  check_cuda(fn, cluster == 2
-                     ? cudaLaunchKernelEx(&cfg, stats_gemm_kernel<F, 2, I>, xm, wm, lm, a)
-                     : cudaLaunchKernelEx(&cfg, stats_gemm_kernel<F, 1, I>, xm, wm, lm, a));
 }
 
 }  // namespace stats_gemm

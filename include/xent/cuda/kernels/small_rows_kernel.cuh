@@ -13,17 +13,19 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../loss_math.hpp"
-#include "kernels.cuh"
-#include "row_reduce.cuh"
-#include "row_sums.cuh"
-#include "small_timeline.cuh"
-#include "tile.cuh"
+#include "../../loss_math.hpp"
+#include "../block/chunk_stats.cuh"
+#include "../block/row_args.cuh"
+#include "../block/row_reduce.cuh"
+#include "../block/row_sums.cuh"
+#include "../block/tile.cuh"
+#include "../cuda.cuh"
+#include "../tuning/policy.cuh"
 
 namespace xent {
 namespace cuda_detail {
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
 /// Cluster-wide split barrier: arrive with no memory ordering (the mbarriers' initialisation is
 /// published by its own fence; the release form costs a MEMBAR.ALL.GPU and an ERRBAR in SASS),
 /// and wait (acquire).
@@ -137,7 +139,7 @@ template <int Block, int Regs, row_start Start, pass P, class T, class G, class 
 XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
   static_assert(Block >= 64, "warp 1 sums the mean's normaliser");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   constexpr bool want_grad = P == pass::fused;
   constexpr bool Aligned = Start != row_start::any, Shifted = Start == row_start::shifted;
   using exchange_t = row_exchange<row_partial, Block>;
@@ -150,15 +152,6 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const int rank = static_cast<int>(blockIdx.x);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t n = blockIdx.y;
-#if XENT_CUDA_SMALL_TIMELINE
-  if (small_stamps* st = my_stamps()) {
-    st->global_start = global_ns();
-    st->clock[0] = clock64();
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(st->sm));
-    st->rank = blockIdx.x;
-    st->row = blockIdx.y;
-  }
-#endif
   const int lead = Shifted ? lead_of(a.logits + n * a.ld) : 0;
   const int my_lead = rank == 0 ? lead : 0;
   const std::int64_t v0 = rank * a.slice - lead;
@@ -212,14 +205,10 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
     }
     ex.publish(p, 0);
     __syncthreads();  // the warps' parts are in shared memory
-    XENT_SMALL_STAMP(1);
-    cluster_wait();  // every rank's mbarrier is ready
-    XENT_SMALL_STAMP(2);
+    cluster_wait();   // every rank's mbarrier is ready
     if (warp == 0) {
       ex.send(0, 0);
-      XENT_SMALL_STAMP(6);
       ex.receive(0, 0);
-      XENT_SMALL_STAMP(7);
     } else if (w_warp) {
       const double w = warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights);
       if (lane > 0 && lane < static_cast<int>(gridDim.x)) {
@@ -230,7 +219,6 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       if (lane == 0) rank0_w = w;
     }
     __syncthreads();  // the row's total (and rank 0's W) is in shared memory
-    XENT_SMALL_STAMP(3);
     total_part = ex.result(0);
   } else {
     cluster_wait();  // the arrive above is matched before the CTA leaves
@@ -274,7 +262,6 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
                                                     total_part.target_logit);
     }
   }
-  XENT_SMALL_STAMP(4);
   // The last row's rank 0, among the launch's last CTAs to start, so the rows it waits for are
   // mostly done; it holds one CTA slot while the rest of the grid runs around it.
   if (need_reduce && rank == 0 && n == a.rows - 1 && warp == 0) {
@@ -282,12 +269,6 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       normalizer = warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights);
     warp_poll_reduction(a.workspace, a.rows, a.loss, a.num_correct, normalizer);
   }
-#if XENT_CUDA_SMALL_TIMELINE
-  if (small_stamps* st = my_stamps()) {
-    st->clock[5] = clock64();
-    st->global_end = global_ns();
-  }
-#endif
 #else
   (void)a;
 #endif

@@ -1,6 +1,6 @@
 // Sums over rows and classes that a row's gradient or the reduced loss needs: the mean's
 // normaliser, sum_c w_c, and the deterministic reduction of the per-row losses through the
-// workspace. Included only by nvcc (cuda/kernels.cuh).
+// workspace. Included only by nvcc.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,8 +8,9 @@
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
-#include "../loss_math.hpp"
-#include "cuda.cuh"
+#include "../../loss_math.hpp"
+#include "../cuda.cuh"
+#include "../tuning/policy.cuh"
 #include "row_reduce.cuh"
 
 namespace xent {
@@ -137,26 +138,11 @@ __device__ __forceinline__ workspace_header* header(void* ws) {
   return static_cast<workspace_header*>(ws);
 }
 
-/// The mean's normaliser by one CTA ahead of the row kernel, into the workspace header: the row
-/// kernel is launched as its programmatic dependant, starts while this runs and waits for it
-/// (normalizer_from_ahead) only where it needs W, so 8192 targets are read once per call rather
-/// than once per CTA at every CTA's start.
-template <int Block, class Tgt>
-XENT_KERNEL void __launch_bounds__(Block)
-    normalizer_kernel(Tgt targets, std::int64_t rows, std::int64_t cols, std::int64_t ignore_index,
-                      const float* weights, void* workspace) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  const double w = mean_normalizer<Block>(targets, rows, cols, ignore_index, weights);
-  if (threadIdx.x == 0) header(workspace)->normalizer = w;
-}
-
 /// The normaliser normalizer_kernel left in the workspace header, once that kernel has finished
 /// and its stores are visible (griddepcontrol.wait; it returns at once in a launch that is no
 /// programmatic dependant).
 __device__ __forceinline__ double normalizer_from_ahead(void* workspace) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   return __ldcg(&header(workspace)->normalizer);
