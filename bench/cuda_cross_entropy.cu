@@ -296,8 +296,8 @@ void BM_cross_entropy(benchmark::State& state) {
   // read, half written) after the same refresh, as many times: whether the 2 GiB roof, which
   // amortises a pass's ramp and tail, is fair to a smaller matrix. (H200: at bf16 8192 x 32000 the
   // same-size copy ran at 98-99.6% of the 2 GiB copy's rate, a read of the matrix with no work at
-  // 90-93%; bench/row_read_probe.cu, bench/results/2026-11-24-h200-row-read/.) One untimed copy
-  // first: the first write of a fresh allocation ran 10% slower there.
+  // 90-93%; bench/row_read_probe.cu) One untimed copy first: the first write of a fresh allocation
+  // ran 10% slower there.
   auto copy_traffic = [&] {
     check(cudaMemcpyAsync(a.grad, a.logits, static_cast<std::size_t>(traffic / 2),
                           cudaMemcpyDeviceToDevice),
@@ -469,10 +469,9 @@ static void wide_line_shapes(benchmark::internal::Benchmark* b) {
 }
 XENT_CUDA_LINES(__nv_bfloat16, op::forward_backward, wide_line_shapes);
 // 8192 x 32000 beside whole rounds of its 132 persistent clusters on an H100 / H200 (clusters of
-// two CTAs, two CTAs per SM): 62 rows each (8184) and 63 (8316), where 8192 rows leave 8 clusters
-// a 63rd row. H200, 2026-11-27, two rounds: 8192 rows 279 us (89.0-89.1% of the copy roof), 8184
-// 282 (88.1), 8316 282 (89.2-89.4): the partial last round is not what keeps the pass under 90%
-// (bench/results/2026-11-27-h200-row-rounds/).
+// two CTAs, two CTAs per SM): 62 rows each (8184) and 63 (8316), where 8192 rows leave 8 clusters a
+// 63rd row. H200, two rounds: 8192 rows 279 us (89.0-89.1% of the copy roof), 8184 282 (88.1), 8316
+// 282 (89.2-89.4): the partial last round is not what keeps the pass under 90%.
 static void row_round_shapes(benchmark::internal::Benchmark* b) {
   b->Args({8184, 32000})->Args({8316, 32000});
 }

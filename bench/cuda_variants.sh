@@ -5,7 +5,7 @@
 #   bash bench/cuda_variants.sh [--build-only|--run-only] FILTER NAME=FLAGS...
 #   e.g. bash bench/cuda_variants.sh 'bfloat16.*16384/128256' base= mb2=-DXENT_CUDA_MIN_BLOCKS=2
 # FLAGS of the form @DIR build that variant from DIR/include instead of include/: a change to the
-# code against its parent in one lease, e.g. (the device tool carries the ignored build/base):
+# code against its parent, e.g. (the device tool carries the ignored build/base):
 #   git archive HEAD include | tar -x -C build/base      # here, before the change is committed
 #   bash bench/cuda_variants.sh 'forward_backward' new= old=@build/base
 # Writes $OUT/variant-NAME.json (Google Benchmark JSON) and prints time and % of roof per line.

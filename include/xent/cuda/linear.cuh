@@ -47,10 +47,9 @@
 //
 // Each chunk's steps run back to back on exec.stream. Running a chunk's cross-entropy pass on a
 // caller-lent second stream beside the next chunk's GEMMs (two logits buffers of half the rows,
-// events between the streams) was built and measured slower on every line, also at equal chunk
-// size (H200: 8192 x 4096 x 128256 forward 13.19 -> 13.73 ms; bench/results/
-// 2026-11-24-h200-side-stream/ has the patch), likely because a GEMM leaves no room on an SM for
-// a kernel beside it (not profiled).
+// events between the streams) was built and measured slower on every line, also at equal chunk size
+// (H200: 8192 x 4096 x 128256 forward 13.19 -> 13.73 ms), likely because a GEMM leaves no room on
+// an SM for a kernel beside it (not profiled).
 #pragma once
 
 #include <cublas_v2.h>

@@ -139,7 +139,7 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 /// One bulk copy from this CTA's shared memory to global memory (`bytes` a multiple of 16, both
 /// addresses 16-byte aligned), committed as a group of its own: a CTA's stores of a tile leave as
 /// one transfer, which on an H200 streams closer to the copy roof than 16-byte stores from
-/// registers (bench/results/2026-11-22-h200-e3c1d96/). The writer threads fence their
+/// registers. The writer threads fence their
 /// shared-memory stores to the async proxy (fence_async_shared) and meet at a barrier first.
 __device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
 #if XENT_CUDA_SM90_PTX

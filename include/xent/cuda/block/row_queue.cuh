@@ -3,9 +3,9 @@
 // Included only by nvcc.
 //
 // Why: the resident row kernel is one wave of persistent clusters. Dealt out in turn, rows gave
-// every cluster the same count, and the SMs of an H200 then finished 7-12% apart (bf16 8192 x
-// 32000 fused: SM active cycles 470k-541k over 541k elapsed; bench/results/
-// 2026-11-29-h200-polled-shares/). With a queue a fast SM takes more rows.
+// every cluster the same count, and the SMs of an H200 then finished 7-12% apart (bf16 8192 x 32000
+// fused: SM active cycles 470k-541k over 541k elapsed). With a
+// queue a fast SM takes more rows.
 //
 // How: a cluster's first `Stages` rows are dealt out as before (blockIdx.y + k gridDim.y, so no
 // launch starts by waiting on an atomic); the rest come from a counter in the workspace header,

@@ -80,7 +80,7 @@ XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
 /// writes their gradient back over them, and thread 0 stores the stage to the gradient row with
 /// one bulk copy, waiting only until the store of the tile before it has read its stage, which
 /// the next load refills. Register loads and stores stop at 85-86% of the copy roof on an H200,
-/// bulk copies both ways reach 92% (bench/results/2026-11-22-h200-e3c1d96/). A row's last bytes
+/// bulk copies both ways reach 92%. A row's last bytes
 /// past its whole 16-byte vectors are moved by thread 0 alone. `Shifted`: rows cut at their own
 /// 16-byte boundaries, as in the streaming backward; thread 0 also moves the row's first vector,
 /// from its `lead`-th element, so no copy touches another row's bytes (in place, the row before

@@ -1,13 +1,12 @@
 // The streaming forward kernel: loss and LSE of plain class-id rows in a batch that gives every
 // CTA in flight a row of its own (policy::stream_forward). Included only by nvcc.
 //
-// A forward reads each element once and keeps nothing of it, so a row needs no shared-memory
-// stage and no cluster: each CTA streams whole rows from global memory into registers, a tile of
-// Regs x Block 16-byte vectors at a time, each thread keeping a running max and its sum of
-// exponentials, and meets its own warps once per row. With few registers per thread, four CTAs
-// per SM overlap one another's loads, sweeps and row ends. The row kernel's whole-row forward
-// (two 32 KiB shared-memory stages filled by bulk copies) measured slower on every shape
-// (bench/results/cuda-notes.md).
+// A forward reads each element once and keeps nothing of it, so a row needs no shared-memory stage
+// and no cluster: each CTA streams whole rows from global memory into registers, a tile of Regs x
+// Block 16-byte vectors at a time, each thread keeping a running max and its sum of exponentials,
+// and meets its own warps once per row. With few registers per thread, four CTAs per SM overlap one
+// another's loads, sweeps and row ends. The row kernel's whole-row forward (two 32 KiB
+// shared-memory stages filled by bulk copies) measured slower on every shape.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,12 +25,12 @@
 namespace xent {
 namespace cuda_detail {
 
-/// Persistent CTAs, each walking rows blockIdx.x, + gridDim.x, ... (MinBlocks per SM).
-/// `Shifted`: rows need not start on a 16-byte boundary. Each row's tiles are then cut at its own
-/// boundaries, the first starting `lead` elements before the row (global_tile's lead: thread 0
-/// reads its first vector from the row's start, -inf before it), so every other vector is one
-/// 16-byte load, as in an aligned row. Element by element, bf16 8192 x 50257 (GPT-2's vocabulary)
-/// took 923 us against 204 for 8192 x 50304 (H200, the row kernel's element-wise staging).
+/// Persistent CTAs, each walking rows blockIdx.x, + gridDim.x,... (MinBlocks per SM). `Shifted`:
+/// rows need not start on a 16-byte boundary. Each row's tiles are then cut at its own boundaries,
+/// the first starting `lead` elements before the row (global_tile's lead: thread 0 reads its first
+/// vector from the row's start, -inf before it), so every other vector is one 16-byte load, as in
+/// an aligned row. Element by element, bf16 8192 x 50257 (GPT-2's vocabulary) took 923 us against
+/// 204 for 8192 x 50304 (H200, the row kernel's element-wise staging).
 template <int Block, int Regs, int MinBlocks, bool Shifted, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block, MinBlocks) stream_forward_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft, "class ids");

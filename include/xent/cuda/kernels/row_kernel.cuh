@@ -527,7 +527,7 @@ XENT_KERNEL void __launch_bounds__(
         }
         if (has_cur) {
           // Item i + Stages's ticket, posted at once: a ticket held until this warp is done
-          // with item i, or taken a row ahead, made the pass 1-15% slower (thirty-fifth session).
+          // with item i, or taken a row ahead, made the pass 1-15% slower.
           if (queue_code && taker && queue.taking()) queue.post(i + Stages, queue.take());
           cur = begin_row(i);
           if constexpr (Shifted) {  // rank 0's lead: -inf, in the vector thread 0 alone reads

@@ -4,11 +4,10 @@
 // does. Since a class-id row's logit gradient is
 //     G = g (alpha softmax - w_y onehot(y)) = beta P',   beta = g alpha exp(ref - lse),
 // with P' = P except at the target, P'_y = P_y - w_y exp(lse - ref) / alpha, the backward GEMMs
-// take P' as it is and the row's scale beta aside: d_hidden = diag(beta) (P' W) (the float
-// product rounded with its row's scale) and d_weight += P'^T (diag(beta) X_c) (a chunk-sized
-// copy of the hidden rows, scaled). No pass reads and writes the N_c x V logits between the GEMMs:
-// that pass was about 4 of 92 ms at 16384 x 2304 x 256000 on an H100
-// (bench/results/cuda-notes.md, 2026-11-27).
+// take P' as it is and the row's scale beta aside: d_hidden = diag(beta) (P' W) (the float product
+// rounded with its row's scale) and d_weight += P'^T (diag(beta) X_c) (a chunk-sized copy of the
+// hidden rows, scaled). No pass reads and writes the N_c x V logits between the GEMMs: that pass
+// was about 4 of 92 ms at 16384 x 2304 x 256000 on an H100.
 //
 // Per chunk, on the call's stream:
 //   1. reference_kernel: ref = the target's logit, +inf for a row that is ignored or out of range
@@ -44,6 +43,7 @@
 #include "../block/row_args.cuh"
 #include "../block/row_reduce.cuh"
 #include "../block/row_sums.cuh"
+#include "../block/tile_gradient.cuh"
 #include "../cuda.cuh"
 #include "stats_gemm_kernel.cuh"  // the GEMM's partial and tile sizes
 
@@ -79,9 +79,9 @@ __device__ __forceinline__ void unpack8(const uint4& q, float (&v)[8]) {
   for (int e = 0; e < 8; ++e) v[e] = word_element<__nv_bfloat16>(u, e);
 }
 
-/// One warp per row: ref = x . w_y (the target's logit, up to the order of the sums), or +inf for
-/// a row that is ignored or whose class id is outside [0, vocab). D is a multiple of 8 and
-/// the rows are 16-byte aligned (the Hopper path's conditions).
+/// One warp per row: ref = x. w_y (the target's logit, up to the order of the sums), or +inf for a
+/// row that is ignored or whose class id is outside [0, vocab). D is a multiple of 8 and the rows
+/// are 16-byte aligned (the Hopper path's conditions).
 template <class I>
 XENT_KERNEL void reference_kernel(const __nv_bfloat16* x, std::int64_t ldx, const __nv_bfloat16* w,
                                   std::int64_t ldw, int depth, const I* targets, int rows,

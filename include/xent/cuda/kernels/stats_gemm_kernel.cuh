@@ -1,32 +1,31 @@
-// The fused linear forward's Hopper path (sm_90a): logits = X . W^T computed tile by tile by
-// wgmma, each tile's epilogue turning a row's 256 logits into their max and sum of exponentials
-// (and picking up the target's logit), so the N x V logits are never written or read back; a
-// second kernel merges each row's N x V/256 partials into its LSE and loss. The cuBLAS path
-// (linear.cuh) writes each chunk's logits and the cross-entropy pass reads them again: on an H200
-// that read was 4-7% of the forward's time above the GEMM alone (bench/results/cuda-notes.md).
-// Included only by nvcc; dispatch/stats_gemm.cuh launches it.
+// The fused linear forward's Hopper path (sm_90a): logits = X. W^T computed tile by tile by wgmma,
+// each tile's epilogue turning a row's 256 logits into their max and sum of exponentials (and
+// picking up the target's logit), so the N x V logits are never written or read back; a second
+// kernel merges each row's N x V/256 partials into its LSE and loss. The cuBLAS path (linear.cuh)
+// writes each chunk's logits and the cross-entropy pass reads them again: on an H200 that read was
+// 4-7% of the forward's time above the GEMM alone. Included only by nvcc; dispatch/stats_gemm.cuh
+// launches it.
 //
 // The GEMM kernel: persistent CTAs (one per SM) of three warpgroups. Warpgroup 0's first thread
 // loads 128 x 64 tiles of X and 256 x 64 tiles of W by tensor copies (TMA, 128-byte swizzle) into
-// three shared-memory stages; warpgroups 1 and 2 each multiply 64 of the tile's 128 rows by all
-// 256 columns with wgmma m64n256k16 (128 float accumulators per thread), keep one stage's products
-// in flight while the next is issued, and release each stage when its products are done. At a
-// tile's end they round its logits to bf16 into a shared-memory staging tile (16 matrix stores
-// per thread) and go on to the next tile; warpgroup 0's other three warps turn the staged tile
-// into each row's max and sum of exponentials meanwhile (or, in the form that stores the logits,
-// one of their threads stores it by tensor stores: from the consumers' registers the stores cost
-// 12-15% of the GEMM, bench/results/2026-11-27-h100-stats-tma-store/). When the consumer warpgroups
-// computed the statistics themselves, the tensor cores stood idle through them (one MUFU
-// exponential per logit): several percent of the GEMM's time
-// (bench/results/2026-11-24-h200-lse-gemm/). In training's form (form::probs, scaled_probs.cuh)
-// the consumers stage each logit as its fp16 difference from a row reference instead (eight times
-// finer where it matters: see stage_tile), and the statistics warps also rewrite the staged tile
-// as scaled exponentials and one of them stores it by tensor stores. Tiles are walked 16 row tiles
-// at a time (Triton's grouped order), so the tiles in flight share their X and W tiles in L2. By
-// default (policy::stats_gemm_cluster) the CTAs run in clusters of two on neighbouring row tiles,
-// each loading half of every W tile into both by a multicast copy. Its body exists only in an
-// sm_90a build (wgmma, setmaxnreg): a build without it leaves an empty kernel, which ready()
-// recognises by its lack of static shared memory (the real kernel's mbarriers).
+// three shared-memory stages; warpgroups 1 and 2 each multiply 64 of the tile's 128 rows by all 256
+// columns with wgmma m64n256k16 (128 float accumulators per thread), keep one stage's products in
+// flight while the next is issued, and release each stage when its products are done. At a tile's
+// end they round its logits to bf16 into a shared-memory staging tile (16 matrix stores per thread)
+// and go on to the next tile; warpgroup 0's other three warps turn the staged tile into each row's
+// max and sum of exponentials meanwhile (or, in the form that stores the logits, one of their
+// threads stores it by tensor stores: from the consumers' registers the stores cost 12-15% of the
+// GEMM). When the consumer warpgroups computed the statistics themselves, the tensor cores stood
+// idle through them (one MUFU exponential per logit): several percent of the GEMM's time. In
+// training's form (form::probs, scaled_probs.cuh) the consumers stage each logit as its fp16
+// difference from a row reference instead (eight times finer where it matters: see stage_tile), and
+// the statistics warps also rewrite the staged tile as scaled exponentials and one of them stores
+// it by tensor stores. Tiles are walked 16 row tiles at a time (Triton's grouped order), so the
+// tiles in flight share their X and W tiles in L2. By default (policy::stats_gemm_cluster) the CTAs
+// run in clusters of two on neighbouring row tiles, each loading half of every W tile into both by
+// a multicast copy. Its body exists only in an sm_90a build (wgmma, setmaxnreg): a build without it
+// leaves an empty kernel, which ready recognises by its lack of static shared memory (the real
+// kernel's mbarriers).
 //
 // The statistics are of the logits rounded to bf16, as the cuBLAS path (which stores them so) and
 // PyTorch eager have them: both paths give the same losses up to the order of the sums. Training's
@@ -57,15 +56,14 @@ namespace stats_gemm {
 using namespace hopper;
 
 /// Three stages of 64 columns beside the 64 KiB staging tile (H200, bench/lse_gemm_bench.cu, two
-/// runs each, X . W^T's time against cuBLAS's: 8192 x 4096 x 128256 1.035x / 1.023x,
-/// 16384 x 2304 x 256000 1.128x / 1.166x; bench/results/2026-11-24-h200-staged-stats/). Measured
-/// against it: four stages beside half a tile staged at a time, the second half handed over two
-/// k-blocks into the next tile (1.074x / 1.069x, 1.147x / 1.138x) or eight (1.043x / 1.048x, 1.128x
-/// / 1.104x); six stages of 32 columns (64-byte swizzle) with the whole tile, 1.069x / 1.135x
-/// and 1.130x / 1.136x. Tiles walk 16 row tiles at a time (group_m): two runs each at 8 / 16 / 32 /
-/// 64 row tiles, forward against cuBLAS at 8192 x 4096 x 128256 1.018-1.023x / 0.983-1.015x /
-/// 0.996-1.033x / 1.052-1.077x, at 16384 x 2304 x 256000 1.086-1.129x / 1.076-1.081x / 1.079x
-/// / 1.130-1.135x (H200, bench/results/2026-11-24-h200-staged-stats/group_m.txt).
+/// runs each, X. W^T's time against cuBLAS's: 8192 x 4096 x 128256 1.035x / 1.023x, 16384 x 2304 x
+/// 256000 1.128x / 1.166x). Measured against it: four stages beside half a tile staged at a time,
+/// the second half handed over two k-blocks into the next tile (1.074x / 1.069x, 1.147x / 1.138x)
+/// or eight (1.043x / 1.048x, 1.128x / 1.104x); six stages of 32 columns (64-byte swizzle) with the
+/// whole tile, 1.069x / 1.135x and 1.130x / 1.136x. Tiles walk 16 row tiles at a time (group_m):
+/// two runs each at 8 / 16 / 32 / 64 row tiles, forward against cuBLAS at 8192 x 4096 x 128256
+/// 1.018-1.023x / 0.983-1.015x / 0.996-1.033x / 1.052-1.077x, at 16384 x 2304 x 256000 1.086-1.129x
+/// / 1.076-1.081x / 1.079x / 1.130-1.135x (H200).
 constexpr int tile_m = 128, tile_n = 256, tile_k = 64, stages = 3, group_m = 16;
 constexpr int threads = 384;  // producer + statistics warpgroup, two consumer warpgroups
 /// The producer warpgroup's warps 1-3 compute the statistics (warp 0's thread 0 issues the
@@ -158,9 +156,9 @@ __device__ __forceinline__ int staged_offset(int row, int chunk) {
 /// difference past fp16's 65504 becomes +-inf: the statistics warps see it). Accumulator layout of
 /// m64nNk16: thread lane of warp w holds rows 16 w + lane / 4 and + 8, columns 8 j + 2 (lane % 4) +
 /// {0, 1}, in d[4 j + {0, 1}] and d[4 j + {2, 3}]: each 8 x 8 block is a matrix in stmatrix's
-/// fragment layout, and d[8 i .. 8 i + 7] are the blocks (2 i, rows +0), (2 i, +8), (2 i + 1, +0),
+/// fragment layout, and d[8 i.. 8 i + 7] are the blocks (2 i, rows +0), (2 i, +8), (2 i + 1, +0),
 /// (2 i + 1, +8), whose row addresses lanes 0-7, 8-15, 16-23 and 24-31 give. Consumer warpgroup `c`
-/// holds staging rows 64 c .. 64 c + 63; `ref` the references of the thread's two rows (+0, +8),
+/// holds staging rows 64 c.. 64 c + 63; `ref` the references of the thread's two rows (+0, +8),
 /// `logits` whether they stage bf16 logits.
 template <bool Probs>
 __device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char* staged, int c,
@@ -290,8 +288,8 @@ __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, in
   return partial::of_block(m + lift, s);
 }
 
-/// Whether the tiles of row-tile group `g` (row tiles g Cluster .. g Cluster + Cluster - 1) are
-/// left out: a second pass (tile_flags given) takes only the groups holding a flagged row tile.
+/// Whether the tiles of row-tile group `g` (row tiles g Cluster.. g Cluster + Cluster - 1) are left
+/// out: a second pass (tile_flags given) takes only the groups holding a flagged row tile.
 template <int Cluster, class I>
 __device__ __forceinline__ bool group_skipped(const args<I>& a, int g, int row_tiles) {
   if (!a.tile_flags) return false;
@@ -335,7 +333,7 @@ XENT_KERNEL void __launch_bounds__(threads, 1)
   // before any barrier, so all of them leave together.
   if (a.flagged && *a.flagged == 0) return;
   extern __shared__ unsigned char smem_raw[];
-  // Static shared memory only in this build: ready() reads its presence.
+  // Static shared memory only in this build: ready reads its presence.
   __shared__ unsigned long long full[stages], empty[stages], staged_full, staged_empty;
   // 1024-byte aligned stages: the swizzle's atoms.
   unsigned char* smem = reinterpret_cast<unsigned char*>(
