@@ -71,6 +71,7 @@
 #include "../options.hpp"
 #include "../targets.hpp"
 #include "../views.hpp"
+#include "backend.cuh"
 #include "block/dtype.cuh"
 #include "cuda.cuh"
 #include "dispatch/accumulate_gemm.cuh"
