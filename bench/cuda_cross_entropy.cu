@@ -244,39 +244,6 @@ void BM_copy_kernel(benchmark::State& state) {
 
 enum class op { forward, forward_backward, backward };
 
-#if XENT_CUDA_SMALL_TIMELINE
-/// Diagnostics: the small-batch kernel's stamps of the last launch into
-/// $XENT_TIMELINE_DIR/<line>.csv (one line per CTA that ran), then cleared for the next line.
-void dump_small_timeline(const std::string& line) {
-  using xent::cuda_detail::small_stamps;
-  std::vector<small_stamps> st(xent::cuda_detail::small_timeline_ctas);
-  check(cudaMemcpyFromSymbol(st.data(), xent::cuda_detail::small_timeline,
-                             st.size() * sizeof(small_stamps)),
-        "timeline");
-  const char* dir = std::getenv("XENT_TIMELINE_DIR");
-  if (dir) {
-    std::string name = line;
-    for (char& c : name)
-      if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-    std::FILE* f = std::fopen((std::string(dir) + "/" + name + ".csv").c_str(), "w");
-    if (f) {
-      std::fprintf(f, "row,rank,sm,global_start,global_end,c0,c1,c2,c3,c4,c5,c6,c7\n");
-      for (const small_stamps& s : st) {
-        if (s.global_start == 0) continue;
-        std::fprintf(f, "%u,%u,%u,%llu,%llu", s.row, s.rank, s.sm, s.global_start, s.global_end);
-        for (long long c : s.clock) std::fprintf(f, ",%lld", c);
-        std::fprintf(f, "\n");
-      }
-      std::fclose(f);
-    }
-  }
-  std::fill(st.begin(), st.end(), small_stamps{});
-  check(cudaMemcpyToSymbol(xent::cuda_detail::small_timeline, st.data(),
-                           st.size() * sizeof(small_stamps)),
-        "timeline reset");
-}
-#endif
-
 /// Reduction R: mean (the default), sum (no normaliser) or none (each row's loss only, no sum
 /// across rows).
 template <class T, op Op, xent::reduction R = xent::reduction::mean>
@@ -329,8 +296,8 @@ void BM_cross_entropy(benchmark::State& state) {
   // read, half written) after the same refresh, as many times: whether the 2 GiB roof, which
   // amortises a pass's ramp and tail, is fair to a smaller matrix. (H200: at bf16 8192 x 32000 the
   // same-size copy ran at 98-99.6% of the 2 GiB copy's rate, a read of the matrix with no work at
-  // 90-93%; bench/row_read_probe.cu, bench/results/2026-11-24-h200-row-read/.) One untimed copy
-  // first: the first write of a fresh allocation ran 10% slower there.
+  // 90-93%; bench/row_read_probe.cu) One untimed copy first: the first write of a fresh allocation
+  // ran 10% slower there.
   auto copy_traffic = [&] {
     check(cudaMemcpyAsync(a.grad, a.logits, static_cast<std::size_t>(traffic / 2),
                           cudaMemcpyDeviceToDevice),
@@ -353,12 +320,6 @@ void BM_cross_entropy(benchmark::State& state) {
         "loss");
   state.counters["loss"] = loss;
   if (!std::isfinite(loss)) state.SkipWithError("the loss is not finite");
-#if XENT_CUDA_SMALL_TIMELINE
-  // The last call's (after a refresh, as the timed ones).
-  dump_small_timeline("e" + std::to_string(sizeof(T)) + "_op" + std::to_string(int(Op)) + "_r" +
-                      std::to_string(int(R)) + "_" + std::to_string(rows) + "x" +
-                      std::to_string(cols));
-#endif
 }
 
 __global__ void empty_kernel() {}
@@ -508,10 +469,9 @@ static void wide_line_shapes(benchmark::internal::Benchmark* b) {
 }
 XENT_CUDA_LINES(__nv_bfloat16, op::forward_backward, wide_line_shapes);
 // 8192 x 32000 beside whole rounds of its 132 persistent clusters on an H100 / H200 (clusters of
-// two CTAs, two CTAs per SM): 62 rows each (8184) and 63 (8316), where 8192 rows leave 8 clusters
-// a 63rd row. H200, 2026-11-27, two rounds: 8192 rows 279 us (89.0-89.1% of the copy roof), 8184
-// 282 (88.1), 8316 282 (89.2-89.4): the partial last round is not what keeps the pass under 90%
-// (bench/results/2026-11-27-h200-row-rounds/).
+// two CTAs, two CTAs per SM): 62 rows each (8184) and 63 (8316), where 8192 rows leave 8 clusters a
+// 63rd row. H200, two rounds: 8192 rows 279 us (89.0-89.1% of the copy roof), 8184 282 (88.1), 8316
+// 282 (89.2-89.4): the partial last round is not what keeps the pass under 90%.
 static void row_round_shapes(benchmark::internal::Benchmark* b) {
   b->Args({8184, 32000})->Args({8316, 32000});
 }

@@ -13,7 +13,7 @@
 //   best_ratio      the same with each line's fastest call
 //   TFLOPs          2 N V D (forward) or 6 N V D (training) per median second
 //   chunk_rows      rows per chunk of the call (training: with the logits in d_weight when that
-//                   holds more rows, cuda/linear_plan.cuh)
+//                   holds more rows, cuda/dispatch/linear_plan.cuh)
 // The time column is Google Benchmark's mean of the iterations; the ratios use the median (the
 // device tool's METHOD.md), which a slow first call cannot move.
 //   extra_MiB       device memory a call needs beyond its inputs: workspace + gradients (+ the

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Builds the CUDA benchmark once per set of tunables (policy.cuh macros) and times each on the
-# same shapes, back to back on one GPU: how the choices in cuda/policy.cuh were measured.
+# Builds the CUDA benchmark once per set of tunables and times each on the same shapes, back to
+# back on one GPU: how the numbers of include/xent/cuda/tuning/policy.cuh were measured. FLAGS
+# -DXENT_CUDA_<NAME>=VALUE replace single numbers of the tuning row (bench/tuning/override.cuh).
 #   bash bench/cuda_variants.sh [--build-only|--run-only] FILTER NAME=FLAGS...
 #   e.g. bash bench/cuda_variants.sh 'bfloat16.*16384/128256' base= mb2=-DXENT_CUDA_MIN_BLOCKS=2
 # FLAGS of the form @DIR build that variant from DIR/include instead of include/: a change to the
-# code against its parent in one lease, e.g. (the device tool carries the ignored build/base):
+# code against its parent, e.g. (the device tool carries the ignored build/base):
 #   git archive HEAD include | tar -x -C build/base      # here, before the change is committed
 #   bash bench/cuda_variants.sh 'forward_backward' new= old=@build/base
 # Writes $OUT/variant-NAME.json (Google Benchmark JSON) and prints time and % of roof per line.
@@ -25,7 +26,8 @@ for spec in "$@"; do
   [[ $flags == @* ]] && { include=${flags#@}/include; flags=; }
   # shellcheck disable=SC2086
   nvcc -std=c++17 -O3 -arch=sm_$arch -DNDEBUG -I"$include" -Ibench -I/usr/include/eigen3 \
-    -diag-suppress=20012,20013,20015 $flags bench/cuda_cross_entropy.cu -o "build/variants/$name" \
+    -diag-suppress=20012,20013,20015 -DXENT_CUDA_TUNING_OVERRIDE="\"$PWD/bench/tuning/override.cuh\"" $flags \
+    bench/cuda_cross_entropy.cu -o "build/variants/$name" \
     -lbenchmark -lpthread >"$OUT/build-$name.log" 2>&1 &
 done
 wait

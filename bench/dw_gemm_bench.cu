@@ -4,8 +4,8 @@
 // once per chunk, 8 V D bytes, against 2 V D K flops of products. For each shape this times every
 // GEMM (d_weight with beta = 1 and, as the first chunk has it, beta = 0) by cublasGemmEx as the
 // library calls it and by every algorithm cuBLASLt's heuristic offers (its tile, stages, split-K
-// and swizzle beside its time): what chose cuda/accumulate_gemm.cuh's tiles. Prints one JSON
-// object per line (and writes them to $OUT/dw_gemm.json).
+// and swizzle beside its time): what chose cuda/dispatch/accumulate_gemm.cuh's tiles. Prints one
+// JSON object per line (and writes them to $OUT/dw_gemm.json).
 //   dw_gemm_bench [V D K ...]   (default: 256000 2304 2048, 256000 2304 4096, 128256 4096 2048)
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include <xent/cuda/accumulate_gemm.cuh>
+#include <xent/cuda/dispatch/accumulate_gemm.cuh>
 
 #include "common/cuda_check.hpp"
 #include "common/device_fill.cuh"

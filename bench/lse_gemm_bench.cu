@@ -1,12 +1,12 @@
-// Measures the fused linear forward's Hopper GEMM (include/xent/cuda/stats_gemm.cuh) against
-// cuBLAS on the issue's shapes: the X . W^T GEMM alone (cublasGemmEx, bf16 in and out, float
-// accumulation: the issue's floor), the same GEMM by that kernel storing bf16 logits (its main
-// loop's speed), and the kernel with its statistics epilogue plus the merge of the row partials
-// (the forward's two launches, logits never written); the kernel both in clusters of one CTA and
-// of two sharing each W tile (policy::stats_gemm_cluster is the library's choice).
-// Checks first, against cuBLAS's float logits: the kernel's bf16 logits, and each row's LSE and
-// target logit (of those logits rounded to bf16). Prints one JSON object per shape (and writes them
-// to $OUT/lse_gemm.json).
+// Measures the fused linear forward's Hopper GEMM (include/xent/cuda/kernels/stats_gemm_kernel.cuh)
+// against cuBLAS on the issue's shapes: the X . W^T GEMM alone (cublasGemmEx, bf16 in and out,
+// float accumulation: the issue's floor), the same GEMM by that kernel storing bf16 logits (its
+// main loop's speed), and the kernel with its statistics epilogue plus the merge of the row
+// partials (the forward's two launches, logits never written); the kernel both in clusters of one
+// CTA and of two sharing each W tile (policy::stats_gemm_cluster is the library's choice). Checks
+// first, against cuBLAS's float logits: the kernel's bf16 logits, and each row's LSE and target
+// logit (of those logits rounded to bf16). Prints one JSON object per shape (and writes them to
+// $OUT/lse_gemm.json).
 //   lse_gemm_bench [N D V ...]   (default: 8192 4096 128256 and 16384 2304 256000)
 // Needs an sm_90a build (CMake: xent_bench_lse_gemm, built when CMAKE_CUDA_ARCHITECTURES names
 // 90a); elsewhere it says so and exits.
@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include <xent/cuda/stats_gemm.cuh>
+#include <xent/cuda/dispatch/stats_gemm.cuh>
 #include <xent/xent.hpp>
 
 #include "common/cuda_check.hpp"

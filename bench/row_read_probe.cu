@@ -1,18 +1,17 @@
 // What a read of short rows costs before any cross-entropy work: the bf16 8192 x 32000 forward
-// stayed at 84-86% of the copy roof while 16384 x 128256 reached 99% (bench/results/cuda-notes.md).
-// With the flush that reads (common/l2_flush.cuh) that forward measured 93-94% on 2026-11-25;
-// this probe has not run with it yet (XENT_BENCH_FLUSH=write reproduces its earlier runs).
-// This times reads of the same bytes in four ways, each 528 CTAs of 256 threads (four per SM on
-// an H200) with four 16-byte loads in flight per thread, after the same L2 refresh as the
-// benchmarks: the whole matrix as one flat stream; whole rows per CTA with nothing at a row's end;
-// whole rows with a CTA-wide sum at each row's end (the forward's merge of its warps); whole rows
-// with the forward's arithmetic (packed max, then exp2 sum on a second sweep of registers) and the
-// CTA-wide merge; the same with the next tile's loads issued before a tile's arithmetic (within a
-// row, or across rows too). Against cudaMemcpyAsync's rate (read + written bytes per second), as
-// the benchmarks' roof_pct; and the copy at the matrix's own size (its bytes read and written; the
-// first of each shape writes a fresh allocation, which ran 10% slower on an H200: read the second).
-// The matrix holds random bf16 values (PROBE_CONSTANT=1: a constant fill, for comparison).
-// Prints one JSON object per line.
+// stayed at 84-86% of the copy roof while 16384 x 128256 reached 99%. With the flush that reads
+// (common/l2_flush.cuh) that forward measured 93-94% on; this probe has not run with it yet
+// (XENT_BENCH_FLUSH=write reproduces its earlier runs). This times reads of the same bytes in four
+// ways, each 528 CTAs of 256 threads (four per SM on an H200) with four 16-byte loads in flight per
+// thread, after the same L2 refresh as the benchmarks: the whole matrix as one flat stream; whole
+// rows per CTA with nothing at a row's end; whole rows with a CTA-wide sum at each row's end (the
+// forward's merge of its warps); whole rows with the forward's arithmetic (packed max, then exp2
+// sum on a second sweep of registers) and the CTA-wide merge; the same with the next tile's loads
+// issued before a tile's arithmetic (within a row, or across rows too). Against cudaMemcpyAsync's
+// rate (read + written bytes per second), as the benchmarks' roof_pct; and the copy at the matrix's
+// own size (its bytes read and written; the first of each shape writes a fresh allocation, which
+// ran 10% slower on an H200: read the second). The matrix holds random bf16 values
+// (PROBE_CONSTANT=1: a constant fill, for comparison). Prints one JSON object per line.
 //   row_read_probe [rows cols ...]   (default: 8192 32000 and 16384 128256)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

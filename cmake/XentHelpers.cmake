@@ -2,6 +2,10 @@
 # INTERFACE target, so a consumer never inherits our warnings, sanitizers or -march=native.
 include_guard(GLOBAL)
 
+set(XENT_CUDA_TUNING "" CACHE STRING
+  "Tuning overrides of xent's own CUDA targets: a ;-list of NAME=VALUE (XENT_CUDA_<NAME>)")
+set(_xent_tuning_override "${CMAKE_CURRENT_LIST_DIR}/../bench/tuning/override.cuh")
+
 # xent_target_options(<target>)
 #
 # Applies the project-internal build flags to <target>, for C++ and (when enabled) CUDA sources:
@@ -10,7 +14,11 @@ include_guard(GLOBAL)
 #     -fno-sanitize-recover=all on compile and link;
 #   - -ffp-contract=off (host code), so the tests' bitwise comparisons see the code as written;
 #   - XENT_NATIVE: -march=native, so Eigen's packet math uses the host's AVX2 / AVX-512;
-#   - CXX_EXTENSIONS / CUDA_EXTENSIONS OFF.
+#   - CXX_EXTENSIONS / CUDA_EXTENSIONS OFF;
+#   - XENT_CUDA_TUNING (a ;-list of NAME=VALUE, empty by default): CUDA sources get
+#     XENT_CUDA_TUNING_OVERRIDE, naming bench/tuning/override.cuh, and -DXENT_CUDA_<NAME>=<VALUE>
+#     for each item, which replace those numbers of the tuning row they are built with
+#     (include/xent/cuda/tuning/policy.cuh), e.g. -DXENT_CUDA_TUNING="SPLIT_BARRIERS=0;SMALL_REGS=0".
 # CUDA sources get the host-compiler flags through -Xcompiler.
 function(xent_target_options target)
   if(NOT TARGET ${target})
@@ -78,6 +86,21 @@ function(xent_target_options target)
   target_compile_options(${target} ${_scope}
     $<${_cxx}:-ffp-contract=off>
     $<${_cu}:-Xcompiler=-ffp-contract=off>)
+
+  # Tuning overrides: one include hook and the numbers it replaces, CUDA sources only.
+  if(XENT_CUDA_TUNING)
+    get_filename_component(_override "${_xent_tuning_override}" ABSOLUTE)
+    set(_defs "XENT_CUDA_TUNING_OVERRIDE=\"${_override}\"")
+    foreach(_item IN LISTS XENT_CUDA_TUNING)
+      if(NOT _item MATCHES "^[A-Z0-9_]+=.+$")
+        message(FATAL_ERROR "XENT_CUDA_TUNING: '${_item}' is not NAME=VALUE")
+      endif()
+      list(APPEND _defs "XENT_CUDA_${_item}")
+    endforeach()
+    foreach(_def IN LISTS _defs)
+      target_compile_definitions(${target} ${_scope} "$<${_cu}:${_def}>")
+    endforeach()
+  endif()
 
   # Host-specific code generation.
   if(XENT_NATIVE)

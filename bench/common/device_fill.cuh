@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <xent/cuda/dtype.cuh>
+#include <xent/cuda/block/dtype.cuh>
 
 namespace xent_bench {
 

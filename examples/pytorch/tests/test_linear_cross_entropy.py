@@ -234,7 +234,7 @@ def test_cuda_matches_torch(dtype, reduction, with_bias):
 def test_cuda_training_in_chunks_matches_torch():
     # 8192 x 32000 bf16 logits (524 MB) exceed what the default workspace budget holds beside the
     # float d_weight accumulator, so the call runs in chunks and adds each chunk's d_weight into
-    # the accumulator through cuBLASLt (cuda/accumulate_gemm.cuh): its symbols reach the binding
+    # the accumulator through cuBLASLt (cuda/dispatch/accumulate_gemm.cuh): its symbols reach the binding
     # through torch's own libraries, as cuBLAS's do.
     hidden, weight, _, target = (a.cuda() for a in make(8192, 64, 32000, dtype=torch.bfloat16))
     target[::7] = -100
@@ -250,7 +250,7 @@ def test_cuda_bf16_errors_no_larger_than_torch_eagers():
     # The fused linear issue's accuracy bound: on the same bf16 inputs, xent's relative errors
     # against float64 are no larger than torch eager's (bf16 logits, softmax in float, bf16
     # gradients), d_weight included. On Hopper the training GEMM stages fp16 differences from a
-    # row reference instead of bf16 logits (cuda/stats_gemm.cuh): on an H100 its d_hidden and
+    # row reference instead of bf16 logits (cuda/kernels/stats_gemm_kernel.cuh): on an H100 its d_hidden and
     # d_weight errors were 0.35x and 0.42x torch's (bench/linear_accuracy.py). Logits ~ N(0, 16).
     g = torch.Generator(device="cuda").manual_seed(3)
     n, d, v = 2048, 512, 32000

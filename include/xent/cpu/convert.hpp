@@ -1,9 +1,8 @@
 // Conversions between the logits' dtype and the accumulator (float, or double) over a chunk, a
 // packet at a time with Eigen's pcast (Eigen 3.4 converts arrays with .cast<>() one scalar at a
-// time, which made bf16 and fp16 rows conversion-bound: 2x slower end to end,
-// bench/results/README.md). Whole packets from the start of the chunk and the remainder in scalar
-// code, so which path an element takes depends on its position, not on the buffer's address.
-// Rounding is Eigen's: to nearest even, as CUDA's.
+// time, which made bf16 and fp16 rows conversion-bound: 2x slower end to end). Whole packets from
+// the start of the chunk and the remainder in scalar code, so which path an element takes depends
+// on its position, not on the buffer's address. Rounding is Eigen's: to nearest even, as CUDA's.
 #pragma once
 
 #include <Eigen/Core>

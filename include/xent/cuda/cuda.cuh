@@ -27,7 +27,7 @@ namespace xent {
 /// in bf16, say) with no LSE output keeps each row's LSE there between its two kernels where the
 /// workspace is given; without one it takes a slower kernel. Where it is given, long aligned rows'
 /// forward and fused passes also take their rows from a queue there (row_queue.cuh: bf16 8192 x
-/// 32000 fused 279 -> 260 us on an H200, one lease). Zero-fill it once before its first use
+/// 32000 fused 279 -> 260 us on an H200). Zero-fill it once before its first use
 /// (cudaMemset): every call leaves its counters at zero again for the next, so no call spends a
 /// launch on clearing it; calls that share one workspace must be ordered (one stream, or events).
 ///

@@ -47,10 +47,9 @@
 //
 // Each chunk's steps run back to back on exec.stream. Running a chunk's cross-entropy pass on a
 // caller-lent second stream beside the next chunk's GEMMs (two logits buffers of half the rows,
-// events between the streams) was built and measured slower on every line, also at equal chunk
-// size (H200: 8192 x 4096 x 128256 forward 13.19 -> 13.73 ms; bench/results/
-// 2026-11-24-h200-side-stream/ has the patch), likely because a GEMM leaves no room on an SM for
-// a kernel beside it (not profiled).
+// events between the streams) was built and measured slower on every line, also at equal chunk size
+// (H200: 8192 x 4096 x 128256 forward 13.19 -> 13.73 ms), likely because a GEMM leaves no room on
+// an SM for a kernel beside it (not profiled).
 #pragma once
 
 #include <cublas_v2.h>
@@ -72,15 +71,17 @@
 #include "../options.hpp"
 #include "../targets.hpp"
 #include "../views.hpp"
-#include "accumulate_gemm.cuh"
 #include "backend.cuh"
+#include "block/dtype.cuh"
 #include "cuda.cuh"
-#include "dtype.cuh"
-#include "linear_kernels.cuh"
-#include "linear_plan.cuh"
-#include "policy.cuh"
-#include "scaled_probs.cuh"
-#include "stats_gemm.cuh"
+#include "dispatch/accumulate_gemm.cuh"
+#include "dispatch/linear_plan.cuh"
+#include "dispatch/rows.cuh"
+#include "dispatch/scaled_probs.cuh"
+#include "dispatch/stats_gemm.cuh"
+#include "kernels/linear_kernels.cuh"
+#include "runtime.cuh"
+#include "tuning/policy.cuh"
 
 namespace xent {
 
@@ -244,7 +245,7 @@ bool hopper_gemm_fits(const linear_call<T, G>& c, const device_facts& dev) {
   const std::int64_t D = c.dim(), V = c.vocab();
   return !c.bias && D > 0 && D % 8 == 0 && D <= INT_MAX && V > 0 && V <= INT_MAX &&
          aligned16(c.hidden.data, c.hidden.ld * 2) && aligned16(c.weight.data, c.weight.ld * 2) &&
-         stats_gemm::ready<F, I>(dev.id, policy::stats_gemm_cluster);
+         tuning_for(dev.major).wgmma && stats_gemm::ready<F, I>(dev.id, policy::stats_gemm_cluster);
 }
 
 /// L = X_c · Wᵀ for the chunk's n rows starting at r0 by the Hopper GEMM's logits-storing form

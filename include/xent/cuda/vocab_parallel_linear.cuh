@@ -35,8 +35,8 @@
 #include "../views.hpp"
 #include "backend.cuh"
 #include "cuda.cuh"
+#include "dispatch/linear_plan.cuh"
 #include "linear.cuh"
-#include "linear_plan.cuh"
 #include "vocab_parallel.cuh"
 
 namespace xent {

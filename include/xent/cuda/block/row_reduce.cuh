@@ -1,5 +1,5 @@
 // Merging a row's partial statistics: across the lanes of a warp, the warps of a CTA and the CTAs
-// of a cluster. Included only by nvcc (cuda/kernels.cuh).
+// of a cluster. Included only by nvcc.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -7,9 +7,9 @@
 
 #include <cstring>
 
-#include "../loss_math.hpp"
+#include "../../loss_math.hpp"
+#include "../tuning/policy.cuh"
 #include "async_copy.cuh"
-#include "policy.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -101,7 +101,7 @@ __host__ __device__ constexpr int pow2_at_least(int n) {
   return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2);
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
 /// `Words` 32-bit words into `dst` in CTA `to` of the cluster (dst and `bar` name this CTA's
 /// shared memory; the same offsets in CTA `to` are written): st.async stores count their bytes
 /// on the receiver's mbarrier, so it learns of them without a cluster barrier or a memory fence.
@@ -171,7 +171,7 @@ struct row_exchange {
     // Lanes 0..warps-1 merge; lane 0's result goes to every lane, since lane r sends to rank r.
     const P block = shuffle_from_lane0(
         warp_merge<pow2_at_least(warps)>(lane < warps ? x.warp_parts[slot][lane] : P{}));
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
     if (cluster_size > 1) {
       const int rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
       if (lane < cluster_size) send_partial(x, exchange % 4, block, rank, lane);
@@ -184,7 +184,7 @@ struct row_exchange {
   }
   /// Warp 0: the row sent as `exchange` from slot `slot`, into result[slot].
   __device__ void receive(int slot, int exchange) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
     if (cluster_size > 1) {
       const int lane = threadIdx.x % 32, set = exchange % 4;
       if (lane == 0)

@@ -1,6 +1,6 @@
 // Sums over rows and classes that a row's gradient or the reduced loss needs: the mean's
 // normaliser, sum_c w_c, and the deterministic reduction of the per-row losses through the
-// workspace. Included only by nvcc (cuda/kernels.cuh).
+// workspace. Included only by nvcc.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,8 +8,9 @@
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
 
-#include "../loss_math.hpp"
-#include "cuda.cuh"
+#include "../../loss_math.hpp"
+#include "../cuda.cuh"
+#include "../tuning/policy.cuh"
 #include "row_reduce.cuh"
 
 namespace xent {
@@ -47,7 +48,7 @@ __device__ double block_sum(double v) {
 /// exact in any order, so each CTA starts its walk over the targets at its own place (4 Block
 /// targets after the previous CTA's) rather than every CTA of a launch asking the L2 for the same
 /// lines at its start. H200, three rounds against the walk from row 0
-/// (bench/results/2026-11-25-h200-normalizer-loads/): bf16 8192 x 32000 backward 274 -> 272-273
+///: bf16 8192 x 32000 backward 274 -> 272-273
 /// us; the fused pass unchanged (284-285 us, where a sum takes 280 and no reduction 276: what
 /// the mean costs it is not these loads), and keeping more of the loads in flight instead made it
 /// 4 us slower.
@@ -67,7 +68,7 @@ __device__ double spread_count(const Tgt& targets, std::int64_t rows, std::int64
 }
 
 /// A thread's part of the mean's normaliser: w[y] (1 without class weights) summed over rows
-/// `first`, first + Step, ... not ignored and in range.
+/// `first`, first + Step,... not ignored and in range.
 template <int Step, class Tgt>
 __device__ __forceinline__ double normalizer_part(const Tgt& targets, std::int64_t rows,
                                                   std::int64_t cols, std::int64_t ignore_index,
@@ -137,26 +138,11 @@ __device__ __forceinline__ workspace_header* header(void* ws) {
   return static_cast<workspace_header*>(ws);
 }
 
-/// The mean's normaliser by one CTA ahead of the row kernel, into the workspace header: the row
-/// kernel is launched as its programmatic dependant, starts while this runs and waits for it
-/// (normalizer_from_ahead) only where it needs W, so 8192 targets are read once per call rather
-/// than once per CTA at every CTA's start.
-template <int Block, class Tgt>
-XENT_KERNEL void __launch_bounds__(Block)
-    normalizer_kernel(Tgt targets, std::int64_t rows, std::int64_t cols, std::int64_t ignore_index,
-                      const float* weights, void* workspace) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-  const double w = mean_normalizer<Block>(targets, rows, cols, ignore_index, weights);
-  if (threadIdx.x == 0) header(workspace)->normalizer = w;
-}
-
 /// The normaliser normalizer_kernel left in the workspace header, once that kernel has finished
 /// and its stores are visible (griddepcontrol.wait; it returns at once in a launch that is no
 /// programmatic dependant).
 __device__ __forceinline__ double normalizer_from_ahead(void* workspace) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   return __ldcg(&header(workspace)->normalizer);
@@ -230,17 +216,16 @@ struct loss_share {
 };
 static_assert(sizeof(loss_share) == 2 * sizeof(double), "workspace_layout's share slot");
 
-/// Once per CTA of a call over `rows` rows, every thread calling, thread 0 holding the CTA's
-/// share `mine` (slot `slot` of `ctas`, at most `rows`): stores the share and adds one to the
-/// counter; the CTA that completes it sums the shares in slot order (deterministic), writes the
-/// reduced loss (over the shares' w for reduction::mean; num_correct 0: plain rows count nothing)
-/// and resets the counter for the next call. Against finish_reduction's entry per row, this last
-/// CTA's sum is of one share per CTA, and no CTA sums the normaliser from every target: bf16 8192 x
-/// 32000 forward 198 -> 195 us, where reduction none takes 192 (H100,
-/// bench/results/2026-11-25-h100-loss-shares/). The row kernels keep finish_reduction: a share
-/// summed on their row path (in registers or shared memory) spilled the fused pass's register tile,
-/// and one summed from the row entries at each CTA's end measured slower there (fused 378 -> 381
-/// us).
+/// Once per CTA of a call over `rows` rows, every thread calling, thread 0 holding the CTA's share
+/// `mine` (slot `slot` of `ctas`, at most `rows`): stores the share and adds one to the counter;
+/// the CTA that completes it sums the shares in slot order (deterministic), writes the reduced loss
+/// (over the shares' w for reduction::mean; num_correct 0: plain rows count nothing) and resets the
+/// counter for the next call. Against finish_reduction's entry per row, this last CTA's sum is of
+/// one share per CTA, and no CTA sums the normaliser from every target: bf16 8192 x 32000 forward
+/// 198 -> 195 us, where reduction none takes 192 (H100). The row kernels keep finish_reduction: a
+/// share summed on their row path (in registers or shared memory) spilled the fused pass's register
+/// tile, and one summed from the row entries at each CTA's end measured slower there (fused 378 ->
+/// 381 us).
 template <int Block>
 __device__ void finish_shares(void* workspace, std::int64_t rows, std::int64_t slot,
                               std::int64_t ctas, const loss_share& mine, reduction reduce,

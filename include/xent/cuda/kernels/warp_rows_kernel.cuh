@@ -1,5 +1,5 @@
 // The warp-rows kernel: every pass over short plain class-id rows, a warp per row.
-// Included only by nvcc (cuda/backend.cuh).
+// Included only by nvcc.
 //
 // A row of at most 32 x Regs 16-byte vectors (6 KiB at Regs = 12) fits one warp's registers:
 // the warp loads it, merges its statistics by shuffles and writes its gradient from the same
@@ -14,13 +14,14 @@
 
 #include <cstdint>
 
-#include "../loss_math.hpp"
-#include "backward_kernel.cuh"
-#include "forward_kernel.cuh"
-#include "kernels.cuh"
-#include "row_reduce.cuh"
-#include "row_sums.cuh"
-#include "tile.cuh"
+#include "../../loss_math.hpp"
+#include "../block/row_args.cuh"
+#include "../block/row_reduce.cuh"
+#include "../block/row_sums.cuh"
+#include "../block/stream_stats.cuh"
+#include "../block/tile.cuh"
+#include "../block/tile_gradient.cuh"
+#include "../cuda.cuh"
 
 namespace xent {
 namespace cuda_detail {

@@ -1,11 +1,11 @@
 // The row kernel's queue of rows: clusters take rows as they finish them, rather than each
 // walking a fixed share, so that the launch ends when the work does and not with its slowest SM.
-// Included only by nvcc (cuda/kernels.cuh).
+// Included only by nvcc.
 //
 // Why: the resident row kernel is one wave of persistent clusters. Dealt out in turn, rows gave
-// every cluster the same count, and the SMs of an H200 then finished 7-12% apart (bf16 8192 x
-// 32000 fused: SM active cycles 470k-541k over 541k elapsed; bench/results/
-// 2026-11-29-h200-polled-shares/). With a queue a fast SM takes more rows.
+// every cluster the same count, and the SMs of an H200 then finished 7-12% apart (bf16 8192 x 32000
+// fused: SM active cycles 470k-541k over 541k elapsed). With a
+// queue a fast SM takes more rows.
 //
 // How: a cluster's first `Stages` rows are dealt out as before (blockIdx.y + k gridDim.y, so no
 // launch starts by waiting on an atomic); the rest come from a counter in the workspace header,
@@ -26,6 +26,7 @@
 
 #include <cstdint>
 
+#include "../tuning/policy.cuh"
 #include "async_copy.cuh"
 #include "row_reduce.cuh"
 
@@ -90,7 +91,7 @@ struct row_queue {
     const std::int64_t m = k - Stages;
     const int box = static_cast<int>(m % Slots);
     if (n >= rows) s.dry = true;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
     if (cluster > 1 && m >= Slots)  // its last ticket read by every other rank
       mbarrier_wait<true>(&s.empty[box], static_cast<unsigned>(m / Slots - 1) & 1u);
     const unsigned w[2] = {static_cast<unsigned>(n), static_cast<unsigned>(n >> 32)};
@@ -104,7 +105,7 @@ struct row_queue {
     const std::int64_t m = k - Stages;
     const int box = static_cast<int>(m % Slots);
     if (rank == 0) return s.row[box];  // posted by this CTA before the item's stage was freed
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
     mbarrier_arrive_expect(&s.full[box], 8);
     mbarrier_wait<true>(&s.full[box], static_cast<unsigned>(m / Slots) & 1u);
     const std::int64_t n = s.row[box];

@@ -1,7 +1,7 @@
 // A row's statistics from its chunk staged in shared memory: the exponential on the
 // special-function unit, a register tile's sum of exponentials, a chunk's packed max, and the
 // sweeps that fold a chunk into a thread's partial (max, sum, side sums, argmax), with or without
-// keeping the exponentials for the gradient. Included only by nvcc (cuda/kernels.cuh).
+// keeping the exponentials for the gradient. Included only by nvcc.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,10 +11,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../loss_math.hpp"
-#include "../online_lse.hpp"
+#include "../../loss_math.hpp"
+#include "../../online_lse.hpp"
+#include "../tuning/policy.cuh"
 #include "dtype.cuh"
-#include "policy.cuh"
 #include "row_args.cuh"
 #include "tile.cuh"
 

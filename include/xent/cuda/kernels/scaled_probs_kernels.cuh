@@ -4,11 +4,10 @@
 // does. Since a class-id row's logit gradient is
 //     G = g (alpha softmax - w_y onehot(y)) = beta P',   beta = g alpha exp(ref - lse),
 // with P' = P except at the target, P'_y = P_y - w_y exp(lse - ref) / alpha, the backward GEMMs
-// take P' as it is and the row's scale beta aside: d_hidden = diag(beta) (P' W) (the float
-// product rounded with its row's scale) and d_weight += P'^T (diag(beta) X_c) (a chunk-sized
-// copy of the hidden rows, scaled). No pass reads and writes the N_c x V logits between the GEMMs:
-// that pass was about 4 of 92 ms at 16384 x 2304 x 256000 on an H100
-// (bench/results/cuda-notes.md, 2026-11-27).
+// take P' as it is and the row's scale beta aside: d_hidden = diag(beta) (P' W) (the float product
+// rounded with its row's scale) and d_weight += P'^T (diag(beta) X_c) (a chunk-sized copy of the
+// hidden rows, scaled). No pass reads and writes the N_c x V logits between the GEMMs: that pass
+// was about 4 of 92 ms at 16384 x 2304 x 256000 on an H100.
 //
 // Per chunk, on the call's stream:
 //   1. reference_kernel: ref = the target's logit, +inf for a row that is ignored or out of range
@@ -32,7 +31,7 @@
 // Rows that lose more than `range` nats are rare in training (a probability of e^-40 for the
 // target), so step 4 is normally empty; at worst it is two more logits GEMMs.
 //
-// Included only by nvcc (cuda/linear.cuh).
+// Included only by nvcc; dispatch/scaled_probs.cuh lays out its buffers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,27 +39,24 @@
 
 #include <cstdint>
 
-#include "../loss_math.hpp"
-#include "backward_kernel.cuh"
-#include "kernels.cuh"
-#include "linear_plan.cuh"
-#include "row_reduce.cuh"
-#include "stats_gemm.cuh"
+#include "../../loss_math.hpp"
+#include "../block/row_args.cuh"
+#include "../block/row_reduce.cuh"
+#include "../block/row_sums.cuh"
+#include "../block/tile_gradient.cuh"
+#include "../cuda.cuh"
+#include "stats_gemm_kernel.cuh"  // the GEMM's partial and tile sizes
 
 namespace xent {
 namespace cuda_detail {
 namespace scaled_probs {
-
-static_assert(probs_tile_cols == stats_gemm::tile_n, "the plan's partials per row");
-static_assert(probs_tile_rows == stats_gemm::tile_m, "the plan's flags per row tile");
-static_assert(sizeof(stats_gemm::partial) == probs_partial_bytes, "the plan's partial size");
 
 /// The largest lse - ref for which a row keeps the first pass's P: P_j <= e^40 ~ 2e17 and beta >=
 /// g alpha e^-40 ~ 4e-18 g alpha, so P, beta and the scaled hidden row beta x stay normal floats
 /// and bf16 for any plausible upstream gradient and hidden values.
 constexpr float range = 40.0f;
 
-/// A chunk's buffers (linear_plan.cuh's probs_layout), each per row of the chunk.
+/// A chunk's buffers (dispatch/linear_plan.cuh's probs_layout), each per row of the chunk.
 struct buffers {
   stats_gemm::partial* partials;  ///< rows x col_tiles
   __nv_bfloat16* hidden;          ///< rows x D: beta x, the d_weight GEMM's operand
@@ -76,21 +72,6 @@ struct buffers {
   __host__ __device__ int* flagged() const { return tile_flags + row_tiles; }
 };
 
-inline buffers make_buffers(char* region, const probs_layout& l) {
-  buffers b;
-  b.partials = reinterpret_cast<stats_gemm::partial*>(region + l.partials);
-  b.hidden = reinterpret_cast<__nv_bfloat16*>(region + l.hidden);
-  b.ref = reinterpret_cast<float*>(region + l.ref);
-  b.mult = reinterpret_cast<float*>(region + l.mult);
-  b.beta = reinterpret_cast<float*>(region + l.beta);
-  b.patch = reinterpret_cast<float*>(region + l.patch);
-  b.target_logit = reinterpret_cast<float*>(region + l.target_logit);
-  b.tile_flags = reinterpret_cast<int*>(region + l.flags);
-  b.second = reinterpret_cast<int*>(region + l.second);
-  b.row_tiles = static_cast<int>(l.row_tiles);
-  return b;
-}
-
 /// The 8 bf16 of a 16-byte vector as floats.
 __device__ __forceinline__ void unpack8(const uint4& q, float (&v)[8]) {
   const unsigned u[4] = {q.x, q.y, q.z, q.w};
@@ -98,9 +79,9 @@ __device__ __forceinline__ void unpack8(const uint4& q, float (&v)[8]) {
   for (int e = 0; e < 8; ++e) v[e] = word_element<__nv_bfloat16>(u, e);
 }
 
-/// One warp per row: ref = x . w_y (the target's logit, up to the order of the sums), or +inf for
-/// a row that is ignored or whose class id is outside [0, vocab). D is a multiple of 8 and
-/// the rows are 16-byte aligned (the Hopper path's conditions).
+/// One warp per row: ref = x. w_y (the target's logit, up to the order of the sums), or +inf for a
+/// row that is ignored or whose class id is outside [0, vocab). D is a multiple of 8 and the rows
+/// are 16-byte aligned (the Hopper path's conditions).
 template <class I>
 XENT_KERNEL void reference_kernel(const __nv_bfloat16* x, std::int64_t ldx, const __nv_bfloat16* w,
                                   std::int64_t ldw, int depth, const I* targets, int rows,

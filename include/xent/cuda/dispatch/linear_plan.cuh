@@ -27,10 +27,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../linear/options.hpp"
-#include "../linear/plan.hpp"
-#include "dtype.cuh"
-#include "policy.cuh"
+#include "../../linear/options.hpp"
+#include "../../linear/plan.hpp"
+#include "../block/dtype.cuh"
+#include "../tuning/policy.cuh"
 
 namespace xent {
 namespace cuda_detail {

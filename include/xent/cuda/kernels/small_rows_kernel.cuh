@@ -5,7 +5,7 @@
 // gradient. The row kernel serves such a batch too, but each of its clusters then runs its
 // pipeline (stages, mbarriers, the row loop) for a single row from a cold instruction cache: ncu
 // on fp32 32 x 32000 (13.9 us) found 1100 instructions per warp, stalled on instruction fetch
-// and barriers rather than memory (bench/results/cuda-notes.md). Included only by nvcc.
+// and barriers rather than memory. Included only by nvcc.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,17 +13,19 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../loss_math.hpp"
-#include "kernels.cuh"
-#include "row_reduce.cuh"
-#include "row_sums.cuh"
-#include "small_timeline.cuh"
-#include "tile.cuh"
+#include "../../loss_math.hpp"
+#include "../block/chunk_stats.cuh"
+#include "../block/row_args.cuh"
+#include "../block/row_reduce.cuh"
+#include "../block/row_sums.cuh"
+#include "../block/tile.cuh"
+#include "../cuda.cuh"
+#include "../tuning/policy.cuh"
 
 namespace xent {
 namespace cuda_detail {
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
 /// Cluster-wide split barrier: arrive with no memory ordering (the mbarriers' initialisation is
 /// published by its own fence; the release form costs a MEMBAR.ALL.GPU and an ERRBAR in SASS),
 /// and wait (acquire).
@@ -113,8 +115,8 @@ enum class row_start { aligned, shifted, any };
 /// In such a launch the cross-row sum and the mean's normaliser, not the per-element work, were
 /// the largest part above a plain read and write of the logits (H100, fp32 fused 32 x 32000 /
 /// 128 x 32000 / 32 x 50257: reduction mean 12.3 / 26.1 / 19.0 us against none 10.2 / 20.7 /
-/// 15.6). So, each measured against the form before it in one lease
-/// (bench/results/2026-11-24-h100-small-push/, -small-poll/):
+/// 15.6). So, each measured against the form before it
+///:
 /// - the row's partials are pushed into every rank's shared memory (row_exchange: st.async
 ///   counted on the receiver's mbarrier), not exchanged by two cluster barriers and a read of
 ///   each rank's: 12.3 / 26.1 / 19.0 -> 12.2 / 25.7 / 17.6 us;
@@ -123,21 +125,20 @@ enum class row_start { aligned, shifted, any };
 /// - each row's loss goes into a record with a ready flag that one warp of the last row's rank 0
 ///   polls (row_sums.cuh), not through a fence, an atomic counter and the last CTA's reads (11.5
 ///   / 23.9 / 16.0 with the count taken before the gradient): -> 10.2 / 21.3 / 12.8.
-/// H200, fp32 fused 32 x 32000 / 128 x 32000 / 32 x 50257, one lease, two rounds
-/// (bench/results/2026-11-29-h200-small-target/): the row's target logit taken from the registers
-/// (warp_element) and handed to the gradient, and W summed by one warp of rank 0 with no CTA
-/// barrier (in the forward, only the polling warp's): 9.02-9.14 / 17.0-17.1 / 10.35-10.47 ->
-/// 8.80-8.88 / 16.7 / 10.15-10.24 us; the forward of 32 x 50257 9.6-9.8 -> 9.45-9.5, but of 128
-/// x 32000 14.5-14.6 -> 15.0 (in three leases; not understood). Then W summed by rank 0's warp 1
-/// after its statistics, while warp 0 waits for the partials, and pushed on a set of mbarriers of
-/// its own that only the gradients wait for (not by warp 0 before its statistics, beside the
-/// partials): 8.76-8.89 / 16.68-16.83 / 10.08-10.22 -> 8.74-8.87 / 15.93-16.05 / 9.80-9.94 us, the
-/// mean now at the sum's cost (bench/results/2026-11-29-h200-w-window/, three rounds).
+/// H200, fp32 fused 32 x 32000 / 128 x 32000 / 32 x 50257, two rounds : the row's target logit
+/// taken from the registers (warp_element) and handed to the gradient, and W summed by one warp of
+/// rank 0 with no CTA barrier (in the forward, only the polling warp's): 9.02-9.14 / 17.0-17.1 /
+/// 10.35-10.47 -> 8.80-8.88 / 16.7 / 10.15-10.24 us; the forward of 32 x 50257 9.6-9.8 -> 9.45-9.5,
+/// but of 128 x 32000 14.5-14.6 -> 15.0 (; not understood). Then W summed by rank 0's warp 1 after
+/// its statistics, while warp 0 waits for the partials, and pushed on a set of mbarriers of its own
+/// that only the gradients wait for (not by warp 0 before its statistics, beside the partials):
+/// 8.76-8.89 / 16.68-16.83 / 10.08-10.22 -> 8.74-8.87 / 15.93-16.05 / 9.80-9.94 us, the mean now at
+/// the sum's cost.
 template <int Block, int Regs, row_start Start, pass P, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
   static_assert(Block >= 64, "warp 1 sums the mean's normaliser");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   constexpr bool want_grad = P == pass::fused;
   constexpr bool Aligned = Start != row_start::any, Shifted = Start == row_start::shifted;
   using exchange_t = row_exchange<row_partial, Block>;
@@ -150,15 +151,6 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const int rank = static_cast<int>(blockIdx.x);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const std::int64_t n = blockIdx.y;
-#if XENT_CUDA_SMALL_TIMELINE
-  if (small_stamps* st = my_stamps()) {
-    st->global_start = global_ns();
-    st->clock[0] = clock64();
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(st->sm));
-    st->rank = blockIdx.x;
-    st->row = blockIdx.y;
-  }
-#endif
   const int lead = Shifted ? lead_of(a.logits + n * a.ld) : 0;
   const int my_lead = rank == 0 ? lead : 0;
   const std::int64_t v0 = rank * a.slice - lead;
@@ -212,14 +204,10 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
     }
     ex.publish(p, 0);
     __syncthreads();  // the warps' parts are in shared memory
-    XENT_SMALL_STAMP(1);
-    cluster_wait();  // every rank's mbarrier is ready
-    XENT_SMALL_STAMP(2);
+    cluster_wait();   // every rank's mbarrier is ready
     if (warp == 0) {
       ex.send(0, 0);
-      XENT_SMALL_STAMP(6);
       ex.receive(0, 0);
-      XENT_SMALL_STAMP(7);
     } else if (w_warp) {
       const double w = warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights);
       if (lane > 0 && lane < static_cast<int>(gridDim.x)) {
@@ -230,7 +218,6 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       if (lane == 0) rank0_w = w;
     }
     __syncthreads();  // the row's total (and rank 0's W) is in shared memory
-    XENT_SMALL_STAMP(3);
     total_part = ex.result(0);
   } else {
     cluster_wait();  // the arrive above is matched before the CTA leaves
@@ -274,7 +261,6 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
                                                     total_part.target_logit);
     }
   }
-  XENT_SMALL_STAMP(4);
   // The last row's rank 0, among the launch's last CTAs to start, so the rows it waits for are
   // mostly done; it holds one CTA slot while the rest of the grid runs around it.
   if (need_reduce && rank == 0 && n == a.rows - 1 && warp == 0) {
@@ -282,12 +268,6 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       normalizer = warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights);
     warp_poll_reduction(a.workspace, a.rows, a.loss, a.num_correct, normalizer);
   }
-#if XENT_CUDA_SMALL_TIMELINE
-  if (small_stamps* st = my_stamps()) {
-    st->clock[5] = clock64();
-    st->global_end = global_ns();
-  }
-#endif
 #else
   (void)a;
 #endif

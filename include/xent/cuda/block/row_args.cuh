@@ -1,7 +1,7 @@
 // What a row kernel is given and what it writes for each row: one launch's arguments by value
 // (row_args), a row's forward outputs or a skipped row's, the soft-capped logit, a class's
 // target mass and the row's upstream scale. Shared by the row, small-batch, warp-rows, streaming
-// and vocab-parallel kernels. Included only by nvcc (cuda/kernels.cuh).
+// and vocab-parallel kernels. Included only by nvcc.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,8 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../loss_math.hpp"
-#include "../options.hpp"
+#include "../../loss_math.hpp"
+#include "../../options.hpp"
 #include "dtype.cuh"
 #include "row_sums.cuh"
 

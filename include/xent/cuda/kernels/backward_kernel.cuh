@@ -1,6 +1,6 @@
 // The streaming and bulk backward kernels: the gradient of class-id rows from their saved LSE
 // (policy::stream_backward; plain 16-byte-aligned rows on sm_90 take the bulk kernel,
-// policy::bulk_backward). Included only by nvcc (cuda/backend.cuh).
+// policy::bulk_backward). Included only by nvcc.
 //
 // Backward from a saved LSE needs no statistics of a row, so nothing has to meet: every element is
 // read once and its gradient written once. The row kernel serves it through its shared-memory
@@ -13,11 +13,13 @@
 
 #include <cstdint>
 
-#include "../loss_math.hpp"
-#include "async_copy.cuh"
-#include "kernels.cuh"
-#include "row_sums.cuh"
-#include "tile.cuh"
+#include "../../loss_math.hpp"
+#include "../block/async_copy.cuh"
+#include "../block/row_args.cuh"
+#include "../block/row_sums.cuh"
+#include "../block/tile.cuh"
+#include "../block/tile_gradient.cuh"
+#include "../tuning/policy.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -27,37 +29,6 @@ namespace cuda_detail {
 /// paths' per-element smoothing and softcap terms over 16-bit tiles spilled 7 KB at 64 registers
 /// (ptxas, sm_90): two CTAs per SM for them.
 constexpr int stream_min_blocks(bool plain) { return plain ? 4 : 2; }
-
-/// The per-launch constants of a backward from saved LSE, as the row kernel forms them (every
-/// CTA: one launch per call): sum_c w_c into `a.k` where smoothing needs it, and the scalar
-/// upstream gradient (scale * *scale_ptr / W for mean and sum). Every CTA walks the targets from
-/// the first: from its own place (mean_normalizer's Spread, 0f81fb5) the bulk backward of bf16
-/// 16384 x 128256 took 2313-2322 us against 2100-2131 (H200, 2026-11-25, two rounds), for 2-3 us
-/// at 8192 x 32000 (272-273 against 275).
-template <int Block, class T, class G, class Tgt>
-__device__ double backward_constants(row_args<T, G, Tgt>& a) {
-  if (a.weights && a.k.smooth != 0.0f)
-    a.k.weight_sum = static_cast<float>(class_weight_sum<Block>(full_weights(a), a.vocab));
-  const double normalizer =
-      a.reduce == reduction::mean
-          ? mean_normalizer<Block>(a.targets, a.rows, a.vocab, a.ignore_index, full_weights(a))
-          : 1.0;
-  return a.reduce != reduction::none ? scalar_upstream(a.scale, a.scale_ptr, a.reduce, normalizer)
-                                     : 0.0;
-}
-
-/// Row n's gradient constants from its target y (in range) and saved LSE.
-template <class T, class G, class Tgt>
-__device__ __forceinline__ row_gradient backward_row(const row_args<T, G, Tgt>& a, std::int64_t n,
-                                                     std::int64_t y, float lse, double scalar) {
-  row_gradient rg;
-  rg.y = y - a.first;  // the target's column in this shard
-  rg.w_y = a.weights ? full_weights(a)[y] : 1.0f;
-  rg.lse = lse;
-  rg.g = row_scale(a, n, scalar);
-  rg.alpha = gradient_alpha(class_target_mass(rg.w_y, a.k), rg.lse, a.k);
-  return rg;
-}
 
 /// `Shifted`: rows need not start on a 16-byte boundary, but each gradient row has the same
 /// boundaries as its logits row (an in-place call, or equal starts and leading dimensions modulo
@@ -109,7 +80,7 @@ XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
 /// writes their gradient back over them, and thread 0 stores the stage to the gradient row with
 /// one bulk copy, waiting only until the store of the tile before it has read its stage, which
 /// the next load refills. Register loads and stores stop at 85-86% of the copy roof on an H200,
-/// bulk copies both ways reach 92% (bench/results/2026-11-22-h200-e3c1d96/). A row's last bytes
+/// bulk copies both ways reach 92%. A row's last bytes
 /// past its whole 16-byte vectors are moved by thread 0 alone. `Shifted`: rows cut at their own
 /// 16-byte boundaries, as in the streaming backward; thread 0 also moves the row's first vector,
 /// from its `lead`-th element, so no copy touches another row's bytes (in place, the row before
@@ -119,7 +90,7 @@ XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
     bulk_backward_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && sizeof(T) == sizeof(G),
                 "class ids; the gradient in the logits' type");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   using tile_t = row_tile<T, Regs, Block>;
   constexpr int vec = tile_t::vec;
   constexpr std::int64_t span = static_cast<std::int64_t>(Regs) * Block * vec;

@@ -1,6 +1,6 @@
 // A chunk of a row held in registers: each thread's 16-byte vectors of a chunk staged in shared
 // memory, loaded once and then swept as often as the pass needs with no further shared-memory
-// traffic. Included only by nvcc (cuda/kernels.cuh).
+// traffic. Included only by nvcc.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -9,11 +9,11 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../loss_math.hpp"
-#include "../options.hpp"
-#include "dtype.cuh"
-#include "kernels.cuh"  // XENT_KERNEL
-#include "row_sums.cuh"
+#include "../../loss_math.hpp"
+#include "../../options.hpp"
+#include "../block/dtype.cuh"
+#include "../block/row_sums.cuh"
+#include "../cuda.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -116,7 +116,7 @@ struct round_op {
 /// round_op over rows x cols four elements at a time (16-byte loads, one store of four): a
 /// thread per four consecutive elements of the flattened rows, striding over the grid. The
 /// element-per-thread rows_kernel moved d_weight's float accumulator (256000 x 2304) at 2.65 TB/s
-/// on an H200, 1.34 ms of every training call (bench/results/2026-11-27-h200-ncu-training/);
+/// on an H200, 1.34 ms of every training call;
 /// rows_kernel's CTAs also cover a row of 2304 columns with 9 x 256 threads, each doing one.
 template <class G>
 XENT_KERNEL void round_quads_kernel(round_op<G> op, std::int64_t rows, std::int64_t quads) {

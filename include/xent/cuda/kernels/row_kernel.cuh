@@ -1,4 +1,4 @@
-// The CUDA row kernel that every entry point runs. Included only by nvcc (cuda/backend.cuh).
+// The CUDA row kernel that every entry point runs. Included only by nvcc.
 //
 // Each row's vocabulary is cut over the CTAs of a thread-block cluster; each CTA's slice is
 // staged in shared memory (one bulk copy per chunk on sm_90, cp.async below it), loaded into
@@ -19,19 +19,19 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../loss_math.hpp"
-#include "../options.hpp"
-#include "async_copy.cuh"
-#include "chunk_stats.cuh"
-#include "cuda.cuh"
-#include "dtype.cuh"
-#include "policy.cuh"
-#include "row_args.cuh"
-#include "row_queue.cuh"
-#include "row_reduce.cuh"
-#include "row_sums.cuh"
-#include "tile.cuh"
-#include "tile_gradient.cuh"
+#include "../../loss_math.hpp"
+#include "../../options.hpp"
+#include "../block/async_copy.cuh"
+#include "../block/chunk_stats.cuh"
+#include "../block/dtype.cuh"
+#include "../block/row_args.cuh"
+#include "../block/row_queue.cuh"
+#include "../block/row_reduce.cuh"
+#include "../block/row_sums.cuh"
+#include "../block/tile.cuh"
+#include "../block/tile_gradient.cuh"
+#include "../cuda.cuh"
+#include "../tuning/policy.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -84,7 +84,7 @@ XENT_KERNEL void __launch_bounds__(
                                   policy::template keep_exps<T, Plain, P == pass::fused> ||
                                       (Aligned && Plain && P == pass::fused)>()))
     row_kernel(row_args<T, G, Tgt> a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   constexpr bool bulk = Aligned;
 #else
   constexpr bool bulk = false;
@@ -386,7 +386,7 @@ XENT_KERNEL void __launch_bounds__(
     }
     mbarrier_init_fence();
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   if (use_cluster)
     cooperative_groups::this_cluster().sync();  // once per launch, not per row
   else
@@ -527,7 +527,7 @@ XENT_KERNEL void __launch_bounds__(
         }
         if (has_cur) {
           // Item i + Stages's ticket, posted at once: a ticket held until this warp is done
-          // with item i, or taken a row ahead, made the pass 1-15% slower (thirty-fifth session).
+          // with item i, or taken a row ahead, made the pass 1-15% slower.
           if (queue_code && taker && queue.taking()) queue.post(i + Stages, queue.take());
           cur = begin_row(i);
           if constexpr (Shifted) {  // rank 0's lead: -inf, in the vector thread 0 alone reads
@@ -679,7 +679,7 @@ XENT_KERNEL void __launch_bounds__(
   if constexpr (store_bulk) {
     if (threadIdx.x == 0) bulk_stores_wait<0, true>();
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   // Queued: the other ranks' last reads of rank 0's mailboxes and arrivals on them are done
   // before any CTA of the cluster exits.
   if (queue_code && queued && a.cluster > 1) cooperative_groups::this_cluster().sync();

@@ -4,14 +4,12 @@
 // bytes beside its 2 V D K flops (K: the chunk's rows). cublasGemmEx's heuristic gives it 192 x 192
 // tiles, one CTA per SM, whose epilogue reads and writes the accumulator while the tensor cores
 // wait; 128 x 160 tiles, two CTAs per SM, overlap one CTA's epilogue with the other's main loop.
-// H200, bench/dw_gemm_bench.cu, V = 256000, D = 2304, K = 2048
-// (bench/results/2026-11-24-h200-dw-gemm/), two machines: cublasGemmEx 3.86 / 4.30 ms, 128 x
-// 160 3.50 / 3.55 ms, 128 x 128 3.50 / 3.55 ms (the heuristic's other six 3.8-4.3 ms); at K = 4096
-// 128 x 160 7.26 ms against 7.28. Two more H200 leases (2026-11-25,
-// bench/results/2026-11-25-h200-dw-gemm-wgmma/): 128 x 160 3.49 / 3.19 ms against 3.13 / 3.08 for
-// the chunk's logits GEMM (the same flops, bf16 written once); a wgmma kernel of ours whose
-// epilogue added into the accumulator by TMA reduce-adds took 4.57 / 4.87 (the L2's float adds
-// bound it). Included only by nvcc (cuda/linear.cuh).
+// H200, bench/dw_gemm_bench.cu, V = 256000, D = 2304, K = 2048, two machines: cublasGemmEx 3.86 /
+// 4.30 ms, 128 x 160 3.50 / 3.55 ms, 128 x 128 3.50 / 3.55 ms (the heuristic's other six 3.8-4.3
+// ms); at K = 4096 128 x 160 7.26 ms against 7.28. On two more H200s: 128 x 160 3.49 / 3.19 ms
+// against 3.13 / 3.08 for the chunk's logits GEMM (the same flops, bf16 written once); a wgmma
+// kernel of ours whose epilogue added into the accumulator by TMA reduce-adds took 4.57 / 4.87 (the
+// L2's float adds bound it). Included only by nvcc.
 #pragma once
 
 #include <cublasLt.h>

@@ -1,32 +1,31 @@
-// The fused linear forward's Hopper path (sm_90a): logits = X . W^T computed tile by tile by
-// wgmma, each tile's epilogue turning a row's 256 logits into their max and sum of exponentials
-// (and picking up the target's logit), so the N x V logits are never written or read back; a
-// second kernel merges each row's N x V/256 partials into its LSE and loss. The cuBLAS path
-// (linear.cuh) writes each chunk's logits and the cross-entropy pass reads them again: on an H200
-// that read was 4-7% of the forward's time above the GEMM alone (bench/results/cuda-notes.md).
-// Included only by nvcc (cuda/linear.cuh).
+// The fused linear forward's Hopper path (sm_90a): logits = X. W^T computed tile by tile by wgmma,
+// each tile's epilogue turning a row's 256 logits into their max and sum of exponentials (and
+// picking up the target's logit), so the N x V logits are never written or read back; a second
+// kernel merges each row's N x V/256 partials into its LSE and loss. The cuBLAS path (linear.cuh)
+// writes each chunk's logits and the cross-entropy pass reads them again: on an H200 that read was
+// 4-7% of the forward's time above the GEMM alone. Included only by nvcc; dispatch/stats_gemm.cuh
+// launches it.
 //
 // The GEMM kernel: persistent CTAs (one per SM) of three warpgroups. Warpgroup 0's first thread
 // loads 128 x 64 tiles of X and 256 x 64 tiles of W by tensor copies (TMA, 128-byte swizzle) into
-// three shared-memory stages; warpgroups 1 and 2 each multiply 64 of the tile's 128 rows by all
-// 256 columns with wgmma m64n256k16 (128 float accumulators per thread), keep one stage's products
-// in flight while the next is issued, and release each stage when its products are done. At a
-// tile's end they round its logits to bf16 into a shared-memory staging tile (16 matrix stores
-// per thread) and go on to the next tile; warpgroup 0's other three warps turn the staged tile
-// into each row's max and sum of exponentials meanwhile (or, in the form that stores the logits,
-// one of their threads stores it by tensor stores: from the consumers' registers the stores cost
-// 12-15% of the GEMM, bench/results/2026-11-27-h100-stats-tma-store/). When the consumer warpgroups
-// computed the statistics themselves, the tensor cores stood idle through them (one MUFU
-// exponential per logit): several percent of the GEMM's time
-// (bench/results/2026-11-24-h200-lse-gemm/). In training's form (form::probs, scaled_probs.cuh)
-// the consumers stage each logit as its fp16 difference from a row reference instead (eight times
-// finer where it matters: see stage_tile), and the statistics warps also rewrite the staged tile
-// as scaled exponentials and one of them stores it by tensor stores. Tiles are walked 16 row tiles
-// at a time (Triton's grouped order), so the tiles in flight share their X and W tiles in L2. By
-// default (policy::stats_gemm_cluster) the CTAs run in clusters of two on neighbouring row tiles,
-// each loading half of every W tile into both by a multicast copy. Its body exists only in an
-// sm_90a build (wgmma, setmaxnreg): a build without it leaves an empty kernel, which ready()
-// recognises by its lack of static shared memory (the real kernel's mbarriers).
+// three shared-memory stages; warpgroups 1 and 2 each multiply 64 of the tile's 128 rows by all 256
+// columns with wgmma m64n256k16 (128 float accumulators per thread), keep one stage's products in
+// flight while the next is issued, and release each stage when its products are done. At a tile's
+// end they round its logits to bf16 into a shared-memory staging tile (16 matrix stores per thread)
+// and go on to the next tile; warpgroup 0's other three warps turn the staged tile into each row's
+// max and sum of exponentials meanwhile (or, in the form that stores the logits, one of their
+// threads stores it by tensor stores: from the consumers' registers the stores cost 12-15% of the
+// GEMM). When the consumer warpgroups computed the statistics themselves, the tensor cores stood
+// idle through them (one MUFU exponential per logit): several percent of the GEMM's time. In
+// training's form (form::probs, scaled_probs.cuh) the consumers stage each logit as its fp16
+// difference from a row reference instead (eight times finer where it matters: see stage_tile), and
+// the statistics warps also rewrite the staged tile as scaled exponentials and one of them stores
+// it by tensor stores. Tiles are walked 16 row tiles at a time (Triton's grouped order), so the
+// tiles in flight share their X and W tiles in L2. By default (policy::stats_gemm_cluster) the CTAs
+// run in clusters of two on neighbouring row tiles, each loading half of every W tile into both by
+// a multicast copy. Its body exists only in an sm_90a build (wgmma, setmaxnreg): a build without it
+// leaves an empty kernel, which ready recognises by its lack of static shared memory (the real
+// kernel's mbarriers).
 //
 // The statistics are of the logits rounded to bf16, as the cuBLAS path (which stores them so) and
 // PyTorch eager have them: both paths give the same losses up to the order of the sums. Training's
@@ -40,8 +39,15 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "backend.cuh"
-#include "wgmma.cuh"
+#include "../../loss_math.hpp"
+#include "../../online_lse.hpp"
+#include "../block/chunk_stats.cuh"
+#include "../block/row_args.cuh"
+#include "../block/row_reduce.cuh"
+#include "../block/row_sums.cuh"
+#include "../block/tile.cuh"
+#include "../block/wgmma.cuh"
+#include "../cuda.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -50,15 +56,14 @@ namespace stats_gemm {
 using namespace hopper;
 
 /// Three stages of 64 columns beside the 64 KiB staging tile (H200, bench/lse_gemm_bench.cu, two
-/// runs each, X . W^T's time against cuBLAS's: 8192 x 4096 x 128256 1.035x / 1.023x,
-/// 16384 x 2304 x 256000 1.128x / 1.166x; bench/results/2026-11-24-h200-staged-stats/). Measured
-/// against it: four stages beside half a tile staged at a time, the second half handed over two
-/// k-blocks into the next tile (1.074x / 1.069x, 1.147x / 1.138x) or eight (1.043x / 1.048x, 1.128x
-/// / 1.104x); six stages of 32 columns (64-byte swizzle) with the whole tile, 1.069x / 1.135x
-/// and 1.130x / 1.136x. Tiles walk 16 row tiles at a time (group_m): two runs each at 8 / 16 / 32 /
-/// 64 row tiles, forward against cuBLAS at 8192 x 4096 x 128256 1.018-1.023x / 0.983-1.015x /
-/// 0.996-1.033x / 1.052-1.077x, at 16384 x 2304 x 256000 1.086-1.129x / 1.076-1.081x / 1.079x
-/// / 1.130-1.135x (H200, bench/results/2026-11-24-h200-staged-stats/group_m.txt).
+/// runs each, X. W^T's time against cuBLAS's: 8192 x 4096 x 128256 1.035x / 1.023x, 16384 x 2304 x
+/// 256000 1.128x / 1.166x). Measured against it: four stages beside half a tile staged at a time,
+/// the second half handed over two k-blocks into the next tile (1.074x / 1.069x, 1.147x / 1.138x)
+/// or eight (1.043x / 1.048x, 1.128x / 1.104x); six stages of 32 columns (64-byte swizzle) with the
+/// whole tile, 1.069x / 1.135x and 1.130x / 1.136x. Tiles walk 16 row tiles at a time (group_m):
+/// two runs each at 8 / 16 / 32 / 64 row tiles, forward against cuBLAS at 8192 x 4096 x 128256
+/// 1.018-1.023x / 0.983-1.015x / 0.996-1.033x / 1.052-1.077x, at 16384 x 2304 x 256000 1.086-1.129x
+/// / 1.076-1.081x / 1.079x / 1.130-1.135x (H200).
 constexpr int tile_m = 128, tile_n = 256, tile_k = 64, stages = 3, group_m = 16;
 constexpr int threads = 384;  // producer + statistics warpgroup, two consumer warpgroups
 /// The producer warpgroup's warps 1-3 compute the statistics (warp 0's thread 0 issues the
@@ -151,9 +156,9 @@ __device__ __forceinline__ int staged_offset(int row, int chunk) {
 /// difference past fp16's 65504 becomes +-inf: the statistics warps see it). Accumulator layout of
 /// m64nNk16: thread lane of warp w holds rows 16 w + lane / 4 and + 8, columns 8 j + 2 (lane % 4) +
 /// {0, 1}, in d[4 j + {0, 1}] and d[4 j + {2, 3}]: each 8 x 8 block is a matrix in stmatrix's
-/// fragment layout, and d[8 i .. 8 i + 7] are the blocks (2 i, rows +0), (2 i, +8), (2 i + 1, +0),
+/// fragment layout, and d[8 i.. 8 i + 7] are the blocks (2 i, rows +0), (2 i, +8), (2 i + 1, +0),
 /// (2 i + 1, +8), whose row addresses lanes 0-7, 8-15, 16-23 and 24-31 give. Consumer warpgroup `c`
-/// holds staging rows 64 c .. 64 c + 63; `ref` the references of the thread's two rows (+0, +8),
+/// holds staging rows 64 c.. 64 c + 63; `ref` the references of the thread's two rows (+0, +8),
 /// `logits` whether they stage bf16 logits.
 template <bool Probs>
 __device__ __forceinline__ void stage_tile(const float (&d)[128], unsigned char* staged, int c,
@@ -283,8 +288,8 @@ __device__ __forceinline__ partial staged_row(unsigned char* staged, int row, in
   return partial::of_block(m + lift, s);
 }
 
-/// Whether the tiles of row-tile group `g` (row tiles g Cluster .. g Cluster + Cluster - 1) are
-/// left out: a second pass (tile_flags given) takes only the groups holding a flagged row tile.
+/// Whether the tiles of row-tile group `g` (row tiles g Cluster.. g Cluster + Cluster - 1) are left
+/// out: a second pass (tile_flags given) takes only the groups holding a flagged row tile.
 template <int Cluster, class I>
 __device__ __forceinline__ bool group_skipped(const args<I>& a, int g, int row_tiles) {
   if (!a.tile_flags) return false;
@@ -318,7 +323,7 @@ __device__ __forceinline__ void stats_warps_sync() {
 /// the same column tile and each loads half of the W tile into both by a multicast copy: half the
 /// L2-to-shared traffic of W, for CTAs that wait on each other's stage releases.
 template <form F, int Cluster, class I>
-__global__ void __launch_bounds__(threads, 1)
+XENT_KERNEL void __launch_bounds__(threads, 1)
     stats_gemm_kernel(const __grid_constant__ CUtensorMap x_map,
                       const __grid_constant__ CUtensorMap w_map,
                       const __grid_constant__ CUtensorMap logits_map, args<I> a) {
@@ -328,7 +333,7 @@ __global__ void __launch_bounds__(threads, 1)
   // before any barrier, so all of them leave together.
   if (a.flagged && *a.flagged == 0) return;
   extern __shared__ unsigned char smem_raw[];
-  // Static shared memory only in this build: ready() reads its presence.
+  // Static shared memory only in this build: ready reads its presence.
   __shared__ unsigned long long full[stages], empty[stages], staged_full, staged_empty;
   // 1024-byte aligned stages: the swizzle's atoms.
   unsigned char* smem = reinterpret_cast<unsigned char*>(
@@ -575,50 +580,6 @@ XENT_KERNEL void merge_kernel(row_args<T, G, Tgt> a, const partial* partials,
     write_row_outputs(a, row, class_row_loss(r, a.weights ? a.weights[y] : 1.0f, a.k), r.lse.lse(),
                       -1, false, false);
   }
-}
-
-/// Whether this build runs the GEMM with clusters of `cluster` on device `dev`: its sm_90a body
-/// was compiled for the code the device runs (it alone has static shared memory) and the device
-/// grants the dynamic shared memory (prepare_cluster_kernel: once per kernel and device, no stream
-/// work, so it may run under graph capture).
-template <form F, class I>
-bool ready(int dev, int cluster) {
-  const auto kernel = cluster == 2 ? reinterpret_cast<const void*>(stats_gemm_kernel<F, 2, I>)
-                                   : reinterpret_cast<const void*>(stats_gemm_kernel<F, 1, I>);
-  cudaFuncAttributes attr{};
-  return prepare_cluster_kernel(kernel, dev, smem_bytes) &&
-         cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.sharedSizeBytes > 0;
-}
-
-/// Enqueues the GEMM over X (a.rows x a.depth, leading dimension ldx) and W (a.cols x a.depth,
-/// leading dimension ldw), one CTA per SM in clusters of `cluster`; ready<F, I>(device, cluster)
-/// must hold.
-template <form F, class I>
-void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std::int64_t ldw,
-            const args<I>& a, int sms, int cluster, cudaStream_t stream, void* logits = nullptr,
-            std::int64_t ld_logits = 0) {
-  static_assert(tile_k == 64, "make_map's boxes are 64 columns (128 bytes) wide");
-  const CUtensorMap xm = make_map(fn, "hidden", x, a.rows, a.depth, ldx, tile_m);
-  const CUtensorMap wm = make_map(fn, "weight", w, a.cols, a.depth, ldw, tile_n / cluster);
-  // form::stats: no logits (an unused map, the hidden one); otherwise rows x cols bf16, leading
-  // dimension ld_logits, stored in boxes of 128 rows x 64 columns.
-  const CUtensorMap lm =
-      F == form::stats ? xm : make_map(fn, "logits", logits, a.rows, a.cols, ld_logits, tile_m);
-  // Groups of `cluster` row tiles, each at every column tile; at most one CTA per SM.
-  const std::int64_t groups = (a.rows + std::int64_t{tile_m} * cluster - 1) /
-                              (std::int64_t{tile_m} * cluster) * a.col_tiles;
-  const int clusters = static_cast<int>(groups < sms / cluster ? groups : sms / cluster);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * cluster), 1, 1);
-  cfg.blockDim = dim3(threads, 1, 1);
-  cfg.dynamicSmemBytes = smem_bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1] = {cluster_attribute(cluster)};
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  check_cuda(fn, cluster == 2
-                     ? cudaLaunchKernelEx(&cfg, stats_gemm_kernel<F, 2, I>, xm, wm, lm, a)
-                     : cudaLaunchKernelEx(&cfg, stats_gemm_kernel<F, 1, I>, xm, wm, lm, a));
 }
 
 }  // namespace stats_gemm

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../error.hpp"
+#include "../../error.hpp"
 #include "async_copy.cuh"
 
 namespace xent {

@@ -1,8 +1,10 @@
 // Copies from global into shared memory that run while the CTA computes, and the mbarriers that
-// say when they have landed. Included only by nvcc (cuda/kernels.cuh).
+// say when they have landed. Included only by nvcc.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include "../tuning/policy.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -42,7 +44,7 @@ __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned 
 /// Makes mbarrier initialisation visible to the async proxy and to the cluster; a CTA or
 /// cluster barrier must follow before any use.
 __device__ __forceinline__ void mbarrier_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }
@@ -58,7 +60,7 @@ __device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
 /// MEMBAR.ALL.GPU per arrive).
 __device__ __forceinline__ void mbarrier_arrive_in([[maybe_unused]] unsigned long long* bar,
                                                    [[maybe_unused]] unsigned rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   unsigned addr = shared_address(bar);
   asm volatile("mapa.shared::cluster.u32 %0, %0, %1;" : "+r"(addr) : "r"(rank));
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(addr) : "memory");
@@ -67,7 +69,7 @@ __device__ __forceinline__ void mbarrier_arrive_in([[maybe_unused]] unsigned lon
 
 /// Arrives and announces `bytes` of transactions still to land in this phase.
 __device__ __forceinline__ void mbarrier_arrive_expect(unsigned long long* bar, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   asm volatile(
       "{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1; }" ::"r"(
           shared_address(bar)),
@@ -90,7 +92,7 @@ __device__ __forceinline__ void mbarrier_track_copies(unsigned long long* bar) {
 /// (copies into this CTA) or at cluster scope (`Cluster`: stores from other CTAs of the cluster).
 template <bool Cluster = false>
 __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   const unsigned addr = shared_address(bar);
   unsigned done = 0;
   while (!done) {
@@ -120,7 +122,7 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned 
 /// took one per 16 bytes and per thread, with their address arithmetic.
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
                                           unsigned long long* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
           "r"(shared_address(dst)),
@@ -137,10 +139,10 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 /// One bulk copy from this CTA's shared memory to global memory (`bytes` a multiple of 16, both
 /// addresses 16-byte aligned), committed as a group of its own: a CTA's stores of a tile leave as
 /// one transfer, which on an H200 streams closer to the copy roof than 16-byte stores from
-/// registers (bench/results/2026-11-22-h200-e3c1d96/). The writer threads fence their
+/// registers. The writer threads fence their
 /// shared-memory stores to the async proxy (fence_async_shared) and meet at a barrier first.
 __device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
                "r"(shared_address(src)), "r"(bytes)
                : "memory");
@@ -180,7 +182,7 @@ __device__ __forceinline__ void store_row_tile(G* out, const G* from, int count,
 /// most N are still in flight at all).
 template <int N, bool Done = false>
 __device__ __forceinline__ void bulk_stores_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   if constexpr (Done)
     asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
   else
@@ -190,7 +192,7 @@ __device__ __forceinline__ void bulk_stores_wait() {
 
 /// Makes this thread's shared-memory stores visible to bulk copies (the async proxy).
 __device__ __forceinline__ void fence_async_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if XENT_CUDA_SM90_PTX
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
