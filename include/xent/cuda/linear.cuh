@@ -65,7 +65,6 @@
 
 #include "../backend.hpp"
 #include "../error.hpp"
-#include "../linear/backend.hpp"
 #include "../linear/options.hpp"
 #include "../linear/plan.hpp"
 #include "../options.hpp"

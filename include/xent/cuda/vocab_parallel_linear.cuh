@@ -25,7 +25,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "../linear/backend.hpp"
+#include "../backend.hpp"
 #include "../linear/options.hpp"
 #include "../linear/plan.hpp"
 #include "../options.hpp"
