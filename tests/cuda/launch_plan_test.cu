@@ -6,9 +6,10 @@
 #include <cstdint>
 #include <random>
 #include <vector>
+#include <xent/cuda/block/row_queue.cuh>
 #include <xent/cuda/cuda.cuh>
-#include <xent/cuda/policy.cuh>
-#include <xent/cuda/row_queue.cuh>
+#include <xent/cuda/dispatch/plan.cuh>
+#include <xent/cuda/tuning/policy.cuh>
 
 namespace {
 
