@@ -2,8 +2,8 @@
 
     python3 bench/build_table.py DIR NAME[,NAME...]
 
-DIR holds NAME-ROUND.json files (what .ci/device-prebuilt writes under $OUT/bench for each
-bench/NAME build and round). One line per benchmark in the order first seen, one column per
+DIR holds NAME-ROUND.json files (what bench/gpu/run.sh writes for each build of an A/B and
+round). One line per benchmark in the order first seen, one column per
 build with that build's rounds separated by " / " (real_time in each line's own time_unit:
 microseconds for the CUDA benchmarks). Repetition aggregates are left out.
 """

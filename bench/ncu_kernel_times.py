@@ -4,8 +4,8 @@
     python3 bench/ncu_kernel_times.py FILE.csv
 
 Prints one line per kernel name (no return type, namespaces or template arguments), the largest
-total first: total milliseconds and the number of launches. .ci/device linear uses it for
-XENT_DEVICE_LINEAR_NCU.
+total first: total milliseconds and the number of launches. bench/gpu/run.sh uses it for
+XENT_LINEAR_NCU.
 """
 
 import collections

@@ -1,7 +1,7 @@
 """PyTorch's CPU cross-entropy, timed the way xent_bench_cpu times xent: the reference figure for
 the foundation issue's CPU target (4096 x 32000 fp32, forward + backward, 2 and N threads).
 
-Run beside xent_bench_cpu on the same machine (.ci/device does): python3 bench/torch_cpu_reference.py
+Run beside xent_bench_cpu on the same machine (bench/gpu/run.sh does): python3 bench/torch_cpu_reference.py
 Prints one JSON line per thread count.
 """
 import json

@@ -599,7 +599,7 @@ TYPED_TEST(CudaBackend, PlainFusedLongRowsTakeTheWideShape) {
   check_spec<TypeParam>(s);
 }
 
-/// Small cases that compute-sanitizer memcheck / racecheck run (.ci/device).
+/// Small cases that compute-sanitizer memcheck / racecheck run (bench/gpu/run.sh sanitize).
 TEST(CudaSanitizer, SmallCasesOfEveryPath) {
   REQUIRE_GPU();
   for (std::int64_t V : {3, 1000, 20000}) {
@@ -650,8 +650,8 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
 // are reused across skipped rows too); the bulk backward's CTAs and the row kernel's refill stages
 // they have read. Under memcheck only: racecheck does not follow the mbarrier hand-offs that order
 // those refills (a stage's readers arrive, the thread that refills it waits) and reports each
-// refill as a hazard (.ci/device). The non-sanitizer build runs it with the named-barrier
-// hand-offs.
+// refill as a hazard (bench/gpu/run.sh leaves it out). The non-sanitizer build runs it with the
+// named-barrier hand-offs.
 TEST(CudaSanitizerLongBatch, PlainRowsThroughEveryPass) {
   REQUIRE_GPU();
   const int sms = sm_count();

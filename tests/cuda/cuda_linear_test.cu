@@ -456,7 +456,7 @@ TEST_F(CudaLinearTest, SameInputsGiveBitwiseSameResults) {
   EXPECT_TRUE(fused_bytes(backend_.handle, s, false) == fused_bytes(backend_.handle, s, false));
 }
 
-/// Small cases that compute-sanitizer memcheck / racecheck run (.ci/device).
+/// Small cases that compute-sanitizer memcheck / racecheck run (bench/gpu/run.sh sanitize).
 TEST_F(CudaLinearTest, SanitizerSmallCasesOfEveryPath) {
   lspec s = make_spec(5, 7, 300);
   s.ce.ignore = ignore_mode::some;

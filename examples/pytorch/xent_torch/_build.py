@@ -75,7 +75,7 @@ def load(verbose=None):
     if cuda:
         sources.append(str(csrc / "xent_ops_cuda.cu"))
         if "TORCH_CUDA_ARCH_LIST" not in os.environ:
-            # Hopper (compute capability 9.0) gets sm_90a, as xent's CMake builds for .ci/device:
+            # Hopper (compute capability 9.0) gets sm_90a, as bench/gpu/run.sh builds xent:
             # the wgmma GEMMs of the fused linear paths (cuda/stats_gemm.cuh: the forward without
             # logits, training without the cross-entropy pass) exist only there; an sm_90 build
             # takes cuBLAS and the cross-entropy pass instead. torch would ask for plain 9.0.

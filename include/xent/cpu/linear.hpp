@@ -102,14 +102,17 @@ struct linear_call {
 };
 
 /// The rows [r0, r0 + n) of `m` in its accumulator A: the caller's memory when T is A, else
-/// converted into `scratch` (n x cols, dense).
+/// converted into `scratch` (n x cols, dense). A matrix of no columns may have null data
+/// (validation accepts it as empty) and null + offset is undefined, so no row address is formed.
 template <class T, class A = accumulator_t<T>>
 const_acc_rows_map<A> float_rows(const matrix_view<const T>& m, std::int64_t r0, std::int64_t n,
                                  A* scratch) {
   if constexpr (std::is_same<T, A>::value) {
-    return const_acc_rows_map<A>(m.row(r0), n, m.cols, Eigen::OuterStride<>(m.ld));
+    return const_acc_rows_map<A>(m.cols == 0 ? m.data : m.row(r0), n, m.cols,
+                                 Eigen::OuterStride<>(m.ld));
   } else {
-    for (std::int64_t i = 0; i < n; ++i) convert(m.row(r0 + i), m.cols, scratch + i * m.cols);
+    if (m.cols > 0)
+      for (std::int64_t i = 0; i < n; ++i) convert(m.row(r0 + i), m.cols, scratch + i * m.cols);
     return const_acc_rows_map<A>(scratch, n, m.cols, Eigen::OuterStride<>(m.cols));
   }
 }

@@ -223,6 +223,9 @@ struct linear_call {
     return offset == linear_absent ? nullptr : reinterpret_cast<U*>(base + offset);
   }
   DT* logits() const { return logits_data; }
+  /// Hidden row r0's address. Hidden of no columns may have null data (validation accepts it as
+  /// empty) and null + offset is undefined, so then every row is at `data`.
+  const DT* hidden_row(std::int64_t r0) const { return dim() == 0 ? hidden.data : hidden.row(r0); }
   float* dw_accumulator() const { return buffer<float>(plan.dw); }
   /// d_bias's float accumulator: the caller's d_bias when G is float.
   float* db_sum() const {
@@ -281,7 +284,7 @@ void chunk_logits(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n) {
   if (hopper_chunk_logits(c, r0, n)) return;
   if (c.bias) launch_rows_kernel(fill_bias_op<DT>{c.logits(), c.plan.ld, c.bias}, n, c.vocab(), s);
   gemm(c.blas, s, CUBLAS_OP_T, CUBLAS_OP_N, c.vocab(), n, c.dim(), c.weight.data, c.weight.ld,
-       c.hidden.row(r0), c.hidden.ld, c.bias ? 1.0f : 0.0f, c.logits(), cublas_type<DT>(),
+       c.hidden_row(r0), c.hidden.ld, c.bias ? 1.0f : 0.0f, c.logits(), cublas_type<DT>(),
        sizeof(DT), c.plan.ld);
 }
 
@@ -634,7 +637,7 @@ void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I>
     const int rows = static_cast<int>(n);
     const probs_layout layout = make_probs_layout(c.plan.chunk_rows, V, D);
     const sp::buffers b = sp::make_buffers(c.base + c.plan.probs, layout);
-    const DT* x = c.hidden.row(r0);
+    const DT* x = c.hidden_row(r0);
     const I* y = targets.ids + r0;
     const auto warps = static_cast<unsigned>((n * 32 + linear_threads - 1) / linear_threads);
     sp::reference_kernel<<<warps, linear_threads, 0, s>>>(x, c.hidden.ld, c.weight.data,
@@ -750,7 +753,7 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
                                     chunk_outputs(out, totals, r0, n));
     }
     if constexpr (Mode != linear_mode::forward)
-      chunk_grads(c, r0, n, r0 == 0, c.hidden.row(r0), c.hidden.ld);
+      chunk_grads(c, r0, n, r0 == 0, c.hidden_row(r0), c.hidden.ld);
   }
   if constexpr (Mode != linear_mode::forward) finish_grads(c);
   if constexpr (Mode != linear_mode::backward)

@@ -103,7 +103,7 @@ class vp_linear_call {
   }
 
   void accumulate(std::int64_t r0, std::int64_t n) {
-    chunk_grads(c_, r0, n, r0 == 0, c_.hidden.row(r0), c_.hidden.ld);
+    chunk_grads(c_, r0, n, r0 == 0, c_.hidden_row(r0), c_.hidden.ld);
   }
 
   void finish() {
