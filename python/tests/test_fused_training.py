@@ -10,14 +10,13 @@ torch.compile(fullgraph=True) of both ops together."""
 
 import pytest
 
-torch = pytest.importorskip(
-    "torch", reason="PyTorch is not installed: the xent_torch binding tests need it")
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 from test_cross_entropy import (DEVICES, TOL, make, on, reference_extended,  # noqa: E402
                                 requires_cuda, weights)
 import test_linear_cross_entropy as lin  # noqa: E402
-import xent_torch  # noqa: E402
+import xent.torch
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -79,7 +78,7 @@ def test_cross_entropy_fused_matches_torch(upstream, reduction, dtype, device):
     t[2] = -100
     kw = dict(weight=weights(), label_smoothing=0.1)
     leaf = x.to(device).requires_grad_()
-    loss = xent_torch.cross_entropy(leaf, t.to(device), reduction=reduction, **on(device, kw))
+    loss = xent.torch.cross_entropy(leaf, t.to(device), reduction=reduction, **on(device, kw))
     backward_with(loss, upstream)
     ref_loss, ref_grad = ce_reference(x, t, reduction, upstream, **kw)
     rtol, atol = TOL[dtype]
@@ -96,7 +95,7 @@ def test_only_the_split_path_saves_the_logits(reduction):
     x, t = make()
     logits = x.clone().requires_grad_() * 1.0  # an intermediate, as an LM head's output is
     loss, packed = saved_tensors(
-        lambda: xent_torch.cross_entropy(logits, t, reduction=reduction))
+        lambda: xent.torch.cross_entropy(logits, t, reduction=reduction))
     assert shares_memory(packed, logits) == (reduction == "none")
     if reduction != "none":
         assert len(packed) == 1 and packed[0].shape == x.shape
@@ -116,7 +115,7 @@ def test_plain_backward_hands_the_saved_gradient_over(device):
         return a
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda a: a):
-        loss = xent_torch.cross_entropy(leaf, t.to(device), reduction="sum")
+        loss = xent.torch.cross_entropy(leaf, t.to(device), reduction="sum")
     loss.backward()
     assert saved == [leaf.grad.data_ptr()]
 
@@ -129,7 +128,7 @@ def test_backward_after_the_caller_overwrites_its_logits(dtype, device):
     x, t = make(dtype=dtype)
     leaf = x.to(device).requires_grad_()
     logits = leaf * 1.0
-    loss = xent_torch.cross_entropy(logits, t.to(device), label_smoothing=0.1)
+    loss = xent.torch.cross_entropy(logits, t.to(device), label_smoothing=0.1)
     with torch.no_grad():
         logits.fill_(float("nan"))
     del logits
@@ -151,7 +150,7 @@ def test_inplace_fused_forward_writes_the_gradient_over_the_logits(upstream, red
     leaf = x.to(device).requires_grad_()
     logits = leaf * 1.0
     ptr = logits.data_ptr()
-    loss = xent_torch.cross_entropy(logits, t.to(device), reduction=reduction,
+    loss = xent.torch.cross_entropy(logits, t.to(device), reduction=reduction,
                                     inplace_backward=True)
     ref_loss, ref_grad = ce_reference(x, t, reduction, 1)
     rtol, atol = TOL[dtype]
@@ -174,7 +173,7 @@ def test_retain_graph_scales_a_copy(inplace_backward, device):
     x, t = make()
     leaf = x.to(device).requires_grad_()
     logits = leaf * 1.0
-    loss = xent_torch.cross_entropy(logits, t.to(device), inplace_backward=inplace_backward)
+    loss = xent.torch.cross_entropy(logits, t.to(device), inplace_backward=inplace_backward)
     backward_with(loss, 3.0, retain_graph=True)
     backward_with(loss, torch.tensor(0.5, device=device))
     want = ce_reference(x, t, "mean", 3.5)[1]
@@ -186,7 +185,7 @@ def test_reduction_none_and_no_grad_keep_the_forward_alone():
     leaf = x.clone().requires_grad_()
     logits = leaf * 1.0
     before = logits.detach().clone()
-    rows = xent_torch.cross_entropy(logits, t, reduction="none", inplace_backward=True)
+    rows = xent.torch.cross_entropy(logits, t, reduction="none", inplace_backward=True)
     assert torch.equal(logits.detach(), before)  # none: nothing written until backward
     up = torch.rand(rows.shape) + 0.5
     rows.backward(up)
@@ -195,7 +194,7 @@ def test_reduction_none_and_no_grad_keep_the_forward_alone():
     torch.testing.assert_close(leaf.grad, ref.grad)
     logits = x.clone().requires_grad_() * 1.0
     with torch.no_grad():
-        xent_torch.cross_entropy(logits, t, inplace_backward=True)
+        xent.torch.cross_entropy(logits, t, inplace_backward=True)
     assert torch.equal(logits.detach(), x)  # no node: no gradient computed or written
 
 
@@ -242,7 +241,7 @@ def test_linear_fused_matches_torch(upstream, reduction, with_bias, dtype, devic
     target[::5] = -100
     bias = bias if with_bias else None
     kw = dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
-    got = linear_run(xent_torch.linear_cross_entropy, hidden, weight, target, bias, upstream,
+    got = linear_run(xent.torch.linear_cross_entropy, hidden, weight, target, bias, upstream,
                      device, **kw)
     want = linear_run(lin.torch_linear_ce, hidden, weight, target, bias, upstream, **kw)
     assert len(got) == len(want) == (4 if with_bias else 3)
@@ -254,7 +253,7 @@ def test_linear_fused_matches_torch(upstream, reduction, with_bias, dtype, devic
 @pytest.mark.parametrize("requires", [(0,), (1, 2)], ids=["frozen head", "frozen hidden"])
 def test_linear_fused_with_frozen_inputs(requires):
     hidden, weight, bias, target = lin.make()
-    got = linear_run(xent_torch.linear_cross_entropy, hidden, weight, target, bias, 3.0,
+    got = linear_run(xent.torch.linear_cross_entropy, hidden, weight, target, bias, 3.0,
                      requires=requires)
     want = linear_run(lin.torch_linear_ce, hidden, weight, target, bias, 3.0, requires=requires)
     for g, w in zip(got, want):
@@ -267,7 +266,7 @@ def test_linear_fused_saves_gradients_not_inputs(reduction, with_bias):
     hidden, weight, bias, target = lin.make()
     leaves = [a.clone().requires_grad_() for a in (hidden, weight, bias)]
     b = leaves[2] if with_bias else None
-    loss, packed = saved_tensors(lambda: xent_torch.linear_cross_entropy(
+    loss, packed = saved_tensors(lambda: xent.torch.linear_cross_entropy(
         leaves[0], leaves[1], target, b, reduction=reduction))
     fused = reduction != "none"
     assert shares_memory(packed, leaves[0]) != fused
@@ -289,7 +288,7 @@ def test_linear_fused_saves_gradients_not_inputs(reduction, with_bias):
 def test_linear_retain_graph_scales_a_copy():
     hidden, weight, bias, target = lin.make()
     leaves = [a.clone().requires_grad_() for a in (hidden, weight, bias)]
-    loss = xent_torch.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2])
+    loss = xent.torch.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2])
     backward_with(loss, 3.0, retain_graph=True)
     backward_with(loss, torch.tensor(0.5))
     want = linear_run(lin.torch_linear_ce, hidden, weight, target, bias, 3.5)
@@ -350,9 +349,9 @@ def fused_step(inplace_backward):
     linear op on the same hidden states."""
     def step(h, proj, w, b, t):
         logits = torch.tanh(h) @ proj
-        a = xent_torch.cross_entropy(logits, t, label_smoothing=0.1, z_loss=1e-3,
+        a = xent.torch.cross_entropy(logits, t, label_smoothing=0.1, z_loss=1e-3,
                                      inplace_backward=inplace_backward)
-        c = xent_torch.linear_cross_entropy(h, w, t, b, reduction="sum", softcap=5.0)
+        c = xent.torch.linear_cross_entropy(h, w, t, b, reduction="sum", softcap=5.0)
         return 2.0 * a + 0.25 * c
 
     def reference(h, proj, w, b, t):
@@ -452,7 +451,7 @@ def test_linear_frozen_tensors_get_no_gradient_and_the_others_torchs(reduction, 
     leaves = {"hidden": hidden, "weight": weight, "bias": bias}
     ours = {k: v.to(device).clone().requires_grad_(k != frozen) for k, v in leaves.items()}
     refs = {k: v.clone().requires_grad_(k != frozen) for k, v in leaves.items()}
-    loss = xent_torch.linear_cross_entropy(ours["hidden"], ours["weight"], target.to(device),
+    loss = xent.torch.linear_cross_entropy(ours["hidden"], ours["weight"], target.to(device),
                                            bias=ours["bias"], reduction=reduction)
     ref = lin.torch_linear_ce(refs["hidden"], refs["weight"], target, bias=refs["bias"],
                               reduction=reduction)

@@ -1,4 +1,4 @@
-"""nn.Module wrappers over xent_torch.cross_entropy and xent_torch.linear_cross_entropy."""
+"""nn.Module wrappers over xent.torch.cross_entropy and xent.torch.linear_cross_entropy."""
 
 import torch
 
@@ -22,7 +22,7 @@ class _XentLoss(torch.nn.Module):
 
 class CrossEntropyLoss(_XentLoss):
     """torch.nn.CrossEntropyLoss with xent's fused kernels (class dimension last), plus z_loss,
-    softcap and the opt-in inplace_backward of xent_torch.cross_entropy."""
+    softcap and the opt-in inplace_backward of xent.torch.cross_entropy."""
 
     def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                  z_loss=0.0, softcap=None, inplace_backward=False):
@@ -37,7 +37,7 @@ class CrossEntropyLoss(_XentLoss):
 class LinearCrossEntropyLoss(_XentLoss):
     """Fused LM head + cross-entropy: forward(hidden, weight, target, bias=None) is
     cross_entropy(hidden @ weight.T + bias, target) without the logits
-    (xent_torch.linear_cross_entropy). class_weight is torch.nn.CrossEntropyLoss's weight."""
+    (xent.torch.linear_cross_entropy). class_weight is torch.nn.CrossEntropyLoss's weight."""
 
     def __init__(self, class_weight=None, ignore_index=-100, reduction="mean",
                  label_smoothing=0.0, z_loss=0.0, softcap=None):

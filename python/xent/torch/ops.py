@@ -1,4 +1,4 @@
-"""xent_torch.cross_entropy and linear_cross_entropy: torch.ops.xent.* with fake kernels.
+"""xent.torch.cross_entropy and linear_cross_entropy: torch.ops.xent.* with fake kernels.
 
 The C++ ops (csrc/xent_ops.cpp for the CPU, csrc/xent_ops_cuda.cu for CUDA) compute on 2-D (N, C)
 logits, and their autograd formulas are C++ too (csrc/xent_autograd.cpp: one dispatcher call
@@ -11,9 +11,7 @@ to the input's dtype.
 
 import torch
 
-from . import _build
-
-_build.load()
+from . import _library
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 # The overloads themselves: a call skips the packet's overload lookup.
@@ -85,7 +83,7 @@ def _check_devices(fn, x, x_name, tensors):
     for the meta device, would otherwise return empty tensors for a meta target or weight."""
     for name, t in tensors:
         if t is not None and t.device != x.device:
-            raise RuntimeError(f"xent_torch.{fn}: {name} is on {t.device}, {x_name} on "
+            raise RuntimeError(f"xent.torch.{fn}: {name} is on {t.device}, {x_name} on "
                                f"{x.device}: every tensor must be on one device")
 
 
@@ -94,7 +92,7 @@ def _check_like_torch(fn, class_weight, name, target, ignore_index):
     ignore_index (no class id to ignore among probabilities); xent gives soft targets no
     gradient either."""
     if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"xent_torch.{fn}: {name} gets no gradient (as in torch's "
+        raise ValueError(f"xent.torch.{fn}: {name} gets no gradient (as in torch's "
                          f"cross_entropy): pass {name}.detach()")
     if target.is_floating_point():
         if target.requires_grad and torch.is_grad_enabled():
@@ -262,8 +260,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
 
 
 def cuda_built():
-    """Whether the extension was built with its CUDA kernels (see _build.py)."""
-    return _build.with_cuda
+    """Whether the package was built with its CUDA kernels (python/CMakeLists.txt)."""
+    return _library.with_cuda
 
 
 def cuda_target_errors(device=None):
@@ -272,8 +270,8 @@ def cuda_target_errors(device=None):
     ignore_index nor in [0, C); their loss is NaN). Reading it does not synchronise until you
     ask for its value; zero it with .zero_(). Call it once before capturing a CUDA graph so the
     counter exists when the capture starts (captured calls find it then)."""
-    if not _build.with_cuda:
-        raise RuntimeError("xent_torch was built without CUDA kernels")
+    if not _library.with_cuda:
+        raise RuntimeError("xent.torch was built without CUDA kernels")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
         torch.device(device)
     if device.type != "cuda":
