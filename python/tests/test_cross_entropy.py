@@ -81,8 +81,9 @@ def assert_matches_torch(x, t, dtype=torch.float32, device="cpu", **kw):
     ref_loss, ref_grad = loss_and_grad(F.cross_entropy, x.float(), ref_t, **kw)
     assert loss.dtype == x.dtype
     torch.testing.assert_close(loss.float(), ref_loss, rtol=rtol, atol=atol, equal_nan=True)
-    torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=rtol, atol=atol,
-                               equal_nan=True)
+    torch.testing.assert_close(
+        grad.float(), ref_grad.to(dtype).float(), rtol=rtol, atol=atol, equal_nan=True
+    )
 
 
 def weights(c=C, seed=3):
@@ -98,8 +99,14 @@ def test_matches_torch_every_option(reduction, weighted, label_smoothing, ignore
     x, t = make()
     if ignore:
         t[::3] = -100
-    assert_matches_torch(x, t, device=device, reduction=reduction,
-                         weight=weights() if weighted else None, label_smoothing=label_smoothing)
+    assert_matches_torch(
+        x,
+        t,
+        device=device,
+        reduction=reduction,
+        weight=weights() if weighted else None,
+        label_smoothing=label_smoothing,
+    )
 
 
 @pytest.mark.parametrize("target_dtype", [torch.int32, torch.int64])
@@ -107,8 +114,9 @@ def test_matches_torch_every_option(reduction, weighted, label_smoothing, ignore
 def test_int32_and_int64_targets(target_dtype, device):
     x, t = make()
     t[4] = 7
-    assert_matches_torch(x, t.to(target_dtype), device=device, weight=weights(), ignore_index=7,
-                         label_smoothing=0.05)
+    assert_matches_torch(
+        x, t.to(target_dtype), device=device, weight=weights(), ignore_index=7, label_smoothing=0.05
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -117,8 +125,7 @@ def test_int32_and_int64_targets(target_dtype, device):
 def test_half_precision_inputs(dtype, reduction, device):
     x, t = make(dtype=dtype)
     t[1] = -100
-    assert_matches_torch(x, t, dtype=dtype, device=device, reduction=reduction,
-                         label_smoothing=0.1)
+    assert_matches_torch(x, t, dtype=dtype, device=device, reduction=reduction, label_smoothing=0.1)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -173,10 +180,12 @@ def test_transposed_input(device):
     x = xt.t()
     t = torch.randint(0, C, (N,))
     assert x.stride(1) != 1
-    loss, grad = loss_and_grad(xent.torch.cross_entropy, x, t.to(device), reduction="none",
-                               weight=weights().to(device))
-    ref_loss, ref_grad = loss_and_grad(F.cross_entropy, x.cpu(), t, reduction="none",
-                                       weight=weights())
+    loss, grad = loss_and_grad(
+        xent.torch.cross_entropy, x, t.to(device), reduction="none", weight=weights().to(device)
+    )
+    ref_loss, ref_grad = loss_and_grad(
+        F.cross_entropy, x.cpu(), t, reduction="none", weight=weights()
+    )
     torch.testing.assert_close(loss, ref_loss)
     torch.testing.assert_close(grad, ref_grad)
 
@@ -189,7 +198,12 @@ def test_three_d_input_class_dimension_last(reduction):
     loss, grad = loss_and_grad(xent.torch.cross_entropy, x3, t3, reduction=reduction)
     ref_loss, ref_grad = loss_and_grad(
         lambda a, b, **k: F.cross_entropy(a.reshape(-1, C), b.reshape(-1), **k).reshape(
-            b.shape if k["reduction"] == "none" else ()), x3, t3, reduction=reduction)
+            b.shape if k["reduction"] == "none" else ()
+        ),
+        x3,
+        t3,
+        reduction=reduction,
+    )
     assert loss.shape == ((4, 5) if reduction == "none" else ())
     assert grad.shape == x3.shape
     torch.testing.assert_close(loss, ref_loss)
@@ -202,8 +216,16 @@ def test_unbatched_input(device):
     assert_matches_torch(x[0], t[0], device=device, label_smoothing=0.2)
 
 
-def reference_extended(x, t, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                       z_loss=0.0, softcap=None):
+def reference_extended(
+    x,
+    t,
+    weight=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+):
     """softcap and z-loss written with torch ops: per row
     CE(softcap * tanh(x / softcap)) + z_loss * logsumexp^2 (rows not ignored), mean over W; in
     float32, or float64 for float64 x."""
@@ -211,8 +233,14 @@ def reference_extended(x, t, weight=None, ignore_index=-100, reduction="mean", l
     if softcap is not None:
         xf = softcap * torch.tanh(xf / softcap)
     keep = t != ignore_index
-    rows = F.cross_entropy(xf, t.long(), weight=weight, ignore_index=ignore_index,
-                           reduction="none", label_smoothing=label_smoothing)
+    rows = F.cross_entropy(
+        xf,
+        t.long(),
+        weight=weight,
+        ignore_index=ignore_index,
+        reduction="none",
+        label_smoothing=label_smoothing,
+    )
     rows = rows + z_loss * torch.logsumexp(xf, dim=-1) ** 2 * keep
     if reduction == "none":
         return rows
@@ -237,8 +265,9 @@ def assert_matches_formula(formula, x, t, device, **kw):
 def test_softcap_and_z_loss_match_torch_formula(reduction, z_loss, softcap, weighted, device):
     x, t = make(scale=6.0)
     t[::4] = -100
-    kw = dict(reduction=reduction, z_loss=z_loss, softcap=softcap,
-              weight=weights() if weighted else None)
+    kw = dict(
+        reduction=reduction, z_loss=z_loss, softcap=softcap, weight=weights() if weighted else None
+    )
     assert_matches_formula(reference_extended, x, t, device, **kw)
 
 
@@ -344,26 +373,30 @@ def gradcheck_case(kw, dtype):
 def test_gradcheck_float32(kw):
     x, t, kw = gradcheck_case(kw, torch.float32)
     fn = lambda a: xent.torch.cross_entropy(a, t, **kw)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (x,), eps=1e-2, atol=2e-4, rtol=2e-3,
-                                    fast_mode=False)
+    assert torch.autograd.gradcheck(fn, (x,), eps=1e-2, atol=2e-4, rtol=2e-3, fast_mode=False)
 
 
 @pytest.mark.parametrize("kw", GRADCHECK_OPTIONS + [dict(soft=True, label_smoothing=0.1)])
 def test_gradcheck_float64(kw):
     x, t, kw = gradcheck_case(kw, torch.float64)
     if kw.pop("soft", False):
-        t = torch.softmax(torch.randn(x.shape, generator=torch.Generator().manual_seed(5),
-                                      dtype=torch.float64), dim=-1)
+        t = torch.softmax(
+            torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64),
+            dim=-1,
+        )
     fn = lambda a: xent.torch.cross_entropy(a, t, **kw)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x,))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(weight="w", label_smoothing=0.25, ignore=True),
-    dict(z_loss=2.0**-7, softcap=4.0, ignore=True),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(weight="w", label_smoothing=0.25, ignore=True),
+        dict(z_loss=2.0**-7, softcap=4.0, ignore=True),
+    ],
+)
 def test_float64_matches_torch_to_double_precision(reduction, kw):
     # The options are float32 values for every dtype (float64 widens them exactly): the float64
     # reference gets the same values, 0.25 and 2^-7, and weights that float32 holds.
@@ -392,14 +425,19 @@ def test_opcheck_registrations():
     x, t = make(n=6, c=9)
     lse = torch.logsumexp(x, dim=-1)
     for reduction in (0, 1, 2):
-        torch.library.opcheck(torch.ops.xent.cross_entropy_fwd.default,
-                              (x.clone().requires_grad_(), t, weights(c=9), -100, reduction, 0.1,
-                               1e-3, 0.0, False))
+        torch.library.opcheck(
+            torch.ops.xent.cross_entropy_fwd.default,
+            (x.clone().requires_grad_(), t, weights(c=9), -100, reduction, 0.1, 1e-3, 0.0, False),
+        )
         g = torch.rand(6) if reduction == 0 else torch.tensor(0.5)
-        torch.library.opcheck(torch.ops.xent.cross_entropy_bwd.default,
-                              (g, x, t, None, lse, -100, reduction, 0.0, 0.0, 0.0))
-        torch.library.opcheck(torch.ops.xent.cross_entropy_bwd_.default,
-                              (g, x.clone(), t, None, lse, -100, reduction, 0.0, 0.0, 0.0))
+        torch.library.opcheck(
+            torch.ops.xent.cross_entropy_bwd.default,
+            (g, x, t, None, lse, -100, reduction, 0.0, 0.0, 0.0),
+        )
+        torch.library.opcheck(
+            torch.ops.xent.cross_entropy_bwd_.default,
+            (g, x.clone(), t, None, lse, -100, reduction, 0.0, 0.0, 0.0),
+        )
 
 
 @pytest.mark.parametrize("inplace_backward", [False, True])
@@ -413,8 +451,9 @@ def test_torch_compile_fullgraph_forward_and_backward(inplace_backward, device):
 
     def step(h, proj):
         logits = torch.tanh(h) @ proj  # an LM head in miniature
-        loss = xent.torch.cross_entropy(logits, t, weight=w, label_smoothing=0.1, z_loss=1e-3,
-                                        inplace_backward=inplace_backward)
+        loss = xent.torch.cross_entropy(
+            logits, t, weight=w, label_smoothing=0.1, z_loss=1e-3, inplace_backward=inplace_backward
+        )
         return loss * 2.0
 
     def reference(h, proj):
@@ -480,10 +519,12 @@ def test_first_derivative_under_create_graph():
     # backward(create_graph=True) still gives the right gradient (xent has no second derivative).
     x, t = make()
     x.requires_grad_()
-    (grad,) = torch.autograd.grad(xent.torch.cross_entropy(x, t, label_smoothing=0.1), x,
-                                  create_graph=True)
-    torch.testing.assert_close(grad.detach(),
-                               plain_grad(F.cross_entropy, x, t, label_smoothing=0.1))
+    (grad,) = torch.autograd.grad(
+        xent.torch.cross_entropy(x, t, label_smoothing=0.1), x, create_graph=True
+    )
+    torch.testing.assert_close(
+        grad.detach(), plain_grad(F.cross_entropy, x, t, label_smoothing=0.1)
+    )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -492,14 +533,16 @@ def test_second_derivative_is_refused_clearly(reduction):
     # where reduction none gave a silent zero and mean "does not require grad".
     x, t = make(dtype=torch.float64)
     x.requires_grad_()
-    (grad,) = torch.autograd.grad(xent.torch.cross_entropy(x, t, reduction=reduction).sum(), x,
-                                  create_graph=True)
+    (grad,) = torch.autograd.grad(
+        xent.torch.cross_entropy(x, t, reduction=reduction).sum(), x, create_graph=True
+    )
     with pytest.raises(RuntimeError, match="no second derivative"):
         grad.pow(2).sum().backward()
     h = torch.randn(N, 5, dtype=torch.float64, requires_grad=True)
     w = torch.randn(C, 5, dtype=torch.float64, requires_grad=True)
-    (dh,) = torch.autograd.grad(xent.torch.linear_cross_entropy(h, w, t, reduction=reduction).sum(),
-                                h, create_graph=True)
+    (dh,) = torch.autograd.grad(
+        xent.torch.linear_cross_entropy(h, w, t, reduction=reduction).sum(), h, create_graph=True
+    )
     with pytest.raises(RuntimeError, match="no second derivative"):
         dh.pow(2).sum().backward()
 
@@ -540,8 +583,9 @@ def test_tensors_on_another_device_are_refused():
     with pytest.raises(RuntimeError, match="weight is on meta"):
         xent.torch.cross_entropy(x, t, weight=torch.ones(C, device="meta"))
     with pytest.raises(RuntimeError, match="class_weight is on meta"):
-        xent.torch.linear_cross_entropy(x, torch.randn(C, C), t,
-                                        class_weight=torch.ones(C, device="meta"))
+        xent.torch.linear_cross_entropy(
+            x, torch.randn(C, C), t, class_weight=torch.ones(C, device="meta")
+        )
     with pytest.raises(RuntimeError, match="bias is on meta"):
         xent.torch.linear_cross_entropy(x, torch.randn(C, C), t, bias=torch.ones(C, device="meta"))
 
@@ -554,11 +598,11 @@ def test_class_weights_get_no_gradient():
     with pytest.raises(ValueError, match="weight gets no gradient"):
         xent.torch.cross_entropy(x.clone().requires_grad_(), t, weight=w)
     with pytest.raises(ValueError, match="class_weight gets no gradient"):
-        xent.torch.linear_cross_entropy(x, torch.randn(C, C, requires_grad=True), t,
-                                        class_weight=w)
+        xent.torch.linear_cross_entropy(x, torch.randn(C, C, requires_grad=True), t, class_weight=w)
     with torch.no_grad():
-        torch.testing.assert_close(xent.torch.cross_entropy(x, t, weight=w),
-                                   F.cross_entropy(x, t, weight=w))
+        torch.testing.assert_close(
+            xent.torch.cross_entropy(x, t, weight=w), F.cross_entropy(x, t, weight=w)
+        )
 
 
 # --- soft targets (class probabilities, torch's semantics) ----------------------------------------
@@ -575,8 +619,14 @@ def soft_targets(n=N, c=C, seed=7, dtype=torch.float32):
 @pytest.mark.parametrize("device", DEVICES)
 def test_soft_targets_match_torch(reduction, weighted, label_smoothing, device):
     x, _ = make()
-    assert_matches_torch(x, soft_targets(), device=device, reduction=reduction,
-                         weight=weights() if weighted else None, label_smoothing=label_smoothing)
+    assert_matches_torch(
+        x,
+        soft_targets(),
+        device=device,
+        reduction=reduction,
+        weight=weights() if weighted else None,
+        label_smoothing=label_smoothing,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -584,8 +634,9 @@ def test_soft_targets_match_torch(reduction, weighted, label_smoothing, device):
 def test_soft_targets_half_precision(dtype, device):
     # The targets are held in the input's dtype; the reference gets the same rounded values.
     x, _ = make(dtype=dtype)
-    assert_matches_torch(x, soft_targets(dtype=dtype), dtype=dtype, device=device,
-                         label_smoothing=0.1)
+    assert_matches_torch(
+        x, soft_targets(dtype=dtype), dtype=dtype, device=device, label_smoothing=0.1
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -597,8 +648,9 @@ def test_soft_targets_with_softcap_z_loss_and_3d_input(device):
 
     def reference(a, q, softcap, z_loss, label_smoothing):
         z = softcap * torch.tanh(a.float() / softcap)
-        rows = F.cross_entropy(z.reshape(-1, C), q.reshape(-1, C), reduction="none",
-                               label_smoothing=label_smoothing)
+        rows = F.cross_entropy(
+            z.reshape(-1, C), q.reshape(-1, C), reduction="none", label_smoothing=label_smoothing
+        )
         return (rows + z_loss * torch.logsumexp(z.reshape(-1, C), -1) ** 2).mean()
 
     assert_matches_formula(reference, x.reshape(3, 4, C), p.reshape(3, 4, C), device, **kw)
@@ -638,8 +690,9 @@ def test_soft_targets_refuse_an_ignore_index_as_torch_does():
         xent.torch.cross_entropy(x, p, ignore_index=3)
     with pytest.raises(ValueError, match="ignore_index is not supported"):
         xent.torch.linear_cross_entropy(x, torch.randn(C, C), p, ignore_index=0)
-    torch.testing.assert_close(xent.torch.cross_entropy(x, p, ignore_index=-1),
-                               F.cross_entropy(x, p, ignore_index=-1))
+    torch.testing.assert_close(
+        xent.torch.cross_entropy(x, p, ignore_index=-1), F.cross_entropy(x, p, ignore_index=-1)
+    )
 
 
 def test_soft_targets_get_no_gradient():
@@ -655,15 +708,25 @@ def test_soft_targets_get_no_gradient():
 
 
 @requires_cuda
-@pytest.mark.parametrize("n,c,dtype", [
-    (64, 32000, torch.float32), (33, 50257, torch.bfloat16), (7, 65537, torch.float16),
-    (257, 4096, torch.bfloat16), (3, 1, torch.float32), (5, 3, torch.bfloat16),
-])
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(reduction="none", label_smoothing=0.1, z_loss=1e-4),
-    dict(reduction="sum", softcap=30.0, weight="w"),
-])
+@pytest.mark.parametrize(
+    "n,c,dtype",
+    [
+        (64, 32000, torch.float32),
+        (33, 50257, torch.bfloat16),
+        (7, 65537, torch.float16),
+        (257, 4096, torch.bfloat16),
+        (3, 1, torch.float32),
+        (5, 3, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(reduction="none", label_smoothing=0.1, z_loss=1e-4),
+        dict(reduction="sum", softcap=30.0, weight="w"),
+    ],
+)
 def test_cuda_language_model_sizes(n, c, dtype, kw):
     kw = dict(kw)
     if kw.get("weight") == "w":
@@ -730,8 +793,14 @@ def test_cuda_graph_capture_and_replay(reduction, inplace_backward):
     def step(x, t):
         leaf = x.detach().requires_grad_()
         logits = leaf * 1.0
-        loss = xent.torch.cross_entropy(logits, t, weight=w, reduction=reduction,
-                                        label_smoothing=0.1, inplace_backward=inplace_backward)
+        loss = xent.torch.cross_entropy(
+            logits,
+            t,
+            weight=w,
+            reduction=reduction,
+            label_smoothing=0.1,
+            inplace_backward=inplace_backward,
+        )
         loss.backward(up)
         return loss.detach(), leaf.grad
 
@@ -777,8 +846,9 @@ def test_cuda_concurrent_streams_each_get_their_own_workspace():
     torch.cuda.synchronize()
     for i, loss in results:
         x, t = inputs[i]
-        torch.testing.assert_close(loss.cpu(), F.cross_entropy(x, t, reduction="sum"),
-                                   rtol=1e-5, atol=1e-2)
+        torch.testing.assert_close(
+            loss.cpu(), F.cross_entropy(x, t, reduction="sum"), rtol=1e-5, atol=1e-2
+        )
 
 
 @requires_cuda
@@ -795,8 +865,14 @@ def test_cuda_gradcheck_float32():
     t[2] = -100
     x = x.cuda().requires_grad_()
     t, w = t.cuda(), weights(c=7).cuda()
-    fn = lambda a: xent.torch.cross_entropy(a, t, weight=w, label_smoothing=0.1,  # noqa: E731
-                                            z_loss=0.01, softcap=2.0)
+    fn = lambda a: xent.torch.cross_entropy(
+        a,
+        t,
+        weight=w,
+        label_smoothing=0.1,  # noqa: E731
+        z_loss=0.01,
+        softcap=2.0,
+    )
     assert torch.autograd.gradcheck(fn, (x,), eps=1e-2, atol=2e-4, rtol=2e-3)
 
 
@@ -806,14 +882,29 @@ def test_cuda_opcheck_registrations():
     x, t = x.cuda(), t.cuda()
     lse = torch.logsumexp(x, dim=-1)
     for reduction in (0, 1, 2):
-        torch.library.opcheck(torch.ops.xent.cross_entropy_fwd.default,
-                              (x.clone().requires_grad_(), t, weights(c=9).cuda(), -100,
-                               reduction, 0.1, 1e-3, 0.0, False))
+        torch.library.opcheck(
+            torch.ops.xent.cross_entropy_fwd.default,
+            (
+                x.clone().requires_grad_(),
+                t,
+                weights(c=9).cuda(),
+                -100,
+                reduction,
+                0.1,
+                1e-3,
+                0.0,
+                False,
+            ),
+        )
         g = torch.rand(6, device="cuda") if reduction == 0 else torch.tensor(0.5, device="cuda")
-        torch.library.opcheck(torch.ops.xent.cross_entropy_bwd.default,
-                              (g, x, t, None, lse, -100, reduction, 0.0, 0.0, 0.0))
-        torch.library.opcheck(torch.ops.xent.cross_entropy_bwd_.default,
-                              (g, x.clone(), t, None, lse, -100, reduction, 0.0, 0.0, 0.0))
+        torch.library.opcheck(
+            torch.ops.xent.cross_entropy_bwd.default,
+            (g, x, t, None, lse, -100, reduction, 0.0, 0.0, 0.0),
+        )
+        torch.library.opcheck(
+            torch.ops.xent.cross_entropy_bwd_.default,
+            (g, x.clone(), t, None, lse, -100, reduction, 0.0, 0.0, 0.0),
+        )
 
 
 def test_build_info_matches_the_loaded_library():

@@ -13,8 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_cross_entropy import (DEVICES, TOL, make, on, reference_extended,  # noqa: E402
-                                requires_cuda, weights)
+from test_cross_entropy import (
+    DEVICES,
+    TOL,
+    make,
+    on,
+    reference_extended,  # noqa: E402
+    requires_cuda,
+    weights,
+)
 import test_linear_cross_entropy as lin  # noqa: E402
 import xent.torch
 
@@ -84,8 +91,9 @@ def test_cross_entropy_fused_matches_torch(upstream, reduction, dtype, device):
     rtol, atol = TOL[dtype]
     assert leaf.grad.dtype == dtype
     torch.testing.assert_close(loss.detach().cpu().float(), ref_loss, rtol=rtol, atol=atol)
-    torch.testing.assert_close(leaf.grad.cpu().float(), ref_grad.to(dtype).float(),
-                               rtol=2 * rtol, atol=atol)  # rounded twice: upstream 1, then scaled
+    torch.testing.assert_close(
+        leaf.grad.cpu().float(), ref_grad.to(dtype).float(), rtol=2 * rtol, atol=atol
+    )  # rounded twice: upstream 1, then scaled
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -94,8 +102,7 @@ def test_only_the_split_path_saves_the_logits(reduction):
     # split one (reduction none) saves them for its backward.
     x, t = make()
     logits = x.clone().requires_grad_() * 1.0  # an intermediate, as an LM head's output is
-    loss, packed = saved_tensors(
-        lambda: xent.torch.cross_entropy(logits, t, reduction=reduction))
+    loss, packed = saved_tensors(lambda: xent.torch.cross_entropy(logits, t, reduction=reduction))
     assert shares_memory(packed, logits) == (reduction == "none")
     if reduction != "none":
         assert len(packed) == 1 and packed[0].shape == x.shape
@@ -135,35 +142,40 @@ def test_backward_after_the_caller_overwrites_its_logits(dtype, device):
     backward_with(loss, 3.0)
     _, ref_grad = ce_reference(x, t, "mean", 3.0, label_smoothing=0.1)
     rtol, atol = TOL[dtype]
-    torch.testing.assert_close(leaf.grad.cpu().float(), ref_grad.to(dtype).float(),
-                               rtol=2 * rtol, atol=atol)
+    torch.testing.assert_close(
+        leaf.grad.cpu().float(), ref_grad.to(dtype).float(), rtol=2 * rtol, atol=atol
+    )
 
 
 @pytest.mark.parametrize("upstream", UPSTREAMS, ids=UPSTREAM_IDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_inplace_fused_forward_writes_the_gradient_over_the_logits(upstream, reduction, dtype,
-                                                                   device):
+def test_inplace_fused_forward_writes_the_gradient_over_the_logits(
+    upstream, reduction, dtype, device
+):
     x, t = make(dtype=dtype)
     t[4] = -100
     leaf = x.to(device).requires_grad_()
     logits = leaf * 1.0
     ptr = logits.data_ptr()
-    loss = xent.torch.cross_entropy(logits, t.to(device), reduction=reduction,
-                                    inplace_backward=True)
+    loss = xent.torch.cross_entropy(
+        logits, t.to(device), reduction=reduction, inplace_backward=True
+    )
     ref_loss, ref_grad = ce_reference(x, t, reduction, 1)
     rtol, atol = TOL[dtype]
     # After the forward alone, the logits' memory holds the gradient with upstream 1.
-    torch.testing.assert_close(logits.detach().cpu().float(), ref_grad.to(dtype).float(),
-                               rtol=rtol, atol=atol)
+    torch.testing.assert_close(
+        logits.detach().cpu().float(), ref_grad.to(dtype).float(), rtol=rtol, atol=atol
+    )
     torch.testing.assert_close(loss.detach().cpu().float(), ref_loss, rtol=rtol, atol=atol)
     backward_with(loss, upstream)
     assert logits.data_ptr() == ptr
     assert torch.equal(logits.detach(), leaf.grad)  # the scaled gradient, in the same memory
     want = ce_reference(x, t, reduction, upstream)[1]
-    torch.testing.assert_close(leaf.grad.cpu().float(), want.to(dtype).float(), rtol=2 * rtol,
-                               atol=atol)
+    torch.testing.assert_close(
+        leaf.grad.cpu().float(), want.to(dtype).float(), rtol=2 * rtol, atol=atol
+    )
 
 
 @pytest.mark.parametrize("inplace_backward", [False, True])
@@ -204,8 +216,9 @@ def test_fused_ops_refuse_reduction_none():
         torch.ops.xent.cross_entropy_fwd_bwd(x, t, None, -100, 0, 0.0, 0.0, 0.0)
     hidden, weight, _, target = lin.make()
     with pytest.raises(ValueError, match="mean or sum"):
-        torch.ops.xent.linear_cross_entropy_fwd_bwd(hidden, weight, None, target, None, -100, 0,
-                                                    0.0, 0.0, 0.0, [True, True, True])
+        torch.ops.xent.linear_cross_entropy_fwd_bwd(
+            hidden, weight, None, target, None, -100, 0, 0.0, 0.0, 0.0, [True, True, True]
+        )
 
 
 # --- linear_cross_entropy -------------------------------------------------------------------------
@@ -221,8 +234,9 @@ def linear_tolerance(dtype, want):
 def linear_run(fn, hidden, weight, target, bias, upstream, device="cpu", requires=(0, 1, 2), **kw):
     """fn's loss and the gradients of the inputs that require grad (indices into hidden, weight,
     bias), after backward_with(upstream)."""
-    args = [a.detach().clone().to(device) if a is not None else None
-            for a in (hidden, weight, bias)]
+    args = [
+        a.detach().clone().to(device) if a is not None else None for a in (hidden, weight, bias)
+    ]
     for i in requires:
         if args[i] is not None:
             args[i].requires_grad_()
@@ -241,8 +255,9 @@ def test_linear_fused_matches_torch(upstream, reduction, with_bias, dtype, devic
     target[::5] = -100
     bias = bias if with_bias else None
     kw = dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
-    got = linear_run(xent.torch.linear_cross_entropy, hidden, weight, target, bias, upstream,
-                     device, **kw)
+    got = linear_run(
+        xent.torch.linear_cross_entropy, hidden, weight, target, bias, upstream, device, **kw
+    )
     want = linear_run(lin.torch_linear_ce, hidden, weight, target, bias, upstream, **kw)
     assert len(got) == len(want) == (4 if with_bias else 3)
     for g, w in zip(got, want):
@@ -253,8 +268,9 @@ def test_linear_fused_matches_torch(upstream, reduction, with_bias, dtype, devic
 @pytest.mark.parametrize("requires", [(0,), (1, 2)], ids=["frozen head", "frozen hidden"])
 def test_linear_fused_with_frozen_inputs(requires):
     hidden, weight, bias, target = lin.make()
-    got = linear_run(xent.torch.linear_cross_entropy, hidden, weight, target, bias, 3.0,
-                     requires=requires)
+    got = linear_run(
+        xent.torch.linear_cross_entropy, hidden, weight, target, bias, 3.0, requires=requires
+    )
     want = linear_run(lin.torch_linear_ce, hidden, weight, target, bias, 3.0, requires=requires)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
@@ -266,8 +282,11 @@ def test_linear_fused_saves_gradients_not_inputs(reduction, with_bias):
     hidden, weight, bias, target = lin.make()
     leaves = [a.clone().requires_grad_() for a in (hidden, weight, bias)]
     b = leaves[2] if with_bias else None
-    loss, packed = saved_tensors(lambda: xent.torch.linear_cross_entropy(
-        leaves[0], leaves[1], target, b, reduction=reduction))
+    loss, packed = saved_tensors(
+        lambda: xent.torch.linear_cross_entropy(
+            leaves[0], leaves[1], target, b, reduction=reduction
+        )
+    )
     fused = reduction != "none"
     assert shares_memory(packed, leaves[0]) != fused
     assert shares_memory(packed, leaves[1]) != fused
@@ -279,8 +298,9 @@ def test_linear_fused_saves_gradients_not_inputs(reduction, with_bias):
             for leaf in leaves:
                 leaf.zero_()
         loss.backward()
-        ref = linear_run(lin.torch_linear_ce, hidden, weight, target, bias if with_bias else None,
-                         1)
+        ref = linear_run(
+            lin.torch_linear_ce, hidden, weight, target, bias if with_bias else None, 1
+        )
         for leaf, w in zip(leaves, ref[1:]):
             torch.testing.assert_close(leaf.grad, w, rtol=1e-4, atol=1e-5)
 
@@ -305,8 +325,7 @@ def scale_cases(device):
     transposed matrix and a strided vector."""
     g = torch.Generator().manual_seed(2)
     base = torch.randn(7, 50, generator=g).to(device)
-    return [base, base.reshape(-1)[1:], base.reshape(-1)[3:340], base[:, :37], base.t(),
-            base[:, 5]]
+    return [base, base.reshape(-1)[1:], base.reshape(-1)[3:340], base[:, :37], base.t(), base[:, 5]]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -330,27 +349,33 @@ def test_opcheck_fused_ops():
     x, t = make(n=6, c=9)
     hidden, weight, bias, target = lin.make(n=6, d=4, v=9)
     for reduction in (1, 2):
-        torch.library.opcheck(torch.ops.xent.cross_entropy_fwd_bwd.default,
-                              (x, t, weights(c=9), -100, reduction, 0.1, 1e-3, 0.0))
-        torch.library.opcheck(torch.ops.xent.cross_entropy_fwd_bwd_.default,
-                              (x.clone(), t, None, -100, reduction, 0.0, 0.0, 2.0))
+        torch.library.opcheck(
+            torch.ops.xent.cross_entropy_fwd_bwd.default,
+            (x, t, weights(c=9), -100, reduction, 0.1, 1e-3, 0.0),
+        )
+        torch.library.opcheck(
+            torch.ops.xent.cross_entropy_fwd_bwd_.default,
+            (x.clone(), t, None, -100, reduction, 0.0, 0.0, 2.0),
+        )
         for b in (None, bias):
             for mask in ([True, True, True], [True, False, False], [False, True, True]):
-                torch.library.opcheck(torch.ops.xent.linear_cross_entropy_fwd_bwd.default,
-                                      (hidden, weight, b, target, None, -100, reduction, 0.1, 0.0,
-                                       0.0, mask))
+                torch.library.opcheck(
+                    torch.ops.xent.linear_cross_entropy_fwd_bwd.default,
+                    (hidden, weight, b, target, None, -100, reduction, 0.1, 0.0, 0.0, mask),
+                )
     for scale in (1.0, 0.5):
-        torch.library.opcheck(torch.ops.xent.scale_grad_.default,
-                              (x.clone(), torch.tensor(scale)))
+        torch.library.opcheck(torch.ops.xent.scale_grad_.default, (x.clone(), torch.tensor(scale)))
 
 
 def fused_step(inplace_backward):
     """A training step through both ops: an LM head in miniature into cross_entropy, and the fused
     linear op on the same hidden states."""
+
     def step(h, proj, w, b, t):
         logits = torch.tanh(h) @ proj
-        a = xent.torch.cross_entropy(logits, t, label_smoothing=0.1, z_loss=1e-3,
-                                     inplace_backward=inplace_backward)
+        a = xent.torch.cross_entropy(
+            logits, t, label_smoothing=0.1, z_loss=1e-3, inplace_backward=inplace_backward
+        )
         c = xent.torch.linear_cross_entropy(h, w, t, b, reduction="sum", softcap=5.0)
         return 2.0 * a + 0.25 * c
 
@@ -365,8 +390,12 @@ def fused_step(inplace_backward):
 def step_inputs(device):
     g = torch.Generator().manual_seed(8)
     h = torch.randn(8, 16, generator=g)
-    leaves = [h, torch.randn(16, 12, generator=g), torch.randn(12, 16, generator=g) / 4,
-              torch.randn(12, generator=g)]
+    leaves = [
+        h,
+        torch.randn(16, 12, generator=g),
+        torch.randn(12, 16, generator=g) / 4,
+        torch.randn(12, generator=g),
+    ]
     t = torch.randint(0, 12, (8,), generator=g)
     t[3] = -100
     return [a.to(device) for a in leaves], t.to(device)
@@ -397,6 +426,7 @@ def test_torch_compile_traces_the_fused_ops():
     # gradient before scale_grad_ mutates it: xent_autograd.cpp, traced).
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+
     torch._dynamo.reset()
     graphs = {}
 
@@ -404,6 +434,7 @@ def test_torch_compile_traces_the_fused_ops():
         def compiler(gm, example_inputs):
             graphs[name] = gm.code
             return make_boxed_func(gm.forward)
+
         return compiler
 
     step, reference = fused_step(False)
@@ -451,10 +482,12 @@ def test_linear_frozen_tensors_get_no_gradient_and_the_others_torchs(reduction, 
     leaves = {"hidden": hidden, "weight": weight, "bias": bias}
     ours = {k: v.to(device).clone().requires_grad_(k != frozen) for k, v in leaves.items()}
     refs = {k: v.clone().requires_grad_(k != frozen) for k, v in leaves.items()}
-    loss = xent.torch.linear_cross_entropy(ours["hidden"], ours["weight"], target.to(device),
-                                           bias=ours["bias"], reduction=reduction)
-    ref = lin.torch_linear_ce(refs["hidden"], refs["weight"], target, bias=refs["bias"],
-                              reduction=reduction)
+    loss = xent.torch.linear_cross_entropy(
+        ours["hidden"], ours["weight"], target.to(device), bias=ours["bias"], reduction=reduction
+    )
+    ref = lin.torch_linear_ce(
+        refs["hidden"], refs["weight"], target, bias=refs["bias"], reduction=reduction
+    )
     up = torch.rand(ref.shape, generator=torch.Generator().manual_seed(3)) + 0.5
     loss.backward(up.to(device))
     ref.backward(up)
@@ -474,8 +507,20 @@ def test_linear_ops_skip_the_gradients_not_asked_for():
     assert head_frozen[3].shape == (0,) and head_frozen[4].shape == (0,)
     torch.testing.assert_close(head_frozen[2], full[2], rtol=0, atol=0)
     lse = full[1]
-    split = torch.ops.xent.linear_cross_entropy_bwd(torch.ones(()), hidden, weight, bias, target,
-                                                    None, lse, -100, 1, 0.0, 0.0, 0.0,
-                                                    [False, True, False])
+    split = torch.ops.xent.linear_cross_entropy_bwd(
+        torch.ones(()),
+        hidden,
+        weight,
+        bias,
+        target,
+        None,
+        lse,
+        -100,
+        1,
+        0.0,
+        0.0,
+        0.0,
+        [False, True, False],
+    )
     assert split[0].shape == (0,) and split[2].shape == (0,)
     torch.testing.assert_close(split[1], full[3], rtol=1e-5, atol=1e-6)

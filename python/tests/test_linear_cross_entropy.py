@@ -40,11 +40,14 @@ def losses_and_grads(fn, hidden, weight, target, bias, **kw):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(class_weight="w", label_smoothing=0.1),
-    dict(z_loss=1e-3, softcap=4.0),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(class_weight="w", label_smoothing=0.1),
+        dict(z_loss=1e-3, softcap=4.0),
+    ],
+)
 def test_matches_torch(reduction, with_bias, kw):
     kw = dict(kw, reduction=reduction)
     if kw.get("class_weight") == "w":
@@ -82,10 +85,13 @@ def test_three_d_hidden_and_int32_targets():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("kw", [
-    dict(label_smoothing=0.1, z_loss=0.01),
-    dict(class_weight="w", softcap=2.0),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(label_smoothing=0.1, z_loss=0.01),
+        dict(class_weight="w", softcap=2.0),
+    ],
+)
 def test_gradcheck_float64(reduction, kw):
     # The CPU's float64 path (logits, GEMMs and gradient sums in double) with gradcheck's default
     # step and tolerances, over hidden, weight and bias (test_cross_entropy.py says why).
@@ -101,8 +107,13 @@ def test_gradcheck_float64(reduction, kw):
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_float64_matches_torch_to_double_precision(reduction):
-    kw = dict(reduction=reduction, class_weight=weights(c=V).double(), label_smoothing=0.25,
-              z_loss=2.0**-7, softcap=4.0)
+    kw = dict(
+        reduction=reduction,
+        class_weight=weights(c=V).double(),
+        label_smoothing=0.25,
+        z_loss=2.0**-7,
+        softcap=4.0,
+    )
     hidden, weight, bias, target = make(dtype=torch.float64)
     target[::5] = -100
     got = losses_and_grads(xent.torch.linear_cross_entropy, hidden, weight, target, bias, **kw)
@@ -125,7 +136,8 @@ def test_gradcheck_float32():
     target[1] = -100
     args = tuple(a.clone().requires_grad_() for a in (hidden, weight, bias))
     fn = lambda h, w, b: xent.torch.linear_cross_entropy(  # noqa: E731
-        h, w, target, b, label_smoothing=0.1, z_loss=0.01)
+        h, w, target, b, label_smoothing=0.1, z_loss=0.01
+    )
     with pytest.warns(UserWarning, match="double precision"):
         assert torch.autograd.gradcheck(fn, args, eps=1e-2, atol=2e-4, rtol=2e-3)
 
@@ -136,9 +148,19 @@ def test_opcheck_registrations():
         for b in (None, bias):
             torch.library.opcheck(
                 torch.ops.xent.linear_cross_entropy_fwd.default,
-                (hidden.clone().requires_grad_(), weight.clone().requires_grad_(),
-                 None if b is None else b.clone().requires_grad_(), target, None, -100,
-                 reduction, 0.0, 0.0, 0.0))
+                (
+                    hidden.clone().requires_grad_(),
+                    weight.clone().requires_grad_(),
+                    None if b is None else b.clone().requires_grad_(),
+                    target,
+                    None,
+                    -100,
+                    reduction,
+                    0.0,
+                    0.0,
+                    0.0,
+                ),
+            )
 
 
 def test_torch_compile_fullgraph_forward_and_backward():
@@ -167,8 +189,12 @@ def test_module_wrapper():
     loss_fn = xent.torch.LinearCrossEntropyLoss(label_smoothing=0.1, reduction="sum")
     torch.testing.assert_close(
         loss_fn(hidden, weight, target, bias),
-        F.cross_entropy(F.linear(hidden, weight, bias), target, label_smoothing=0.1,
-                        reduction="sum"), rtol=1e-5, atol=1e-4)
+        F.cross_entropy(
+            F.linear(hidden, weight, bias), target, label_smoothing=0.1, reduction="sum"
+        ),
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -180,7 +206,7 @@ def test_backward_is_one_cpp_node(with_bias):
     node = loss.grad_fn
     assert node.name() == "torch::autograd::CppNode<xent_torch::linear_cross_entropy_function>"
     edges = [fn.variable for fn, _ in node.next_functions if fn is not None]
-    want = leaves[:3 if with_bias else 2]
+    want = leaves[: 3 if with_bias else 2]
     assert len(edges) == len(want) and all(e is w for e, w in zip(edges, want))
     with torch.no_grad():
         assert xent.torch.linear_cross_entropy(leaves[0], leaves[1], target, b).grad_fn is None
@@ -203,10 +229,20 @@ def test_soft_targets(reduction):
     kw = dict(reduction=reduction, label_smoothing=0.1)
     got = losses_and_grads(
         lambda h, w, t, b, **k: xent.torch.linear_cross_entropy(h, w, t, b, **k),
-        hidden, weight, probs, bias, **kw)
+        hidden,
+        weight,
+        probs,
+        bias,
+        **kw,
+    )
     want = losses_and_grads(
         lambda h, w, t, b, **k: F.cross_entropy(F.linear(h, w, b), t, **k),
-        hidden, weight, probs, bias, **kw)
+        hidden,
+        weight,
+        probs,
+        bias,
+        **kw,
+    )
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 

@@ -32,45 +32,78 @@ def _loss_and_lse_fake(x, reduction):
 
 
 @torch.library.register_fake("xent::cross_entropy_fwd")
-def _fwd_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap,
-              inplace_backward):
+def _fwd_fake(
+    input,
+    target,
+    weight,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    z_loss,
+    softcap,
+    inplace_backward,
+):
     return _loss_and_lse_fake(input, reduction)
 
 
 @torch.library.register_fake("xent::cross_entropy_bwd")
-def _bwd_fake(grad_output, input, target, weight, lse, ignore_index, reduction, label_smoothing,
-              z_loss, softcap):
+def _bwd_fake(
+    grad_output,
+    input,
+    target,
+    weight,
+    lse,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    z_loss,
+    softcap,
+):
     return torch.empty(input.shape, dtype=input.dtype, device=input.device)
 
 
 @torch.library.register_fake("xent::cross_entropy_bwd_")
-def _bwd_inplace_fake(grad_output, input, target, weight, lse, ignore_index, reduction,
-                      label_smoothing, z_loss, softcap):
+def _bwd_inplace_fake(
+    grad_output,
+    input,
+    target,
+    weight,
+    lse,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    z_loss,
+    softcap,
+):
     return None
 
 
 def _check_fused(reduction):
     """The fused ops' refusal of reduction none (csrc/xent_ops.h, check_fused_reduction)."""
     if reduction == 0:
-        raise ValueError("xent: a fused forward+backward needs reduction mean or sum (with none, "
-                         "each row's upstream gradient is known only in backward)")
+        raise ValueError(
+            "xent: a fused forward+backward needs reduction mean or sum (with none, "
+            "each row's upstream gradient is known only in backward)"
+        )
 
 
 @torch.library.register_fake("xent::cross_entropy_fwd_bwd")
-def _fwd_bwd_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                  softcap):
+def _fwd_bwd_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
     _check_fused(reduction)
-    loss, lse = _fwd_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                          softcap, False)
+    loss, lse = _fwd_fake(
+        input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, False
+    )
     return loss, lse, torch.empty(input.shape, dtype=input.dtype, device=input.device)
 
 
 @torch.library.register_fake("xent::cross_entropy_fwd_bwd_")
-def _fwd_bwd_inplace_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                          softcap):
+def _fwd_bwd_inplace_fake(
+    input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap
+):
     _check_fused(reduction)
-    return _fwd_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                     softcap, False)
+    return _fwd_fake(
+        input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, False
+    )
 
 
 @torch.library.register_fake("xent::scale_grad_")
@@ -83,8 +116,10 @@ def _check_devices(fn, x, x_name, tensors):
     for the meta device, would otherwise return empty tensors for a meta target or weight."""
     for name, t in tensors:
         if t is not None and t.device != x.device:
-            raise RuntimeError(f"xent.torch.{fn}: {name} is on {t.device}, {x_name} on "
-                               f"{x.device}: every tensor must be on one device")
+            raise RuntimeError(
+                f"xent.torch.{fn}: {name} is on {t.device}, {x_name} on "
+                f"{x.device}: every tensor must be on one device"
+            )
 
 
 def _check_like_torch(fn, class_weight, name, target, ignore_index):
@@ -92,14 +127,18 @@ def _check_like_torch(fn, class_weight, name, target, ignore_index):
     ignore_index (no class id to ignore among probabilities); xent gives soft targets no
     gradient either."""
     if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"xent.torch.{fn}: {name} gets no gradient (as in torch's "
-                         f"cross_entropy): pass {name}.detach()")
+        raise ValueError(
+            f"xent.torch.{fn}: {name} gets no gradient (as in torch's "
+            f"cross_entropy): pass {name}.detach()"
+        )
     if target.is_floating_point():
         if target.requires_grad and torch.is_grad_enabled():
             raise ValueError("xent gives soft targets no gradient: pass target.detach()")
         if ignore_index >= 0:
-            raise ValueError("ignore_index is not supported for floating point target (soft "
-                             f"targets), got {ignore_index}")
+            raise ValueError(
+                "ignore_index is not supported for floating point target (soft "
+                f"targets), got {ignore_index}"
+            )
 
 
 def _result(loss, x):
@@ -110,8 +149,17 @@ def _result(loss, x):
     return loss.to(x.dtype)
 
 
-def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",
-                  label_smoothing=0.0, z_loss=0.0, softcap=None, inplace_backward=False):
+def cross_entropy(
+    input,
+    target,
+    weight=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+    inplace_backward=False,
+):
     """Cross-entropy of logits `input` (..., C) against `target`, fused by xent.
 
     Matches torch.nn.functional.cross_entropy for weight, ignore_index, reduction and
@@ -161,19 +209,31 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     _check_devices("cross_entropy", input, "the input", (("target", target), ("weight", weight)))
     if target.is_floating_point():
         if target.shape != shape:
-            raise ValueError(f"soft targets (class probabilities) must have input's shape "
-                             f"{tuple(shape)}, got {tuple(target.shape)}")
+            raise ValueError(
+                f"soft targets (class probabilities) must have input's shape "
+                f"{tuple(shape)}, got {tuple(target.shape)}"
+            )
         t = target if len(shape) == 2 else target.reshape(-1, shape[-1])
     else:
         if target.shape != shape[:-1]:
-            raise ValueError(f"target shape {tuple(target.shape)} must be input shape without its "
-                             f"last (class) dimension, {tuple(shape[:-1])}")
+            raise ValueError(
+                f"target shape {tuple(target.shape)} must be input shape without its "
+                f"last (class) dimension, {tuple(shape[:-1])}"
+            )
         t = target if len(shape) == 2 else target.reshape(-1)
     _check_like_torch("cross_entropy", weight, "weight", target, ignore_index)
     x = input if len(shape) == 2 else input.reshape(-1, shape[-1])
-    loss = _cross_entropy_fwd(x, t, weight, int(ignore_index), code, float(label_smoothing),
-                              float(z_loss), 0.0 if softcap is None else float(softcap),
-                              bool(inplace_backward))[0]
+    loss = _cross_entropy_fwd(
+        x,
+        t,
+        weight,
+        int(ignore_index),
+        code,
+        float(label_smoothing),
+        float(z_loss),
+        0.0 if softcap is None else float(softcap),
+        bool(inplace_backward),
+    )[0]
     if code == 0 and len(shape) != 2:
         loss = loss.reshape(shape[:-1])
     return _result(loss, input)
@@ -183,34 +243,93 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
 
 
 @torch.library.register_fake("xent::linear_cross_entropy_fwd")
-def _linear_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                     label_smoothing, z_loss, softcap):
+def _linear_fwd_fake(
+    hidden,
+    weight,
+    bias,
+    target,
+    class_weight,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    z_loss,
+    softcap,
+):
     return _loss_and_lse_fake(hidden, reduction)
 
 
 @torch.library.register_fake("xent::linear_cross_entropy_bwd")
-def _linear_bwd_fake(grad_output, hidden, weight, bias, target, class_weight, lse, ignore_index,
-                     reduction, label_smoothing, z_loss, softcap, output_mask):
+def _linear_bwd_fake(
+    grad_output,
+    hidden,
+    weight,
+    bias,
+    target,
+    class_weight,
+    lse,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    z_loss,
+    softcap,
+    output_mask,
+):
     # A gradient not asked for (output_mask) is returned empty, (0,), as the kernels do.
     want_bias = output_mask[2] and bias is not None
-    return (hidden.new_empty(hidden.shape if output_mask[0] else (0,)),
-            weight.new_empty(weight.shape if output_mask[1] else (0,)),
-            hidden.new_empty((weight.shape[0] if want_bias else 0,)))
+    return (
+        hidden.new_empty(hidden.shape if output_mask[0] else (0,)),
+        weight.new_empty(weight.shape if output_mask[1] else (0,)),
+        hidden.new_empty((weight.shape[0] if want_bias else 0,)),
+    )
 
 
 @torch.library.register_fake("xent::linear_cross_entropy_fwd_bwd")
-def _linear_fwd_bwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                         label_smoothing, z_loss, softcap, output_mask):
+def _linear_fwd_bwd_fake(
+    hidden,
+    weight,
+    bias,
+    target,
+    class_weight,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    z_loss,
+    softcap,
+    output_mask,
+):
     _check_fused(reduction)
-    args = (hidden, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
-            z_loss, softcap)
-    return (*_linear_fwd_fake(*args), *_linear_bwd_fake(None, hidden, weight, bias, target,
-                                                        class_weight, None, *args[5:],
-                                                        output_mask))
+    args = (
+        hidden,
+        weight,
+        bias,
+        target,
+        class_weight,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+    )
+    return (
+        *_linear_fwd_fake(*args),
+        *_linear_bwd_fake(
+            None, hidden, weight, bias, target, class_weight, None, *args[5:], output_mask
+        ),
+    )
 
 
-def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, ignore_index=-100,
-                         reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None):
+def linear_cross_entropy(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    class_weight=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+):
     """cross_entropy(hidden @ weight.T + bias, target, ...) without materialising the logits.
 
     hidden (..., D), weight (V, D) (an LM head), bias (V,) or None, all of one dtype (float32,
@@ -234,23 +353,37 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, i
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     shape = hidden.shape
-    _check_devices("linear_cross_entropy", hidden, "hidden",
-                   (("weight", weight), ("bias", bias), ("target", target),
-                    ("class_weight", class_weight)))
+    _check_devices(
+        "linear_cross_entropy",
+        hidden,
+        "hidden",
+        (("weight", weight), ("bias", bias), ("target", target), ("class_weight", class_weight)),
+    )
     soft = target.is_floating_point()
     want = shape[:-1] + (weight.shape[:1] if soft else ())
     if target.shape != want:
-        raise ValueError(f"target shape {tuple(target.shape)} must be {tuple(want)} (hidden's "
-                         f"shape without its last dimension{', then V' if soft else ''})")
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must be {tuple(want)} (hidden's "
+            f"shape without its last dimension{', then V' if soft else ''})"
+        )
     _check_like_torch("linear_cross_entropy", class_weight, "class_weight", target, ignore_index)
     if len(shape) == 2:
         h, t = hidden, target
     else:
         h = hidden.reshape(-1, shape[-1])
         t = target.reshape(-1, weight.shape[0]) if soft else target.reshape(-1)
-    loss = _linear_cross_entropy_fwd(h, weight, bias, t, class_weight, int(ignore_index), code,
-                                     float(label_smoothing), float(z_loss),
-                                     0.0 if softcap is None else float(softcap))[0]
+    loss = _linear_cross_entropy_fwd(
+        h,
+        weight,
+        bias,
+        t,
+        class_weight,
+        int(ignore_index),
+        code,
+        float(label_smoothing),
+        float(z_loss),
+        0.0 if softcap is None else float(softcap),
+    )[0]
     if code == 0 and len(shape) != 2:
         loss = loss.reshape(shape[:-1])
     return _result(loss, hidden)
@@ -272,9 +405,13 @@ def cuda_target_errors(device=None):
     counter exists when the capture starts (captured calls find it then)."""
     if not _library.with_cuda:
         raise RuntimeError("xent.torch was built without CUDA kernels")
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else \
-        torch.device(device)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device is None
+        else torch.device(device)
+    )
     if device.type != "cuda":
         raise ValueError(f"cuda_target_errors needs a CUDA device, got {device}")
     return torch.ops.xent.cuda_target_errors(
-        device.index if device.index is not None else torch.cuda.current_device())
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
