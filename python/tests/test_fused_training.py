@@ -471,7 +471,7 @@ def test_cuda_scale_grad_reads_the_scale_on_the_device(dtype):
         torch.testing.assert_close(static, (grad.float() * s).to(dtype), rtol=0, atol=0)
 
 
-# --- output_mask: only the gradients some tensor wants ----------------------------------------------
+# --- output_mask: only the gradients some tensor wants --------------------------------------------
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])  # the fused path and the split one

@@ -9,12 +9,19 @@ CUDA kernels when torch has CUDA and nvcc was found then (cuda_built() says whic
 """
 
 from .modules import CrossEntropyLoss, LinearCrossEntropyLoss
-from .ops import cross_entropy, cuda_built, cuda_target_errors, linear_cross_entropy
+from .ops import (
+    CrossEntropyOutput,
+    cross_entropy,
+    cuda_built,
+    cuda_target_errors,
+    linear_cross_entropy,
+)
 
 __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
     "CrossEntropyLoss",
+    "CrossEntropyOutput",
     "LinearCrossEntropyLoss",
     "cuda_built",
     "cuda_target_errors",

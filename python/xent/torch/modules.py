@@ -1,19 +1,78 @@
 """nn.Module wrappers over xent.torch.cross_entropy and xent.torch.linear_cross_entropy."""
 
+from typing import Optional
+
 import torch
 
 from .ops import cross_entropy, linear_cross_entropy
 
 
-class _XentLoss(torch.nn.Module):
-    """The options both losses share; per-class weights live in the buffer `weight_name`."""
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """torch.nn.CrossEntropyLoss with xent's fused kernels: a subclass with the same arguments,
+    attributes and state (the `weight` buffer), so it replaces torch's anywhere; the
+    keyword-only extensions are xent.torch.cross_entropy's."""
 
     def __init__(
-        self, weight_name, weight, ignore_index, reduction, label_smoothing, z_loss, softcap
-    ):
+        self,
+        weight: Optional[torch.Tensor] = None,
+        size_average=None,
+        ignore_index: int = -100,
+        reduce=None,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        *,
+        z_loss: float = 0.0,
+        softcap: Optional[float] = None,
+        inplace_backward: bool = False,
+        return_lse: bool = False,
+        return_z_loss: bool = False,
+    ) -> None:
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.inplace_backward = inplace_backward
+        self.return_lse = return_lse
+        self.return_z_loss = return_z_loss
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor):
+        return cross_entropy(
+            input,
+            target,
+            self.weight,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            softcap=self.softcap,
+            inplace_backward=self.inplace_backward,
+            return_lse=self.return_lse,
+            return_z_loss=self.return_z_loss,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
+            f"softcap={self.softcap}, inplace_backward={self.inplace_backward}"
+        )
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """Fused LM head + cross-entropy: forward(hidden, weight, target, bias=None) is
+    cross_entropy(hidden @ weight.T + bias, target) without the logits
+    (xent.torch.linear_cross_entropy). class_weight is torch.nn.CrossEntropyLoss's weight."""
+
+    def __init__(
+        self,
+        class_weight: Optional[torch.Tensor] = None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: Optional[float] = None,
+    ) -> None:
         super().__init__()
-        self.register_buffer(weight_name, weight)
-        self._weight_name = weight_name
+        self.register_buffer("class_weight", class_weight)
         self.options = dict(
             ignore_index=ignore_index,
             reduction=reduction,
@@ -22,52 +81,10 @@ class _XentLoss(torch.nn.Module):
             softcap=softcap,
         )
 
-    def extra_repr(self):
-        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-
-
-class CrossEntropyLoss(_XentLoss):
-    """torch.nn.CrossEntropyLoss with xent's fused kernels (class dimension last), plus z_loss,
-    softcap and the opt-in inplace_backward of xent.torch.cross_entropy."""
-
-    def __init__(
-        self,
-        weight=None,
-        ignore_index=-100,
-        reduction="mean",
-        label_smoothing=0.0,
-        z_loss=0.0,
-        softcap=None,
-        inplace_backward=False,
-    ):
-        super().__init__(
-            "weight", weight, ignore_index, reduction, label_smoothing, z_loss, softcap
-        )
-        self.options["inplace_backward"] = inplace_backward
-
-    def forward(self, input, target):
-        return cross_entropy(input, target, weight=self.weight, **self.options)
-
-
-class LinearCrossEntropyLoss(_XentLoss):
-    """Fused LM head + cross-entropy: forward(hidden, weight, target, bias=None) is
-    cross_entropy(hidden @ weight.T + bias, target) without the logits
-    (xent.torch.linear_cross_entropy). class_weight is torch.nn.CrossEntropyLoss's weight."""
-
-    def __init__(
-        self,
-        class_weight=None,
-        ignore_index=-100,
-        reduction="mean",
-        label_smoothing=0.0,
-        z_loss=0.0,
-        softcap=None,
-    ):
-        super().__init__(
-            "class_weight", class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap
-        )
-
     def forward(self, hidden, weight, target, bias=None):
         return linear_cross_entropy(
             hidden, weight, target, bias, class_weight=self.class_weight, **self.options
         )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
