@@ -8,7 +8,7 @@ synchronised before and after each loop, so a row is max(host time, device time)
 a training loop of small steps sees):
   fwd           loss = f(logits, target) under torch.no_grad()
   fwd+bwd       f(logits, target).backward() from a leaf, its .grad reset each call
-  impl "xent ops" calls the ops that xent_torch.cross_entropy runs, directly, without autograd or
+  impl "xent ops" calls the ops that xent.torch.cross_entropy runs, directly, without autograd or
   the Python wrapper: torch.ops.xent.cross_entropy_fwd (fwd), cross_entropy_fwd_bwd then
   scale_grad_ (fwd+bwd: the fused training path); the floor under "xent" (the gap between them is
   what autograd and the wrapper cost).
@@ -27,9 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "pytorch"))
-import xent_torch  # noqa: E402
+import xent.torch  # the installed package: pip install ./python
 
 CUDA_SHAPES = [(32, 32000, torch.float32), (128, 32000, torch.float32),
                (32, 50257, torch.float32)]
@@ -56,8 +54,8 @@ def main():
     ap.add_argument("--reps", type=int, default=1000)
     args = ap.parse_args()
     device = torch.device(args.device)
-    if device.type == "cuda" and not xent_torch.cuda_built():
-        print("xent_torch was built without its CUDA kernels")
+    if device.type == "cuda" and not xent.torch.cuda_built():
+        print("xent was built without its CUDA kernels")
         return 2
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cpu":
@@ -67,7 +65,7 @@ def main():
     fused_op = torch.ops.xent.cross_entropy_fwd_bwd.default
     scale_op = torch.ops.xent.scale_grad_.default
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    lines = [f"# xent_torch per-call time, {name}, torch {torch.__version__}, "
+    lines = [f"# xent.torch per-call time, {name}, torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d', time.gmtime())}\n",
              "| logits N x V | impl | fwd us | fwd+bwd us |", "|---|---|---|---|"]
     print("\n".join(lines), flush=True)
@@ -85,7 +83,7 @@ def main():
             grad = fused_op(x, t, None, -100, 1, 0.0, 0.0, 0.0)[2]
             scale_op(grad, one)
 
-        impls = [("torch", F.cross_entropy), ("xent", xent_torch.cross_entropy)]
+        impls = [("torch", F.cross_entropy), ("xent", xent.torch.cross_entropy)]
         rows = []
         for impl, fn in impls:
             def fwd(fn=fn):
