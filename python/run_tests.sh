@@ -23,9 +23,16 @@ else
 fi
 
 start=$SECONDS
-# torch before the package: the build links the torch it finds (--no-build-isolation).
-"$python" -m pip install --quiet --upgrade pip
-"$python" -m pip install --quiet torch pytest "transformers>=5" "scikit-build-core>=0.10" ninja cmake
+# torch before the package: the build links the torch it finds (--no-build-isolation). Only what
+# is missing is installed, so a prepared environment needs no registry.
+missing=()
+for req in torch pytest "transformers:transformers>=5" scikit_build_core:scikit-build-core ninja; do
+  "$python" -c "import ${req%%:*}" >/dev/null 2>&1 || missing+=("${req#*:}")
+done
+if ((${#missing[@]})); then
+  echo "installing ${missing[*]} with $python -m pip"
+  "$python" -m pip install --quiet "${missing[@]}"
+fi
 echo "torch $("$python" -c 'import torch; print(torch.__version__)') ($((SECONDS - start)) s)"
 
 start=$SECONDS

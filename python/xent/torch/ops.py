@@ -476,6 +476,34 @@ def linear_cross_entropy(
     (xent::linear_forward) and backward recomputes each chunk's logits from the saved per-row
     log-sum-exp (xent::linear_backward).
     """
+    loss = _linear_loss(
+        hidden,
+        weight,
+        target,
+        bias,
+        class_weight,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+    )
+    return _result(loss, hidden)
+
+
+def _linear_loss(
+    hidden,
+    weight,
+    target,
+    bias,
+    class_weight,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    z_loss,
+    softcap,
+):
+    """linear_cross_entropy's loss as the op computes it: float32 (float64 for float64 hidden)."""
     code = _REDUCTIONS.get(reduction)
     if code is None:
         raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
@@ -515,7 +543,7 @@ def linear_cross_entropy(
     )[0]
     if code == 0 and len(shape) != 2:
         loss = loss.reshape(shape[:-1])
-    return _result(loss, hidden)
+    return loss
 
 
 # --- CUDA -----------------------------------------------------------------------------------------
