@@ -34,50 +34,21 @@ def _loss_and_lse_fake(x, reduction):
     return x.new_empty((n,) if reduction == 0 else (), dtype=acc), x.new_empty((n,), dtype=acc)
 
 
+# The fake kernels take the schemas' arguments positionally and name only those they read.
+
+
 @torch.library.register_fake("xent::cross_entropy_fwd")
-def _fwd_fake(
-    input,
-    target,
-    weight,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    z_loss,
-    softcap,
-    inplace_backward,
-):
+def _fwd_fake(input, target, weight, ignore_index, reduction, *options):
     return _loss_and_lse_fake(input, reduction)
 
 
 @torch.library.register_fake("xent::cross_entropy_bwd")
-def _bwd_fake(
-    grad_output,
-    input,
-    target,
-    weight,
-    lse,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    z_loss,
-    softcap,
-):
+def _bwd_fake(grad_output, input, *rest):
     return torch.empty(input.shape, dtype=input.dtype, device=input.device)
 
 
 @torch.library.register_fake("xent::cross_entropy_bwd_")
-def _bwd_inplace_fake(
-    grad_output,
-    input,
-    target,
-    weight,
-    lse,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    z_loss,
-    softcap,
-):
+def _bwd_inplace_fake(*args):
     return None
 
 
@@ -91,22 +62,16 @@ def _check_fused(reduction):
 
 
 @torch.library.register_fake("xent::cross_entropy_fwd_bwd")
-def _fwd_bwd_fake(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
+def _fwd_bwd_fake(input, target, weight, ignore_index, reduction, *options):
     _check_fused(reduction)
-    loss, lse = _fwd_fake(
-        input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, False
-    )
+    loss, lse = _loss_and_lse_fake(input, reduction)
     return loss, lse, torch.empty(input.shape, dtype=input.dtype, device=input.device)
 
 
 @torch.library.register_fake("xent::cross_entropy_fwd_bwd_")
-def _fwd_bwd_inplace_fake(
-    input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap
-):
+def _fwd_bwd_inplace_fake(input, target, weight, ignore_index, reduction, *options):
     _check_fused(reduction)
-    return _fwd_fake(
-        input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap, False
-    )
+    return _loss_and_lse_fake(input, reduction)
 
 
 @torch.library.register_fake("xent::scale_grad_")
@@ -372,37 +337,11 @@ def cross_entropy(
 
 
 @torch.library.register_fake("xent::linear_cross_entropy_fwd")
-def _linear_fwd_fake(
-    hidden,
-    weight,
-    bias,
-    target,
-    class_weight,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    z_loss,
-    softcap,
-):
+def _linear_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction, *options):
     return _loss_and_lse_fake(hidden, reduction)
 
 
-@torch.library.register_fake("xent::linear_cross_entropy_bwd")
-def _linear_bwd_fake(
-    grad_output,
-    hidden,
-    weight,
-    bias,
-    target,
-    class_weight,
-    lse,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    z_loss,
-    softcap,
-    output_mask,
-):
+def _linear_grads_fake(hidden, weight, bias, output_mask):
     # A gradient not asked for (output_mask) is returned empty, (0,), as the kernels do.
     want_bias = output_mask[2] and bias is not None
     return (
@@ -412,39 +351,18 @@ def _linear_bwd_fake(
     )
 
 
+@torch.library.register_fake("xent::linear_cross_entropy_bwd")
+def _linear_bwd_fake(grad_output, hidden, weight, bias, *rest):
+    return _linear_grads_fake(hidden, weight, bias, rest[-1])  # output_mask comes last
+
+
 @torch.library.register_fake("xent::linear_cross_entropy_fwd_bwd")
 def _linear_fwd_bwd_fake(
-    hidden,
-    weight,
-    bias,
-    target,
-    class_weight,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    z_loss,
-    softcap,
-    output_mask,
+    hidden, weight, bias, target, class_weight, ignore_index, reduction, *rest
 ):
     _check_fused(reduction)
-    args = (
-        hidden,
-        weight,
-        bias,
-        target,
-        class_weight,
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss,
-        softcap,
-    )
-    return (
-        *_linear_fwd_fake(*args),
-        *_linear_bwd_fake(
-            None, hidden, weight, bias, target, class_weight, None, *args[5:], output_mask
-        ),
-    )
+    grads = _linear_grads_fake(hidden, weight, bias, rest[-1])  # output_mask comes last
+    return (*_loss_and_lse_fake(hidden, reduction), *grads)
 
 
 def linear_cross_entropy(
