@@ -9,6 +9,7 @@
 # Environment: XENT_CUDA (0: CPU kernels only; 1: CUDA kernels required; see pyproject.toml),
 #              TORCH_CUDA_ARCH_LIST, CMAKE_BUILD_PARALLEL_LEVEL (default 2).
 # Usage: python/run_tests.sh [pytest args...]
+#        python/run_tests.sh --env   only the environment: prints the interpreter's path last
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -34,6 +35,10 @@ if ((${#missing[@]})); then
   "$python" -m pip install --quiet "${missing[@]}"
 fi
 echo "torch $("$python" -c 'import torch; print(torch.__version__)') ($((SECONDS - start)) s)"
+if [[ ${1:-} == --env ]]; then
+  echo "$python"
+  exit 0
+fi
 
 start=$SECONDS
 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
