@@ -1,5 +1,5 @@
 """Side by side on one GPU, in one process, on the same tensors: PyTorch eager, torch.compile,
-Liger-Kernel, Cut Cross-Entropy and xent (the PyTorch binding in examples/pytorch), for
+Liger-Kernel, Cut Cross-Entropy and xent (the Python package in python/, installed), for
 cross-entropy over given logits and for fused linear cross-entropy (LM head + loss).
 
     python3 bench/compare.py [ce] [lce] [--quick]     (default: ce lce; bench/compare.sh wraps it)
@@ -12,7 +12,7 @@ What a row reports:
                 figures were taken; CUDA-event medians when triton is missing). "fwd" runs
                 under torch.no_grad(); "fwd+bwd" is loss.backward() from a view of a leaf that
                 requires grad (as a model's logits come from an op), its .grad reset between
-                repetitions: what a user calls (xent_torch.cross_entropy,
+                repetitions: what a user calls (xent.torch.cross_entropy,
                 autograd included). do_bench clears the L2 cache before each repetition, and the
                 host can enqueue the call while the GPU clears it, so a row can hide host time
                 shorter than that clear; bench/torch_overhead.py times calls back to back.
@@ -129,12 +129,12 @@ def copy_roof_gbps(bench):
 def load_libraries():
     """name -> (module-level callables or None, reason when unavailable)."""
     libs = {}
-    sys.path.insert(0, str(REPO / "examples" / "pytorch"))
     try:
-        import xent_torch
-        if not xent_torch.cuda_built():
-            raise RuntimeError("xent_torch was built without its CUDA kernels")
-        libs["xent"] = (xent_torch, None)
+        import xent.torch
+
+        if not xent.torch.cuda_built():
+            raise RuntimeError("xent was built without its CUDA kernels")
+        libs["xent"] = (xent.torch, None)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         libs["xent"] = (None, short(e))
@@ -202,7 +202,7 @@ def lce_impls(libs):
 
 
 def xent_linear_unavailable(xent):
-    """None when xent_torch.linear_cross_entropy runs on CUDA, else why not."""
+    """None when xent.torch.linear_cross_entropy runs on CUDA, else why not."""
     try:
         h = torch.randn(4, 8, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(16, 8, device="cuda", dtype=torch.bfloat16)

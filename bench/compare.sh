@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs bench/compare.py on a GPU machine: makes Liger-Kernel and Cut Cross-Entropy importable from
 # the wheels carried in .whl/ (downloaded elsewhere: the GPU machine has no network; a wheel that
-# fails to install leaves its library's column "n/a" with the reason), builds the xent_torch
-# extension with its CUDA kernels if needed, and writes compare.md, compare.png and
+# fails to install leaves its library's column "n/a" with the reason), installs the xent package
+# (pip install ./python) with its CUDA kernels, and writes compare.md, compare.png and
 # compare.jsonl to $OUT.
 #   bash bench/compare.sh [ce] [lce] [--quick]
 # Fetching the wheels, once, on a machine with network (pure-Python; --no-deps: torch and triton
@@ -28,7 +28,7 @@ else
   echo "no wheels in .whl/: Liger-Kernel and Cut Cross-Entropy are used only if already installed"
 fi
 
-# The extension with its CUDA kernels (a build error is shown here, not buried in a traceback).
-XENT_TORCH_CUDA=1 "$python" -c "import sys; sys.path.insert(0, 'examples/pytorch'); import xent_torch" ||
-  echo "xent_torch did not build or load with CUDA: its column will be n/a"
-XENT_TORCH_CUDA=1 PYTHONUNBUFFERED=1 exec "$python" bench/compare.py "$@"
+# The package with its CUDA kernels (a build error is shown here, not buried in a traceback).
+XENT_CUDA=1 "$python" -m pip install --quiet --no-build-isolation --no-deps "$root/python" ||
+  echo "the xent package did not build with CUDA: its column will be n/a"
+PYTHONUNBUFFERED=1 exec "$python" bench/compare.py "$@"

@@ -8,7 +8,7 @@ For each shape and seed: bf16 hidden ~ N(0, 1) and weight ~ N(0, S^2 / D) (logit
 class ids uniform with every tenth row ignored, reduction mean. The reference widens those same
 bf16 values to float64 and takes the logits, loss and gradients in float64 (torch autograd). Torch
 eager is cross_entropy(F.linear(h, w), y) in bf16, as a training script writes it (bf16 logits, the
-softmax in float inside, bf16 gradients); xent is xent_torch.linear_cross_entropy in bf16 (on an
+softmax in float inside, bf16 gradients); xent is xent.torch.linear_cross_entropy in bf16 (on an
 sm_90a build the Hopper paths: no logits in the forward, scaled probabilities in training).
 Each error is the relative norm ||got - ref|| / ||ref|| (for the loss, |got - ref| / |ref|), and
 the largest absolute difference; `ratio` is xent's relative error over torch's. Prints a table and
@@ -18,15 +18,11 @@ writes JSON lines to $OUT/linear_accuracy.json when OUT is set.
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "pytorch"))
-import xent_torch  # noqa: E402
+import xent.torch  # the installed package: pip install ./python
 
 
 def inputs(n, d, v, sigma, seed):
@@ -76,7 +72,7 @@ def main():
 
             ref = loss_and_grads(eager, hidden, weight, target, torch.float64)
             torch_err = errors(loss_and_grads(eager, hidden, weight, target, torch.bfloat16), ref)
-            xent_err = errors(loss_and_grads(xent_torch.linear_cross_entropy, hidden, weight,
+            xent_err = errors(loss_and_grads(xent.torch.linear_cross_entropy, hidden, weight,
                                              target, torch.bfloat16), ref)
             del ref
             torch.cuda.empty_cache()

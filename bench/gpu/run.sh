@@ -337,9 +337,9 @@ if want compare; then
   if ! python3 -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
     skip "torch with CUDA is not importable"
   else
-    # The CUDA kernels or an error, never a silent CPU-only build of the binding.
-    export XENT_TORCH_CUDA=1
-    bash examples/pytorch/run_tests.sh -rs >"$outdir/torch-tests.log" 2>&1
+    # The CUDA kernels or an error, never a silent CPU-only build of the package.
+    export XENT_CUDA=1
+    PYTHON=${PYTHON:-python3} bash python/run_tests.sh -rs >"$outdir/torch-tests.log" 2>&1
     rc=$?
     grep -E "passed|failed|error" "$outdir/torch-tests.log" | tail -n 3
     end $rc "torch-tests.log"

@@ -1,6 +1,6 @@
 // The CUDA kernels of the xent ops: the op bodies of xent_ops.h instantiated for xent::cuda
 // (<xent/xent.hpp> brings in the CUDA backend when nvcc compiles it), registered under the CUDA
-// dispatch key. Built by xent_torch/_build.py only when torch has CUDA and nvcc is found.
+// dispatch key. Built by CMakeLists.txt only when torch has CUDA and nvcc is found.
 //
 // Every call runs on torch's current stream of the input's device and only enqueues work: no host
 // synchronisation, no .item(), no allocation outside torch's caching allocator, so each op can be
@@ -18,7 +18,7 @@
 //
 // Out-of-range class ids (not ignore_index, outside [0, C)) cannot be checked on the host without
 // a synchronisation: such a row gets a NaN loss and LSE and a zero gradient row, and is added to a
-// per-device int32 counter (xent::cuda::error_count), which xent_torch.cuda_target_errors(device)
+// per-device int32 counter (xent::cuda::error_count), which xent.torch.cuda_target_errors(device)
 // returns without synchronising. The counter is created by the first call on a device outside a
 // capture (or by cuda_target_errors); captured calls before that one do not count.
 #include <ATen/cuda/CUDAContext.h>

@@ -92,7 +92,7 @@ constexpr bool runs_float64 =
                                                    .exec)>>::template supports_dtype<double>;
 
 /// A RuntimeError, as torch's own operators raise for tensors on different devices (and as the
-/// Python wrappers' check before it, xent_torch/ops.py).
+/// Python wrappers' check before it, xent/torch/ops.py).
 inline void check_same_device(const at::Tensor& input, const at::Tensor& other, const char* name) {
   TORCH_CHECK(other.device() == input.device(), "xent: ", name, " is on ", other.device(),
               ", the input on ", input.device(), ": every tensor must be on one device");

@@ -1,15 +1,14 @@
-"""xent_torch.linear_cross_entropy against cross_entropy(F.linear(hidden, weight, bias)) computed by
+"""xent.torch.linear_cross_entropy against cross_entropy(F.linear(hidden, weight, bias)) computed by
 torch: loss and the gradients of hidden, weight and bias, for every option; gradcheck, opcheck and
 torch.compile(fullgraph=True)."""
 
 import pytest
 
-torch = pytest.importorskip(
-    "torch", reason="PyTorch is not installed: the xent_torch binding tests need it")
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from test_cross_entropy import reference_extended, requires_cuda, weights  # noqa: E402,E501 (loads xent_torch)
-import xent_torch  # noqa: E402
+from test_cross_entropy import reference_extended, requires_cuda, weights  # noqa: E402,E501 (loads xent.torch)
+import xent.torch
 
 N, D, V = 23, 16, 41
 
@@ -41,11 +40,14 @@ def losses_and_grads(fn, hidden, weight, target, bias, **kw):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(class_weight="w", label_smoothing=0.1),
-    dict(z_loss=1e-3, softcap=4.0),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(class_weight="w", label_smoothing=0.1),
+        dict(z_loss=1e-3, softcap=4.0),
+    ],
+)
 def test_matches_torch(reduction, with_bias, kw):
     kw = dict(kw, reduction=reduction)
     if kw.get("class_weight") == "w":
@@ -53,7 +55,7 @@ def test_matches_torch(reduction, with_bias, kw):
     hidden, weight, bias, target = make()
     target[::5] = -100
     bias = bias if with_bias else None
-    got = losses_and_grads(xent_torch.linear_cross_entropy, hidden, weight, target, bias, **kw)
+    got = losses_and_grads(xent.torch.linear_cross_entropy, hidden, weight, target, bias, **kw)
     want = losses_and_grads(torch_linear_ce, hidden, weight, target, bias, **kw)
     assert len(got) == len(want) == (4 if with_bias else 3)
     for g, w in zip(got, want):
@@ -64,7 +66,7 @@ def test_matches_torch(reduction, with_bias, kw):
 def test_half_precision(dtype):
     # Inputs rounded to dtype; torch's reference runs in float32 on the same values.
     hidden, weight, bias, target = make(dtype=dtype)
-    got = losses_and_grads(xent_torch.linear_cross_entropy, hidden, weight, target, bias)
+    got = losses_and_grads(xent.torch.linear_cross_entropy, hidden, weight, target, bias)
     want = losses_and_grads(torch_linear_ce, hidden, weight, target, bias)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     for g, w in zip(got, want):
@@ -76,17 +78,20 @@ def test_half_precision(dtype):
 def test_three_d_hidden_and_int32_targets():
     hidden, weight, bias, target = make(n=4 * 6)
     h3, t3 = hidden.reshape(4, 6, D), target.reshape(4, 6).to(torch.int32)
-    loss = xent_torch.linear_cross_entropy(h3, weight, t3, bias, reduction="none")
+    loss = xent.torch.linear_cross_entropy(h3, weight, t3, bias, reduction="none")
     assert loss.shape == (4, 6)
     want = torch_linear_ce(hidden, weight, target, bias, reduction="none").reshape(4, 6)
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("kw", [
-    dict(label_smoothing=0.1, z_loss=0.01),
-    dict(class_weight="w", softcap=2.0),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(label_smoothing=0.1, z_loss=0.01),
+        dict(class_weight="w", softcap=2.0),
+    ],
+)
 def test_gradcheck_float64(reduction, kw):
     # The CPU's float64 path (logits, GEMMs and gradient sums in double) with gradcheck's default
     # step and tolerances, over hidden, weight and bias (test_cross_entropy.py says why).
@@ -96,17 +101,22 @@ def test_gradcheck_float64(reduction, kw):
     hidden, weight, bias, target = make(n=5, d=4, v=7, dtype=torch.float64)
     target[1] = -100
     args = tuple(a.clone().requires_grad_() for a in (hidden, weight, bias))
-    fn = lambda h, w, b: xent_torch.linear_cross_entropy(h, w, target, b, **kw)  # noqa: E731
+    fn = lambda h, w, b: xent.torch.linear_cross_entropy(h, w, target, b, **kw)  # noqa: E731
     assert torch.autograd.gradcheck(fn, args)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_float64_matches_torch_to_double_precision(reduction):
-    kw = dict(reduction=reduction, class_weight=weights(c=V).double(), label_smoothing=0.25,
-              z_loss=2.0**-7, softcap=4.0)
+    kw = dict(
+        reduction=reduction,
+        class_weight=weights(c=V).double(),
+        label_smoothing=0.25,
+        z_loss=2.0**-7,
+        softcap=4.0,
+    )
     hidden, weight, bias, target = make(dtype=torch.float64)
     target[::5] = -100
-    got = losses_and_grads(xent_torch.linear_cross_entropy, hidden, weight, target, bias, **kw)
+    got = losses_and_grads(xent.torch.linear_cross_entropy, hidden, weight, target, bias, **kw)
     want = losses_and_grads(torch_linear_ce, hidden, weight, target, bias, **kw)
     for g, w in zip(got, want):
         assert g.dtype == torch.float64
@@ -117,7 +127,7 @@ def test_float64_matches_torch_to_double_precision(reduction):
 def test_float64_on_cuda_is_refused_clearly():
     hidden, weight, bias, target = make(dtype=torch.float64)
     with pytest.raises(TypeError, match="float64 on cuda.*runs on the CPU only"):
-        xent_torch.linear_cross_entropy(hidden.cuda(), weight.cuda(), target.cuda(), bias.cuda())
+        xent.torch.linear_cross_entropy(hidden.cuda(), weight.cuda(), target.cuda(), bias.cuda())
 
 
 def test_gradcheck_float32():
@@ -125,8 +135,9 @@ def test_gradcheck_float32():
     hidden, weight, bias, target = make(n=5, d=4, v=7)
     target[1] = -100
     args = tuple(a.clone().requires_grad_() for a in (hidden, weight, bias))
-    fn = lambda h, w, b: xent_torch.linear_cross_entropy(  # noqa: E731
-        h, w, target, b, label_smoothing=0.1, z_loss=0.01)
+    fn = lambda h, w, b: xent.torch.linear_cross_entropy(  # noqa: E731
+        h, w, target, b, label_smoothing=0.1, z_loss=0.01
+    )
     with pytest.warns(UserWarning, match="double precision"):
         assert torch.autograd.gradcheck(fn, args, eps=1e-2, atol=2e-4, rtol=2e-3)
 
@@ -137,9 +148,19 @@ def test_opcheck_registrations():
         for b in (None, bias):
             torch.library.opcheck(
                 torch.ops.xent.linear_cross_entropy_fwd.default,
-                (hidden.clone().requires_grad_(), weight.clone().requires_grad_(),
-                 None if b is None else b.clone().requires_grad_(), target, None, -100,
-                 reduction, 0.0, 0.0, 0.0))
+                (
+                    hidden.clone().requires_grad_(),
+                    weight.clone().requires_grad_(),
+                    None if b is None else b.clone().requires_grad_(),
+                    target,
+                    None,
+                    -100,
+                    reduction,
+                    0.0,
+                    0.0,
+                    0.0,
+                ),
+            )
 
 
 def test_torch_compile_fullgraph_forward_and_backward():
@@ -148,7 +169,7 @@ def test_torch_compile_fullgraph_forward_and_backward():
     target[2] = -100
 
     def step(x, w, b):
-        return xent_torch.linear_cross_entropy(torch.relu(x), w, target, b, z_loss=1e-3) * 3.0
+        return xent.torch.linear_cross_entropy(torch.relu(x), w, target, b, z_loss=1e-3) * 3.0
 
     def reference(x, w, b):
         return torch_linear_ce(torch.relu(x), w, target, b, z_loss=1e-3) * 3.0
@@ -165,11 +186,15 @@ def test_torch_compile_fullgraph_forward_and_backward():
 
 def test_module_wrapper():
     hidden, weight, bias, target = make()
-    loss_fn = xent_torch.LinearCrossEntropyLoss(label_smoothing=0.1, reduction="sum")
+    loss_fn = xent.torch.LinearCrossEntropyLoss(label_smoothing=0.1, reduction="sum")
     torch.testing.assert_close(
         loss_fn(hidden, weight, target, bias),
-        F.cross_entropy(F.linear(hidden, weight, bias), target, label_smoothing=0.1,
-                        reduction="sum"), rtol=1e-5, atol=1e-4)
+        F.cross_entropy(
+            F.linear(hidden, weight, bias), target, label_smoothing=0.1, reduction="sum"
+        ),
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -177,24 +202,24 @@ def test_backward_is_one_cpp_node(with_bias):
     hidden, weight, bias, target = make()
     leaves = [a.clone().requires_grad_() for a in (hidden, weight, bias)]
     b = leaves[2] if with_bias else None
-    loss = xent_torch.linear_cross_entropy(leaves[0], leaves[1], target, b)
+    loss = xent.torch.linear_cross_entropy(leaves[0], leaves[1], target, b)
     node = loss.grad_fn
     assert node.name() == "torch::autograd::CppNode<xent_torch::linear_cross_entropy_function>"
     edges = [fn.variable for fn, _ in node.next_functions if fn is not None]
-    want = leaves[:3 if with_bias else 2]
+    want = leaves[: 3 if with_bias else 2]
     assert len(edges) == len(want) and all(e is w for e, w in zip(edges, want))
     with torch.no_grad():
-        assert xent_torch.linear_cross_entropy(leaves[0], leaves[1], target, b).grad_fn is None
+        assert xent.torch.linear_cross_entropy(leaves[0], leaves[1], target, b).grad_fn is None
 
 
 def test_bad_arguments():
     hidden, weight, bias, target = make()
     with pytest.raises(ValueError, match="last dimensions must agree"):
-        xent_torch.linear_cross_entropy(hidden, weight[:, :-1], target)
+        xent.torch.linear_cross_entropy(hidden, weight[:, :-1], target)
     with pytest.raises(TypeError, match="weight must have hidden's dtype"):
-        xent_torch.linear_cross_entropy(hidden, weight.to(torch.bfloat16), target)
+        xent.torch.linear_cross_entropy(hidden, weight.to(torch.bfloat16), target)
     with pytest.raises(ValueError, match="bias must be"):
-        xent_torch.linear_cross_entropy(hidden, weight, target, bias[:-1])
+        xent.torch.linear_cross_entropy(hidden, weight, target, bias[:-1])
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -203,11 +228,21 @@ def test_soft_targets(reduction):
     probs = torch.softmax(torch.randn(N, V, generator=torch.Generator().manual_seed(4)), -1)
     kw = dict(reduction=reduction, label_smoothing=0.1)
     got = losses_and_grads(
-        lambda h, w, t, b, **k: xent_torch.linear_cross_entropy(h, w, t, b, **k),
-        hidden, weight, probs, bias, **kw)
+        lambda h, w, t, b, **k: xent.torch.linear_cross_entropy(h, w, t, b, **k),
+        hidden,
+        weight,
+        probs,
+        bias,
+        **kw,
+    )
     want = losses_and_grads(
         lambda h, w, t, b, **k: F.cross_entropy(F.linear(h, w, b), t, **k),
-        hidden, weight, probs, bias, **kw)
+        hidden,
+        weight,
+        probs,
+        bias,
+        **kw,
+    )
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
@@ -223,7 +258,7 @@ def test_cuda_matches_torch(dtype, reduction, with_bias):
     target[::5] = -100
     bias = bias if with_bias else None
     kw = dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
-    got = losses_and_grads(xent_torch.linear_cross_entropy, hidden, weight, target, bias, **kw)
+    got = losses_and_grads(xent.torch.linear_cross_entropy, hidden, weight, target, bias, **kw)
     want = losses_and_grads(torch_linear_ce, hidden, weight, target, bias, **kw)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     for g, w in zip(got, want):
@@ -238,7 +273,7 @@ def test_cuda_training_in_chunks_matches_torch():
     # through torch's own libraries, as cuBLAS's do.
     hidden, weight, _, target = (a.cuda() for a in make(8192, 64, 32000, dtype=torch.bfloat16))
     target[::7] = -100
-    got = losses_and_grads(xent_torch.linear_cross_entropy, hidden, weight, target, None)
+    got = losses_and_grads(xent.torch.linear_cross_entropy, hidden, weight, target, None)
     want = losses_and_grads(torch_linear_ce, hidden, weight, target, None)
     for g, w in zip(got, want):  # bf16 logits and gradients: bounds relative to each tensor's scale
         w = w.float()
@@ -269,7 +304,7 @@ def test_cuda_bf16_errors_no_larger_than_torch_eagers():
 
     exact = run(eager, torch.float64)
     want = run(eager, torch.bfloat16)
-    got = run(xent_torch.linear_cross_entropy, torch.bfloat16)
+    got = run(xent.torch.linear_cross_entropy, torch.bfloat16)
 
     def error(a, ref):
         return ((a - ref).norm() / ref.norm()).item()

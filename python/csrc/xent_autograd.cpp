@@ -19,7 +19,7 @@
 //
 // The formulas call the ops through the dispatcher, not the device code directly: under
 // torch.compile the same kernels run on fake tensors, where the dispatcher routes the calls to
-// the fake kernels (xent_torch/ops.py), and the traced graph holds the xent ops themselves.
+// the fake kernels (xent/torch/ops.py), and the traced graph holds the xent ops themselves.
 // Nothing here reads a tensor's values, so nothing synchronises with a device; every result is
 // allocated by the device kernel on the current stream (CUDA-graph capture sees the same calls as
 // an eager run).
@@ -225,7 +225,7 @@ at::Tensor scaled(const at::Tensor& grad, const at::Tensor& grad_output) {
 
 // cross_entropy_fwd(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
 // softcap, inplace_backward) -> (loss, lse). The gradient flows to `input` only: targets (class
-// ids, or soft targets that xent_torch.cross_entropy refuses to differentiate) and class weights
+// ids, or soft targets that xent.torch.cross_entropy refuses to differentiate) and class weights
 // get none, as in torch's cross_entropy. lse is a saved statistic; a gradient reaching it is
 // ignored.
 struct cross_entropy_function : torch::autograd::Function<cross_entropy_function> {

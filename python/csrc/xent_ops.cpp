@@ -1,7 +1,7 @@
 // PyTorch custom ops over xent's cross-entropy: the schemas (TORCH_LIBRARY) and the CPU kernels,
 // the op bodies of xent_ops.h (cross-entropy and fused linear cross-entropy) instantiated for
 // xent::cpu. The autograd formulas are registered by xent_autograd.cpp (C++, every device), the
-// fake (meta) kernels that torch.compile traces with in Python (xent_torch/ops.py). The CUDA
+// fake (meta) kernels that torch.compile traces with in Python (xent/torch/ops.py). The CUDA
 // kernels are registered by xent_ops_cuda.cu, built beside this file when torch has CUDA and nvcc
 // is found.
 #include <ATen/Parallel.h>

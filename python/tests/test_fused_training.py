@@ -10,14 +10,20 @@ torch.compile(fullgraph=True) of both ops together."""
 
 import pytest
 
-torch = pytest.importorskip(
-    "torch", reason="PyTorch is not installed: the xent_torch binding tests need it")
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from test_cross_entropy import (DEVICES, TOL, make, on, reference_extended,  # noqa: E402
-                                requires_cuda, weights)
+from test_cross_entropy import (
+    DEVICES,
+    TOL,
+    make,
+    on,
+    reference_extended,  # noqa: E402
+    requires_cuda,
+    weights,
+)
 import test_linear_cross_entropy as lin  # noqa: E402
-import xent_torch  # noqa: E402
+import xent.torch
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -79,14 +85,15 @@ def test_cross_entropy_fused_matches_torch(upstream, reduction, dtype, device):
     t[2] = -100
     kw = dict(weight=weights(), label_smoothing=0.1)
     leaf = x.to(device).requires_grad_()
-    loss = xent_torch.cross_entropy(leaf, t.to(device), reduction=reduction, **on(device, kw))
+    loss = xent.torch.cross_entropy(leaf, t.to(device), reduction=reduction, **on(device, kw))
     backward_with(loss, upstream)
     ref_loss, ref_grad = ce_reference(x, t, reduction, upstream, **kw)
     rtol, atol = TOL[dtype]
     assert leaf.grad.dtype == dtype
     torch.testing.assert_close(loss.detach().cpu().float(), ref_loss, rtol=rtol, atol=atol)
-    torch.testing.assert_close(leaf.grad.cpu().float(), ref_grad.to(dtype).float(),
-                               rtol=2 * rtol, atol=atol)  # rounded twice: upstream 1, then scaled
+    torch.testing.assert_close(
+        leaf.grad.cpu().float(), ref_grad.to(dtype).float(), rtol=2 * rtol, atol=atol
+    )  # rounded twice: upstream 1, then scaled
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -95,8 +102,7 @@ def test_only_the_split_path_saves_the_logits(reduction):
     # split one (reduction none) saves them for its backward.
     x, t = make()
     logits = x.clone().requires_grad_() * 1.0  # an intermediate, as an LM head's output is
-    loss, packed = saved_tensors(
-        lambda: xent_torch.cross_entropy(logits, t, reduction=reduction))
+    loss, packed = saved_tensors(lambda: xent.torch.cross_entropy(logits, t, reduction=reduction))
     assert shares_memory(packed, logits) == (reduction == "none")
     if reduction != "none":
         assert len(packed) == 1 and packed[0].shape == x.shape
@@ -116,7 +122,7 @@ def test_plain_backward_hands_the_saved_gradient_over(device):
         return a
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda a: a):
-        loss = xent_torch.cross_entropy(leaf, t.to(device), reduction="sum")
+        loss = xent.torch.cross_entropy(leaf, t.to(device), reduction="sum")
     loss.backward()
     assert saved == [leaf.grad.data_ptr()]
 
@@ -129,42 +135,47 @@ def test_backward_after_the_caller_overwrites_its_logits(dtype, device):
     x, t = make(dtype=dtype)
     leaf = x.to(device).requires_grad_()
     logits = leaf * 1.0
-    loss = xent_torch.cross_entropy(logits, t.to(device), label_smoothing=0.1)
+    loss = xent.torch.cross_entropy(logits, t.to(device), label_smoothing=0.1)
     with torch.no_grad():
         logits.fill_(float("nan"))
     del logits
     backward_with(loss, 3.0)
     _, ref_grad = ce_reference(x, t, "mean", 3.0, label_smoothing=0.1)
     rtol, atol = TOL[dtype]
-    torch.testing.assert_close(leaf.grad.cpu().float(), ref_grad.to(dtype).float(),
-                               rtol=2 * rtol, atol=atol)
+    torch.testing.assert_close(
+        leaf.grad.cpu().float(), ref_grad.to(dtype).float(), rtol=2 * rtol, atol=atol
+    )
 
 
 @pytest.mark.parametrize("upstream", UPSTREAMS, ids=UPSTREAM_IDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_inplace_fused_forward_writes_the_gradient_over_the_logits(upstream, reduction, dtype,
-                                                                   device):
+def test_inplace_fused_forward_writes_the_gradient_over_the_logits(
+    upstream, reduction, dtype, device
+):
     x, t = make(dtype=dtype)
     t[4] = -100
     leaf = x.to(device).requires_grad_()
     logits = leaf * 1.0
     ptr = logits.data_ptr()
-    loss = xent_torch.cross_entropy(logits, t.to(device), reduction=reduction,
-                                    inplace_backward=True)
+    loss = xent.torch.cross_entropy(
+        logits, t.to(device), reduction=reduction, inplace_backward=True
+    )
     ref_loss, ref_grad = ce_reference(x, t, reduction, 1)
     rtol, atol = TOL[dtype]
     # After the forward alone, the logits' memory holds the gradient with upstream 1.
-    torch.testing.assert_close(logits.detach().cpu().float(), ref_grad.to(dtype).float(),
-                               rtol=rtol, atol=atol)
+    torch.testing.assert_close(
+        logits.detach().cpu().float(), ref_grad.to(dtype).float(), rtol=rtol, atol=atol
+    )
     torch.testing.assert_close(loss.detach().cpu().float(), ref_loss, rtol=rtol, atol=atol)
     backward_with(loss, upstream)
     assert logits.data_ptr() == ptr
     assert torch.equal(logits.detach(), leaf.grad)  # the scaled gradient, in the same memory
     want = ce_reference(x, t, reduction, upstream)[1]
-    torch.testing.assert_close(leaf.grad.cpu().float(), want.to(dtype).float(), rtol=2 * rtol,
-                               atol=atol)
+    torch.testing.assert_close(
+        leaf.grad.cpu().float(), want.to(dtype).float(), rtol=2 * rtol, atol=atol
+    )
 
 
 @pytest.mark.parametrize("inplace_backward", [False, True])
@@ -174,7 +185,7 @@ def test_retain_graph_scales_a_copy(inplace_backward, device):
     x, t = make()
     leaf = x.to(device).requires_grad_()
     logits = leaf * 1.0
-    loss = xent_torch.cross_entropy(logits, t.to(device), inplace_backward=inplace_backward)
+    loss = xent.torch.cross_entropy(logits, t.to(device), inplace_backward=inplace_backward)
     backward_with(loss, 3.0, retain_graph=True)
     backward_with(loss, torch.tensor(0.5, device=device))
     want = ce_reference(x, t, "mean", 3.5)[1]
@@ -186,7 +197,7 @@ def test_reduction_none_and_no_grad_keep_the_forward_alone():
     leaf = x.clone().requires_grad_()
     logits = leaf * 1.0
     before = logits.detach().clone()
-    rows = xent_torch.cross_entropy(logits, t, reduction="none", inplace_backward=True)
+    rows = xent.torch.cross_entropy(logits, t, reduction="none", inplace_backward=True)
     assert torch.equal(logits.detach(), before)  # none: nothing written until backward
     up = torch.rand(rows.shape) + 0.5
     rows.backward(up)
@@ -195,7 +206,7 @@ def test_reduction_none_and_no_grad_keep_the_forward_alone():
     torch.testing.assert_close(leaf.grad, ref.grad)
     logits = x.clone().requires_grad_() * 1.0
     with torch.no_grad():
-        xent_torch.cross_entropy(logits, t, inplace_backward=True)
+        xent.torch.cross_entropy(logits, t, inplace_backward=True)
     assert torch.equal(logits.detach(), x)  # no node: no gradient computed or written
 
 
@@ -205,8 +216,9 @@ def test_fused_ops_refuse_reduction_none():
         torch.ops.xent.cross_entropy_fwd_bwd(x, t, None, -100, 0, 0.0, 0.0, 0.0)
     hidden, weight, _, target = lin.make()
     with pytest.raises(ValueError, match="mean or sum"):
-        torch.ops.xent.linear_cross_entropy_fwd_bwd(hidden, weight, None, target, None, -100, 0,
-                                                    0.0, 0.0, 0.0, [True, True, True])
+        torch.ops.xent.linear_cross_entropy_fwd_bwd(
+            hidden, weight, None, target, None, -100, 0, 0.0, 0.0, 0.0, [True, True, True]
+        )
 
 
 # --- linear_cross_entropy -------------------------------------------------------------------------
@@ -222,8 +234,9 @@ def linear_tolerance(dtype, want):
 def linear_run(fn, hidden, weight, target, bias, upstream, device="cpu", requires=(0, 1, 2), **kw):
     """fn's loss and the gradients of the inputs that require grad (indices into hidden, weight,
     bias), after backward_with(upstream)."""
-    args = [a.detach().clone().to(device) if a is not None else None
-            for a in (hidden, weight, bias)]
+    args = [
+        a.detach().clone().to(device) if a is not None else None for a in (hidden, weight, bias)
+    ]
     for i in requires:
         if args[i] is not None:
             args[i].requires_grad_()
@@ -242,8 +255,9 @@ def test_linear_fused_matches_torch(upstream, reduction, with_bias, dtype, devic
     target[::5] = -100
     bias = bias if with_bias else None
     kw = dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
-    got = linear_run(xent_torch.linear_cross_entropy, hidden, weight, target, bias, upstream,
-                     device, **kw)
+    got = linear_run(
+        xent.torch.linear_cross_entropy, hidden, weight, target, bias, upstream, device, **kw
+    )
     want = linear_run(lin.torch_linear_ce, hidden, weight, target, bias, upstream, **kw)
     assert len(got) == len(want) == (4 if with_bias else 3)
     for g, w in zip(got, want):
@@ -254,8 +268,9 @@ def test_linear_fused_matches_torch(upstream, reduction, with_bias, dtype, devic
 @pytest.mark.parametrize("requires", [(0,), (1, 2)], ids=["frozen head", "frozen hidden"])
 def test_linear_fused_with_frozen_inputs(requires):
     hidden, weight, bias, target = lin.make()
-    got = linear_run(xent_torch.linear_cross_entropy, hidden, weight, target, bias, 3.0,
-                     requires=requires)
+    got = linear_run(
+        xent.torch.linear_cross_entropy, hidden, weight, target, bias, 3.0, requires=requires
+    )
     want = linear_run(lin.torch_linear_ce, hidden, weight, target, bias, 3.0, requires=requires)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
@@ -267,8 +282,11 @@ def test_linear_fused_saves_gradients_not_inputs(reduction, with_bias):
     hidden, weight, bias, target = lin.make()
     leaves = [a.clone().requires_grad_() for a in (hidden, weight, bias)]
     b = leaves[2] if with_bias else None
-    loss, packed = saved_tensors(lambda: xent_torch.linear_cross_entropy(
-        leaves[0], leaves[1], target, b, reduction=reduction))
+    loss, packed = saved_tensors(
+        lambda: xent.torch.linear_cross_entropy(
+            leaves[0], leaves[1], target, b, reduction=reduction
+        )
+    )
     fused = reduction != "none"
     assert shares_memory(packed, leaves[0]) != fused
     assert shares_memory(packed, leaves[1]) != fused
@@ -280,8 +298,9 @@ def test_linear_fused_saves_gradients_not_inputs(reduction, with_bias):
             for leaf in leaves:
                 leaf.zero_()
         loss.backward()
-        ref = linear_run(lin.torch_linear_ce, hidden, weight, target, bias if with_bias else None,
-                         1)
+        ref = linear_run(
+            lin.torch_linear_ce, hidden, weight, target, bias if with_bias else None, 1
+        )
         for leaf, w in zip(leaves, ref[1:]):
             torch.testing.assert_close(leaf.grad, w, rtol=1e-4, atol=1e-5)
 
@@ -289,7 +308,7 @@ def test_linear_fused_saves_gradients_not_inputs(reduction, with_bias):
 def test_linear_retain_graph_scales_a_copy():
     hidden, weight, bias, target = lin.make()
     leaves = [a.clone().requires_grad_() for a in (hidden, weight, bias)]
-    loss = xent_torch.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2])
+    loss = xent.torch.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2])
     backward_with(loss, 3.0, retain_graph=True)
     backward_with(loss, torch.tensor(0.5))
     want = linear_run(lin.torch_linear_ce, hidden, weight, target, bias, 3.5)
@@ -306,8 +325,7 @@ def scale_cases(device):
     transposed matrix and a strided vector."""
     g = torch.Generator().manual_seed(2)
     base = torch.randn(7, 50, generator=g).to(device)
-    return [base, base.reshape(-1)[1:], base.reshape(-1)[3:340], base[:, :37], base.t(),
-            base[:, 5]]
+    return [base, base.reshape(-1)[1:], base.reshape(-1)[3:340], base[:, :37], base.t(), base[:, 5]]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -331,28 +349,34 @@ def test_opcheck_fused_ops():
     x, t = make(n=6, c=9)
     hidden, weight, bias, target = lin.make(n=6, d=4, v=9)
     for reduction in (1, 2):
-        torch.library.opcheck(torch.ops.xent.cross_entropy_fwd_bwd.default,
-                              (x, t, weights(c=9), -100, reduction, 0.1, 1e-3, 0.0))
-        torch.library.opcheck(torch.ops.xent.cross_entropy_fwd_bwd_.default,
-                              (x.clone(), t, None, -100, reduction, 0.0, 0.0, 2.0))
+        torch.library.opcheck(
+            torch.ops.xent.cross_entropy_fwd_bwd.default,
+            (x, t, weights(c=9), -100, reduction, 0.1, 1e-3, 0.0),
+        )
+        torch.library.opcheck(
+            torch.ops.xent.cross_entropy_fwd_bwd_.default,
+            (x.clone(), t, None, -100, reduction, 0.0, 0.0, 2.0),
+        )
         for b in (None, bias):
             for mask in ([True, True, True], [True, False, False], [False, True, True]):
-                torch.library.opcheck(torch.ops.xent.linear_cross_entropy_fwd_bwd.default,
-                                      (hidden, weight, b, target, None, -100, reduction, 0.1, 0.0,
-                                       0.0, mask))
+                torch.library.opcheck(
+                    torch.ops.xent.linear_cross_entropy_fwd_bwd.default,
+                    (hidden, weight, b, target, None, -100, reduction, 0.1, 0.0, 0.0, mask),
+                )
     for scale in (1.0, 0.5):
-        torch.library.opcheck(torch.ops.xent.scale_grad_.default,
-                              (x.clone(), torch.tensor(scale)))
+        torch.library.opcheck(torch.ops.xent.scale_grad_.default, (x.clone(), torch.tensor(scale)))
 
 
 def fused_step(inplace_backward):
     """A training step through both ops: an LM head in miniature into cross_entropy, and the fused
     linear op on the same hidden states."""
+
     def step(h, proj, w, b, t):
         logits = torch.tanh(h) @ proj
-        a = xent_torch.cross_entropy(logits, t, label_smoothing=0.1, z_loss=1e-3,
-                                     inplace_backward=inplace_backward)
-        c = xent_torch.linear_cross_entropy(h, w, t, b, reduction="sum", softcap=5.0)
+        a = xent.torch.cross_entropy(
+            logits, t, label_smoothing=0.1, z_loss=1e-3, inplace_backward=inplace_backward
+        )
+        c = xent.torch.linear_cross_entropy(h, w, t, b, reduction="sum", softcap=5.0)
         return 2.0 * a + 0.25 * c
 
     def reference(h, proj, w, b, t):
@@ -366,8 +390,12 @@ def fused_step(inplace_backward):
 def step_inputs(device):
     g = torch.Generator().manual_seed(8)
     h = torch.randn(8, 16, generator=g)
-    leaves = [h, torch.randn(16, 12, generator=g), torch.randn(12, 16, generator=g) / 4,
-              torch.randn(12, generator=g)]
+    leaves = [
+        h,
+        torch.randn(16, 12, generator=g),
+        torch.randn(12, 16, generator=g) / 4,
+        torch.randn(12, generator=g),
+    ]
     t = torch.randint(0, 12, (8,), generator=g)
     t[3] = -100
     return [a.to(device) for a in leaves], t.to(device)
@@ -398,6 +426,7 @@ def test_torch_compile_traces_the_fused_ops():
     # gradient before scale_grad_ mutates it: xent_autograd.cpp, traced).
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+
     torch._dynamo.reset()
     graphs = {}
 
@@ -405,6 +434,7 @@ def test_torch_compile_traces_the_fused_ops():
         def compiler(gm, example_inputs):
             graphs[name] = gm.code
             return make_boxed_func(gm.forward)
+
         return compiler
 
     step, reference = fused_step(False)
@@ -441,7 +471,7 @@ def test_cuda_scale_grad_reads_the_scale_on_the_device(dtype):
         torch.testing.assert_close(static, (grad.float() * s).to(dtype), rtol=0, atol=0)
 
 
-# --- output_mask: only the gradients some tensor wants ----------------------------------------------
+# --- output_mask: only the gradients some tensor wants --------------------------------------------
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])  # the fused path and the split one
@@ -452,10 +482,12 @@ def test_linear_frozen_tensors_get_no_gradient_and_the_others_torchs(reduction, 
     leaves = {"hidden": hidden, "weight": weight, "bias": bias}
     ours = {k: v.to(device).clone().requires_grad_(k != frozen) for k, v in leaves.items()}
     refs = {k: v.clone().requires_grad_(k != frozen) for k, v in leaves.items()}
-    loss = xent_torch.linear_cross_entropy(ours["hidden"], ours["weight"], target.to(device),
-                                           bias=ours["bias"], reduction=reduction)
-    ref = lin.torch_linear_ce(refs["hidden"], refs["weight"], target, bias=refs["bias"],
-                              reduction=reduction)
+    loss = xent.torch.linear_cross_entropy(
+        ours["hidden"], ours["weight"], target.to(device), bias=ours["bias"], reduction=reduction
+    )
+    ref = lin.torch_linear_ce(
+        refs["hidden"], refs["weight"], target, bias=refs["bias"], reduction=reduction
+    )
     up = torch.rand(ref.shape, generator=torch.Generator().manual_seed(3)) + 0.5
     loss.backward(up.to(device))
     ref.backward(up)
@@ -475,8 +507,20 @@ def test_linear_ops_skip_the_gradients_not_asked_for():
     assert head_frozen[3].shape == (0,) and head_frozen[4].shape == (0,)
     torch.testing.assert_close(head_frozen[2], full[2], rtol=0, atol=0)
     lse = full[1]
-    split = torch.ops.xent.linear_cross_entropy_bwd(torch.ones(()), hidden, weight, bias, target,
-                                                    None, lse, -100, 1, 0.0, 0.0, 0.0,
-                                                    [False, True, False])
+    split = torch.ops.xent.linear_cross_entropy_bwd(
+        torch.ones(()),
+        hidden,
+        weight,
+        bias,
+        target,
+        None,
+        lse,
+        -100,
+        1,
+        0.0,
+        0.0,
+        0.0,
+        [False, True, False],
+    )
     assert split[0].shape == (0,) and split[2].shape == (0,)
     torch.testing.assert_close(split[1], full[3], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,6 @@
+"""xent: fused cross-entropy and fused linear cross-entropy, never materialising what it need not.
+
+One package per framework, over the same C++ entry points:
+    xent.torch   PyTorch custom ops and modules (`import xent.torch`)
+Importing `xent` alone loads no framework.
+"""

@@ -1,0 +1,492 @@
+"""xent.torch.cross_entropy and linear_cross_entropy: torch.ops.xent.* with fake kernels.
+
+The C++ ops (csrc/xent_ops.cpp for the CPU, csrc/xent_ops_cuda.cu for CUDA) compute on 2-D (N, C)
+logits, and their autograd formulas are C++ too (csrc/xent_autograd.cpp: one dispatcher call
+forward, one C++ node backward, no Python in either; a training call with a reduced loss runs the
+fused *_fwd_bwd op forward and scale_grad_ backward). This module checks the arguments as
+torch does (its error types and messages), brings torch's layouts ((C), (N, C, d1, ...)) to rows,
+registers the fake (meta) kernels torch.compile traces with, and casts the loss (float32; float64
+for float64 inputs, which run on the CPU only) to the input's dtype.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch.nn import _reduction as _Reduction
+
+from . import _library
+
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+# The overloads themselves: a call skips the packet's overload lookup.
+_cross_entropy_fwd = torch.ops.xent.cross_entropy_fwd.default
+_linear_cross_entropy_fwd = torch.ops.xent.linear_cross_entropy_fwd.default
+
+
+def _accumulator(dtype):
+    """The dtype of the ops' loss and LSE: xent accumulates float64 in float64, the rest in
+    float32 (xent::accumulator_t)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _loss_and_lse_fake(x, reduction):
+    n = x.shape[0]
+    acc = _accumulator(x.dtype)
+    return x.new_empty((n,) if reduction == 0 else (), dtype=acc), x.new_empty((n,), dtype=acc)
+
+
+# The fake kernels take the schemas' arguments positionally and name only those they read.
+
+
+@torch.library.register_fake("xent::cross_entropy_fwd")
+def _fwd_fake(input, target, weight, ignore_index, reduction, *options):
+    return _loss_and_lse_fake(input, reduction)
+
+
+@torch.library.register_fake("xent::cross_entropy_bwd")
+def _bwd_fake(grad_output, input, *rest):
+    return torch.empty(input.shape, dtype=input.dtype, device=input.device)
+
+
+@torch.library.register_fake("xent::cross_entropy_bwd_")
+def _bwd_inplace_fake(*args):
+    return None
+
+
+def _check_fused(reduction):
+    """The fused ops' refusal of reduction none (csrc/xent_ops.h, check_fused_reduction)."""
+    if reduction == 0:
+        raise ValueError(
+            "xent: a fused forward+backward needs reduction mean or sum (with none, "
+            "each row's upstream gradient is known only in backward)"
+        )
+
+
+@torch.library.register_fake("xent::cross_entropy_fwd_bwd")
+def _fwd_bwd_fake(input, target, weight, ignore_index, reduction, *options):
+    _check_fused(reduction)
+    loss, lse = _loss_and_lse_fake(input, reduction)
+    return loss, lse, torch.empty(input.shape, dtype=input.dtype, device=input.device)
+
+
+@torch.library.register_fake("xent::cross_entropy_fwd_bwd_")
+def _fwd_bwd_inplace_fake(input, target, weight, ignore_index, reduction, *options):
+    _check_fused(reduction)
+    return _loss_and_lse_fake(input, reduction)
+
+
+@torch.library.register_fake("xent::scale_grad_")
+def _scale_grad_fake(grad, grad_output):
+    return None
+
+
+def _check_devices(fn, x, x_name, tensors):
+    """Every (name, tensor) of `tensors` on x's device: the fake kernels, which torch also runs
+    for the meta device, would otherwise return empty tensors for a meta target or weight."""
+    for name, t in tensors:
+        if t is not None and t.device != x.device:
+            raise RuntimeError(
+                f"xent.torch.{fn}: {name} is on {t.device}, {x_name} on "
+                f"{x.device}: every tensor must be on one device"
+            )
+
+
+def _check_like_torch(fn, class_weight, name, target, ignore_index):
+    """What torch's cross_entropy refuses: class weights requiring grad, and soft targets with an
+    ignore_index (no class id to ignore among probabilities); xent gives soft targets no
+    gradient either."""
+    if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"xent.torch.{fn} is not differentiable with respect to argument '{name}'. This "
+            f"input cannot have requires_grad True (pass {name}.detach())."
+        )
+    if target.is_floating_point():
+        if target.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(
+                "xent.torch gives soft targets no gradient: the target cannot have "
+                "requires_grad True (pass target.detach())"
+            )
+        if ignore_index >= 0:
+            raise RuntimeError("ignore_index is not supported for floating point target")
+
+
+def _result(loss, x, dtype=None):
+    """The loss in x's dtype (or `dtype`), as torch gives it; under autocast in float32 (what the
+    op computed), as torch's cross_entropy, which autocast runs in float32."""
+    dtype = x.dtype if dtype is None else dtype
+    if loss.dtype == dtype or torch.is_autocast_enabled(x.device.type):
+        return loss
+    return loss.to(dtype)
+
+
+class CrossEntropyOutput(NamedTuple):
+    """cross_entropy's result when a side output is asked for; what was not asked for is None.
+
+    loss    the loss, as cross_entropy returns it alone
+    lse     per-row log-sum-exp of the (soft-capped) logits, float32 (float64 for float64
+            input), of target's shape for class ids (the rows' shape for class probabilities);
+            0 on ignored rows; no gradient (a statistic, as the kernel saves it)
+    z_loss  the z-loss term alone, reduced as the loss is (under mean, divided by the same sum
+            of class weights of the rows not ignored), for logging; no gradient
+    """
+
+    loss: torch.Tensor
+    lse: Optional[torch.Tensor] = None
+    z_loss: Optional[torch.Tensor] = None
+
+
+# c10's names of the dtypes, as torch's messages print them.
+_DTYPE_NAMES = {
+    torch.float64: "Double",
+    torch.float32: "Float",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.int64: "Long",
+    torch.int32: "Int",
+    torch.int16: "Short",
+    torch.int8: "Char",
+    torch.uint8: "Byte",
+    torch.bool: "Bool",
+}
+
+
+def _dtype_name(dtype):
+    return _DTYPE_NAMES.get(dtype, str(dtype))
+
+
+def _rows(input, target):
+    """(N, C) logits and (N,) class ids or (N, C) probabilities from torch's layouts (C), (N, C)
+    and (N, C, d1, ...), and the rows' shape. As torch decides: a target of input's shape holds
+    class probabilities, any other holds class ids; its checks, error types and messages."""
+    shape = input.shape
+    if target.shape == shape:
+        if not target.is_floating_point():
+            raise RuntimeError(
+                "Expected floating point type for target with class probabilities, got "
+                + _dtype_name(target.dtype)
+            )
+        if len(shape) == 2:  # the common case first: nothing to move
+            return input, target, shape[:1]
+        if len(shape) == 1:
+            return input.unsqueeze(0), target.unsqueeze(0), ()
+        if not shape:
+            raise IndexError(
+                "Dimension out of range (expected to be in range of [-1, 0], but got 1)"
+            )
+        rows = shape[:1] + shape[2:]
+        return (
+            input.movedim(1, -1).reshape(-1, shape[1]),
+            target.movedim(1, -1).reshape(-1, shape[1]),
+            rows,
+        )
+    if target.dtype not in (torch.int64, torch.int32, torch.uint8):
+        raise RuntimeError(
+            f"expected target dtype to be Long or Byte, but got {_dtype_name(target.dtype)}"
+        )
+    if len(shape) == 2:
+        if target.dim() != 1:
+            raise RuntimeError("0D or 1D target tensor expected, multi-target not supported")
+        if target.shape[0] != shape[0]:
+            raise ValueError(
+                f"Expected input batch_size ({shape[0]}) to match target batch_size "
+                f"({target.shape[0]})."
+            )
+        return input, target, shape[:1]
+    if len(shape) == 1:  # unbatched: (C) against a 0-d class id
+        if target.dim() != 0:
+            raise RuntimeError("0D or 1D target tensor expected, multi-target not supported")
+        return input.unsqueeze(0), target.unsqueeze(0), ()
+    if not shape:
+        raise IndexError("Dimension out of range (expected to be in range of [-1, 0], but got 1)")
+    # (N, C, d1, ...): the class dimension moves last, so each (n, d1, ...) is a row.
+    rows = shape[:1] + shape[2:]
+    if target.shape != rows:
+        if target.dim() >= 1 and target.shape[0] != shape[0]:
+            raise ValueError(
+                f"Expected input batch_size ({shape[0]}) to match target batch_size "
+                f"({target.shape[0]})."
+            )
+        raise RuntimeError(f"Expected target size {list(rows)}, got {list(target.shape)}")
+    return input.movedim(1, -1).reshape(-1, shape[1]), target.reshape(-1), rows
+
+
+def _z_loss_term(lse, target, weight, ignore_index, code, z_loss, rows_shape):
+    """z_loss * lse^2 per row (0 on ignored rows, whose lse is 0), reduced as the loss is."""
+    term = lse.square().mul_(z_loss)
+    if code == 0:
+        return term.reshape(rows_shape)
+    total = term.sum()
+    if code == 2:
+        return total
+    if target.is_floating_point():
+        return total / lse.shape[0]
+    kept = target != ignore_index
+    if weight is None:
+        return total / kept.sum()
+    return total / torch.where(kept, weight[target.clamp(0, weight.shape[0] - 1)], 0).sum()
+
+
+def cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    size_average: Optional[bool] = None,
+    ignore_index: int = -100,
+    reduce: Optional[bool] = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    inplace_backward: bool = False,
+    return_lse: bool = False,
+    return_z_loss: bool = False,
+):
+    """torch.nn.functional.cross_entropy, fused by xent: the same signature, positional order,
+    layouts, targets and errors, plus keyword-only extensions.
+
+    input: (C), (N, C) or (N, C, d1, ...) logits, float32, bfloat16 or float16 on the CPU or a
+    CUDA device, or float64 on the CPU (float64 throughout: the reference for gradcheck; a
+    float64 CUDA tensor raises TypeError). target: class ids of shape (), (N) or (N, d1, ...),
+    int64, uint8 or int32; or class probabilities of input's shape (torch's semantics: label
+    smoothing mixes them with the uniform distribution, mean divides by the row count,
+    ignore_index must be negative), given no gradient. size_average and reduce are torch's
+    deprecated arguments, mapped to `reduction` as torch maps them. (N, C) is read where it lies;
+    (N, C, d1, ...) is copied with the class dimension last (xent reads rows of classes).
+    Extensions (keyword-only):
+      z_loss            adds z_loss * logsumexp(x)^2 per row not ignored (PaLM)
+      softcap           logits become softcap * tanh(x / softcap) first (Gemma 2); None is off
+      inplace_backward  the gradient is written over `input`'s memory instead of a new tensor
+                        (saves N x C elements). DANGER: the logits are destroyed; any other use of
+                        them afterwards (another loss, a saved activation, logging) sees the
+                        gradient. With reduction mean or sum under grad mode the FORWARD itself
+                        overwrites them (as Liger does: see below), so they are gone as soon as
+                        this call returns; with reduction none, backward does. Off by default
+                        (Liger #272). Only (N, C) logits with a contiguous last dimension are
+                        overwritten; other layouts get an out-of-place gradient.
+      return_lse, return_z_loss  return a CrossEntropyOutput (loss, lse, z_loss) instead of the
+                        loss alone: the per-row log-sum-exp, and the z-loss term reduced on its
+                        own for logging (a few small ops over the per-row results, not the
+                        logits); neither carries a gradient.
+    Training (grad mode on, input requiring grad, reduction mean or sum): the forward computes the
+    gradient too, in one pass over the logits (xent::forward_backward, upstream 1), and keeps only
+    that gradient for backward, never the logits or their softmax; backward multiplies it by the
+    loss's gradient on the device (free when that is exactly 1, as in loss.backward()), in place;
+    a backward with retain_graph=True (or create_graph=True) scales a copy, so a later one still
+    works. Reduction none, and calls under no_grad, compute the loss alone; backward then reads
+    the logits again. The loss has input's dtype; the arithmetic is float32 throughout (float64
+    for float64 input). The options (label_smoothing, z_loss, softcap) and class weights are
+    float32 values for every dtype, float64 included: a float64 reference should use values
+    float32 holds exactly (0.25, not 0.1). On CUDA nothing synchronises with the host (the op can
+    be captured in a CUDA graph); a class id out of range gives that row a NaN loss and is counted
+    by cuda_target_errors() instead of raising IndexError as on the CPU.
+    """
+    # Every call pays for this function (its checks are evaluated once per trace under
+    # torch.compile): the common (N, C) call compares torch.Size objects and Python numbers, and
+    # calls nothing in torch that would return its argument unchanged.
+    if size_average is not None or reduce is not None:
+        reduction = _Reduction.legacy_get_string(size_average, reduce)
+    code = _REDUCTIONS.get(reduction)
+    if code is None:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if label_smoothing > 1.0:
+        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    _check_devices("cross_entropy", input, "the input", (("target", target), ("weight", weight)))
+    x, t, rows_shape = _rows(input, target)
+    dtype = None
+    if t.is_floating_point():
+        if t.dtype != x.dtype:  # torch takes probabilities of any float dtype, and promotes
+            dtype = torch.promote_types(x.dtype, t.dtype)
+            t = t.to(x.dtype)
+    elif t.dtype == torch.uint8:  # torch's other class-id dtype; xent reads int64 and int32
+        t = t.long()
+    if weight is not None and (weight.dim() != 1 or weight.shape[0] != x.shape[1]):
+        raise RuntimeError(
+            f"weight tensor should be defined either for all {x.shape[1]} classes or no classes "
+            f"but got weight tensor of shape: {list(weight.shape)}"
+        )
+    _check_like_torch("cross_entropy", weight, "weight", target, ignore_index)
+    loss, lse = _cross_entropy_fwd(
+        x,
+        t,
+        weight,
+        int(ignore_index),
+        code,
+        float(label_smoothing),
+        float(z_loss),
+        0.0 if softcap is None else float(softcap),
+        bool(inplace_backward),
+    )
+    if code == 0 and input.dim() != 2:
+        loss = loss.reshape(rows_shape)
+    loss = _result(loss, input, dtype)
+    if not (return_lse or return_z_loss):
+        return loss
+    lse = lse.detach()
+    return CrossEntropyOutput(
+        loss,
+        lse.reshape(rows_shape) if return_lse else None,
+        _z_loss_term(lse, t, weight, ignore_index, code, float(z_loss), rows_shape)
+        if return_z_loss
+        else None,
+    )
+
+
+# --- fused linear cross-entropy -------------------------------------------------------------------
+
+
+@torch.library.register_fake("xent::linear_cross_entropy_fwd")
+def _linear_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction, *options):
+    return _loss_and_lse_fake(hidden, reduction)
+
+
+def _linear_grads_fake(hidden, weight, bias, output_mask):
+    # A gradient not asked for (output_mask) is returned empty, (0,), as the kernels do.
+    want_bias = output_mask[2] and bias is not None
+    return (
+        hidden.new_empty(hidden.shape if output_mask[0] else (0,)),
+        weight.new_empty(weight.shape if output_mask[1] else (0,)),
+        hidden.new_empty((weight.shape[0] if want_bias else 0,)),
+    )
+
+
+@torch.library.register_fake("xent::linear_cross_entropy_bwd")
+def _linear_bwd_fake(grad_output, hidden, weight, bias, *rest):
+    return _linear_grads_fake(hidden, weight, bias, rest[-1])  # output_mask comes last
+
+
+@torch.library.register_fake("xent::linear_cross_entropy_fwd_bwd")
+def _linear_fwd_bwd_fake(
+    hidden, weight, bias, target, class_weight, ignore_index, reduction, *rest
+):
+    _check_fused(reduction)
+    grads = _linear_grads_fake(hidden, weight, bias, rest[-1])  # output_mask comes last
+    return (*_loss_and_lse_fake(hidden, reduction), *grads)
+
+
+def linear_cross_entropy(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    class_weight=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    z_loss=0.0,
+    softcap=None,
+):
+    """cross_entropy(hidden @ weight.T + bias, target, ...) without materialising the logits.
+
+    hidden (..., D), weight (V, D) (an LM head), bias (V,) or None, all of one dtype (float32,
+    bfloat16 or float16; or float64 on the CPU, logits, GEMMs and gradient sums all in float64);
+    target (...) class ids, int64 or int32, or (..., V) class
+    probabilities as cross_entropy takes them. CPU or CUDA tensors (on CUDA: cuBLAS GEMMs with
+    torch's handle, float accumulation; bf16 / fp16 logits are rounded to that dtype, as torch's
+    F.linear does). class_weight is
+    cross_entropy's `weight` (per-class weights); every other option is cross_entropy's.
+    The logits are computed a chunk of rows at a time. Training (grad mode on, a tensor among
+    hidden, weight and bias requiring grad, reduction mean or sum): the forward computes the loss
+    and d_hidden, d_weight and d_bias in one call (xent::linear_forward_backward, each chunk's
+    logits once) and keeps only those gradients for backward, which multiplies them by the loss's
+    gradient on the device. Reduction none: the forward computes the loss
+    (xent::linear_forward) and backward recomputes each chunk's logits from the saved per-row
+    log-sum-exp (xent::linear_backward).
+    """
+    loss = _linear_loss(
+        hidden,
+        weight,
+        target,
+        bias,
+        class_weight,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+    )
+    return _result(loss, hidden)
+
+
+def _linear_loss(
+    hidden,
+    weight,
+    target,
+    bias,
+    class_weight,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    z_loss,
+    softcap,
+):
+    """linear_cross_entropy's loss as the op computes it: float32 (float64 for float64 hidden)."""
+    code = _REDUCTIONS.get(reduction)
+    if code is None:
+        raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    shape = hidden.shape
+    _check_devices(
+        "linear_cross_entropy",
+        hidden,
+        "hidden",
+        (("weight", weight), ("bias", bias), ("target", target), ("class_weight", class_weight)),
+    )
+    soft = target.is_floating_point()
+    want = shape[:-1] + (weight.shape[:1] if soft else ())
+    if target.shape != want:
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must be {tuple(want)} (hidden's "
+            f"shape without its last dimension{', then V' if soft else ''})"
+        )
+    _check_like_torch("linear_cross_entropy", class_weight, "class_weight", target, ignore_index)
+    if len(shape) == 2:
+        h, t = hidden, target
+    else:
+        h = hidden.reshape(-1, shape[-1])
+        t = target.reshape(-1, weight.shape[0]) if soft else target.reshape(-1)
+    loss = _linear_cross_entropy_fwd(
+        h,
+        weight,
+        bias,
+        t,
+        class_weight,
+        int(ignore_index),
+        code,
+        float(label_smoothing),
+        float(z_loss),
+        0.0 if softcap is None else float(softcap),
+    )[0]
+    if code == 0 and len(shape) != 2:
+        loss = loss.reshape(shape[:-1])
+    return loss
+
+
+# --- CUDA -----------------------------------------------------------------------------------------
+
+
+def cuda_built():
+    """Whether the package was built with its CUDA kernels (python/CMakeLists.txt)."""
+    return _library.with_cuda
+
+
+def cuda_target_errors(device=None):
+    """The int32 0-d tensor on `device` (default: the current CUDA device) that every xent call on
+    that device adds its count of out-of-range class ids to (rows whose target is neither
+    ignore_index nor in [0, C); their loss is NaN). Reading it does not synchronise until you
+    ask for its value; zero it with .zero_(). Call it once before capturing a CUDA graph so the
+    counter exists when the capture starts (captured calls find it then)."""
+    if not _library.with_cuda:
+        raise RuntimeError("xent.torch was built without CUDA kernels")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device is None
+        else torch.device(device)
+    )
+    if device.type != "cuda":
+        raise ValueError(f"cuda_target_errors needs a CUDA device, got {device}")
+    return torch.ops.xent.cuda_target_errors(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
