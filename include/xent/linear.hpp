@@ -19,7 +19,6 @@
 #include "accumulator.hpp"
 #include "backend.hpp"
 #include "detail/validate.hpp"
-#include "linear/backend.hpp"
 #include "linear/options.hpp"
 #include "linear/validate.hpp"
 #include "options.hpp"

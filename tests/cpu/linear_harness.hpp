@@ -164,6 +164,10 @@ struct workspace_buffer {
     ws.data = raw.data() + ((64 - a % 64) % 64) + offset % 64;
     ws.bytes = bytes;
   }
+  /// Whether every byte still holds the poison (a call that threw wrote nothing).
+  bool untouched() const {
+    return std::all_of(raw.begin(), raw.end(), [](unsigned char b) { return b == 0xFF; });
+  }
 };
 
 /// Per-element error bounds of xent's results, from the tolerance model at the top of the file.
@@ -317,6 +321,11 @@ struct basic_outputs {
     if (s.kind != target_kind::soft) o.num_correct = &correct;
     return o;
   }
+  xent::vector_view<const A> lse_view() const {
+    return {lse.data(), static_cast<std::int64_t>(lse.size())};
+  }
+  /// The results: host memory holds them already (a device backend's outputs copy them back).
+  const basic_outputs& fetch() const { return *this; }
 };
 using outputs = basic_outputs<float>;
 
@@ -379,6 +388,8 @@ struct gradients {
     if (s.bias) g.d_bias = {db.data(), s.ce.cols};
     return g;
   }
+  /// The results: host memory holds them already (as basic_outputs::fetch).
+  const gradients& fetch() const { return *this; }
 };
 
 template <class T, class G>
@@ -416,6 +427,23 @@ inline std::vector<lspec> mixed_dtype_cases() {
   return cases;
 }
 
+/// Every row ignored, for each reduction (mean: NaN loss, 0 / 0 as PyTorch; sum and none: 0; the
+/// gradients zero, not NaN), with per-row or pointer upstream gradients, in the minimal workspace
+/// and in one chunk.
+inline std::vector<lspec> all_ignored_cases() {
+  std::vector<lspec> cases;
+  for (reduction red : {reduction::none, reduction::mean, reduction::sum})
+    for (budget space : {budget::minimal, budget::all_rows}) {
+      lspec s = make_spec(7, 5, 9);
+      s.ce.reduce = red;
+      s.ce.ignore = ignore_mode::all;
+      s.ce.up = upstream_mode::pointer_or_rows;
+      s.space = space;
+      cases.push_back(s);
+    }
+  return cases;
+}
+
 /// Every option: targets int32 / int64 / soft, the three reductions, label smoothing, weights,
 /// z-loss and softcap on and off, bias or not; ignored rows (some) with class ids, per-row or
 /// pointer upstream, workspaces, threads and padding varying from case to case.
@@ -443,6 +471,22 @@ inline std::vector<lspec> every_option(std::int64_t rows, std::int64_t hidden, s
           out.push_back(s);
         }
   return out;
+}
+
+/// The every-option cases in bf16 and fp16: every k-th case of every_option(11, 13, 37),
+/// alternating the two. Calls run(case, k-th index, (T*)nullptr) for each, T its dtype, until one
+/// fails (xt::case_budget), and checks that all were run.
+template <class Run>
+void narrow_every_option(int k, Run&& run) {
+  xt::case_budget b;
+  int i = 0;
+  for (const lspec& s : every_option(11, 13, 37)) {
+    if (i++ % k != 0) continue;
+    const bool passed = i % (2 * k) == 1 ? run(s, i / k, static_cast<bf16*>(nullptr))
+                                         : run(s, i / k, static_cast<half*>(nullptr));
+    if (!b.record(passed)) return;
+  }
+  EXPECT_EQ(b.cases(), 288 / k);
 }
 
 template <class F>

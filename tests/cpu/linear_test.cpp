@@ -4,7 +4,8 @@
 // workspace and argument errors, and finite differences.
 //
 // The cases, data and error bounds are shared with the CUDA tests (linear_harness.hpp, which
-// explains the tolerances); the CPU keeps logits and their gradient in float.
+// explains the tolerances), and so are the tests every backend runs (linear_backend_tests.hpp,
+// instantiated here over cpu_memory); the CPU keeps logits and their gradient in float.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "harness.hpp"
+#include "linear_backend_tests.hpp"
 #include "linear_harness.hpp"
 #include "oracle/linear_oracle.hpp"
 
@@ -32,97 +34,61 @@ std::size_t workspace_bytes(const ldata<T>& L, xent::linear_pass pass) {
   return xtl::workspace_bytes<T, G>(xent::cpu(L.s.ce.threads), L, pass);
 }
 
-/// Runs linear_forward, linear_forward_backward and linear_backward (from forward's LSE) on a
-/// case, with inputs of dtype T and gradients of dtype G, and checks each against the oracle.
-/// Returns whether everything passed.
-template <class T, class G = T>
-bool run_case(const lspec& s) {
-  using A = xent::accumulator_t<T>;
-  const ldata<T> L = make_data<T>(s);
-  const oracle::linear_problem pb = L.problem();
-  const oracle::upstream up = L.d.oracle_upstream();
-  const oracle::linear_result r = oracle::evaluate_linear(pb, &up);
-  const xent::cpu exec(s.ce.threads);
-  const xent::linear_options opts = L.options();
-  const xent::linear_shape shape{L.N(), L.D(), L.V()};
-  // Chunks d_weight is rounded in under dw_accumulation::output with a narrow d_weight.
-  double chunk_rounding = 0.0;
-  if (s.accumulate == xent::dw_accumulation::output && !std::is_same<G, A>::value) {
-    const std::size_t bytes = workspace_bytes<T, G>(L, xent::linear_pass::training);
-    // The chunks a call makes in `bytes` (the size query's budget leaves out fixed buffers).
-    const auto rows = xent::cpu_detail::plan_linear<T, G>(exec, shape, xent::linear_pass::training,
-                                                          opts.accumulate, bytes)
-                          .chunk_rows;
-    chunk_rounding =
-        2.0 * xt::unit_roundoff<G>() * ((L.N() + rows - 1) / std::max<std::int64_t>(rows, 1));
-  }
-  const bounds e = error_bounds(L, pb, r, chunk_rounding);
-  std::string errors;
-  auto note = [&](const char* what, const std::string& m) {
-    if (!m.empty()) errors += std::string(what) + ":\n" + m;
+/// The CPU backend of the shared linear tests (linear_backend_tests.hpp lists what a backend
+/// provides): a case's host buffers as they are.
+struct cpu_memory {
+  template <class T>
+  struct inputs {
+    const ldata<T>& L;
+    explicit inputs(const ldata<T>& L_) : L(L_) {}
+    xent::matrix_view<const T> hidden() const { return L.hidden(); }
+    xent::matrix_view<const T> weight() const { return L.weight(); }
+    xent::vector_view<const T> bias() const { return L.bias(); }
+    xent::linear_options options() const { return L.options(); }
+    auto upstream() const { return L.d.upstream(); }
+    template <class F>
+    void with_targets(F&& f) const {
+      L.d.with_targets(f);
+    }
   };
+  template <class A>
+  using outputs = basic_outputs<A>;
+  template <class G>
+  using grads = gradients<G>;
+  using workspace = workspace_buffer;
+  struct error_count {  // the CPU backend counts no rows: a bad target throws before any work
+    int read() const { return 0; }
+  };
+  /// Every fourth every-option case in bf16 / fp16, whose CPU arithmetic is emulated (slow).
+  static constexpr int narrow_stride = 4;
 
-  basic_outputs<A> fwd(L.N());
-  {
-    workspace_buffer ws(workspace_bytes(L, xent::linear_pass::forward), s.ce.seed);
-    L.d.with_targets([&](auto targets) {
-      xent::linear_forward(exec, L.hidden(), L.weight(), L.bias(), targets, opts, fwd.all(s.ce),
-                           ws.ws);
-    });
-    note("linear_forward", check_outputs(L, r, e, fwd));
+  void set_up() {}
+  void tear_down() {}
+  xent::cpu exec(const lspec& s, error_count&) const { return xent::cpu(s.ce.threads); }
+  static void sync() {}
+  /// Workspaces at every byte offset from a 64-byte boundary.
+  static std::size_t offset(std::uint64_t seed, int k) { return seed + k; }
+  template <class T>
+  static rounding stored() {  // the CPU keeps logits and their gradient in float
+    return {};
   }
-  {
-    workspace_buffer ws(workspace_bytes<T, G>(L, xent::linear_pass::training), s.ce.seed + 1);
-    basic_outputs<A> fb(L.N());
-    gradients<G> g(s);
-    L.d.with_targets([&](auto targets) {
-      xent::linear_forward_backward(exec, L.hidden(), L.weight(), L.bias(), targets, opts,
-                                    L.d.upstream(), fb.all(s.ce), g.views(), ws.ws);
-    });
-    note("linear_forward_backward", check_outputs(L, r, e, fb));
-    note("linear_forward_backward", check_gradients(L, r, e, g));
+  template <class T, class G>
+  static std::int64_t chunk_rows(const xent::cpu& exec, const xent::linear_shape& shape,
+                                 xent::dw_accumulation accumulate, std::size_t bytes) {
+    return xent::cpu_detail::plan_linear<T, G>(exec, shape, xent::linear_pass::training, accumulate,
+                                               bytes)
+        .chunk_rows;
+  }
+};
 
-    gradients<G> gb(s);
-    L.d.with_targets([&](auto targets) {
-      xent::linear_backward(exec, L.hidden(), L.weight(), L.bias(), targets, opts,
-                            xent::vector_view<const A>(fwd.lse.data(), L.N()), L.d.upstream(),
-                            gb.views(), ws.ws);
-    });
-    note("linear_backward", check_gradients(L, r, e, gb));
-  }
-  if (!errors.empty()) {
-    ADD_FAILURE() << "case " << xt::dtype_name<T>() << " -> " << xt::dtype_name<G>() << " grads, "
-                  << s.describe() << "\n"
-                  << errors;
-    return false;
-  }
-  return true;
-}
-
-TEST(CpuLinear, Float32MatchesFloat64OracleWithEveryOption) {
-  xt::case_budget b;
-  for (const lspec& s : every_option(19, 13, 37))
-    if (!b.record(run_case<float>(s))) return;
-  EXPECT_EQ(b.cases(), 288);
-}
+const cpu_memory host{};
 
 TEST(CpuLinear, Float64MatchesFloat64OracleToDoublePrecisionWithEveryOption) {
   // double hidden / weight / bias: logits, GEMMs and the d_weight / d_bias sums all in double.
   xt::case_budget b;
   for (const lspec& s : every_option(19, 13, 37))
-    if (!b.record(run_case<double>(s))) return;
+    if (!b.record(run_case<double>(host, s))) return;
   EXPECT_EQ(b.cases(), 288);
-}
-
-TEST(CpuLinear, Bfloat16AndHalfMatchFloat64OracleWithEveryOption) {
-  xt::case_budget b;
-  int i = 0;
-  for (const lspec& s : every_option(11, 13, 37)) {
-    // Every fourth case of the float32 set, alternating bf16 and fp16.
-    if (i++ % 4 != 0) continue;
-    if (!b.record(i % 8 == 1 ? run_case<bf16>(s) : run_case<half>(s))) return;
-  }
-  EXPECT_EQ(b.cases(), 72);
 }
 
 TEST(CpuLinear, GradientDtypeMayDifferFromTheInputs) {
@@ -130,9 +96,9 @@ TEST(CpuLinear, GradientDtypeMayDifferFromTheInputs) {
   // inputs with bf16 gradients (converted rows of d_hidden, the fp32 or output d_weight).
   xt::case_budget b;
   for (const lspec& s : mixed_dtype_cases())
-    if (!b.record(run_case<bf16, float>(s) && run_case<half, float>(s) &&
-                  run_case<float, bf16>(s) && run_case<double, float>(s) &&
-                  run_case<float, double>(s)))
+    if (!b.record(run_case<bf16, float>(host, s) && run_case<half, float>(host, s) &&
+                  run_case<float, bf16>(host, s) && run_case<double, float>(host, s) &&
+                  run_case<float, double>(host, s)))
       return;
 }
 
@@ -151,31 +117,8 @@ TEST(CpuLinear, ManyWeightBlocksAndThreadsMatchOracle) {
         s.ce.seed = ++seed;
         s.space = space;
         s.pad = 1;
-        if (!b.record(run_case<float>(s) && run_case<bf16>(s))) return;
+        if (!b.record(run_case<float>(host, s) && run_case<bf16>(host, s))) return;
       }
-}
-
-TEST(CpuLinear, EveryRowIgnoredGivesPyTorchsResultsAndZeroGradients) {
-  // mean: NaN loss (0 / 0), as PyTorch; sum and none: 0. Gradients are zero, not NaN.
-  for (reduction red : {reduction::none, reduction::mean, reduction::sum})
-    for (budget space : {budget::minimal, budget::all_rows}) {
-      lspec s = make_spec(7, 5, 9);
-      s.ce.reduce = red;
-      s.ce.ignore = ignore_mode::all;
-      s.ce.up = upstream_mode::pointer_or_rows;
-      s.space = space;
-      EXPECT_TRUE(run_case<float>(s));
-      EXPECT_TRUE(run_case<bf16>(s));
-    }
-}
-
-TEST(CpuLinear, NoRowsWritesZeroWeightAndBiasGradients) {
-  for (reduction red : {reduction::mean, reduction::sum}) {
-    lspec s = make_spec(0, 4, 6);
-    s.ce.reduce = red;
-    EXPECT_TRUE(run_case<float>(s));
-    EXPECT_TRUE(run_case<half>(s));
-  }
 }
 
 TEST(CpuLinear, PerRowUpstreamScalesRowsBeforeTheSumOverRows) {
@@ -234,7 +177,7 @@ TEST(CpuLinear, LowerMemoryAccumulationIsCloseAndFp32IsCloser) {
   double worst[2] = {0.0, 0.0};
   for (auto mode : {xent::dw_accumulation::fp32, xent::dw_accumulation::output}) {
     s.accumulate = mode;
-    EXPECT_TRUE(run_case<bf16>(s));
+    EXPECT_TRUE(run_case<bf16>(host, s));
     const ldata<bf16> L = make_data<bf16>(s);
     const oracle::upstream up = L.d.oracle_upstream();
     const oracle::linear_result r = oracle::evaluate_linear(L.problem(), &up);
@@ -323,32 +266,6 @@ TEST(CpuLinearWorkspace, SizeQueryPlansChunksWithinTheBudget) {
   // Forward needs no gradient buffers.
   EXPECT_LT(xent::linear_workspace_size<bf16>(exec, shape, xent::linear_pass::forward).minimal,
             bf_out.minimal);
-}
-
-TEST(CpuLinearWorkspace, TooSmallThrowsNamingWorkspaceAndTheSizeBeforeWriting) {
-  lspec s = make_spec(8, 6, 10);
-  const ldata<bf16> L = make_data<bf16>(s);
-  const xent::cpu exec;
-  for (auto pass : {xent::linear_pass::forward, xent::linear_pass::training}) {
-    const auto need = xent::linear_workspace_size<bf16>(exec, {8, 6, 10}, pass, L.options());
-    workspace_buffer ws(need.minimal - 1, 0);
-    outputs f(8);
-    gradients<bf16> g(s);
-    L.d.with_targets([&](auto t) {
-      expect_error("workspace", std::to_string(need.minimal), [&] {
-        if (pass == xent::linear_pass::forward)
-          xent::linear_forward(exec, L.hidden(), L.weight(), L.bias(), t, L.options(), f.all(s.ce),
-                               ws.ws);
-        else
-          xent::linear_forward_backward(exec, L.hidden(), L.weight(), L.bias(), t, L.options(),
-                                        L.d.upstream(), f.all(s.ce), g.views(), ws.ws);
-      });
-    });
-    EXPECT_EQ(f.loss, 12345.0f);
-    EXPECT_EQ(f.lse[0], 12345.0f);
-    EXPECT_TRUE(xt::same_bits(g.dw[0], xt::sentinel<bf16>()));
-    EXPECT_EQ(ws.raw[64], 0xFF);
-  }
 }
 
 TEST(CpuLinearWorkspace, FrozenHeadNeedsNoWeightAccumulator) {
@@ -659,3 +576,7 @@ TEST(CpuLinearGradientCheck, Float64GradientsMatchCentralDifferencesOfTheirOwnLo
 }
 
 }  // namespace
+
+namespace xtl {
+INSTANTIATE_TYPED_TEST_SUITE_P(Cpu, LinearBackend, cpu_memory);
+}  // namespace xtl

@@ -19,6 +19,7 @@
 #include "harness.hpp"
 #include "linear_harness.hpp"
 #include "oracle/linear_oracle.hpp"
+#include "vocab_parallel_linear_backend_tests.hpp"
 #include "vocab_parallel_linear_harness.hpp"
 
 namespace {
@@ -126,27 +127,18 @@ bool run_case(const lspec& s, const xt::split& sp) {
   return true;
 }
 
-TEST(CpuVocabParallelLinear, Float32MatchesOracleAndUnshardedWithEveryOption) {
-  // Every option of the single-device linear sweep; case i on 1 + i % 4 ranks, cycling through
-  // Megatron's split, an empty rank 0 and reversed shards.
-  xt::case_budget b;
-  int i = 0;
-  for (const lspec& s : every_option(19, 13, 37))
-    if (!b.record(run_case<float>(s, xvl::split_for(37, i++)))) return;
-  EXPECT_EQ(b.cases(), 288);
-}
-
-TEST(CpuVocabParallelLinear, Bfloat16AndHalfMatchOracleAndUnshardedWithEveryOption) {
-  xt::case_budget b;
-  int i = 0;
-  for (const lspec& s : every_option(11, 13, 37)) {
-    // Every fourth case of the float32 set, alternating bf16 and fp16, ranks cycling.
-    if (i++ % 4 != 0) continue;
-    const xt::split sp = xvl::split_for(37, i / 4);
-    if (!b.record(i % 8 == 1 ? run_case<bf16>(s, sp) : run_case<half>(s, sp))) return;
+/// The CPU backend of the shared vocab-parallel linear tests
+/// (vocab_parallel_linear_backend_tests.hpp): ranks as threads of an in-process group.
+struct cpu_ranks {
+  /// Every fourth every-option case in bf16 / fp16, whose CPU arithmetic is emulated (slow).
+  static constexpr int narrow_stride = 4;
+  void set_up() {}
+  void tear_down() {}
+  template <class T, class G = T>
+  bool run(const lspec& s, const xt::split& sp) const {
+    return run_case<T, G>(s, sp);
   }
-  EXPECT_EQ(b.cases(), 72);
-}
+};
 
 TEST(CpuVocabParallelLinear, GradientDtypeMayDifferFromTheInputs) {
   // Float gradients of bf16 / fp16 inputs, bf16 gradients of float inputs (both d_weight
@@ -176,24 +168,6 @@ TEST(CpuVocabParallelLinear, MoreRanksThanClassesLeaveShardsEmpty) {
       s.ce.seed = ++seed;
       s.space = budget::minimal;
       for (const xt::split& sp : xt::splits(vocab, 4)) EXPECT_TRUE(run_case<float>(s, sp));
-    }
-}
-
-TEST(CpuVocabParallelLinear, EveryRowIgnoredAndNoRows) {
-  // mean: NaN loss (0 / 0), as PyTorch; sum and none: 0; zero gradients, on every rank.
-  for (reduction red : {reduction::none, reduction::mean, reduction::sum})
-    for (budget space : {budget::minimal, budget::all_rows}) {
-      lspec s = make_spec(7, 5, 9);
-      s.ce.reduce = red;
-      s.ce.ignore = ignore_mode::all;
-      s.ce.up = upstream_mode::pointer_or_rows;
-      s.space = space;
-      EXPECT_TRUE(run_case<float>(s, xt::even_split(9, 3)));
-      EXPECT_TRUE(run_case<bf16>(s, xt::splits(9, 3)[1]));
-      if (red == reduction::none) continue;
-      s.ce.rows = 0;
-      EXPECT_TRUE(run_case<float>(s, xt::even_split(9, 2)));
-      EXPECT_TRUE(run_case<half>(s, xt::splits(9, 3)[1]));
     }
 }
 
@@ -510,3 +484,7 @@ TEST(CpuVocabParallelLinearValidation, BadArgumentsThrowNamingThemBeforeAnything
 }
 
 }  // namespace
+
+namespace xtl {
+INSTANTIATE_TYPED_TEST_SUITE_P(Cpu, VocabParallelLinearBackend, cpu_ranks);
+}  // namespace xtl

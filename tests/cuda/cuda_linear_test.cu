@@ -5,8 +5,9 @@
 // and many chunks; CPU agreement; the workspace and handle errors; stream capture; determinism.
 // Without a GPU every test skips with the reason.
 //
-// The CUDA backend keeps a chunk's logits and their gradient in the inputs' dtype, so its bounds
-// add one rounding of each to the CPU's (xtl::stored_in<T>).
+// The tests every backend runs are cpu/linear_backend_tests.hpp's, instantiated here over
+// xent_test::device_memory. The CUDA backend keeps a chunk's logits and their gradient in the
+// inputs' dtype, so its bounds add one rounding of each to the CPU's (xtl::stored_in<T>).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -21,6 +22,7 @@
 #include <vector>
 #include <xent/xent.hpp>
 
+#include "cpu/linear_backend_tests.hpp"
 #include "cpu/linear_harness.hpp"
 #include "cuda/device_util.cuh"
 #include "cuda/linear_device.cuh"
@@ -33,102 +35,26 @@ using fp16 = xt::half;
 using xent_test::dbuf;
 using xent_test::device_gradients;
 using xent_test::device_inputs;
+using xent_test::device_memory;
 using xent_test::device_outputs;
 using xent_test::device_workspace;
 using xent_test::ok;
 using xent_test::result_bytes;
 
-/// A cuBLAS handle per test (the caller's, as xent requires), bound to the default stream.
+/// A cuBLAS handle per test (the caller's, as xent requires), bound to the default stream: the
+/// backend of the shared tests (xent_test::device_memory) set up and torn down around each test.
 class CudaLinearTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    REQUIRE_GPU();
-    ASSERT_EQ(cublasCreate(&handle_), CUBLAS_STATUS_SUCCESS);
-  }
-  void TearDown() override {
-    if (handle_) cublasDestroy(handle_);
-  }
+  void SetUp() override { backend_.set_up(); }
+  void TearDown() override { backend_.tear_down(); }
   xent::cuda exec(int* error_count = nullptr) const {
     xent::cuda e;
     e.error_count = error_count;
-    e.cublas = handle_;
+    e.cublas = backend_.handle;
     return e;
   }
-  cublasHandle_t handle_ = nullptr;
+  device_memory backend_;
 };
-
-/// Runs linear_forward, linear_forward_backward and linear_backward (from forward's LSE) on the
-/// device for one case and checks each against the oracle. Returns whether everything passed.
-template <class T, class G = T>
-bool run_case(const xent::cuda& base, const lspec& s) {
-  const ldata<T> L = make_data<T>(s);
-  const oracle::linear_problem pb = L.problem();
-  const oracle::upstream up = L.d.oracle_upstream();
-  const oracle::linear_result r = oracle::evaluate_linear(pb, &up);
-  const device_inputs<T> in(L);
-  dbuf<int> errors(std::vector<int>{0});
-  xent::cuda exec = base;
-  exec.error_count = errors.ptr;
-  const xent::linear_options opts = in.options();
-  const xent::linear_shape shape{L.N(), L.D(), L.V()};
-  const auto training = xent::linear_pass::training;
-  const std::size_t train_bytes = workspace_bytes<T, G>(exec, L, training);
-  double chunk_rounding = 0.0;
-  if (s.accumulate == xent::dw_accumulation::output && !std::is_same<G, float>::value) {
-    // The chunks a call makes in train_bytes (the size query's budget leaves out fixed buffers).
-    const auto rows =
-        xent::cuda_detail::plan_linear<T, G>(shape, training, opts.accumulate, train_bytes)
-            .chunk_rows;
-    chunk_rounding =
-        2.0 * xt::unit_roundoff<G>() * ((L.N() + rows - 1) / std::max<std::int64_t>(rows, 1));
-  }
-  const bounds e = error_bounds(L, pb, r, chunk_rounding, stored_in<T>());
-  std::string errs;
-  auto note = [&](const char* what, const std::string& m) {
-    if (!m.empty()) errs += std::string(what) + ":\n" + m;
-  };
-
-  device_outputs fwd(L.N());
-  {
-    device_workspace ws(workspace_bytes<T>(exec, L, xent::linear_pass::forward), s.ce.seed * 16);
-    in.with_targets([&](auto t) {
-      xent::linear_forward(exec, in.hidden(), in.weight(), in.bias(), t, opts, fwd.all(s.ce),
-                           ws.ws);
-    });
-    ok(cudaDeviceSynchronize());
-    note("linear_forward", check_outputs(L, r, e, fwd.fetch()));
-  }
-  {
-    device_workspace ws(train_bytes, s.ce.seed * 16 + 8);
-    device_outputs fb(L.N());
-    device_gradients<G> g(s);
-    in.with_targets([&](auto t) {
-      xent::linear_forward_backward(exec, in.hidden(), in.weight(), in.bias(), t, opts,
-                                    in.upstream(), fb.all(s.ce), g.views(), ws.ws);
-    });
-    ok(cudaDeviceSynchronize());
-    note("linear_forward_backward", check_outputs(L, r, e, fb.fetch()));
-    note("linear_forward_backward", check_gradients(L, r, e, g.fetch()));
-
-    device_gradients<G> gb(s);
-    in.with_targets([&](auto t) {
-      xent::linear_backward(exec, in.hidden(), in.weight(), in.bias(), t, opts,
-                            xent::vector_view<const float>(fwd.lse.ptr, L.N()), in.upstream(),
-                            gb.views(), ws.ws);
-    });
-    ok(cudaDeviceSynchronize());
-    note("linear_backward", check_gradients(L, r, e, gb.fetch()));
-  }
-  const int bad_rows = errors.download()[0];
-  if (bad_rows != 0) note("error_count", "  " + std::to_string(bad_rows) + " rows counted\n");
-  if (!errs.empty()) {
-    ADD_FAILURE() << "case " << xt::dtype_name<T>() << " -> " << xt::dtype_name<G>() << " grads, "
-                  << s.describe() << "\n"
-                  << errs;
-    return false;
-  }
-  return true;
-}
 
 // Host-only (runs without a GPU): chunk rows as the GEMMs tile them.
 TEST(CudaLinearPlan, ChunksAreEqualWholeGemmTilesWhereTheyFit) {
@@ -175,31 +101,13 @@ TEST(CudaLinearPlan, NoClassesAndMoreRowsThanCublasTakes) {
   EXPECT_GE(big.chunk_rows, rows / 2);  // two chunks, not more
 }
 
-TEST_F(CudaLinearTest, Float32MatchesFloat64OracleWithEveryOption) {
-  xt::case_budget b;
-  for (const lspec& s : every_option(19, 13, 37))
-    if (!b.record(run_case<float>(exec(), s))) return;
-  EXPECT_EQ(b.cases(), 288);
-}
-
-TEST_F(CudaLinearTest, Bfloat16AndHalfMatchFloat64OracleWithEveryOption) {
-  xt::case_budget b;
-  int i = 0;
-  for (const lspec& s : every_option(11, 13, 37)) {
-    // Every other case of the float32 set, alternating bf16 and fp16.
-    if (i++ % 2 != 0) continue;
-    if (!b.record(i % 4 == 1 ? run_case<bf16>(exec(), s) : run_case<fp16>(exec(), s))) return;
-  }
-  EXPECT_EQ(b.cases(), 144);
-}
-
 TEST_F(CudaLinearTest, GradientDtypeMayDifferFromTheInputs) {
   // Float gradients of bf16 / fp16 inputs (d_weight its own accumulator), bf16 gradients of float
   // inputs, and fp16 gradients of bf16 inputs (dw_accumulation::output stages weight blocks).
   xt::case_budget b;
   for (const lspec& s : mixed_dtype_cases())
-    if (!b.record(run_case<bf16, float>(exec(), s) && run_case<fp16, float>(exec(), s) &&
-                  run_case<float, bf16>(exec(), s) && run_case<bf16, fp16>(exec(), s)))
+    if (!b.record(run_case<bf16, float>(backend_, s) && run_case<fp16, float>(backend_, s) &&
+                  run_case<float, bf16>(backend_, s) && run_case<bf16, fp16>(backend_, s)))
       return;
 }
 
@@ -218,8 +126,8 @@ TEST_F(CudaLinearTest, OddSizesAndManyChunksMatchOracle) {
         s.space = space;
         s.pad = seed % 2;
         s.accumulate = seed % 3 == 0 ? xent::dw_accumulation::output : xent::dw_accumulation::fp32;
-        if (!b.record(run_case<float>(exec(), s) && run_case<bf16>(exec(), s) &&
-                      run_case<bf16, fp16>(exec(), s)))
+        if (!b.record(run_case<float>(backend_, s) && run_case<bf16>(backend_, s) &&
+                      run_case<bf16, fp16>(backend_, s)))
           return;
       }
 }
@@ -372,34 +280,11 @@ TEST_F(CudaLinearTest, RealisticVocabularyMatchesOracle) {
   s.ce.ignore = ignore_mode::some;
   s.ce.label_smoothing = 0.1f;
   s.space = budget::few_rows;
-  EXPECT_TRUE(run_case<bf16>(exec(), s));
+  EXPECT_TRUE(run_case<bf16>(backend_, s));
   s.ce.reduce = reduction::none;
   s.ce.up = upstream_mode::pointer_or_rows;
   s.space = budget::all_rows;
-  EXPECT_TRUE(run_case<float>(exec(), s));
-}
-
-TEST_F(CudaLinearTest, EveryRowIgnoredGivesPyTorchsResultsAndZeroGradients) {
-  for (reduction red : {reduction::none, reduction::mean, reduction::sum})
-    for (budget space : {budget::minimal, budget::all_rows}) {
-      lspec s = make_spec(7, 5, 9);
-      s.ce.reduce = red;
-      s.ce.ignore = ignore_mode::all;
-      s.ce.up = upstream_mode::pointer_or_rows;
-      s.space = space;
-      EXPECT_TRUE(run_case<float>(exec(), s));
-      EXPECT_TRUE(run_case<bf16>(exec(), s));
-    }
-}
-
-TEST_F(CudaLinearTest, NoRowsWritesZeroWeightAndBiasGradients) {
-  for (reduction red : {reduction::mean, reduction::sum}) {
-    lspec s = make_spec(0, 4, 6);
-    s.ce.reduce = red;
-    EXPECT_TRUE(run_case<float>(exec(), s));
-    EXPECT_TRUE(run_case<fp16>(exec(), s));
-    EXPECT_TRUE((run_case<bf16, float>(exec(), s)));
-  }
+  EXPECT_TRUE(run_case<float>(backend_, s));
 }
 
 TEST_F(CudaLinearTest, ExactlyMinimalWorkspaceIsCorrectForEveryPass) {
@@ -418,8 +303,8 @@ TEST_F(CudaLinearTest, ExactlyMinimalWorkspaceIsCorrectForEveryPass) {
       s.ce.seed = ++seed;
       s.space = budget::minimal;
       s.accumulate = mode;
-      EXPECT_TRUE(run_case<bf16>(exec(), s));
-      EXPECT_TRUE(run_case<float>(exec(), s));
+      EXPECT_TRUE(run_case<bf16>(backend_, s));
+      EXPECT_TRUE(run_case<float>(backend_, s));
     }
 }
 
@@ -484,34 +369,6 @@ TEST_F(CudaLinearTest, AgreesWithTheCpuBackend) {
                             as_ref(gc.dw, L.V(), L.D(), s.ld()), both(e_cpu.dw, e_cuda.dw)));
   EXPECT_EQ("", check_array("d_bias", g.db.data(), 1, L.V(), L.V(), as_ref(gc.db, 1, L.V(), L.V()),
                             both(e_cpu.db, e_cuda.db)));
-}
-
-TEST_F(CudaLinearTest, WorkspaceTooSmallThrowsNamingItBeforeWriting) {
-  lspec s = make_spec(8, 6, 10);
-  const ldata<bf16> L = make_data<bf16>(s);
-  const device_inputs<bf16> in(L);
-  const xent::cuda gpu = exec();
-  for (auto pass : {xent::linear_pass::forward, xent::linear_pass::training}) {
-    const auto need = xent::linear_workspace_size<bf16>(gpu, {8, 6, 10}, pass, in.options());
-    device_workspace ws(need.minimal - 1, 0);
-    device_outputs f(8);
-    device_gradients<bf16> g(s);
-    in.with_targets([&](auto t) {
-      expect_error("workspace", std::to_string(need.minimal), [&] {
-        if (pass == xent::linear_pass::forward)
-          xent::linear_forward(gpu, in.hidden(), in.weight(), in.bias(), t, in.options(),
-                               f.all(s.ce), ws.ws);
-        else
-          xent::linear_forward_backward(gpu, in.hidden(), in.weight(), in.bias(), t, in.options(),
-                                        in.upstream(), f.all(s.ce), g.views(), ws.ws);
-      });
-    });
-    ok(cudaDeviceSynchronize());
-    EXPECT_EQ(f.fetch().loss, 12345.0f);
-    EXPECT_EQ(f.host.lse[0], 12345.0f);
-    EXPECT_TRUE(xt::same_bits(g.fetch().dw[0], xt::sentinel<bf16>()));
-    EXPECT_EQ(ws.raw.download()[0], 0xFF);
-  }
 }
 
 TEST_F(CudaLinearTest, MissingCublasHandleThrowsNamingIt) {
@@ -587,8 +444,8 @@ TEST_F(CudaLinearTest, StreamCaptureMatchesTheDirectCallBitwise) {
   s.ce.ignore = ignore_mode::some;
   s.ce.label_smoothing = 0.1f;
   s.space = budget::few_rows;
-  const auto direct = fused_bytes(handle_, s, false);
-  const auto captured = fused_bytes(handle_, s, true);
+  const auto direct = fused_bytes(backend_.handle, s, false);
+  const auto captured = fused_bytes(backend_.handle, s, true);
   EXPECT_TRUE(direct == captured);
 }
 
@@ -596,7 +453,7 @@ TEST_F(CudaLinearTest, SameInputsGiveBitwiseSameResults) {
   lspec s = make_spec(50, 48, 2049);
   s.ce.reduce = reduction::sum;
   s.space = budget::few_rows;
-  EXPECT_TRUE(fused_bytes(handle_, s, false) == fused_bytes(handle_, s, false));
+  EXPECT_TRUE(fused_bytes(backend_.handle, s, false) == fused_bytes(backend_.handle, s, false));
 }
 
 /// Small cases that compute-sanitizer memcheck / racecheck run (.ci/device).
@@ -606,13 +463,17 @@ TEST_F(CudaLinearTest, SanitizerSmallCasesOfEveryPath) {
   s.ce.label_smoothing = 0.1f;
   s.space = budget::minimal;
   s.pad = 1;
-  EXPECT_TRUE(run_case<bf16>(exec(), s));
+  EXPECT_TRUE(run_case<bf16>(backend_, s));
   s.ce.kind = target_kind::soft;
   s.ce.ignore = ignore_mode::none;
   s.accumulate = xent::dw_accumulation::output;
   s.space = budget::few_rows;
-  EXPECT_TRUE((run_case<float, bf16>(exec(), s)));
-  EXPECT_TRUE((run_case<bf16, fp16>(exec(), s)));
+  EXPECT_TRUE((run_case<float, bf16>(backend_, s)));
+  EXPECT_TRUE((run_case<bf16, fp16>(backend_, s)));
 }
 
 }  // namespace
+
+namespace xtl {
+INSTANTIATE_TYPED_TEST_SUITE_P(Cuda, LinearBackend, xent_test::device_memory);
+}  // namespace xtl

@@ -22,6 +22,7 @@
 #include <xent/xent.hpp>
 
 #include "cpu/linear_harness.hpp"
+#include "cpu/vocab_parallel_linear_backend_tests.hpp"
 #include "cpu/vocab_parallel_linear_harness.hpp"
 #include "cpu/vocab_split.hpp"
 #include "cuda/device_util.cuh"
@@ -198,27 +199,18 @@ class CudaVocabParallelLinear : public ::testing::Test {
   void SetUp() override { REQUIRE_GPU(); }
 };
 
-TEST_F(CudaVocabParallelLinear, Float32MatchesOracleAndUnshardedWithEveryOption) {
-  // Every option of the linear sweep; case i on 1 + i % 4 ranks, cycling through Megatron's
-  // split, an empty rank 0 and reversed shards.
-  xt::case_budget b;
-  int i = 0;
-  for (const lspec& s : every_option(19, 13, 37))
-    if (!b.record(run_case<float>(s, xvl::split_for(37, i++)))) return;
-  EXPECT_EQ(b.cases(), 288);
-}
-
-TEST_F(CudaVocabParallelLinear, Bfloat16AndHalfMatchOracleAndUnshardedWithEveryOption) {
-  xt::case_budget b;
-  int i = 0;
-  for (const lspec& s : every_option(11, 13, 37)) {
-    // Every other case of the float32 set, alternating bf16 and fp16, ranks cycling.
-    if (i++ % 2 != 0) continue;
-    const xt::split sp = xvl::split_for(37, i / 2);
-    if (!b.record(i % 4 == 1 ? run_case<bf16>(s, sp) : run_case<fp16>(s, sp))) return;
+/// The CUDA backend of the shared vocab-parallel linear tests
+/// (cpu/vocab_parallel_linear_backend_tests.hpp): ranks as staged threads on one GPU.
+struct staged_ranks {
+  /// Every other every-option case in bf16 / fp16.
+  static constexpr int narrow_stride = 2;
+  void set_up() { REQUIRE_GPU(); }
+  void tear_down() {}
+  template <class T, class G = T>
+  bool run(const lspec& s, const xt::split& sp) const {
+    return run_case<T, G>(s, sp);
   }
-  EXPECT_EQ(b.cases(), 144);
-}
+};
 
 TEST_F(CudaVocabParallelLinear, GradientDtypeMayDifferFromTheInputs) {
   // Float gradients of bf16 / fp16 inputs, bf16 gradients of float inputs, fp16 gradients of
@@ -253,23 +245,6 @@ TEST_F(CudaVocabParallelLinear, MoreRanksThanClassesAndEdgeVocabularies) {
         EXPECT_TRUE(run_case<float>(s, sp));
         EXPECT_TRUE((run_case<bf16, fp16>(s, sp)));
       }
-    }
-}
-
-TEST_F(CudaVocabParallelLinear, EveryRowIgnoredAndNoRows) {
-  for (reduction red : {reduction::none, reduction::mean, reduction::sum})
-    for (budget space : {budget::minimal, budget::all_rows}) {
-      lspec s = make_spec(7, 5, 9);
-      s.ce.reduce = red;
-      s.ce.ignore = ignore_mode::all;
-      s.ce.up = upstream_mode::pointer_or_rows;
-      s.space = space;
-      EXPECT_TRUE(run_case<float>(s, xt::even_split(9, 3)));
-      EXPECT_TRUE(run_case<bf16>(s, xt::splits(9, 3)[1]));
-      if (red == reduction::none) continue;
-      s.ce.rows = 0;
-      EXPECT_TRUE(run_case<float>(s, xt::even_split(9, 2)));
-      EXPECT_TRUE((run_case<bf16, float>(s, xt::splits(9, 3)[1])));
     }
 }
 
@@ -521,3 +496,7 @@ TEST(NcclVocabParallelLinear, SkippedWithoutNccl) {
 #endif
 
 }  // namespace
+
+namespace xtl {
+INSTANTIATE_TYPED_TEST_SUITE_P(Cuda, VocabParallelLinearBackend, staged_ranks);
+}  // namespace xtl

@@ -3,9 +3,11 @@
 // poisoned workspace at a given offset. Shared by the CUDA linear and vocab-parallel linear tests.
 #pragma once
 
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -102,6 +104,9 @@ struct device_outputs {
     if (s.kind != target_kind::soft) o.num_correct = correct.ptr;
     return o;
   }
+  xent::vector_view<const float> lse_view() const {
+    return {lse.ptr, static_cast<std::int64_t>(lse.n)};
+  }
   const outputs& fetch() {
     host.row_loss = row_loss.download();
     host.lse = lse.download();
@@ -156,6 +161,61 @@ struct device_workspace {
     ws.data = raw.ptr + offset % 256;  // cudaMalloc returns 256-byte-aligned memory
     ws.bytes = bytes;
   }
+  /// Whether every byte still holds the poison (a call that threw wrote nothing).
+  bool untouched() const {
+    const std::vector<unsigned char> h = raw.download();
+    return std::all_of(h.begin(), h.end(), [](unsigned char b) { return b == 0xFF; });
+  }
+};
+
+/// The device backend of the shared linear tests (cpu/linear_backend_tests.hpp, which lists what
+/// a backend provides): device copies of a case, and an execution object on a cuBLAS handle of the
+/// fixture's (the caller's, as xent requires) that counts the rows of bad targets.
+struct device_memory {
+  template <class T>
+  using inputs = device_inputs<T>;
+  template <class A>
+  using outputs = device_outputs;
+  template <class G>
+  using grads = device_gradients<G>;
+  using workspace = device_workspace;
+  struct error_count {
+    dbuf<int> count{std::vector<int>{0}};
+    int read() const { return count.download()[0]; }
+  };
+  /// Every other every-option case in bf16 / fp16.
+  static constexpr int narrow_stride = 2;
+
+  void set_up() {
+    REQUIRE_GPU();
+    ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+  }
+  void tear_down() {
+    if (handle) cublasDestroy(handle);
+    handle = nullptr;
+  }
+  xent::cuda exec(const lspec&, error_count& errors) const {
+    xent::cuda e;
+    e.error_count = errors.count.ptr;
+    e.cublas = handle;
+    return e;
+  }
+  static void sync() { ok(cudaDeviceSynchronize()); }
+  /// Workspaces at offsets of 16 bytes and 8 more from a 256-byte boundary.
+  static std::size_t offset(std::uint64_t seed, int k) { return seed * 16 + 8 * k; }
+  template <class T>
+  static xtl::rounding stored() {
+    return xtl::stored_in<T>();
+  }
+  template <class T, class G>
+  static std::int64_t chunk_rows(const xent::cuda&, const xent::linear_shape& shape,
+                                 xent::dw_accumulation accumulate, std::size_t bytes) {
+    return xent::cuda_detail::plan_linear<T, G>(shape, xent::linear_pass::training, accumulate,
+                                                bytes)
+        .chunk_rows;
+  }
+
+  cublasHandle_t handle = nullptr;
 };
 
 }  // namespace xent_test

@@ -23,7 +23,6 @@
 
 #include "../accumulator.hpp"
 #include "../backend.hpp"
-#include "../linear/backend.hpp"
 #include "../linear/options.hpp"
 #include "../linear/plan.hpp"
 #include "../loss_math.hpp"

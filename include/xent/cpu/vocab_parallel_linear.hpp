@@ -21,8 +21,8 @@
 #include <string>
 #include <type_traits>
 
+#include "../backend.hpp"
 #include "../detail/validate.hpp"
-#include "../linear/backend.hpp"
 #include "../linear/options.hpp"
 #include "../linear/plan.hpp"
 #include "../loss_math.hpp"

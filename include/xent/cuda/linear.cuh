@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 
-#include "../linear/backend.hpp"
+#include "../backend.hpp"
 #include "../linear/options.hpp"
 #include "../linear/plan.hpp"
 #include "../options.hpp"

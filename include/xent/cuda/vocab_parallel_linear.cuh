@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../linear/backend.hpp"
+#include "../backend.hpp"
 #include "../linear/options.hpp"
 #include "cuda.cuh"
 #include "dispatch/linear_plan.cuh"

@@ -2,7 +2,7 @@
 //
 // A rank holds weight[first : first + V_local] (and that slice of the bias), the whole hidden
 // (N x D) and the global targets. Rows are taken `workspace.chunk_rows` at a time, the same on
-// every rank; for a chunk of rows [r0, r0 + n) a backend's call object (linear/backend.hpp's
+// every rank; for a chunk of rows [r0, r0 + n) a backend's call object (backend.hpp's
 // vocab_parallel_linear_traits<Exec>::call) runs
 //   logits(r0, n)      L = X_c · W_shardᵀ (+ b_shard), n x V_local, in the workspace;
 //   records(r0, n, k)  this shard's per-row records of L (slice_partial: online-LSE state, target
@@ -24,7 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../linear/backend.hpp"
+#include "../backend.hpp"
 #include "../linear/options.hpp"
 #include "../options.hpp"
 #include "../targets.hpp"

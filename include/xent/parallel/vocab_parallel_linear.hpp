@@ -62,7 +62,6 @@
 #include "../backend.hpp"
 #include "../detail/validate.hpp"
 #include "../linear.hpp"
-#include "../linear/backend.hpp"
 #include "../linear/options.hpp"
 #include "../linear/plan.hpp"
 #include "../linear/validate.hpp"

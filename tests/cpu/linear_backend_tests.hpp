@@ -1,0 +1,176 @@
+// The fused linear cross-entropy tests that every backend runs, typed over a backend fixture B:
+// tests/cpu/linear_test.cpp instantiates them for the CPU (cpu_memory) and
+// tests/cuda/cuda_linear_test.cu for CUDA (xent_test::device_memory). The cases, data and error
+// bounds are linear_harness.hpp's; B says where a case's buffers live and how a call is made:
+//   template <class T> struct inputs;   inputs(const ldata<T>&): hidden(), weight(), bias(),
+//                                       options(), upstream(), with_targets(f)
+//   template <class A> struct outputs;  outputs(rows): all(spec), lse_view(), fetch() -> the
+//                                       poisoned basic_outputs<A> with the call's results
+//   template <class G> struct grads;    grads(lspec): views(), fetch() -> gradients<G>
+//   struct workspace;                   workspace(bytes, offset): ws, untouched()
+//   struct error_count;                 read(): rows the backend counted as bad (0 without one)
+//   exec(lspec, error_count&), sync(), offset(seed, k) (of a case's k-th workspace),
+//   stored<T>() (xtl::rounding), chunk_rows<T, G>(exec, shape, accumulate, bytes),
+//   narrow_stride (the share of the every-option cases run in bf16 / fp16), set_up(), tear_down().
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "cpu/backend_fixture.hpp"
+#include "cpu/linear_harness.hpp"
+#include "oracle/linear_oracle.hpp"
+
+namespace xtl {
+
+/// Runs linear_forward, linear_forward_backward and linear_backward (from forward's LSE) on a
+/// case through backend B, with inputs of dtype T and gradients of dtype G, and checks each
+/// against the oracle. Returns whether everything passed.
+template <class T, class G = T, class B>
+bool run_case(const B& backend, const lspec& s) {
+  using A = xent::accumulator_t<T>;
+  const ldata<T> L = make_data<T>(s);
+  const oracle::linear_problem pb = L.problem();
+  const oracle::upstream up = L.d.oracle_upstream();
+  const oracle::linear_result r = oracle::evaluate_linear(pb, &up);
+  const typename B::template inputs<T> in(L);
+  typename B::error_count errors;
+  const auto exec = backend.exec(s, errors);
+  const xent::linear_options opts = in.options();
+  const auto training = xent::linear_pass::training;
+  const std::size_t train_bytes = workspace_bytes<T, G>(exec, L, training);
+  // Chunks d_weight is rounded in under dw_accumulation::output with a narrow d_weight.
+  double chunk_rounding = 0.0;
+  if (s.accumulate == xent::dw_accumulation::output && !std::is_same<G, A>::value) {
+    // The chunks a call makes in train_bytes (the size query's budget leaves out fixed buffers).
+    const std::int64_t rows =
+        B::template chunk_rows<T, G>(exec, {L.N(), L.D(), L.V()}, opts.accumulate, train_bytes);
+    chunk_rounding =
+        2.0 * xt::unit_roundoff<G>() * ((L.N() + rows - 1) / std::max<std::int64_t>(rows, 1));
+  }
+  const bounds e = error_bounds(L, pb, r, chunk_rounding, B::template stored<T>());
+  std::string errs;
+  auto note = [&](const char* what, const std::string& m) {
+    if (!m.empty()) errs += std::string(what) + ":\n" + m;
+  };
+
+  typename B::template outputs<A> fwd(L.N());
+  {
+    typename B::workspace ws(workspace_bytes<T>(exec, L, xent::linear_pass::forward),
+                             B::offset(s.ce.seed, 0));
+    in.with_targets([&](auto t) {
+      xent::linear_forward(exec, in.hidden(), in.weight(), in.bias(), t, opts, fwd.all(s.ce),
+                           ws.ws);
+    });
+    B::sync();
+    note("linear_forward", check_outputs(L, r, e, fwd.fetch()));
+  }
+  {
+    typename B::workspace ws(train_bytes, B::offset(s.ce.seed, 1));
+    typename B::template outputs<A> fb(L.N());
+    typename B::template grads<G> g(s);
+    in.with_targets([&](auto t) {
+      xent::linear_forward_backward(exec, in.hidden(), in.weight(), in.bias(), t, opts,
+                                    in.upstream(), fb.all(s.ce), g.views(), ws.ws);
+    });
+    B::sync();
+    note("linear_forward_backward", check_outputs(L, r, e, fb.fetch()));
+    note("linear_forward_backward", check_gradients(L, r, e, g.fetch()));
+
+    typename B::template grads<G> gb(s);
+    in.with_targets([&](auto t) {
+      xent::linear_backward(exec, in.hidden(), in.weight(), in.bias(), t, opts, fwd.lse_view(),
+                            in.upstream(), gb.views(), ws.ws);
+    });
+    B::sync();
+    note("linear_backward", check_gradients(L, r, e, gb.fetch()));
+  }
+  const int bad_rows = errors.read();
+  if (bad_rows != 0) note("error_count", "  " + std::to_string(bad_rows) + " rows counted\n");
+  if (!errs.empty()) {
+    ADD_FAILURE() << "case " << xt::dtype_name<T>() << " -> " << xt::dtype_name<G>() << " grads, "
+                  << s.describe() << "\n"
+                  << errs;
+    return false;
+  }
+  return true;
+}
+
+template <class B>
+class LinearBackend : public backend_test<B> {};
+
+TYPED_TEST_SUITE_P(LinearBackend);
+
+TYPED_TEST_P(LinearBackend, Float32MatchesFloat64OracleWithEveryOption) {
+  xt::case_budget b;
+  for (const lspec& s : every_option(19, 13, 37))
+    if (!b.record(run_case<float>(this->backend, s))) return;
+  EXPECT_EQ(b.cases(), 288);
+}
+
+TYPED_TEST_P(LinearBackend, Bfloat16AndHalfMatchFloat64OracleWithEveryOption) {
+  narrow_every_option(TypeParam::narrow_stride, [&](const lspec& s, int, auto* dtype) {
+    return run_case<std::remove_pointer_t<decltype(dtype)>>(this->backend, s);
+  });
+}
+
+TYPED_TEST_P(LinearBackend, EveryRowIgnoredGivesPyTorchsResultsAndZeroGradients) {
+  for (const lspec& s : all_ignored_cases()) {
+    EXPECT_TRUE(run_case<float>(this->backend, s));
+    EXPECT_TRUE(run_case<bf16>(this->backend, s));
+  }
+}
+
+TYPED_TEST_P(LinearBackend, NoRowsWritesZeroWeightAndBiasGradients) {
+  for (reduction red : {reduction::mean, reduction::sum}) {
+    lspec s = make_spec(0, 4, 6);
+    s.ce.reduce = red;
+    EXPECT_TRUE(run_case<float>(this->backend, s));
+    EXPECT_TRUE(run_case<half>(this->backend, s));
+    EXPECT_TRUE((run_case<bf16, float>(this->backend, s)));
+  }
+}
+
+TYPED_TEST_P(LinearBackend, WorkspaceTooSmallThrowsNamingItAndTheSizeBeforeWriting) {
+  using B = TypeParam;
+  const lspec s = make_spec(8, 6, 10);
+  const ldata<bf16> L = make_data<bf16>(s);
+  const typename B::template inputs<bf16> in(L);
+  typename B::error_count errors;
+  const auto exec = this->backend.exec(s, errors);
+  for (auto pass : {xent::linear_pass::forward, xent::linear_pass::training}) {
+    const auto need = xent::linear_workspace_size<bf16>(exec, {8, 6, 10}, pass, in.options());
+    typename B::workspace ws(need.minimal - 1, 0);
+    typename B::template outputs<float> f(8);
+    typename B::template grads<bf16> g(s);
+    in.with_targets([&](auto t) {
+      expect_error("workspace", std::to_string(need.minimal), [&] {
+        if (pass == xent::linear_pass::forward)
+          xent::linear_forward(exec, in.hidden(), in.weight(), in.bias(), t, in.options(),
+                               f.all(s.ce), ws.ws);
+        else
+          xent::linear_forward_backward(exec, in.hidden(), in.weight(), in.bias(), t, in.options(),
+                                        in.upstream(), f.all(s.ce), g.views(), ws.ws);
+      });
+    });
+    B::sync();
+    const outputs& got = f.fetch();
+    EXPECT_EQ(got.loss, 12345.0f);
+    EXPECT_EQ(got.lse[0], 12345.0f);
+    EXPECT_TRUE(xt::same_bits(g.fetch().dw[0], xt::sentinel<bf16>()));
+    EXPECT_TRUE(ws.untouched());
+  }
+}
+
+REGISTER_TYPED_TEST_SUITE_P(LinearBackend, Float32MatchesFloat64OracleWithEveryOption,
+                            Bfloat16AndHalfMatchFloat64OracleWithEveryOption,
+                            EveryRowIgnoredGivesPyTorchsResultsAndZeroGradients,
+                            NoRowsWritesZeroWeightAndBiasGradients,
+                            WorkspaceTooSmallThrowsNamingItAndTheSizeBeforeWriting);
+
+}  // namespace xtl
