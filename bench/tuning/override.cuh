@@ -133,6 +133,27 @@ constexpr tuning overridden(tuning r) {
 #ifdef XENT_CUDA_BALANCED_GRID
   r.balanced_grid = XENT_CUDA_BALANCED_GRID;
 #endif
+#ifdef XENT_CUDA_STREAM_MIN_BLOCKS
+  r.stream_min_blocks = XENT_CUDA_STREAM_MIN_BLOCKS;
+#endif
+#ifdef XENT_CUDA_STREAM_OPTION_MIN_BLOCKS
+  r.stream_option_min_blocks = XENT_CUDA_STREAM_OPTION_MIN_BLOCKS;
+#endif
+#ifdef XENT_CUDA_WARP_ROWS_REGS
+  r.warp_rows_regs = XENT_CUDA_WARP_ROWS_REGS;
+#endif
+#ifdef XENT_CUDA_WARP_ROWS_MIN_BLOCKS
+  r.warp_rows_min_blocks = XENT_CUDA_WARP_ROWS_MIN_BLOCKS;
+#endif
+#ifdef XENT_CUDA_WARP_ROWS_FORWARD_MIN_BLOCKS
+  r.warp_rows_forward_min_blocks = XENT_CUDA_WARP_ROWS_FORWARD_MIN_BLOCKS;
+#endif
+#ifdef XENT_CUDA_WARP_ROWS_LONG_REGS
+  r.warp_rows_long_regs = XENT_CUDA_WARP_ROWS_LONG_REGS;
+#endif
+#ifdef XENT_CUDA_WARP_ROWS_LONG_MIN_BLOCKS
+  r.warp_rows_long_min_blocks = XENT_CUDA_WARP_ROWS_LONG_MIN_BLOCKS;
+#endif
 #ifdef XENT_CUDA_MIN_BLOCKS
   r.min_blocks = XENT_CUDA_MIN_BLOCKS;
 #endif

@@ -311,7 +311,7 @@ void launch_stream_backward(const char* fn, const cuda& exec, const row_args<T, 
   constexpr std::int64_t span = std::int64_t{regs} * block * vec;
   const std::int64_t tiles = args.rows * ((args.cols + (Shifted ? vec - 1 : 0) + span - 1) / span);
   if (tiles == 0) return;
-  const std::int64_t most = std::int64_t{dev.sms} * stream_min_blocks(Plain);
+  const std::int64_t most = std::int64_t{dev.sms} * policy::stream_min_blocks(Plain);
   const auto grid = static_cast<unsigned>(tiles < most ? tiles : most);
   stream_backward_kernel<block, regs, Plain, Shifted><<<grid, block, 0, exec.stream>>>(args);
   check_cuda(fn, cudaGetLastError());

@@ -24,19 +24,13 @@
 namespace xent {
 namespace cuda_detail {
 
-/// CTAs per SM the streaming backward's registers are bounded for (untuned: 4 x 16 KiB of loads
-/// in flight per SM is well past what the memory system needs to run at its rate). The option
-/// paths' per-element smoothing and softcap terms over 16-bit tiles spilled 7 KB at 64 registers
-/// (ptxas, sm_90): two CTAs per SM for them.
-constexpr int stream_min_blocks(bool plain) { return plain ? 4 : 2; }
-
 /// `Shifted`: rows need not start on a 16-byte boundary, but each gradient row has the same
 /// boundaries as its logits row (an in-place call, or equal starts and leading dimensions modulo
 /// 16 bytes). Each row's tiles are then cut at its own boundaries, the first starting `lead`
 /// elements before the row (global_tile's and tile_gradient's lead), one tile more per row
 /// allowed for, so only a row's first and last vectors are read and written element by element.
 template <int Block, int Regs, bool Plain, bool Shifted, class T, class G, class Tgt>
-XENT_KERNEL void __launch_bounds__(Block, stream_min_blocks(Plain))
+XENT_KERNEL void __launch_bounds__(Block, policy::stream_min_blocks(Plain))
     stream_backward_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft, "soft targets need each row's mass: the row kernel's path");
   using tile_t = global_tile<T, Regs, Block>;

@@ -1,0 +1,150 @@
+// The dispatch of vocab-parallel fused linear cross-entropy on the GPU
+// (vocab_parallel_linear_traits<cuda>), each rank a GPU with the caller's cuBLAS handle
+// (exec.cublas) and a device communicator (parallel/nccl_group.cuh, or any type whose all_gather
+// enqueues on the stream its stream() names).
+//
+// The steps of parallel/linear_chunks.hpp, every one enqueued on exec.stream, nothing waiting for
+// the host, made of the single-device CUDA pieces: the chunk's GEMMs and buffers, the prologue
+// (the whole call's W over the global vocabulary and targets, each row's upstream gradient) and the
+// reduced loss after the chunks are dispatch/linear_call.cuh's, over this rank's weight shard; a
+// chunk's records (the row kernel's statistics pass over its logits), their rank-order merge
+// (vp_merge_kernel: the chunk's rows' loss, LSE and argmax) and its gradient (the row kernel's
+// backward pass, in place over the logits) are dispatch/vocab_parallel.cuh's. The chunk's exchange
+// sits in the caller's workspace after the single-device buffers (a vp_layout without the
+// reduction's head: the merge writes per-row outputs; the reduction comes after the chunks).
+//
+// Errors found on the device are cuda/vocab_parallel.cuh's: a bad tiling makes every rank write
+// NaN for each row's loss and LSE, and count 1 in *exec.error_count per chunk; a class id outside
+// [0, V) that is not ignore_index gives its row a NaN loss and a zero gradient and counts 1.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "../../linear/options.hpp"
+#include "../../linear/plan.hpp"
+#include "../../options.hpp"
+#include "../../parallel/linear_chunks.hpp"
+#include "../../parallel/shard.hpp"
+#include "../../targets.hpp"
+#include "../../views.hpp"
+#include "../cuda.cuh"
+#include "cublas.cuh"
+#include "linear_call.cuh"
+#include "linear_plan.cuh"
+#include "rows.cuh"
+#include "vocab_parallel.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+/// One call on one rank: its buffers and the steps of a chunk (parallel/linear_chunks.hpp).
+template <class T, class G, class Tgt>
+class vp_linear_call {
+  using mode = detail::vp_linear_mode;
+  using args = detail::vp_linear_args<T, G, Tgt>;
+  static constexpr bool soft = detail::target_traits<Tgt>::soft;
+
+ public:
+  template <class Group>
+  vp_linear_call(const char* fn, const cuda& exec, const Group& group, const args& a, mode m)
+      : fn_(fn),
+        exec_(exec),
+        a_(a),
+        mode_(m),
+        plan_(make_linear_plan<T, G>(
+            {a.hidden.rows, a.hidden.cols, a.weight.rows},
+            m == mode::forward ? linear_pass::forward : linear_pass::training, a.opts.accumulate,
+            detail::planned_chunk_rows(a.ws.chunk_rows, a.hidden.rows), false, false)),
+        checked_(check(fn, exec, group, a, plan_)),
+        blas_(fn, exec),
+        c_(make_linear_call(exec, blas_, a.hidden, a.weight, a.bias, a.grads, plan_, a.ws.data)),
+        exchange_(reinterpret_cast<unsigned char*>(c_.base) + plan_.end),
+        targets_(device_targets(a.targets)),
+        totals_(start_totals(fn, c_, targets_, a.hidden.rows, a.shard.vocab, a.opts, a.up,
+                             m == mode::backward ? nullptr : &a_.out)),
+        core_(a.opts) {
+    core_.reduce = reduction::none;  // each chunk's rows; W and the reduction are the call's
+  }
+  vp_linear_call(const vp_linear_call&) = delete;
+  vp_linear_call& operator=(const vp_linear_call&) = delete;
+
+  void logits(std::int64_t r0, std::int64_t n) { chunk_logits(c_, r0, n); }
+
+  detail::vp_block records(std::int64_t r0, std::int64_t n, detail::vp_records what) {
+    const vp_layout lay = layout(n);
+    const bool argmax =
+        what == detail::vp_records::statistics && (a_.out.argmax.data || a_.out.num_correct);
+    vp_send(fn_, exec_, exchange_, lay, chunk(n), a_.shard, chunk_targets(r0, n), core_, argmax);
+    return {exchange_ + lay.send, exchange_ + lay.recv, lay.block};
+  }
+
+  void merge(std::int64_t r0, std::int64_t n, detail::vp_records what) {
+    const forward_outputs o = chunk_outputs(a_.out, totals_, r0, n);
+    vp_merge(fn_, exec_, exchange_, layout(n), a_.ranks, chunk(n), a_.shard, chunk_targets(r0, n),
+             core_, what == detail::vp_records::statistics ? &o : nullptr);
+  }
+
+  void gradient(std::int64_t r0, std::int64_t n) {
+    const vp_layout lay = layout(n);
+    const bool backward = mode_ == mode::backward;
+    const float* lse =
+        backward ? a_.lse.data + r0 : reinterpret_cast<const float*>(exchange_ + lay.lse);
+    const float* mass = soft ? reinterpret_cast<const float*>(exchange_ + lay.mass) : nullptr;
+    // Backward with class ids has no merge: its gradient pass counts out-of-range class ids.
+    vp_gradient(fn_, exec_, chunk(n), a_.shard, chunk_targets(r0, n), core_, lse, mass,
+                chunk_upstream(a_.up, a_.opts, totals_, r0, n),
+                matrix_view<T>(reinterpret_cast<T*>(c_.logits()), n, vocab(), plan_.ld),
+                backward && !soft ? exec_.error_count : nullptr);
+  }
+
+  void accumulate(std::int64_t r0, std::int64_t n) {
+    chunk_grads(c_, r0, n, r0 == 0, c_.hidden_row(r0), c_.hidden.ld);
+  }
+
+  void finish() {
+    if (mode_ != mode::forward) finish_grads(c_);
+    if (mode_ != mode::backward)
+      finish_totals(fn_, exec_.stream, totals_, targets_, a_.hidden.rows, a_.shard.vocab, a_.opts,
+                    a_.out);
+  }
+
+ private:
+  /// The device communicator enqueues on exec.stream; the handle is there; cuBLAS's int sizes.
+  template <class Group>
+  static bool check(const char* fn, const cuda& exec, const Group& group, const args& a,
+                    const linear_plan& plan) {
+    check_device_group(fn, exec, group);
+    check_linear_call(fn, exec, a.hidden, a.weight, a.grads, plan);
+    return true;
+  }
+  std::int64_t vocab() const { return a_.weight.rows; }
+  /// A chunk of n rows exchanges n records per rank (the same n on every rank).
+  vp_layout layout(std::int64_t n) const { return vp_layout(n, a_.ranks, false); }
+  matrix_view<const T> chunk(std::int64_t n) const {
+    return {reinterpret_cast<const T*>(c_.logits()), n, vocab(), plan_.ld};
+  }
+  auto chunk_targets(std::int64_t r0, std::int64_t n) const {
+    return device_targets(detail::target_rows(a_.targets, r0, n));
+  }
+
+  const char* fn_;
+  const cuda& exec_;
+  args a_;
+  mode mode_;
+  linear_plan plan_;
+  bool checked_;  ///< before blas_: nothing is set up or enqueued with a bad handle or group
+  cublas_scope blas_;
+  linear_call<T, G> c_;
+  unsigned char* exchange_;  ///< the chunk's exchange, after the single-device buffers
+  decltype(device_targets(std::declval<Tgt>())) targets_;
+  linear_totals totals_;
+  options core_;
+};
+
+}  // namespace cuda_detail
+}  // namespace xent
