@@ -462,6 +462,13 @@ struct one_case {
       double zmax = 0;
       for (std::int64_t v = 0; v < V; ++v) zmax = std::max(zmax, std::fabs(r.z[n * V + v]));
       const double growth = 1 + zmax + std::fabs(r.lse[n]);
+      // Where tanh saturates in double (slope 0, gradient 0) the float slope is still a few ulps
+      // of 1, times the unsloped gradient: at most the upstream times 2 + 2 z_loss |lse| per unit
+      // of class weight.
+      const double up =
+          u ? std::max(std::fabs(u->scale), u->rows.empty() ? 0.0 : std::fabs(u->rows[n])) : 1.0;
+      const double saturated =
+          0x1p-19 * std::max(1.0, up) * (2 + 2 * std::fabs(c.pb.z_loss * r.lse[n]));
       for (std::int64_t v = 0; v < V; ++v) {
         const double want = r.grad[n * V + v], got = widen((*grad)(n, v));
         // Under softcap the float slope 1 - tanh^2 errs by a few ulps of 1, not of itself (it is
@@ -471,7 +478,8 @@ struct one_case {
         const double tol = tolerance<A>() * r.grad_magnitude[n * V + v] * growth +
                            (c.pb.softcap > 0 ? unsloped * 0x1p-20 : 0.0) +
                            out_unit * std::fabs(want) +
-                           widen(std::numeric_limits<T>::denorm_min()) * 4;
+                           widen(std::numeric_limits<T>::denorm_min()) * 4 +
+                           (c.pb.softcap > 0 && slope == 0 ? saturated : 0.0);
         if (!std::isfinite(want)) continue;
         if (!std::isfinite(got) || std::fabs(got - want) > tol) fail("logit gradient", got, want);
       }
