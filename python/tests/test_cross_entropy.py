@@ -741,7 +741,7 @@ def test_cuda_language_model_sizes(n, c, dtype, kw):
     # float32: at c = 32000 the row's LSE is ~12, whose float32 spacing is ~1e-6, so a target's
     # probability near 1 carries ~1e-6 of absolute error in any float32 computation (the float32
     # reference's too), and the target's gradient p - (1 - eps) keeps it while the value shrinks:
-    # H200, 2026-11-21, one element of 2048000 differed by 1.9e-6 at p ~ 0.93.
+    # On an H200 one element of 2048000 differed by 1.9e-6 at p ~ 0.93.
     grad_atol = 4e-6 if dtype == torch.float32 else max(atol, 1e-7)
     torch.testing.assert_close(grad.float(), ref_grad.to(dtype).float(), rtol=rtol, atol=grad_atol)
 
