@@ -32,7 +32,8 @@ namespace xent {
 /// when its row chunks are given `budget` bytes on top of the buffers every chunk size needs
 /// (the largest row chunk that fits, at most every row; those fixed buffers, such as the float
 /// d_weight accumulator, are counted outside the budget). A call plans its chunks from the
-/// workspace it is given, all of it counted. The CPU's
+/// workspace it is given, all of it counted; a training call without d_weight accepts `minimal`
+/// of either accumulation mode. The CPU's
 /// figure is (floats being doubles for double T: the accumulator), per chunk row, V floats of
 /// logits and one float of row loss, plus D floats of converted hidden row (T not float) and of
 /// d_hidden row (training, G not float); and once a converted weight block per thread (T not
@@ -134,14 +135,23 @@ std::size_t linear_minimal(const Exec& exec, const matrix_view<const T>& hidden,
       .minimal;
 }
 
-/// The options a training call plans its workspace with: without d_weight (a frozen LM head)
-/// nothing is summed into a V x D float accumulator, so none is planned or required (4 V D bytes:
-/// 2 GiB at 128256 x 4096), whatever opts.accumulate says.
-template <class G>
-linear_options planned_options(const linear_options& opts, const linear_grads<G>& grads) {
-  linear_options o = opts;
-  if (!grads.d_weight.data) o.accumulate = dw_accumulation::output;
-  return o;
+/// The options a training call plans its workspace with. Without d_weight (a frozen LM head)
+/// nothing is summed over row chunks and both modes give the same results, so the one with the
+/// smaller buffers is planned: the V x D float accumulator (4 V D bytes: 2 GiB at 128256 x 4096)
+/// is never required, nor output's weight blocks where V is smaller than them, and no such call
+/// needs more than linear_workspace_size(...).minimal for the caller's mode.
+template <class T, class G, class Exec>
+linear_options planned_options(const Exec& exec, const matrix_view<const T>& hidden,
+                               const matrix_view<const T>& weight, const linear_options& opts,
+                               const linear_grads<G>& grads) {
+  if (grads.d_weight.data) return opts;
+  linear_options fp32 = opts, output = opts;
+  fp32.accumulate = dw_accumulation::fp32;
+  output.accumulate = dw_accumulation::output;
+  return linear_minimal<T, G>(exec, hidden, weight, linear_pass::training, fp32) <
+                 linear_minimal<T, G>(exec, hidden, weight, linear_pass::training, output)
+             ? fp32
+             : output;
 }
 
 }  // namespace detail
@@ -193,7 +203,7 @@ void linear_forward_backward(const Exec& exec, matrix_view<H> hidden,
   detail::require_accumulator<T, A>();
   detail::require_accumulator<T, B>();
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, false);
-  const linear_options planned = detail::planned_options(opts, grads);
+  const linear_options planned = detail::planned_options<T>(exec, x, weight, opts, grads);
   detail::check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
       detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, planned),
@@ -220,7 +230,7 @@ void linear_backward(const Exec& exec, matrix_view<H> hidden,
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
   detail::require_accumulator<T, A>();
   detail::check_vector(fn, "lse", lse, x.rows, false);
-  const linear_options planned = detail::planned_options(opts, grads);
+  const linear_options planned = detail::planned_options<T>(exec, x, weight, opts, grads);
   detail::check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
       detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, planned),

@@ -167,10 +167,50 @@ TYPED_TEST_P(LinearBackend, WorkspaceTooSmallThrowsNamingItAndTheSizeBeforeWriti
   }
 }
 
+// A frozen LM head (no d_weight): whatever the accumulation mode, the size query's least workspace
+// for it is enough (the call plans the mode with the smaller buffers), and d_hidden and d_bias are
+// right. V = 300 with two threads is where the CPU's d_weight blocks outgrow the V x D
+// accumulator.
+TYPED_TEST_P(LinearBackend, FrozenWeightTrainsInTheLeastWorkspaceOfEitherMode) {
+  using B = TypeParam;
+  for (auto mode : {xent::dw_accumulation::fp32, xent::dw_accumulation::output})
+    for (std::int64_t V : {7, 300}) {
+      lspec s = make_spec(5, 6, V);
+      s.ce.threads = 2;
+      s.accumulate = mode;
+      s.space = budget::minimal;
+      const ldata<bf16> L = make_data<bf16>(s);
+      const oracle::linear_problem pb = L.problem();
+      const oracle::upstream up = L.d.oracle_upstream();
+      const oracle::linear_result r = oracle::evaluate_linear(pb, &up);
+      const bounds e = error_bounds(L, pb, r, 0.0, B::template stored<bf16>());
+      const typename B::template inputs<bf16> in(L);
+      typename B::error_count errors;
+      const auto exec = this->backend.exec(s, errors);
+      typename B::workspace ws(workspace_bytes<bf16>(exec, L, xent::linear_pass::training), 0);
+      typename B::template outputs<float> f(L.N());
+      typename B::template grads<bf16> g(s);
+      xent::linear_grads<bf16> frozen = g.views();
+      frozen.d_weight = {};
+      in.with_targets([&](auto t) {
+        xent::linear_forward_backward(exec, in.hidden(), in.weight(), in.bias(), t, in.options(),
+                                      in.upstream(), f.all(s.ce), frozen, ws.ws);
+      });
+      B::sync();
+      const gradients<bf16>& got = g.fetch();
+      SCOPED_TRACE(s.describe());
+      EXPECT_EQ(check_array("d_hidden", got.dx.data(), L.N(), L.D(), s.ld(), r.dx, e.dx) +
+                    check_array("d_bias", got.db.data(), 1, L.V(), L.V(), r.db, e.db),
+                "");
+      EXPECT_TRUE(xt::same_bits(got.dw[0], xt::sentinel<bf16>()));
+    }
+}
+
 REGISTER_TYPED_TEST_SUITE_P(LinearBackend, Float32MatchesFloat64OracleWithEveryOption,
                             Bfloat16AndHalfMatchFloat64OracleWithEveryOption,
                             EveryRowIgnoredGivesPyTorchsResultsAndZeroGradients,
                             NoRowsWritesZeroWeightAndBiasGradients,
-                            WorkspaceTooSmallThrowsNamingItAndTheSizeBeforeWriting);
+                            WorkspaceTooSmallThrowsNamingItAndTheSizeBeforeWriting,
+                            FrozenWeightTrainsInTheLeastWorkspaceOfEitherMode);
 
 }  // namespace xtl
