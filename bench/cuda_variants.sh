@@ -18,6 +18,8 @@ step=both
 filter=$1
 shift
 arch=${XENT_VARIANT_ARCH:-90}
+major=${arch%a}
+major=${major%?}  # the tuning row the variants start from: 90 -> 9, 100a -> 10
 for spec in "$@"; do
   [[ $step == run ]] && break
   name=${spec%%=*}
@@ -26,7 +28,8 @@ for spec in "$@"; do
   [[ $flags == @* ]] && { include=${flags#@}/include; flags=; }
   # shellcheck disable=SC2086
   nvcc -std=c++17 -O3 -arch=sm_$arch -DNDEBUG -I"$include" -Ibench -I/usr/include/eigen3 \
-    -diag-suppress=20012,20013,20015 -DXENT_CUDA_TUNING_OVERRIDE="\"$PWD/bench/tuning/override.cuh\"" $flags \
+    -diag-suppress=20012,20013,20015 -DXENT_CUDA_TUNING_OVERRIDE="\"$PWD/bench/tuning/override.cuh\"" \
+    -DXENT_CUDA_TUNED_MAJOR="$major" $flags \
     bench/cuda_cross_entropy.cu -o "build/variants/$name" \
     -lbenchmark -lpthread >"$OUT/build-$name.log" 2>&1 &
 done

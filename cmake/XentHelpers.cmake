@@ -4,6 +4,8 @@ include_guard(GLOBAL)
 
 set(XENT_CUDA_TUNING "" CACHE STRING
   "Tuning overrides of xent's own CUDA targets: a ;-list of NAME=VALUE (XENT_CUDA_<NAME>)")
+set(XENT_CUDA_TUNED_MAJOR "" CACHE STRING
+  "Compute capability major whose tuning row xent's own CUDA targets take (empty: the header's, 9)")
 set(_xent_tuning_override "${CMAKE_CURRENT_LIST_DIR}/../bench/tuning/override.cuh")
 
 # xent_target_options(<target>)
@@ -18,7 +20,9 @@ set(_xent_tuning_override "${CMAKE_CURRENT_LIST_DIR}/../bench/tuning/override.cu
 #   - XENT_CUDA_TUNING (a ;-list of NAME=VALUE, empty by default): CUDA sources get
 #     XENT_CUDA_TUNING_OVERRIDE, naming bench/tuning/override.cuh, and -DXENT_CUDA_<NAME>=<VALUE>
 #     for each item, which replace those numbers of the tuning row they are built with
-#     (include/xent/cuda/tuning/policy.cuh), e.g. -DXENT_CUDA_TUNING="SPLIT_BARRIERS=0;SMALL_REGS=0".
+#     (include/xent/cuda/tuning/policy.cuh), e.g. -DXENT_CUDA_TUNING="SPLIT_BARRIERS=0;SMALL_REGS=0";
+#   - XENT_CUDA_TUNED_MAJOR (empty by default): -DXENT_CUDA_TUNED_MAJOR=<major> on CUDA sources,
+#     the tuning row their kernels take.
 # CUDA sources get the host-compiler flags through -Xcompiler.
 function(xent_target_options target)
   if(NOT TARGET ${target})
@@ -87,7 +91,11 @@ function(xent_target_options target)
     $<${_cxx}:-ffp-contract=off>
     $<${_cu}:-Xcompiler=-ffp-contract=off>)
 
-  # Tuning overrides: one include hook and the numbers it replaces, CUDA sources only.
+  # The tuning row, then overrides: one include hook and the numbers it replaces (CUDA sources).
+  if(XENT_CUDA_TUNED_MAJOR)
+    target_compile_definitions(${target} ${_scope}
+      "$<${_cu}:XENT_CUDA_TUNED_MAJOR=${XENT_CUDA_TUNED_MAJOR}>")
+  endif()
   if(XENT_CUDA_TUNING)
     get_filename_component(_override "${_xent_tuning_override}" ABSOLUTE)
     set(_defs "XENT_CUDA_TUNING_OVERRIDE=\"${_override}\"")

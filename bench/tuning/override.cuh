@@ -1,6 +1,6 @@
 // The tuning override of xent's benchmark and test builds (XENT_CUDA_TUNING in CMake,
-// bench/cuda_variants.sh): the sm_90 row with each number whose XENT_CUDA_<NAME> macro is defined
-// replaced by it. include/xent/cuda/tuning/policy.cuh includes it through
+// bench/cuda_variants.sh): the row the build is tuned for (XENT_CUDA_TUNED_MAJOR) with each
+// number whose XENT_CUDA_<NAME> macro is defined replaced by it. include/xent/cuda/tuning/policy.cuh includes it through
 // XENT_CUDA_TUNING_OVERRIDE.
 #pragma once
 
@@ -165,7 +165,7 @@ constexpr tuning overridden(tuning r) {
 
 #ifdef XENT_CUDA_TUNING_OVERRIDE
 /// The row this build's kernels are compiled with.
-constexpr tuning tuned = overridden(sm90_row);
+constexpr tuning tuned = overridden(tuned_row);
 #endif
 
 }  // namespace cuda_detail

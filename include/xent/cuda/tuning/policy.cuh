@@ -6,18 +6,19 @@
 // run: host dispatch asks tuning_for(the device's compute capability) for them, device code asks
 // XENT_CUDA_SM90_PTX (below: inline PTX that assembles for sm_90 alone, one guard in one place,
 // tied to the row of __CUDA_ARCH__ by a static_assert). Numbers (threads, vectors per thread,
-// stages, thresholds) shape the kernels; they are compile-time constants, the same for every row
-// today (sm_90's: measured on an H200 and an H100), which `policy` exposes to kernels and dispatch.
+// stages, thresholds) shape the kernels; they are compile-time constants, taken from the row of
+// XENT_CUDA_TUNED_MAJOR (below), which `policy` exposes to kernels and dispatch. Both rows hold
+// sm_90's numbers (measured on an H200 and an H100).
 // tuning_for picks the first row whose min_major the device reaches; sm_80 and older take the
 // default row (the numbers of sm_90, every Hopper capability off).
 //
 // Adding a GPU (sm_100, say): one new row ahead of the rows it supersedes, its capabilities set,
-// and a run of bench/cuda_variants.sh on it for the numbers that row changes; those numbers reach
-// the kernels once builds for that architecture take `tuned` from the new row (docs/tuning.md).
+// and a run of bench/cuda_variants.sh on it for the numbers that row changes; builds for it
+// (XENT_CUDA_TUNED_MAJOR=10) compile their kernels with that row's numbers (docs/tuning.md).
 //
 // Overrides: xent's own benchmark and test builds may replace single numbers of the built row
 // through one hook, XENT_CUDA_TUNING_OVERRIDE (a header naming `tuned`; CMake's XENT_CUDA_TUNING
-// sets it, bench/tuning/override.cuh is that header). Without it the build takes the sm_90 row.
+// sets it, bench/tuning/override.cuh is that header). Without it the build takes its row whole.
 #pragma once
 
 #include <cstddef>
@@ -268,13 +269,27 @@ static_assert(xent::cuda_detail::tuning_for(__CUDA_ARCH__ / 100).bulk_copy ==
               "the device row's capabilities and the PTX compiled");
 #endif
 
+// The compute capability major whose row's numbers a build's kernels take: one set per build,
+// since host code launches the kernels of every architecture in a fat binary with the same launch
+// shapes. A build for a GPU with a row of its own defines it (CMake's XENT_CUDA_TUNED_MAJOR).
+#ifndef XENT_CUDA_TUNED_MAJOR
+#define XENT_CUDA_TUNED_MAJOR 9
+#endif
+
+namespace xent {
+namespace cuda_detail {
+/// The row of the architecture this build is tuned for.
+constexpr const tuning& tuned_row = tuning_for(XENT_CUDA_TUNED_MAJOR);
+}  // namespace cuda_detail
+}  // namespace xent
+
 #ifdef XENT_CUDA_TUNING_OVERRIDE
 #include XENT_CUDA_TUNING_OVERRIDE
 #else
 namespace xent {
 namespace cuda_detail {
 /// The row this build's kernels are compiled with.
-constexpr tuning tuned = sm90_row;
+constexpr tuning tuned = tuned_row;
 }  // namespace cuda_detail
 }  // namespace xent
 #endif
