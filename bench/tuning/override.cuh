@@ -1,7 +1,7 @@
 // The tuning override of xent's benchmark and test builds (XENT_CUDA_TUNING in CMake,
 // bench/cuda_variants.sh): the row the build is tuned for (XENT_CUDA_TUNED_MAJOR) with each
-// number whose XENT_CUDA_<NAME> macro is defined replaced by it. include/xent/cuda/tuning/policy.cuh includes it through
-// XENT_CUDA_TUNING_OVERRIDE.
+// number whose XENT_CUDA_<NAME> macro is defined replaced by it.
+// include/xent/cuda/tuning/policy.cuh includes it through XENT_CUDA_TUNING_OVERRIDE.
 #pragma once
 
 #include "../../include/xent/cuda/tuning/policy.cuh"
