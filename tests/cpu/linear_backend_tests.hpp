@@ -206,11 +206,26 @@ TYPED_TEST_P(LinearBackend, FrozenWeightTrainsInTheLeastWorkspaceOfEitherMode) {
     }
 }
 
+TYPED_TEST_P(LinearBackend, NoHiddenColumnsGivesTheBiasAloneOnEveryPath) {
+  // D = 0: every logit is its bias. Minimal workspaces put each row in a chunk of its own, so the
+  // calls visit rows past the first; padded rows make ld > 0 with no column to read.
+  for (auto mode : {xent::dw_accumulation::fp32, xent::dw_accumulation::output})
+    for (budget space : {budget::minimal, budget::all_rows}) {
+      lspec s = make_spec(5, 0, 7);
+      s.pad = 3;
+      s.accumulate = mode;
+      s.space = space;
+      EXPECT_TRUE(run_case<float>(this->backend, s));
+      EXPECT_TRUE(run_case<bf16>(this->backend, s));
+    }
+}
+
 REGISTER_TYPED_TEST_SUITE_P(LinearBackend, Float32MatchesFloat64OracleWithEveryOption,
                             Bfloat16AndHalfMatchFloat64OracleWithEveryOption,
                             EveryRowIgnoredGivesPyTorchsResultsAndZeroGradients,
                             NoRowsWritesZeroWeightAndBiasGradients,
                             WorkspaceTooSmallThrowsNamingItAndTheSizeBeforeWriting,
-                            FrozenWeightTrainsInTheLeastWorkspaceOfEitherMode);
+                            FrozenWeightTrainsInTheLeastWorkspaceOfEitherMode,
+                            NoHiddenColumnsGivesTheBiasAloneOnEveryPath);
 
 }  // namespace xtl
