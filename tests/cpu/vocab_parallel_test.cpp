@@ -1,311 +1,65 @@
-// Vocab-parallel calls on an in-process group of 1-4 ranks (threads), the vocabulary cut into
-// uneven shards (in some cases one of them empty, or the shards out of class order). Each case runs
-// forward_backward, and forward then backward from the saved LSE, on every rank; checks that every
-// rank wrote the same forward outputs, bit for bit; assembles the gradient shards into one N x V
-// gradient; and holds the result to the float64 oracle and to the unsharded CPU call with the
-// harness's checks and tolerances (doubled for the comparison with the unsharded call: both err).
+// Vocab-parallel calls on the CPU, ranks as threads of an in-process group: the shared
+// vocab-parallel tests (vocab_parallel_backend_tests.hpp: every option and dtype on 1-4 ranks,
+// uneven, empty and reordered shards, edge vocabularies, shards longer than a chunk, ignored and
+// absent rows, each case held to the ranks' agreement, the float64 oracle and the unsharded call);
+// that the checks catch Megatron-Core's per-shard smoothing; argument errors; the in-process group
+// itself.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "harness.hpp"
+#include "vocab_parallel_backend_tests.hpp"
+#include "vocab_parallel_harness.hpp"
 #include "vocab_split.hpp"
 
 namespace {
 
-using xent::reduction;
-using xt::ignore_mode;
 using xt::spec;
-using xt::target_kind;
-
-using xt::even_split;
 using xt::split;
 
-/// One rank's copy of its columns of a case's logits (and soft targets), ld = cols + pad.
-template <class T>
-struct shard_data {
-  std::int64_t first = 0, cols = 0, ld = 0;
-  std::vector<T> logits, probs;
-};
+/// The CPU backend of the shared vocab-parallel tests (vocab_parallel_backend_tests.hpp): ranks as
+/// threads of an in-process group, each on its shard (xvp::shard_of) with the case's xent::cpu.
+struct cpu_ranks {
+  static constexpr bool narrower_gradient = true;
+  void set_up() {}
+  void tear_down() {}
 
-template <class T>
-shard_data<T> cut(const xt::dataset<T>& d, std::int64_t first, std::int64_t last) {
-  const spec& s = d.s;
-  shard_data<T> sd;
-  sd.first = first;
-  sd.cols = last - first;
-  sd.ld = sd.cols + s.pad;
-  sd.logits.assign(s.rows * sd.ld, xt::sentinel<T>());
-  if (s.kind == target_kind::soft) sd.probs.assign(s.rows * sd.ld, xt::sentinel<T>());
-  for (std::int64_t n = 0; n < s.rows; ++n)
-    for (std::int64_t c = 0; c < sd.cols; ++c) {
-      sd.logits[n * sd.ld + c] = d.x(n, first + c);
-      if (s.kind == target_kind::soft) sd.probs[n * sd.ld + c] = d.probs[n * s.ld() + first + c];
-    }
-  return sd;
-}
-
-/// Calls f(targets) with the case's global targets, or the shard's soft targets.
-template <class T, class F>
-void with_shard_targets(const xt::dataset<T>& d, const shard_data<T>& sd, F&& f) {
-  if (d.s.kind == target_kind::soft)
-    f(xent::soft_targets<T>{xent::matrix_view<const T>(sd.probs.data(), d.s.rows, sd.cols, sd.ld)});
-  else
-    d.with_targets(f);
-}
-
-/// Runs one vocab-parallel call per rank (fused: forward_backward; else forward, then backward
-/// from the LSE) into per-rank call_results, whose grad holds the rank's shard (rows x shard ld).
-template <class T, class G>
-std::vector<xt::call_result<G>> run_ranks(const xt::dataset<T>& d, const split& b, bool fused,
-                                          const xent::options& opts) {
-  const spec& s = d.s;
-  const int ranks = b.ranks();
-  const bool has_loss = s.reduce != reduction::none;
-  const bool soft = s.kind == target_kind::soft;
-  std::vector<xt::call_result<G>> res(ranks);
-  std::vector<shard_data<T>> shards;
-  for (int r = 0; r < ranks; ++r) shards.push_back(cut(d, b.first(r), b.first(r) + b.cols(r)));
-  xent::inprocess_group group(ranks);
-  group.run([&](xent::inprocess_group::communicator comm) {
-    const int r = comm.rank();
-    const shard_data<T>& sd = shards[r];
-    xt::call_result<G>& out = res[r];
-    out.row_loss.assign(s.rows, 12345.0f);
-    out.lse.assign(s.rows, 12345.0f);
-    out.argmax.assign(s.rows, -777);
-    out.grad.assign(s.rows * sd.ld, xt::sentinel<G>());
-    xent::forward_outputs o;
-    if (has_loss) o.loss = &out.loss;
-    o.row_loss = {out.row_loss.data(), s.rows};
-    o.lse = {out.lse.data(), s.rows};
-    o.argmax = {out.argmax.data(), s.rows};
-    if (!soft) o.num_correct = &out.correct;
-    const xent::matrix_view<const T> x(sd.logits.data(), s.rows, sd.cols, sd.ld);
-    const xent::matrix_view<G> g(out.grad.data(), s.rows, sd.cols, sd.ld);
-    const xent::vocab_shard shard{sd.first, s.cols};
-    with_shard_targets(d, sd, [&](auto targets) {
-      if (fused) {
-        xent::vocab_parallel_forward_backward(d.exec(), comm, x, shard, targets, opts, d.upstream(),
-                                              o, g);
-      } else {
-        xent::vocab_parallel_forward(d.exec(), comm, x, shard, targets, opts, o);
-        xent::vocab_parallel_backward(d.exec(), comm, x, shard, targets, opts,
-                                      xent::vector_view<const float>(out.lse.data(), s.rows),
-                                      d.upstream(), g);
-      }
+  template <class T, class G>
+  xvp::ranks_result<G> ranks(const xt::dataset<T>& d, const split& sp, bool fused) const {
+    const std::vector<xt::dataset<T>> shards = xvp::shards_of(d, sp);
+    xvp::ranks_result<G> res;
+    for (const auto& in : shards) res.ranks.push_back(xvp::poisoned<G>(d.s.rows, in.s.ld()));
+    xent::inprocess_group group(sp.ranks());
+    group.run([&](xent::inprocess_group::communicator comm) {
+      const int r = comm.rank();
+      const xt::dataset<T>& in = shards[r];  // this rank's arguments
+      xt::call_result<G>& out = res.ranks[r];
+      const std::int64_t N = d.s.rows;
+      const xent::forward_outputs o = xvp::all_outputs(
+          d.s, N, &out.loss, out.row_loss.data(), out.lse.data(), out.argmax.data(), &out.correct);
+      const xent::matrix_view<G> g(out.grad.data(), N, in.s.cols, in.s.ld());
+      in.with_targets([&](auto t) {
+        xvp::rank_calls(in.exec(), comm, in.view(), {sp.first(r), d.s.cols}, t, in.options(),
+                        in.upstream(), o, g, fused);
+      });
     });
-  });
-  return res;
-}
-
-/// The ranks' results as one unsharded result: rank 0's forward outputs, the gradient shards
-/// side by side (rows x ld of the case, padding holding the sentinel).
-template <class T, class G>
-xt::call_result<G> assemble(const xt::dataset<T>& d, const split& b,
-                            const std::vector<xt::call_result<G>>& res) {
-  const spec& s = d.s;
-  xt::call_result<G> all = res[0];
-  all.grad.assign(s.rows * s.ld(), xt::sentinel<G>());
-  for (int r = 0; r < b.ranks(); ++r) {
-    const std::int64_t cols = b.cols(r), ld = cols + s.pad;
-    for (std::int64_t n = 0; n < s.rows; ++n) {
-      for (std::int64_t c = 0; c < cols; ++c)
-        all.grad[n * s.ld() + b.first(r) + c] = res[r].grad[n * ld + c];
-      for (std::int64_t c = cols; c < ld; ++c)
-        if (!xt::same_bits(res[r].grad[n * ld + c], xt::sentinel<G>()))
-          ADD_FAILURE() << "rank " << r << " wrote padding column " << c << " of row " << n;
-    }
+    return res;
   }
-  return all;
-}
 
-/// Every rank's forward outputs equal rank 0's, bit for bit.
-template <class G>
-std::string check_ranks_agree(const std::vector<xt::call_result<G>>& res) {
-  std::string e;
-  for (std::size_t r = 1; r < res.size(); ++r) {
-    const bool same =
-        xt::same_bits(res[r].loss, res[0].loss) && res[r].correct == res[0].correct &&
-        res[r].argmax == res[0].argmax &&
-        std::equal(res[r].row_loss.begin(), res[r].row_loss.end(), res[0].row_loss.begin(),
-                   xt::same_bits<float>) &&
-        std::equal(res[r].lse.begin(), res[r].lse.end(), res[0].lse.begin(), xt::same_bits<float>);
-    if (!same) e += "  rank " + std::to_string(r) + "'s forward outputs differ from rank 0's\n";
+  template <class T>
+  xt::call_result<float> unsharded(const xt::dataset<T>& d, bool fused) const {
+    return xt::call<T, float>(d, fused);
   }
-  return e;
-}
 
-/// A call_result's forward outputs in the harness's guarded form, for check_forward.
-template <class G>
-xt::forward_result as_forward(const xt::call_result<G>& c) {
-  xt::forward_result f(static_cast<std::int64_t>(c.lse.size()));
-  std::copy(c.row_loss.begin(), c.row_loss.end(), f.row_loss.data());
-  std::copy(c.lse.begin(), c.lse.end(), f.lse.data());
-  std::copy(c.argmax.begin(), c.argmax.end(), f.argmax.data());
-  f.loss.data()[0] = c.loss;
-  f.correct.data()[0] = c.correct;
-  return f;
-}
-
-/// The oracle's result with the unsharded xent call's values in place of the float64 ones (its
-/// magnitudes, which size the tolerances, kept).
-template <class G>
-oracle::result as_reference(oracle::result r, const spec& s, const xt::call_result<G>& u) {
-  for (std::int64_t n = 0; n < s.rows; ++n) {
-    r.row_loss[n] = u.row_loss[n];
-    r.lse[n] = u.lse[n];
-    r.argmax[n] = u.argmax[n];
-    for (std::int64_t c = 0; c < s.cols; ++c)
-      r.grad[n * s.cols + c] = xt::to_double(u.grad[n * s.ld() + c]);
+  template <class T, class G = T>
+  bool run(const spec& s, const split& sp) const {
+    return xvp::run_case<T, G>(*this, xt::make_dataset<T>(s), sp);
   }
-  r.loss = u.loss;
-  return r;
-}
-
-/// The sharded call against the unsharded one, both with float gradients: a bf16 / fp16 gradient
-/// element from each may round to neighbouring values (a float difference far below the
-/// tolerance can straddle a rounding boundary), which the oracle checks judge separately.
-template <class T>
-std::string compare_with_unsharded(const xt::dataset<T>& d, const split& b, bool fused,
-                                   const oracle::result& r) {
-  xt::dataset<T> loose = d;  // the unsharded call errs too: twice the tolerances
-  loose.s.forward_tol = 2 * d.s.fwd_tol();
-  loose.s.grad_tol = 2 * d.s.bwd_tol();
-  const xt::call_result<float> all = assemble(d, b, run_ranks<T, float>(d, b, fused, d.options()));
-  const xt::call_result<float> u = xt::call<T, float>(d, fused);
-  const oracle::result ur = as_reference(r, d.s, u);
-  xt::forward_result f = as_forward(all);
-  std::string e = xt::check_forward(loose, ur, f, d.s.reduce != reduction::none) +
-                  xt::check_gradient<T, float>(loose, ur, all.grad.data());
-  if (all.correct != u.correct || all.argmax != u.argmax) e += "  argmax / num_correct differ\n";
-  return e;
-}
-
-/// One case: both call forms, every rank, against the oracle and the unsharded call.
-template <class T, class G = T>
-bool run_vp_case(const xt::dataset<T>& d, const split& b) {
-  const spec& s = d.s;
-  const oracle::upstream oup = d.oracle_upstream();
-  const oracle::result r = oracle::evaluate(d.problem(), &oup);
-  std::string errors;
-  auto note = [&](const std::string& what, const std::string& e) {
-    if (!e.empty()) errors += what + ":\n" + e;
-  };
-  for (bool fused : {true, false}) {
-    const std::string form = fused ? "forward_backward" : "forward + backward";
-    const auto res = run_ranks<T, G>(d, b, fused, d.options());
-    note(form + ", ranks", check_ranks_agree(res));
-    const xt::call_result<G> all = assemble(d, b, res);
-    xt::forward_result f = as_forward(all);
-    note(form + " vs oracle", xt::check_forward(d, r, f, s.reduce != reduction::none));
-    note(form + " gradient vs oracle", xt::check_gradient<T, G>(d, r, all.grad.data()));
-    note(form + " vs unsharded (float gradients)", compare_with_unsharded(d, b, fused, r));
-  }
-  if (!errors.empty()) {
-    ADD_FAILURE() << "case " << xt::dtype_name<T>() << " -> " << xt::dtype_name<G>() << ", "
-                  << s.describe() << ", " << b.name() << "\n"
-                  << errors;
-    return false;
-  }
-  return true;
-}
-
-template <class T>
-void sweep_options(std::int64_t rows, std::int64_t vocab, int threads, std::uint64_t seed0) {
-  xt::case_budget budget;
-  std::uint64_t seed = seed0;
-  for (int ranks = 1; ranks <= 4; ++ranks)
-    for (const split& b : xt::splits(vocab, ranks))
-      for (reduction red : {reduction::mean, reduction::sum, reduction::none})
-        for (int variant = 0; variant < 6; ++variant) {
-          spec s;
-          s.rows = rows;
-          s.cols = vocab;
-          s.pad = variant % 2;
-          s.threads = threads;
-          s.reduce = red;
-          s.seed = ++seed;
-          s.kind = variant == 5 ? target_kind::soft
-                                : (variant % 2 ? target_kind::int32 : target_kind::int64);
-          s.ignore = variant == 1 ? ignore_mode::some : ignore_mode::none;
-          s.label_smoothing = variant >= 2 ? 0.1f : 0.0f;
-          s.weights = variant == 3 || variant == 5 || variant == 1;
-          s.z_loss = variant == 4 ? 1e-3f : 0.0f;
-          s.softcap = variant == 4 ? 5.0f : 0.0f;
-          s.up = variant % 3 == 0 ? xt::upstream_mode::pointer_or_rows : xt::upstream_mode::scale;
-          if (!budget.record(run_vp_case<T>(xt::make_dataset<T>(s), b))) return;
-        }
-}
-
-TEST(CpuVocabParallel, MatchesUnshardedAndOracleFloat32) { sweep_options<float>(7, 37, 1, 100); }
-
-TEST(CpuVocabParallel, MatchesUnshardedAndOracleBfloat16) {
-  sweep_options<xt::bf16>(7, 37, 1, 200);
-}
-
-TEST(CpuVocabParallel, MatchesUnshardedAndOracleHalf) { sweep_options<xt::half>(7, 37, 1, 300); }
-
-TEST(CpuVocabParallel, MatchesUnshardedAndOracleWithChunksAndThreads) {
-  // Shards longer than a chunk and a thread split within a rank's shard (rows < threads).
-  xt::case_budget budget;
-  std::uint64_t seed = 400;
-  for (std::int64_t rows : {1, 5})
-    for (int ranks : {2, 3})
-      for (int variant = 0; variant < 3; ++variant) {
-        spec s;
-        s.rows = rows;
-        s.cols = 20011;
-        s.threads = 4;
-        s.chunk = 512;
-        s.seed = ++seed;
-        s.label_smoothing = variant >= 1 ? 0.2f : 0.0f;
-        s.weights = variant == 2;
-        s.kind = variant == 2 ? target_kind::soft : target_kind::int64;
-        if (!budget.record(
-                run_vp_case<float>(xt::make_dataset<float>(s), even_split(s.cols, ranks))))
-          return;
-      }
-}
-
-TEST(CpuVocabParallel, Float32LogitsBfloat16Gradient) {
-  spec s;
-  s.rows = 9;
-  s.cols = 37;
-  s.label_smoothing = 0.1f;
-  s.weights = true;
-  s.ignore = ignore_mode::some;
-  run_vp_case<float, xt::bf16>(xt::make_dataset<float>(s), even_split(37, 4));
-}
-
-TEST(CpuVocabParallel, AllRowsIgnoredAndNoRows) {
-  for (reduction red : {reduction::mean, reduction::sum, reduction::none}) {
-    spec s;
-    s.rows = 4;
-    s.cols = 37;
-    s.reduce = red;
-    s.ignore = ignore_mode::all;
-    s.label_smoothing = 0.1f;
-    s.weights = true;
-    run_vp_case<float>(xt::make_dataset<float>(s), even_split(37, 3));
-    s.rows = 0;
-    run_vp_case<float>(xt::make_dataset<float>(s), even_split(37, 3));
-  }
-}
-
-TEST(CpuVocabParallel, MoreRanksThanClasses) {
-  spec s;
-  s.rows = 5;
-  s.cols = 3;
-  s.label_smoothing = 0.3f;
-  s.ignore = ignore_mode::some;
-  run_vp_case<float>(xt::make_dataset<float>(s), even_split(3, 4));  // one shard empty
-}
+};
 
 // The comparison can fail: Megatron-Core's vocab-parallel label smoothing spreads eps over each
 // rank's V_local classes; a result computed that way must fail the check that this backend passes.
@@ -315,14 +69,17 @@ TEST(CpuVocabParallel, PerShardSmoothingWouldFailTheCheck) {
   s.cols = 37;
   s.label_smoothing = 0.2f;
   const auto d = xt::make_dataset<float>(s);
-  const split b = even_split(s.cols, 4);
+  const split b = xt::even_split(s.cols, 4);
   const oracle::result r = oracle::evaluate(d.problem());
-  const auto res = run_ranks<float, float>(d, b, true, d.options());
-  xt::forward_result good = as_forward(assemble(d, b, res));
+  std::string padding;
+  const xt::call_result<float> all =
+      xvp::assemble(d, b, cpu_ranks{}.ranks<float, float>(d, b, true).ranks, padding);
+  EXPECT_EQ(padding, "");
+  xt::forward_result good = xvp::as_forward(all);
   EXPECT_EQ(xt::check_forward(d, r, good, true), "");
 
   // Per-shard smoothing: each rank's eps / R spread over its own V_local classes.
-  xt::call_result<float> megatron = res[0];
+  xt::call_result<float> megatron = all;
   const double eps = s.label_smoothing;
   double total = 0.0;
   for (std::int64_t n = 0; n < s.rows; ++n) {
@@ -335,7 +92,7 @@ TEST(CpuVocabParallel, PerShardSmoothingWouldFailTheCheck) {
     total += megatron.row_loss[n];
   }
   megatron.loss = static_cast<float>(total / static_cast<double>(s.rows));
-  xt::forward_result bad = as_forward(megatron);
+  xt::forward_result bad = xvp::as_forward(megatron);
   EXPECT_NE(xt::check_forward(d, r, bad, true), "")
       << "per-shard smoothing passed the check: the test could not tell it from eps / V";
 }
@@ -563,3 +320,8 @@ TEST(InprocessGroup, RejectsBadSizesAndRanks) {
 }
 
 }  // namespace
+
+namespace xvp {
+// Named so that the tsan preset's filter (^CpuVocabParallel) runs them with the threaded tests.
+INSTANTIATE_TYPED_TEST_SUITE_P(CpuVocabParallel, VocabParallelBackend, cpu_ranks);
+}  // namespace xvp
