@@ -9,6 +9,7 @@ namespace xent {
 
 /// Cross-entropy over logits. Specialised by each backend (cpu/backend.hpp, cuda/backend.cuh) with
 ///   template <class T> static constexpr bool supports_dtype;   // logits / gradient element types
+///   template <class T, class G> static constexpr bool supports_gradient;  // G for T's logits
 ///   static void forward(exec, logits, targets, opts, outputs);
 ///   static void backward(exec, logits, targets, opts, lse, upstream, grad);
 ///   static void forward_backward(exec, logits, targets, opts, upstream, outputs, grad);

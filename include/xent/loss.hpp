@@ -71,8 +71,9 @@ void backward(const Exec& exec, matrix_view<L> logits, const Targets& targets, c
               matrix_view<G> grad) {
   constexpr const char* fn = "xent::backward";
   static_assert(!std::is_const<G>::value, "xent::backward: grad must be writable");
-  static_assert(backend_traits<Exec>::template supports_dtype<G>,
-                "xent: unsupported gradient dtype for this backend");
+  static_assert(backend_traits<Exec>::template supports_gradient<std::remove_const_t<L>, G>,
+                "xent: unsupported gradient dtype for these logits on this backend (CUDA: a "
+                "gradient at least as wide as the logits)");
   detail::check_common<Exec>(fn, logits, targets, opts);
   detail::require_accumulator<L, A>();
   detail::check_vector(fn, "lse", lse, logits.rows, false);
@@ -95,8 +96,9 @@ void forward_backward(const Exec& exec, matrix_view<L> logits, const Targets& ta
                       const basic_forward_outputs<B>& outputs, matrix_view<G> grad) {
   constexpr const char* fn = "xent::forward_backward";
   static_assert(!std::is_const<G>::value, "xent::forward_backward: grad must be writable");
-  static_assert(backend_traits<Exec>::template supports_dtype<G>,
-                "xent: unsupported gradient dtype for this backend");
+  static_assert(backend_traits<Exec>::template supports_gradient<std::remove_const_t<L>, G>,
+                "xent: unsupported gradient dtype for these logits on this backend (CUDA: a "
+                "gradient at least as wide as the logits)");
   detail::check_common<Exec>(fn, logits, targets, opts);
   detail::require_accumulator<L, A>();
   detail::require_accumulator<L, B>();

@@ -357,6 +357,9 @@ template <>
 struct backend_traits<cpu> {
   template <class T>
   static constexpr bool supports_dtype = cpu_detail::is_cpu_dtype<T>::value;
+  /// Any gradient dtype for any logits: each element is converted on its way out.
+  template <class T, class G>
+  static constexpr bool supports_gradient = cpu_detail::is_cpu_dtype<G>::value;
 
   template <class T, class Tgt, class A>
   static void forward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,

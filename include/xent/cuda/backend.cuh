@@ -16,6 +16,11 @@ template <>
 struct backend_traits<cuda> {
   template <class T>
   static constexpr bool supports_dtype = cuda_detail::is_device_dtype<T>;
+  /// A gradient no narrower than the logits: a tile's gradient is stored in whole 16-byte vectors
+  /// (block/tile_gradient.cuh), which a narrower element would leave half filled.
+  template <class T, class G>
+  static constexpr bool supports_gradient = cuda_detail::is_device_dtype<G> &&
+                                            sizeof(G) >= sizeof(T);
 
   template <class T, class Tgt>
   static void forward(const cuda& exec, matrix_view<const T> logits, const Tgt& targets,

@@ -124,8 +124,9 @@ void vocab_parallel_backward(const Exec& exec, const Group& group, matrix_view<L
                              matrix_view<G> grad) {
   constexpr const char* fn = "xent::vocab_parallel_backward";
   static_assert(!std::is_const<G>::value, "xent::vocab_parallel_backward: grad must be writable");
-  static_assert(backend_traits<Exec>::template supports_dtype<G>,
-                "xent: unsupported gradient dtype for this backend");
+  static_assert(backend_traits<Exec>::template supports_gradient<std::remove_const_t<L>, G>,
+                "xent: unsupported gradient dtype for these logits on this backend (CUDA: a "
+                "gradient at least as wide as the logits)");
   detail::check_vocab_parallel<Exec>(fn, group, logits, shard, targets, opts);
   detail::check_vector(fn, "lse", lse, logits.rows, false);
   detail::check_upstream(fn, up, opts, logits.rows);
@@ -147,8 +148,9 @@ void vocab_parallel_forward_backward(const Exec& exec, const Group& group, matri
   constexpr const char* fn = "xent::vocab_parallel_forward_backward";
   static_assert(!std::is_const<G>::value,
                 "xent::vocab_parallel_forward_backward: grad must be writable");
-  static_assert(backend_traits<Exec>::template supports_dtype<G>,
-                "xent: unsupported gradient dtype for this backend");
+  static_assert(backend_traits<Exec>::template supports_gradient<std::remove_const_t<L>, G>,
+                "xent: unsupported gradient dtype for these logits on this backend (CUDA: a "
+                "gradient at least as wide as the logits)");
   detail::check_vocab_parallel<Exec>(fn, group, logits, shard, targets, opts);
   detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft,
                         false);
