@@ -1,10 +1,11 @@
-// xent's XLA FFI handlers for the CPU: the bodies of ffi_ops.h on xent::cpu, exported as plain C
-// symbols (XLA_FFI_DEFINE_HANDLER_SYMBOL) that xent/jax/_ffi.py loads with ctypes and registers
-// with jax.ffi.register_ffi_target(platform="cpu").
+// xent's XLA FFI handlers for the CPU: the bodies of ffi_ops.h and ffi_linear.h on xent::cpu,
+// exported as plain C symbols (XLA_FFI_DEFINE_HANDLER_SYMBOL) that xent/jax/_ffi.py loads with
+// ctypes and registers with jax.ffi.register_ffi_target(platform="cpu").
 #include <algorithm>
 #include <cstring>
 #include <thread>
 
+#include "ffi_linear.h"
 #include "ffi_ops.h"
 
 namespace xent_jax {
@@ -36,6 +37,31 @@ ffi::Error fwd_bwd(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer 
                    ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                    ffi::Result<ffi::AnyBuffer> grad, loss_attrs attrs) {
   return cross_entropy_fwd_bwd<true>(make_cpu_exec, logits, labels, weight, loss, lse, grad, attrs);
+}
+
+ffi::Error lin_fwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                   ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
+                   ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
+                   loss_attrs attrs) {
+  return linear_fwd<true>(cpu_exec{}.exec, hidden, weight, bias, labels, class_weight, loss, lse,
+                          attrs);
+}
+
+ffi::Error lin_bwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                   ffi::AnyBuffer labels, ffi::AnyBuffer class_weight, ffi::AnyBuffer lse,
+                   ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
+                   ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
+  return linear_bwd<true>(cpu_exec{}.exec, hidden, weight, bias, labels, class_weight, lse, g, dh,
+                          dw, db, attrs);
+}
+
+ffi::Error lin_fwd_bwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                       ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
+                       ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
+                       ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
+  return linear_fwd_bwd<true>(cpu_exec{}.exec, hidden, weight, bias, labels, class_weight, loss,
+                              lse, dh, dw, db, attrs);
 }
 
 // One batch element's gradient times its scale, in the accumulator type and rounded once to the
@@ -77,3 +103,9 @@ XENT_JAX_HANDLER(xent_cross_entropy_fwd_bwd_cpu, xent_jax::fwd_bwd,
                  xent_jax::fused_binding(xla::ffi::Ffi::Bind()));
 XENT_JAX_HANDLER(xent_scale_grad_cpu, xent_jax::scale,
                  xent_jax::scale_binding(xla::ffi::Ffi::Bind()));
+XENT_JAX_HANDLER(xent_linear_cross_entropy_fwd_cpu, xent_jax::lin_fwd,
+                 xent_jax::linear_loss_binding(xla::ffi::Ffi::Bind()));
+XENT_JAX_HANDLER(xent_linear_cross_entropy_bwd_cpu, xent_jax::lin_bwd,
+                 xent_jax::linear_backward_binding(xla::ffi::Ffi::Bind()));
+XENT_JAX_HANDLER(xent_linear_cross_entropy_fwd_bwd_cpu, xent_jax::lin_fwd_bwd,
+                 xent_jax::linear_fused_binding(xla::ffi::Ffi::Bind()));

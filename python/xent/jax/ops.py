@@ -46,10 +46,11 @@ def _accumulator(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if dtype == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-def _call(target, results, *args, cfg=None, aliases=None):
+def _call(target, results, *args, cfg=None, aliases=None, method=None):
     # A call writing over an input (aliases) needs that input of the result's shape under vmap:
     # broadcast_all copies an unbatched one to the batch, which is the result's memory anyway.
-    method = "broadcast_all" if aliases else "expand_dims"
+    if method is None:
+        method = "broadcast_all" if aliases else "expand_dims"
     kwargs = cfg.attrs() if cfg is not None else {}
     return jax.ffi.ffi_call(target, results, vmap_method=method, input_output_aliases=aliases)(
         *args, **kwargs
@@ -160,6 +161,45 @@ def _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap) ->
     return _Config(int(ignore_index), _REDUCTIONS[reduction], **values)
 
 
+def _check_float(name, x):
+    if x.dtype not in _LOGIT_DTYPES:
+        raise TypeError(
+            f"xent: {name} must be float32, bfloat16, float16 or float64, got {x.dtype}"
+        )
+
+
+def _check_labels(labels, shape, what):
+    if labels.dtype not in (jnp.int32, jnp.int64):
+        raise TypeError(f"xent: labels must be int32 or int64 class ids, got {labels.dtype}")
+    if labels.shape != shape:
+        raise ValueError(f"xent: labels must have shape {what} = {shape}, got {labels.shape}")
+
+
+def _class_weights(weight, classes):
+    """The class weights as the handlers take them: (V,) float32, or (0,) for none."""
+    if classes == 0:
+        raise ValueError("xent: the class dimension is empty (V = 0)")
+    if weight is None:
+        return jnp.zeros((0,), jnp.float32)
+    w = jnp.asarray(weight)
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(f"xent: weight must be floating point, got {w.dtype}")
+    if w.shape != (classes,):
+        raise ValueError(f"xent: weight must have shape (V,) = ({classes},), got {w.shape}")
+    return w.astype(jnp.float32)
+
+
+def _results(loss, lse, shape, dtype, cfg, return_lse):
+    """What the public calls return: the loss in the inputs' dtype (labels' shape for none) and,
+    on request, the per-row LSE outside the gradient."""
+    if cfg.reduction == 0:
+        loss = loss.reshape(shape)
+    loss = loss.astype(dtype)
+    if not return_lse:
+        return loss
+    return loss, jax.lax.stop_gradient(lse).reshape(shape)
+
+
 def cross_entropy(
     logits: jax.Array,
     labels: jax.Array,
@@ -195,37 +235,146 @@ def cross_entropy(
     logits = jnp.asarray(logits)
     labels = jnp.asarray(labels)
     cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
-    if logits.dtype not in _LOGIT_DTYPES:
-        raise TypeError(
-            f"xent: logits must be float32, bfloat16, float16 or float64, got {logits.dtype}"
-        )
+    _check_float("logits", logits)
     if logits.ndim < 1:
         raise ValueError("xent: logits must have a class dimension (..., V), got a scalar")
-    if labels.dtype not in (jnp.int32, jnp.int64):
-        raise TypeError(f"xent: labels must be int32 or int64 class ids, got {labels.dtype}")
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"xent: labels must have shape logits.shape[:-1] = {logits.shape[:-1]}, "
-            f"got {labels.shape}"
-        )
+    _check_labels(labels, logits.shape[:-1], "logits.shape[:-1]")
     classes = logits.shape[-1]
-    if classes == 0:
-        raise ValueError("xent: logits has an empty class dimension (V = 0)")
-    if weight is None:
-        w = jnp.zeros((0,), jnp.float32)
-    else:
-        w = jnp.asarray(weight)
-        if not jnp.issubdtype(w.dtype, jnp.floating):
-            raise TypeError(f"xent: weight must be floating point, got {w.dtype}")
-        if w.shape != (classes,):
-            raise ValueError(f"xent: weight must have shape (V,) = ({classes},), got {w.shape}")
-        w = w.astype(jnp.float32)
-    lead = labels.shape
-    rows = math.prod(lead)
+    w = _class_weights(weight, classes)
+    rows = math.prod(labels.shape)
     loss, lse = _cross_entropy(logits.reshape(rows, classes), labels.reshape(rows), w, cfg)
+    return _results(loss, lse, labels.shape, logits.dtype, cfg, return_lse)
+
+
+# --- fused linear cross-entropy ------------------------------------------------------------------
+
+
+def _linear_forward(h, wt, b, y, w, cfg):
+    acc = _accumulator(h.dtype)
+    loss_shape = (h.shape[0],) if cfg.reduction == 0 else ()
+    return _call(
+        "xent_linear_cross_entropy_fwd",
+        (jax.ShapeDtypeStruct(loss_shape, acc), jax.ShapeDtypeStruct((h.shape[0],), acc)),
+        h,
+        wt,
+        b,
+        y,
+        w,
+        cfg=cfg,
+        method="sequential",
+    )
+
+
+def _linear_grads(h, wt, b):
+    return (
+        jax.ShapeDtypeStruct(h.shape, h.dtype),
+        jax.ShapeDtypeStruct(wt.shape, h.dtype),
+        jax.ShapeDtypeStruct(b.shape, h.dtype),
+    )
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _linear_cross_entropy(h, wt, b, y, w, cfg):
+    return _linear_forward(h, wt, b, y, w, cfg)
+
+
+# As for _cross_entropy: with mean or sum the forward computes the three gradients in the same
+# pass (each chunk's logits once; linear_backward would compute every chunk's logits again), and
+# backward scales them; with none the forward saves the LSE and backward recomputes the logits.
+def _linear_cross_entropy_fwd(h, wt, b, y, w, cfg):
     if cfg.reduction == 0:
-        loss = loss.reshape(lead)
-    loss = loss.astype(logits.dtype)
-    if not return_lse:
-        return loss
-    return loss, jax.lax.stop_gradient(lse).reshape(lead)
+        loss, lse = _linear_forward(h, wt, b, y, w, cfg)
+        return (loss, lse), (h, wt, b, y, w, lse)
+    acc = _accumulator(h.dtype)
+    loss, lse, dh, dw, db = _call(
+        "xent_linear_cross_entropy_fwd_bwd",
+        (jax.ShapeDtypeStruct((), acc), jax.ShapeDtypeStruct((h.shape[0],), acc))
+        + _linear_grads(h, wt, b),
+        h,
+        wt,
+        b,
+        y,
+        w,
+        cfg=cfg,
+        method="sequential",
+    )
+    return (loss, lse), (dh, dw, db)
+
+
+def _linear_cross_entropy_bwd(cfg, saved, cotangents):
+    g = cotangents[0]
+    if cfg.reduction == 0:
+        h, wt, b, y, w, lse = saved
+        dh, dw, db = _call(
+            "xent_linear_cross_entropy_bwd",
+            _linear_grads(h, wt, b),
+            h,
+            wt,
+            b,
+            y,
+            w,
+            lse,
+            g.astype(lse.dtype),
+            cfg=cfg,
+            method="sequential",
+        )
+    else:
+        # A pass over d_hidden (N x D) and d_weight (V x D), small beside the call's GEMMs.
+        dh, dw, db = ((d.astype(g.dtype) * g).astype(d.dtype) if d.size else d for d in saved)
+    return dh, dw, db, None, None
+
+
+_linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)
+
+
+def linear_cross_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    class_weight: jax.Array | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    return_lse: bool = False,
+):
+    """cross_entropy(hidden @ weight.T + bias, labels, ...) without the (..., V) logits.
+
+    hidden (..., D), weight (V, D) (an LM head's, as torch.nn.Linear holds it), bias (V,) or
+    None, labels hidden.shape[:-1]; hidden, weight and bias of one dtype. The options are
+    cross_entropy's (class_weight is its `weight`). Differentiable in hidden, weight and bias;
+    the logits are computed a chunk of rows at a time in a workspace and never kept. CPU only so
+    far; under jax.vmap the call runs once per batch element.
+    """
+    hidden = jnp.asarray(hidden)
+    weight = jnp.asarray(weight)
+    labels = jnp.asarray(labels)
+    cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
+    _check_float("hidden", hidden)
+    if hidden.ndim < 1:
+        raise ValueError("xent: hidden must be (..., D), got a scalar")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"xent: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"xent: weight must be (V, D) with D = {hidden.shape[-1]}, got {weight.shape}"
+        )
+    _check_labels(labels, hidden.shape[:-1], "hidden.shape[:-1]")
+    classes = weight.shape[0]
+    w = _class_weights(class_weight, classes)
+    if bias is None:
+        b = jnp.zeros((0,), hidden.dtype)
+    else:
+        b = jnp.asarray(bias)
+        if b.dtype != hidden.dtype:
+            raise TypeError(f"xent: bias must have hidden's dtype {hidden.dtype}, got {b.dtype}")
+        if b.shape != (classes,):
+            raise ValueError(f"xent: bias must have shape (V,) = ({classes},), got {b.shape}")
+    rows = math.prod(labels.shape)
+    loss, lse = _linear_cross_entropy(
+        hidden.reshape(rows, hidden.shape[-1]), weight, b, labels.reshape(rows), w, cfg
+    )
+    return _results(loss, lse, labels.shape, hidden.dtype, cfg, return_lse)
