@@ -455,3 +455,33 @@ def test_out_of_range_label_is_nan_on_the_gpu():
     assert math.isnan(float(losses[2]))
     want, _, _ = oracle(x, y.at[2].set(-100), reduction="none")
     assert_close(np.delete(np.asarray(losses), 2), np.delete(want, 2), 2e-5)
+
+
+def test_handler_checks_name_the_argument():
+    # The handlers check what reaches them on their own, whoever calls them.
+    x, y = make((4,), 6)
+    f32 = jnp.float32
+    attrs = dict(
+        ignore_index=np.int64(-100),
+        reduction=np.int32(1),
+        label_smoothing=np.float32(0),
+        z_loss=np.float32(0),
+        softcap=np.float32(0),
+    )
+    results = (jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((4,), f32))
+    no_weight = jnp.zeros((0,), f32)
+
+    def forward(*args, **changes):
+        call = jax.ffi.ffi_call("xent_cross_entropy_fwd", results)
+        return jax.block_until_ready(call(*args, **{**attrs, **changes}))
+
+    for args, changes, name in [
+        ((x, y[:3], no_weight), {}, "labels"),
+        ((x, y.astype(jnp.float32), no_weight), {}, "labels"),
+        ((x, y, jnp.ones(5, f32)), {}, "weight"),
+        ((x.astype(jnp.int32), y, no_weight), {}, "logits"),
+        ((x, y, no_weight), {"reduction": np.int32(7)}, "reduction"),
+        ((x, y, no_weight), {"label_smoothing": np.float32(2)}, "label_smoothing"),
+    ]:
+        with pytest.raises(Exception, match=name):
+            forward(*args, **changes)
