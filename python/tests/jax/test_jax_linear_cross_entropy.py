@@ -1,0 +1,128 @@
+"""xent.jax.linear_cross_entropy against the float64 oracle of the logits it never forms
+(hidden @ weight.T + bias): values and the gradients of hidden, weight and bias for every
+option, jit / vmap / checkpoint, and the errors for bad arguments (CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_jax_cross_entropy import OPTIONS, assert_close, oracle, resolve
+
+import xent.jax as xj
+
+
+def make(rows, dim, classes, dtype=jnp.float32, seed=0, bias=True):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    h = jax.random.normal(k[0], (*rows, dim), jnp.float32).astype(dtype)
+    w = (jax.random.normal(k[1], (classes, dim), jnp.float32) / np.sqrt(dim)).astype(dtype)
+    b = jax.random.normal(k[2], (classes,), jnp.float32).astype(dtype) if bias else None
+    y = jax.random.randint(k[3], rows, 0, classes)
+    return h, w, b, y
+
+
+def linear_oracle(h, w, b, y, **kw):
+    """Loss and the gradients of hidden, weight and bias (float64) of sum(loss)."""
+    h64, w64 = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    logits = h64 @ w64.T + (0.0 if b is None else np.asarray(b, np.float64))
+    loss, _, d = oracle(logits, y, **kw)
+    d2 = d.reshape(-1, w64.shape[0])
+    return (
+        np.sum(loss),
+        (d2 @ w64).reshape(h64.shape),
+        d2.T @ h64.reshape(-1, w64.shape[1]),
+        d2.sum(0),
+    )
+
+
+@pytest.mark.parametrize("kw", OPTIONS, ids=lambda kw: ",".join(kw) or "defaults")
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_matches_float64_oracle(kw, with_bias):
+    classes = 29
+    h, w, b, y = make((3, 5), 16, classes, bias=with_bias)
+    kw = resolve(kw, classes)
+    if "weight" in kw:
+        kw["class_weight"] = kw.pop("weight")
+    oracle_kw = {("weight" if k == "class_weight" else k): v for k, v in kw.items()}
+    want, want_dh, want_dw, want_db = linear_oracle(h, w, b, y, **oracle_kw)
+
+    def f(h, w, b):
+        return xj.linear_cross_entropy(h, w, y, b, **kw).sum()
+
+    loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(h, w, b)
+    assert_close(loss, want, 2e-5 * max(1.0, abs(want)))
+    assert_close(grads[0], want_dh, 2e-5)
+    assert_close(grads[1], want_dw, 2e-5)
+    if with_bias:
+        assert_close(grads[2], want_db, 2e-5)
+    else:
+        assert grads[2] is None
+
+
+def test_matches_cross_entropy_of_the_logits_in_bfloat16():
+    h, w, b, y = make((4, 6), 32, 40, jnp.bfloat16)
+    kw = {"label_smoothing": 0.1, "z_loss": 1e-3}
+    got = jax.value_and_grad(lambda h: xj.linear_cross_entropy(h, w, y, b, **kw))(h)
+    logits = h.astype(jnp.float32) @ w.astype(jnp.float32).T + b.astype(jnp.float32)
+    want = jax.value_and_grad(
+        lambda h: xj.cross_entropy(
+            (h.astype(jnp.float32) @ w.astype(jnp.float32).T + b.astype(jnp.float32)), y, **kw
+        )
+    )(h)
+    assert logits.shape == (4, 6, 40)
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
+    assert_close(got[0], want[0], 2e-2)
+    assert_close(got[1], want[1], 2e-2)
+
+
+def test_float64_matches_oracle():
+    with jax.enable_x64(True):
+        h, w, b, y = make((7,), 8, 13, jnp.float64)
+        for reduction in ("mean", "sum", "none"):
+            loss, grads = jax.value_and_grad(
+                lambda h, w, b, r=reduction: xj.linear_cross_entropy(
+                    h, w, y, b, reduction=r, softcap=3.0
+                ).sum(),
+                argnums=(0, 1, 2),
+            )(h, w, b)
+            want = linear_oracle(h, w, b, y, reduction=reduction, softcap=3.0)
+            assert_close(loss, want[0], 1e-12)
+            for g, wg in zip(grads, want[1:]):
+                assert_close(g, wg, 1e-12)
+
+
+def test_jit_vmap_and_checkpoint():
+    h, w, b, y = make((3, 4), 8, 11)
+
+    def f(h, w, y):
+        return 2.0 * xj.linear_cross_entropy(h, w, y, b, ignore_index=2)
+
+    grad = jax.grad(f, argnums=(0, 1))
+    got = jax.jit(jax.vmap(grad, in_axes=(0, None, 0)))(h, w, y)
+    for i in range(3):
+        want = grad(h[i], w, y[i])
+        assert_close(got[0][i], want[0], 1e-6)
+        assert_close(got[1][i], want[1], 1e-6)
+    assert_close(jax.jit(jax.grad(jax.checkpoint(f)))(h, w, y), grad(h, w, y)[0], 1e-6)
+
+
+def test_bad_arguments_name_themselves():
+    h, w, b, y = make((4,), 8, 6)
+    cases = [
+        (TypeError, "hidden", {"hidden": h.astype(jnp.int32)}),
+        (TypeError, "weight", {"weight": w.astype(jnp.bfloat16)}),
+        (ValueError, "weight", {"weight": w[:, :7]}),
+        (ValueError, "labels", {"labels": y[:3]}),
+        (TypeError, "bias", {"bias": b.astype(jnp.float16)}),
+        (ValueError, "bias", {"bias": b[:5]}),
+        (ValueError, "weight", {"class_weight": jnp.ones(5)}),
+        (ValueError, "reduction", {"reduction": "avg"}),
+    ]
+    for error, name, change in cases:
+        args = {"hidden": h, "weight": w, "labels": y, "bias": b}
+        args.update(
+            {k: change.pop(k) for k in ("hidden", "weight", "labels", "bias") if k in change}
+        )
+        with pytest.raises(error, match=name):
+            xj.linear_cross_entropy(
+                args["hidden"], args["weight"], args["labels"], args["bias"], **change
+            )
