@@ -1,0 +1,239 @@
+// The vocab-parallel ops: xent's vocab-parallel calls (include/xent/parallel/vocab_parallel.hpp)
+// with the rank's exchange going through a torch.distributed process group, one process per
+// device. Written once over a backend as xent_ops.h's op bodies are (xent_vocab_parallel.cpp
+// instantiates them for the CPU); a backend adds to xent_ops.h's interface
+//   B::vp_exec(x, rows, ranks)   the execution object of a vocab-parallel call on tensors like x
+//                                with `ranks` ranks, {exec, hold} as B::exec
+//
+// Each rank holds logits[:, vocab_start : vocab_start + V_local] of a vocabulary of vocab_size
+// classes; targets are global class ids (or the rank's N x V_local shard of class probabilities)
+// and class weights all vocab_size of them, as the C++ calls take them. Every rank gets the
+// unsharded call's loss and LSE, bit for bit the same on every rank, and its shard of the gradient.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "xent_ops.h"
+
+namespace xent_torch {
+
+// What every rank's call must agree on beyond the byte counts of its exchange: the rows, the
+// vocabulary, the options and the kind of targets, folded into one 64-bit word (FNV-1a over
+// their bytes). Only the CPU path compares it (torch_group::all_gather).
+class call_digest {
+ public:
+  template <class T>
+  call_digest& add(const T& v) {
+    unsigned char bytes[sizeof(T)];
+    std::memcpy(bytes, &v, sizeof(T));
+    for (unsigned char b : bytes) h_ = (h_ ^ b) * 1099511628211ull;
+    return *this;
+  }
+  std::int64_t value() const { return static_cast<std::int64_t>(h_); }
+
+ private:
+  std::uint64_t h_ = 14695981039346656037ull;
+};
+
+// xent's communicator (parallel/communicator.hpp) over the process group that the Python side
+// names (ProcessGroup.group_name, resolved through torch's group registry). The all-gather is
+// torch's own: gloo for CPU tensors, NCCL for CUDA ones, where torch runs it on its collective
+// stream after the work the current stream holds, and Work::wait makes the current stream wait
+// for it without blocking the host.
+//
+// On the CPU each exchange is preceded by one of 16 bytes per rank, (bytes, digest): ranks that
+// disagree on N (the byte count), the vocabulary, the options or the targets' kind get a
+// ValueError on every rank instead of a collective of mismatched sizes, which gloo may answer
+// with a hang. On CUDA that check would need the host to read device memory after the exchange
+// (a synchronisation per call), so it is not made: there the ranks' agreement is the caller's
+// contract, as it is for torch's own collectives.
+class torch_group {
+ public:
+  torch_group(const std::string& group_name, const at::Device& device, std::int64_t digest)
+      : pg_(c10d::resolve_process_group(group_name)), device_(device), digest_(digest) {}
+
+  int rank() const { return pg_->getRank(); }
+  int size() const { return pg_->getSize(); }
+
+  void all_gather(const void* send, void* recv, std::size_t bytes) const {
+    if (device_.is_cpu()) check_agreement(bytes);
+    gather(const_cast<void*>(send), recv, static_cast<std::int64_t>(bytes));
+  }
+
+ private:
+  void gather(void* send, void* recv, std::int64_t bytes) const {
+    const auto opts = at::TensorOptions().dtype(at::kByte).device(device_);
+    at::Tensor in = at::from_blob(send, {bytes}, opts);
+    at::Tensor out = at::from_blob(recv, {bytes * size()}, opts);
+    // _allgather_base: the one spelling of the single-tensor all-gather from torch 2.4 to today's
+    // (later releases add all_gather_single and keep this one as its alias).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    pg_->_allgather_base(out, in)->wait();
+#pragma GCC diagnostic pop
+  }
+
+  void check_agreement(std::size_t bytes) const {
+    std::array<std::int64_t, 2> mine{static_cast<std::int64_t>(bytes), digest_};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
+    gather(mine.data(), all.data(), sizeof(mine));
+    for (int r = 0; r < size(); ++r) {
+      TORCH_CHECK_VALUE(all[2 * r] == all[0],
+                        "xent: the ranks of a vocab-parallel call disagree on the number of rows "
+                        "(rank ",
+                        r, " exchanges ", all[2 * r], " bytes, rank 0 ", all[0], ")");
+      TORCH_CHECK_VALUE(all[2 * r + 1] == all[1], "xent: rank ", r,
+                        " of a vocab-parallel call disagrees with rank 0 on the vocabulary size, "
+                        "the options or the kind of targets");
+    }
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  at::Device device_;
+  std::int64_t digest_;
+};
+
+// This rank's shard: classes [vocab_start, vocab_start + V_local) of vocab_size.
+struct vp_shard {
+  std::int64_t start, vocab;
+};
+
+// The targets, class weights (all vocab_size of them) and options of a vocab-parallel call over
+// the shard x, and the digest its ranks compare.
+struct vp_inputs {
+  ce_inputs ce;
+  std::int64_t digest;
+};
+
+inline vp_inputs vp_inputs_of(const at::Tensor& x, const at::Tensor& target,
+                              const std::optional<at::Tensor>& weight, vp_shard shard,
+                              std::int64_t ignore_index, std::int64_t reduction,
+                              double label_smoothing, double z_loss, double softcap) {
+  vp_inputs in;
+  in.ce.tg = targets_of(target, x, x.size(1));
+  in.ce.weights = weights_of(x, weight, shard.vocab);
+  in.ce.opts = options_of(in.ce.weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  in.digest = call_digest()
+                  .add(x.size(0))
+                  .add(shard.vocab)
+                  .add(ignore_index)
+                  .add(reduction)
+                  .add(label_smoothing)
+                  .add(z_loss)
+                  .add(softcap)
+                  .add(in.ce.tg.soft)
+                  .add(in.ce.weights.defined())
+                  .value();
+  return in;
+}
+
+// One vocab-parallel call on backend B: `run(exec, group, T{}, targets, shard)`, xent's errors as
+// torch's.
+template <class B, class Run>
+void run_vocab_parallel(const at::Tensor& x, const vp_inputs& in, vp_shard shard,
+                        const std::string& group_name, Run&& run) {
+  const torch_group group(group_name, x.device(), in.digest);
+  dispatch<B>(x, in.ce.tg, [&](auto tag, auto tv) {
+    if constexpr (std::is_same<decltype(tag), double>::value) {
+      TORCH_CHECK_TYPE(false,
+                       "xent: vocab-parallel calls take float32, bfloat16 or float16 "
+                       "logits, got float64");
+    } else {
+      const auto call = B::vp_exec(x, x.size(0), group.size());
+      call_xent([&] {
+        run(call.exec, group, tag, tv, xent::vocab_shard{shard.start, shard.vocab});
+      });
+    }
+  });
+}
+
+// Forward: (loss, lse) of the unsharded call, the same on every rank.
+template <class B>
+std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy_fwd(
+    const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
+    std::int64_t vocab_start, std::int64_t vocab_size, const std::string& group_name,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap) {
+  check_input_dtype(input);
+  const typename B::guard device_guard(input.device());
+  const at::Tensor x = rows_view(input);
+  const vp_shard shard{vocab_start, vocab_size};
+  const vp_inputs in = vp_inputs_of(x, target, weight, shard, ignore_index, reduction,
+                                    label_smoothing, z_loss, softcap);
+  const loss_outputs out(x, in.ce.opts.reduce);
+  run_vocab_parallel<B>(x, in, shard, group_name,
+                        [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
+                          using T = decltype(tag);
+                          xent::vocab_parallel_forward(exec, group, matrix_of<const T>(x), s, tv,
+                                                       in.ce.opts, out.view<float>());
+                        });
+  return {out.loss, out.lse};
+}
+
+// Backward: this rank's shard of the gradient from the saved LSE, scaled by grad_output.
+template <class B>
+at::Tensor vocab_parallel_cross_entropy_bwd(const at::Tensor& grad_output, const at::Tensor& input,
+                                            const at::Tensor& target,
+                                            const std::optional<at::Tensor>& weight,
+                                            const at::Tensor& lse, std::int64_t vocab_start,
+                                            std::int64_t vocab_size, const std::string& group_name,
+                                            std::int64_t ignore_index, std::int64_t reduction,
+                                            double label_smoothing, double z_loss, double softcap) {
+  check_input_dtype(input);
+  const typename B::guard device_guard(input.device());
+  const at::Tensor x = rows_view(input);
+  const std::int64_t n = x.size(0);
+  const vp_shard shard{vocab_start, vocab_size};
+  const vp_inputs in = vp_inputs_of(x, target, weight, shard, ignore_index, reduction,
+                                    label_smoothing, z_loss, softcap);
+  const at::Tensor g_out = upstream_tensor(x, grad_output);
+  const at::Tensor saved = saved_lse(x, lse, n);
+  at::Tensor grad = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  run_vocab_parallel<B>(x, in, shard, group_name,
+                        [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
+                          using T = decltype(tag);
+                          xent::vocab_parallel_backward(
+                              exec, group, matrix_of<const T>(x), s, tv, in.ce.opts,
+                              xent::vector_view<const float>(saved.data_ptr<float>(), n),
+                              upstream_of<float>(g_out, in.ce.opts.reduce, n), matrix_of<T>(grad));
+                        });
+  return grad;
+}
+
+// Training in one call (reduction mean or sum, upstream 1: the autograd node scales the gradient
+// by the loss's gradient, as for the single-device fused op): (loss, lse, grad shard).
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> vocab_parallel_cross_entropy_fwd_bwd(
+    const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
+    std::int64_t vocab_start, std::int64_t vocab_size, const std::string& group_name,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap) {
+  check_input_dtype(input);
+  const typename B::guard device_guard(input.device());
+  const at::Tensor x = rows_view(input);
+  const vp_shard shard{vocab_start, vocab_size};
+  const vp_inputs in = vp_inputs_of(x, target, weight, shard, ignore_index, reduction,
+                                    label_smoothing, z_loss, softcap);
+  check_fused_reduction(in.ce.opts);
+  const loss_outputs out(x, in.ce.opts.reduce);
+  at::Tensor grad = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  run_vocab_parallel<B>(x, in, shard, group_name,
+                        [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
+                          using T = decltype(tag);
+                          xent::vocab_parallel_forward_backward(
+                              exec, group, matrix_of<const T>(x), s, tv, in.ce.opts,
+                              xent::upstream{}, out.view<float>(), matrix_of<T>(grad));
+                        });
+  return {out.loss, out.lse, grad};
+}
+
+}  // namespace xent_torch
