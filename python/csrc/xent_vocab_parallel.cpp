@@ -43,6 +43,25 @@ TORCH_LIBRARY_FRAGMENT(xent, m) {
       "int vocab_start, int vocab_size, str group, int ignore_index, int reduction, "
       "float label_smoothing, float z_loss, float softcap) "
       "-> (Tensor loss, Tensor lse, Tensor grad)");
+  // The fused linear ops over this rank's weight rows: d_hidden is the rank's partial (the
+  // Python side sums it over the group); output_mask as the single-device linear ops'.
+  m.def(
+      "vocab_parallel_linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor? bias, "
+      "Tensor target, Tensor? class_weight, int vocab_start, int vocab_size, str group, "
+      "int ignore_index, int reduction, float label_smoothing, float z_loss, float softcap) "
+      "-> (Tensor loss, Tensor lse)");
+  m.def(
+      "vocab_parallel_linear_cross_entropy_bwd(Tensor grad_output, Tensor hidden, Tensor weight, "
+      "Tensor? bias, Tensor target, Tensor? class_weight, Tensor lse, int vocab_start, "
+      "int vocab_size, str group, int ignore_index, int reduction, float label_smoothing, "
+      "float z_loss, float softcap, bool[3] output_mask) "
+      "-> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)");
+  m.def(
+      "vocab_parallel_linear_cross_entropy_fwd_bwd(Tensor hidden, Tensor weight, Tensor? bias, "
+      "Tensor target, Tensor? class_weight, int vocab_start, int vocab_size, str group, "
+      "int ignore_index, int reduction, float label_smoothing, float z_loss, float softcap, "
+      "bool[3] output_mask) "
+      "-> (Tensor loss, Tensor lse, Tensor d_hidden, Tensor d_weight, Tensor d_bias)");
 }
 
 TORCH_LIBRARY_IMPL(xent, CPU, m) {
@@ -53,4 +72,10 @@ TORCH_LIBRARY_IMPL(xent, CPU, m) {
          &xent_torch::vocab_parallel_cross_entropy_bwd<cpu_vp_backend>);
   m.impl("vocab_parallel_cross_entropy_fwd_bwd",
          &xent_torch::vocab_parallel_cross_entropy_fwd_bwd<cpu_vp_backend>);
+  m.impl("vocab_parallel_linear_cross_entropy_fwd",
+         &xent_torch::vocab_parallel_linear_cross_entropy_fwd<cpu_vp_backend>);
+  m.impl("vocab_parallel_linear_cross_entropy_bwd",
+         &xent_torch::vocab_parallel_linear_cross_entropy_bwd<cpu_vp_backend>);
+  m.impl("vocab_parallel_linear_cross_entropy_fwd_bwd",
+         &xent_torch::vocab_parallel_linear_cross_entropy_fwd_bwd<cpu_vp_backend>);
 }

@@ -236,4 +236,163 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> vocab_parallel_cross_entropy_fwd_
   return {out.loss, out.lse, grad};
 }
 
+// --- fused linear: logits = hidden weight_shard^T (+ bias_shard), never materialised ------------
+
+// The inputs of a vocab-parallel linear call: linear_inputs over this rank's weight rows, with the
+// class weights of the whole vocabulary, and the digest its ranks compare.
+struct vp_linear_inputs {
+  linear_inputs lin;
+  std::int64_t digest;
+};
+
+inline vp_linear_inputs vp_linear_inputs_of(const at::Tensor& hidden, const at::Tensor& weight,
+                                            const std::optional<at::Tensor>& bias,
+                                            const at::Tensor& target,
+                                            const std::optional<at::Tensor>& class_weight,
+                                            vp_shard shard, std::int64_t ignore_index,
+                                            std::int64_t reduction, double label_smoothing,
+                                            double z_loss, double softcap) {
+  vp_linear_inputs in;
+  in.lin = linear_inputs_of(hidden, weight, bias, target, std::nullopt, ignore_index, reduction,
+                            label_smoothing, z_loss, softcap);
+  in.lin.class_weights = weights_of(in.lin.hidden, class_weight, shard.vocab);
+  static_cast<xent::options&>(in.lin.opts) =
+      options_of(in.lin.class_weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  in.digest = call_digest()
+                  .add(in.lin.hidden.size(0))
+                  .add(in.lin.hidden.size(1))
+                  .add(shard.vocab)
+                  .add(ignore_index)
+                  .add(reduction)
+                  .add(label_smoothing)
+                  .add(z_loss)
+                  .add(softcap)
+                  .add(in.lin.tg.soft)
+                  .add(in.lin.class_weights.defined())
+                  .add(in.lin.bias.defined())
+                  .value();
+  return in;
+}
+
+// One vocab-parallel linear call on backend B: `run(exec, group, T{}, targets, shard, workspace)`
+// with a workspace of xent's size for `pass` (its chunk rows the same on every rank), xent's
+// errors as torch's.
+template <class B, class Run>
+void run_vocab_parallel_linear(const vp_linear_inputs& in, vp_shard shard,
+                               const std::string& group_name, xent::linear_pass pass, Run&& run) {
+  const linear_inputs& lin = in.lin;
+  const torch_group group(group_name, lin.hidden.device(), in.digest);
+  dispatch<B>(lin.hidden, lin.tg, [&](auto tag, auto tv) {
+    using T = decltype(tag);
+    if constexpr (std::is_same<T, double>::value) {
+      TORCH_CHECK_TYPE(false,
+                       "xent: vocab-parallel calls take float32, bfloat16 or float16 "
+                       "hidden states, got float64");
+    } else {
+      const auto call = B::vp_exec(lin.hidden, lin.hidden.size(0), group.size());
+      call_xent([&] {
+        const auto size = xent::vocab_parallel_linear_workspace_size<T>(
+            call.exec, {lin.hidden.size(0), lin.hidden.size(1), lin.weight.size(0)}, shard.vocab,
+            group.size(), pass, lin.opts);
+        const at::Tensor ws = at::empty({static_cast<std::int64_t>(size.bytes)},
+                                        lin.hidden.options().dtype(at::kByte));
+        xent::vocab_parallel_linear_workspace w;
+        static_cast<xent::linear_workspace&>(w) = workspace_of(ws);
+        w.chunk_rows = size.chunk_rows;
+        run(call.exec, group, tag, tv, xent::vocab_shard{shard.start, shard.vocab}, w);
+      });
+    }
+  });
+}
+
+// Forward: (loss, lse) of the unsharded linear call, the same on every rank.
+template <class B>
+std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy_fwd(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
+    std::int64_t vocab_start, std::int64_t vocab_size, const std::string& group_name,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap) {
+  const typename B::guard device_guard(hidden.device());
+  const vp_shard shard{vocab_start, vocab_size};
+  const vp_linear_inputs in =
+      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, shard, ignore_index,
+                          reduction, label_smoothing, z_loss, softcap);
+  const linear_inputs& lin = in.lin;
+  const loss_outputs out(lin.hidden, lin.opts.reduce);
+  run_vocab_parallel_linear<B>(
+      in, shard, group_name, xent::linear_pass::forward,
+      [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
+        using T = decltype(tag);
+        xent::vocab_parallel_linear_forward(
+            exec, group, matrix_of<const T>(lin.hidden), matrix_of<const T>(lin.weight),
+            vector_of<const T>(lin.bias), s, tv, lin.opts, out.view<float>(), ws);
+      });
+  return {out.loss, out.lse};
+}
+
+// This rank's gradients from the saved LSE: d_hidden is its partial, G_shard W_shard, which the
+// caller sums over the group; d_weight and d_bias its own rows, complete.
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy_bwd(
+    const at::Tensor& grad_output, const at::Tensor& hidden, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& target,
+    const std::optional<at::Tensor>& class_weight, const at::Tensor& lse, std::int64_t vocab_start,
+    std::int64_t vocab_size, const std::string& group_name, std::int64_t ignore_index,
+    std::int64_t reduction, double label_smoothing, double z_loss, double softcap,
+    std::array<bool, 3> output_mask) {
+  const typename B::guard device_guard(hidden.device());
+  const vp_shard shard{vocab_start, vocab_size};
+  vp_linear_inputs in =
+      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, shard, ignore_index,
+                          reduction, label_smoothing, z_loss, softcap);
+  const linear_inputs& lin = in.lin;
+  const std::int64_t n = lin.hidden.size(0);
+  const at::Tensor g_out = upstream_tensor(lin.hidden, grad_output);
+  const at::Tensor saved = saved_lse(lin.hidden, lse, n);
+  const linear_grad_tensors grads(lin, output_mask);
+  run_vocab_parallel_linear<B>(
+      in, shard, group_name, xent::linear_pass::training,
+      [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
+        using T = decltype(tag);
+        xent::vocab_parallel_linear_backward(
+            exec, group, matrix_of<const T>(lin.hidden), matrix_of<const T>(lin.weight),
+            vector_of<const T>(lin.bias), s, tv, lin.opts,
+            xent::vector_view<const float>(saved.data_ptr<float>(), n),
+            upstream_of<float>(g_out, lin.opts.reduce, n), grads.view<T>(), ws);
+      });
+  return {grads.d_hidden, grads.d_weight, grads.d_bias};
+}
+
+// Training in one call (upstream 1, see check_fused_reduction): (loss, lse, d_hidden partial,
+// d_weight, d_bias).
+template <class B>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+vocab_parallel_linear_cross_entropy_fwd_bwd(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
+    std::int64_t vocab_start, std::int64_t vocab_size, const std::string& group_name,
+    std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
+    double softcap, std::array<bool, 3> output_mask) {
+  const typename B::guard device_guard(hidden.device());
+  const vp_shard shard{vocab_start, vocab_size};
+  const vp_linear_inputs in =
+      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, shard, ignore_index,
+                          reduction, label_smoothing, z_loss, softcap);
+  const linear_inputs& lin = in.lin;
+  check_fused_reduction(lin.opts);
+  const loss_outputs out(lin.hidden, lin.opts.reduce);
+  const linear_grad_tensors grads(lin, output_mask);
+  run_vocab_parallel_linear<B>(
+      in, shard, group_name, xent::linear_pass::training,
+      [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
+        using T = decltype(tag);
+        xent::vocab_parallel_linear_forward_backward(
+            exec, group, matrix_of<const T>(lin.hidden), matrix_of<const T>(lin.weight),
+            vector_of<const T>(lin.bias), s, tv, lin.opts, xent::upstream{}, out.view<float>(),
+            grads.view<T>(), ws);
+      });
+  return {out.loss, out.lse, grads.d_hidden, grads.d_weight, grads.d_bias};
+}
+
 }  // namespace xent_torch

@@ -52,6 +52,31 @@ CASES = {
     "bfloat16": ((6,), 37, torch.bfloat16, {"reduction": "mean", "label_smoothing": 0.1}),
 }
 
+# The fused linear cases: name -> (rows shape, D, V, dtype, options); "bias": an LM head bias,
+# "frozen": the head's weight needs no gradient.
+LINEAR_CASES = {
+    "mean": ((6,), 8, 37, torch.float32, {"reduction": "mean", "bias": True}),
+    "sum_smoothing": ((2, 3), 8, 37, torch.float32, {"reduction": "sum", "label_smoothing": 0.1}),
+    "none_weights": ((7,), 8, 37, torch.float32, {"reduction": "none", "weight": True}),
+    "z_loss_softcap_ignored": (
+        (8,),
+        8,
+        37,
+        torch.float32,
+        {"reduction": "mean", "z_loss": 1e-3, "softcap": 5.0, "ignore": "some", "bias": True},
+    ),
+    "soft": ((5,), 8, 37, torch.float32, {"reduction": "mean", "soft": True}),
+    "even_split_frozen": (
+        (5,),
+        8,
+        40,
+        torch.float32,
+        {"reduction": "mean", "split": "even", "frozen": True},
+    ),
+    "ignored_all": ((4,), 8, 37, torch.float32, {"reduction": "sum", "ignore": "all"}),
+    "bfloat16": ((6,), 8, 37, torch.bfloat16, {"reduction": "mean", "bias": True}),
+}
+
 # Uneven slices of V = 37: world 4 has an empty one, and a world of 2 the larger slice first.
 SPLITS = {2: [20, 17], 4: [10, 0, 20, 7]}
 
@@ -111,6 +136,65 @@ def _run_rank(name, rank, world):
     return loss.detach(), mine.grad
 
 
+def _linear_inputs(name):
+    """hidden, weight, bias, target, class weights and per-row upstream of a linear case."""
+    rows, d, vocab, dtype, opts = LINEAR_CASES[name]
+    g = torch.Generator().manual_seed(1000 + sum(map(ord, name)))
+    hidden = torch.randn(*rows, d, generator=g).to(dtype)
+    weight = (torch.randn(vocab, d, generator=g) / d**0.5 * 2).to(dtype)
+    bias = (torch.randn(vocab, generator=g) / 2).to(dtype) if opts.get("bias") else None
+    if opts.get("soft"):
+        target = torch.softmax(torch.randn(*rows, vocab, generator=g), -1).to(dtype)
+    else:
+        target = torch.randint(0, vocab, rows, generator=g)
+        if opts.get("ignore") == "some":
+            target.view(-1)[::3] = -100
+        elif opts.get("ignore") == "all":
+            target.fill_(-100)
+    class_weight = torch.rand(vocab, generator=g) + 0.5 if opts.get("weight") else None
+    upstream = torch.rand(rows, generator=g) + 0.5 if opts["reduction"] == "none" else None
+    return hidden, weight, bias, target, class_weight, upstream
+
+
+def _linear_keywords(name):
+    opts = dict(LINEAR_CASES[name][4])
+    for k in ("soft", "ignore", "split", "bias", "weight", "frozen"):
+        opts.pop(k, None)
+    return opts
+
+
+def _linear_slices(name, world):
+    vocab = LINEAR_CASES[name][2]
+    if LINEAR_CASES[name][4].get("split") == "even":
+        return [vocab // world] * world, True
+    return SPLITS[world], False
+
+
+def _backward(loss, upstream):
+    if upstream is not None:
+        loss.backward(upstream.to(loss.dtype))
+    else:
+        loss.backward()
+
+
+def _run_linear_rank(name, rank, world):
+    """This rank's (loss, d_hidden, d_weight rows, d_bias rows) of a linear case."""
+    hidden, weight, bias, target, class_weight, upstream = _linear_inputs(name)
+    opts = LINEAR_CASES[name][4]
+    sizes, even = _linear_slices(name, world)
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    x = hidden.clone().requires_grad_()
+    w = weight[start:stop].clone().requires_grad_(not opts.get("frozen"))
+    b = bias[start:stop].clone().requires_grad_() if bias is not None else None
+    t = target[..., start:stop] if target.is_floating_point() else target
+    where = {} if even else {"vocab_start": start, "vocab_size": weight.shape[0]}
+    loss = xd.vocab_parallel_linear_cross_entropy(
+        x, w, t, None, b, class_weight=class_weight, **where, **_linear_keywords(name)
+    )
+    _backward(loss, upstream)
+    return loss.detach(), x.grad, w.grad, b.grad if b is not None else None
+
+
 def _disagreement(rank, world):
     """Rank 1 with one row more, then with another label smoothing: every rank must raise."""
     errors = []
@@ -143,6 +227,11 @@ def _worker(rank, world, init_file, out_dir):
             results[name] = _run_rank(name, rank, world)
         except Exception:
             results[name] = traceback.format_exc()
+    for name in LINEAR_CASES:
+        try:
+            results["linear:" + name] = _run_linear_rank(name, rank, world)
+        except Exception:
+            results["linear:" + name] = traceback.format_exc()
     results["__disagreement__"] = _disagreement(rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -259,3 +348,84 @@ def test_needs_an_initialised_process_group():
         pytest.skip("a process group is initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         xd.vocab_parallel_cross_entropy(torch.randn(2, 4), torch.zeros(2, dtype=torch.long))
+
+
+def _linear_unsharded(name):
+    """xent.torch.linear_cross_entropy on the whole head: (loss, d_hidden, d_weight, d_bias)."""
+    hidden, weight, bias, target, class_weight, upstream = _linear_inputs(name)
+    opts = LINEAR_CASES[name][4]
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_(not opts.get("frozen"))
+    b = bias.clone().requires_grad_() if bias is not None else None
+    loss = xent.torch.linear_cross_entropy(
+        x, w, target, bias=b, class_weight=class_weight, **_linear_keywords(name)
+    )
+    _backward(loss, upstream)
+    return loss.detach(), x.grad, w.grad, b.grad if b is not None else None
+
+
+def _linear_reference(name):
+    """The same in float64 by torch's ops: logits formed, soft-capped, z-loss written out."""
+    hidden, weight, bias, target, class_weight, upstream = _linear_inputs(name)
+    opts = LINEAR_CASES[name][4]
+    x = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_(not opts.get("frozen"))
+    b = bias.double().requires_grad_() if bias is not None else None
+    logits = torch.nn.functional.linear(x, w, b)
+    z = logits
+    if opts.get("softcap"):
+        z = opts["softcap"] * torch.tanh(logits / opts["softcap"])
+    t = target.double() if target.is_floating_point() else target
+    cw = class_weight.double() if class_weight is not None else None
+    zr = z.reshape(-1, z.shape[-1])
+    tr = t.reshape(-1, z.shape[-1]) if t.is_floating_point() else t.reshape(-1)
+    rows = F.cross_entropy(
+        zr, tr, weight=cw, reduction="none", label_smoothing=opts.get("label_smoothing", 0.0)
+    )
+    keep = torch.ones_like(rows) if tr.is_floating_point() else (tr != -100).double()
+    wy = keep if cw is None or tr.is_floating_point() else cw[tr.clamp(min=0)] * keep
+    if opts.get("z_loss"):
+        rows = rows + opts["z_loss"] * torch.logsumexp(zr, -1) ** 2 * wy
+    red = opts["reduction"]
+    loss = (
+        rows.reshape(z.shape[:-1])
+        if red == "none"
+        else rows.sum() / (wy.sum() if red == "mean" else 1.0)
+    )
+    _backward(loss, upstream.double() if upstream is not None else None)
+    return loss.detach(), x.grad, w.grad, b.grad if b is not None else None
+
+
+@pytest.mark.parametrize("name", list(LINEAR_CASES))
+def test_fused_linear_matches_the_unsharded_call(ranks, name):
+    world, results = ranks
+    key = "linear:" + name
+    for r in range(world):
+        assert not isinstance(results[r][key], str), f"rank {r}:\n{results[r][key]}"
+    got = [results[r][key] for r in range(world)]
+    for r in range(1, world):  # the loss bit for bit, d_hidden summed over the same group
+        torch.testing.assert_close(got[r][0], got[0][0], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got[r][1], got[0][1], rtol=0, atol=0)
+    frozen = LINEAR_CASES[name][4].get("frozen")
+    assert all((g[2] is None) == bool(frozen) for g in got)
+    dw = None if frozen else torch.cat([g[2] for g in got])
+    db = None if got[0][3] is None else torch.cat([g[3] for g in got])
+    mine = (got[0][0], got[0][1], dw, db)
+    unsharded = _linear_unsharded(name)
+    reference = _linear_reference(name)
+    names = ("loss", "d_hidden", "d_weight", "d_bias")
+    if LINEAR_CASES[name][3] == torch.float32:
+        for what, a, u in zip(names, mine, unsharded):
+            if a is None:
+                assert u is None, what
+                continue
+            scale = max(u.abs().max().item(), 1e-30) if u.numel() else 1.0
+            torch.testing.assert_close(
+                a, u, rtol=1e-6, atol=1e-6 * scale, equal_nan=True, msg=lambda m: f"{what}: {m}"
+            )
+        tol = dict(rtol=1e-5, atol=1e-5, equal_nan=True)
+    else:
+        tol = dict(rtol=3e-2, atol=3e-2, equal_nan=True)
+    for what, a, ref in zip(names, mine, reference):
+        if a is not None:
+            torch.testing.assert_close(a.double(), ref, **tol, msg=lambda m: f"{what}: {m}")

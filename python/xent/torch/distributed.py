@@ -25,6 +25,9 @@ from .ops import _REDUCTIONS, _accumulator, _check_fused, _check_like_torch, _re
 _fwd = torch.ops.xent.vocab_parallel_cross_entropy_fwd.default
 _bwd = torch.ops.xent.vocab_parallel_cross_entropy_bwd.default
 _fwd_bwd = torch.ops.xent.vocab_parallel_cross_entropy_fwd_bwd.default
+_linear_fwd = torch.ops.xent.vocab_parallel_linear_cross_entropy_fwd.default
+_linear_bwd = torch.ops.xent.vocab_parallel_linear_cross_entropy_bwd.default
+_linear_fwd_bwd = torch.ops.xent.vocab_parallel_linear_cross_entropy_fwd_bwd.default
 _scale_grad = torch.ops.xent.scale_grad_.default
 
 
@@ -49,6 +52,61 @@ def _fwd_bwd_fake(input, target, weight, start, vocab, group, ignore_index, redu
     _check_fused(reduction)
     loss, lse = _loss_and_lse_fake(input, reduction)
     return loss, lse, torch.empty(input.shape, dtype=input.dtype, device=input.device)
+
+
+def _linear_grads_fake(hidden, weight, bias, output_mask):
+    def grad(like, wanted):
+        return torch.empty(like.shape if wanted else (0,), dtype=hidden.dtype, device=hidden.device)
+
+    n_bias = weight.shape[0] if bias is not None and output_mask[2] else 0
+    return (
+        grad(hidden, output_mask[0]),
+        grad(weight, output_mask[1]),
+        torch.empty((n_bias,), dtype=hidden.dtype, device=hidden.device),
+    )
+
+
+@torch.library.register_fake("xent::vocab_parallel_linear_cross_entropy_fwd")
+def _linear_fwd_fake(
+    hidden,
+    weight,
+    bias,
+    target,
+    class_weight,
+    start,
+    vocab,
+    group,
+    ignore_index,
+    reduction,
+    *options,
+):
+    return _loss_and_lse_fake(hidden, reduction)
+
+
+@torch.library.register_fake("xent::vocab_parallel_linear_cross_entropy_bwd")
+def _linear_bwd_fake(grad_output, hidden, weight, bias, *rest):
+    return _linear_grads_fake(hidden, weight, bias, rest[-1])
+
+
+@torch.library.register_fake("xent::vocab_parallel_linear_cross_entropy_fwd_bwd")
+def _linear_fwd_bwd_fake(
+    hidden, weight, bias, target, class_weight, start, vocab, group, ignore_index, reduction, *rest
+):
+    _check_fused(reduction)
+    return _loss_and_lse_fake(hidden, reduction) + _linear_grads_fake(
+        hidden, weight, bias, rest[-1]
+    )
+
+
+def _consume_once(ctx):
+    """A gradient saved by a fused forward is scaled where it lies: one backward only."""
+    if ctx.scaled:
+        raise RuntimeError(
+            "xent.torch.distributed: a training call with a reduced loss keeps only the "
+            "gradients, which one backward consumes; for a second backward through it, "
+            "use reduction='none' and reduce the loss yourself"
+        )
+    ctx.scaled = True
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -76,20 +134,72 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if grad_loss is None:
             return None, None, None, None
         if ctx.fused:
-            # The saved gradient is scaled where it lies, so it can serve one backward only.
-            if ctx.scaled:
-                raise RuntimeError(
-                    "xent.torch.distributed: a training call with a reduced loss keeps only the "
-                    "gradient, which one backward consumes; for a second backward through it, "
-                    "use reduction='none' and reduce the loss yourself"
-                )
-            ctx.scaled = True
+            _consume_once(ctx)
             (grad,) = ctx.saved_tensors
             _scale_grad(grad, grad_loss)
             return grad, None, None, None
         logits, target, weight, lse = ctx.saved_tensors
         grad = _bwd(grad_loss.contiguous(), logits, target, weight, lse, *ctx.args)
         return grad, None, None, None
+
+
+def _sum_over_group(ctx, d_hidden):
+    """The ranks' partial d_hidden summed, unless the caller sums it (reduce_hidden_grad)."""
+    if ctx.mask[0] and ctx.reduce_hidden:
+        dist.all_reduce(d_hidden, group=ctx.group)
+    return d_hidden
+
+
+class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    """As _VocabParallelCrossEntropy, over hidden and this rank's weight rows. Each rank's
+    d_hidden is its partial, G_shard W_shard: it is summed over the group (an all-reduce of N x D,
+    torch.distributed's) unless the caller's own backward does that (reduce_hidden_grad=False, as
+    behind Megatron's copy_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, class_weight, args, group, reduce_hidden):
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+        ctx.mask, ctx.group, ctx.reduce_hidden = mask, group, reduce_hidden
+        ctx.fused = args[4] != 0 and any(mask)
+        if ctx.fused:
+            loss, lse, dh, dw, db = _linear_fwd_bwd(
+                hidden, weight, bias, target, class_weight, *args, mask
+            )
+            ctx.save_for_backward(_sum_over_group(ctx, dh), dw, db)
+            ctx.scaled = False
+        else:
+            loss, lse = _linear_fwd(hidden, weight, bias, target, class_weight, *args)
+            ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
+            ctx.args = args
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        if grad_loss is None:
+            return (None,) * 8
+        if ctx.fused:
+            _consume_once(ctx)
+            grads = ctx.saved_tensors
+            for g, wanted in zip(grads, ctx.mask):
+                if wanted:
+                    _scale_grad(g, grad_loss)
+        else:
+            hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
+            dh, dw, db = _linear_bwd(
+                grad_loss.contiguous(),
+                hidden,
+                weight,
+                bias,
+                target,
+                class_weight,
+                lse,
+                *ctx.args,
+                ctx.mask,
+            )
+            grads = (_sum_over_group(ctx, dh), dw, db)
+        out = tuple(g if wanted else None for g, wanted in zip(grads, ctx.mask))
+        return out + (None,) * 5
 
 
 def _group_and_shard(group, v_local, vocab_start, vocab_size):
@@ -175,3 +285,84 @@ def vocab_parallel_cross_entropy(
     if code == 0:
         loss = loss.reshape(rows_shape)
     return _result(loss, logits)
+
+
+def vocab_parallel_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight_shard: torch.Tensor,
+    target: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    bias_shard: Optional[torch.Tensor] = None,
+    *,
+    class_weight: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "none",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    vocab_start: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    reduce_hidden_grad: bool = True,
+) -> torch.Tensor:
+    """Cross-entropy of the logits hidden @ weight.T (+ bias) over an LM head whose rows (the
+    vocabulary) are split across the ranks of `group`, never forming any logits beyond a chunk.
+
+    hidden        (..., D), the same on every rank
+    weight_shard  (V_local, D): this rank's rows of the head, classes [vocab_start,
+                  vocab_start + V_local) (by default Megatron's even split, as
+                  vocab_parallel_cross_entropy's)
+    target        (...) global class ids, or (..., V_local) class probabilities of this rank's
+                  classes
+    bias_shard    (V_local,) or None
+    class_weight  (V,) class weights of the whole vocabulary
+    reduce_hidden_grad
+                  hidden's gradient sums every rank's share: True all-reduces it over `group`
+                  in backward; False leaves each rank its partial, for a caller whose backward
+                  sums it already (Megatron's copy_to_tensor_model_parallel_region)
+
+    The other options and the result are vocab_parallel_cross_entropy's.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    _check_like_torch(
+        "vocab_parallel_linear_cross_entropy", class_weight, "class_weight", target, ignore_index
+    )
+    if hidden.dim() < 1 or weight_shard.dim() != 2:
+        raise ValueError(
+            "xent.torch.distributed: hidden must be (..., D) and weight_shard (V_local, D), got "
+            f"{tuple(hidden.shape)} and {tuple(weight_shard.shape)}"
+        )
+    v_local = weight_shard.shape[0]
+    rows_shape = hidden.shape[:-1]
+    n = math.prod(rows_shape)
+    if target.is_floating_point():
+        if target.shape != rows_shape + (v_local,):
+            raise ValueError(
+                f"xent.torch.distributed: class probabilities must be {tuple(rows_shape)} + "
+                f"(V_local,) = {tuple(rows_shape) + (v_local,)}, got {tuple(target.shape)}"
+            )
+        t = target.reshape(n, v_local)
+    else:
+        if target.shape != rows_shape:
+            raise ValueError(
+                f"xent.torch.distributed: target must have hidden's shape without its last "
+                f"dimension, {tuple(rows_shape)}, got {tuple(target.shape)}"
+            )
+        t = target.reshape(n)
+    name, start, vocab = _group_and_shard(group, v_local, vocab_start, vocab_size)
+    code = _REDUCTIONS[reduction]
+    args = (start, vocab, name, ignore_index, code, label_smoothing, z_loss, softcap)
+    x = hidden.reshape(n, hidden.shape[-1])
+    loss, _ = _VocabParallelLinearCrossEntropy.apply(
+        x,
+        weight_shard,
+        bias_shard,
+        t,
+        class_weight,
+        args,
+        dist.group.WORLD if group is None else group,
+        reduce_hidden_grad,
+    )
+    if code == 0:
+        loss = loss.reshape(rows_shape)
+    return _result(loss, hidden)
