@@ -22,6 +22,10 @@ struct cpu_vp_backend {
     return {xent::cpu{std::max(1, at::get_num_threads())}};
   }
   static call vp_exec(const at::Tensor& x, std::int64_t, int) { return exec(x, false); }
+  static torch_group vp_group(const std::string& name, const at::Device& device,
+                              std::int64_t digest) {
+    return torch_group(name, device, digest);
+  }
 };
 
 }  // namespace

@@ -4,6 +4,8 @@
 // instantiates them for the CPU); a backend adds to xent_ops.h's interface
 //   B::vp_exec(x, rows, ranks)   the execution object of a vocab-parallel call on tensors like x
 //                                with `ranks` ranks, {exec, hold} as B::exec
+//   B::vp_group(name, device, digest)  the call's communicator over the named process group
+//                                (a torch_group, with whatever more the backend's calls need)
 //
 // Each rank holds logits[:, vocab_start : vocab_start + V_local] of a vocabulary of vocab_size
 // classes; targets are global class ids (or the rank's N x V_local shard of class probabilities)
@@ -141,7 +143,7 @@ inline vp_inputs vp_inputs_of(const at::Tensor& x, const at::Tensor& target,
 template <class B, class Run>
 void run_vocab_parallel(const at::Tensor& x, const vp_inputs& in, vp_shard shard,
                         const std::string& group_name, Run&& run) {
-  const torch_group group(group_name, x.device(), in.digest);
+  const auto group = B::vp_group(group_name, x.device(), in.digest);
   dispatch<B>(x, in.ce.tg, [&](auto tag, auto tv) {
     if constexpr (std::is_same<decltype(tag), double>::value) {
       TORCH_CHECK_TYPE(false,
@@ -281,7 +283,7 @@ template <class B, class Run>
 void run_vocab_parallel_linear(const vp_linear_inputs& in, vp_shard shard,
                                const std::string& group_name, xent::linear_pass pass, Run&& run) {
   const linear_inputs& lin = in.lin;
-  const torch_group group(group_name, lin.hidden.device(), in.digest);
+  const auto group = B::vp_group(group_name, lin.hidden.device(), in.digest);
   dispatch<B>(lin.hidden, lin.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     if constexpr (std::is_same<T, double>::value) {
