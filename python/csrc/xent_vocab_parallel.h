@@ -18,6 +18,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -52,30 +53,38 @@ class call_digest {
 // stream after the work the current stream holds, and Work::wait makes the current stream wait
 // for it without blocking the host.
 //
-// On the CPU each exchange is preceded by one of 16 bytes per rank, (bytes, digest): ranks that
+// Each exchange is preceded, on the CPU, by one of 16 bytes per rank, (bytes, digest): ranks that
 // disagree on N (the byte count), the vocabulary, the options or the targets' kind get a
 // ValueError on every rank instead of a collective of mismatched sizes, which gloo may answer
-// with a hang. On CUDA that check would need the host to read device memory after the exchange
-// (a synchronisation per call), so it is not made: there the ranks' agreement is the caller's
-// contract, as it is for torch's own collectives.
+// with a hang. On CUDA the host would have to wait for that exchange (a synchronisation per
+// call), so it is made only under XENT_CHECK_RANKS=1, a debugging aid; otherwise the ranks'
+// agreement is the caller's contract there, as it is for torch's own collectives.
 class torch_group {
  public:
   torch_group(const std::string& group_name, const at::Device& device, std::int64_t digest)
-      : pg_(c10d::resolve_process_group(group_name)), device_(device), digest_(digest) {}
+      : pg_(c10d::resolve_process_group(group_name)),
+        device_(device),
+        digest_(digest),
+        check_(device.is_cpu() || checks_requested()) {}
 
   int rank() const { return pg_->getRank(); }
   int size() const { return pg_->getSize(); }
 
   void all_gather(const void* send, void* recv, std::size_t bytes) const {
-    if (device_.is_cpu()) check_agreement(bytes);
-    gather(const_cast<void*>(send), recv, static_cast<std::int64_t>(bytes));
+    if (check_) check_agreement(bytes);
+    const auto opts = at::TensorOptions().dtype(at::kByte).device(device_);
+    const auto n = static_cast<std::int64_t>(bytes);
+    gather(at::from_blob(const_cast<void*>(send), {n}, opts),
+           at::from_blob(recv, {n * size()}, opts));
   }
 
  private:
-  void gather(void* send, void* recv, std::int64_t bytes) const {
-    const auto opts = at::TensorOptions().dtype(at::kByte).device(device_);
-    at::Tensor in = at::from_blob(send, {bytes}, opts);
-    at::Tensor out = at::from_blob(recv, {bytes * size()}, opts);
+  static bool checks_requested() {
+    const char* v = std::getenv("XENT_CHECK_RANKS");
+    return v != nullptr && std::string(v) == "1";
+  }
+
+  void gather(at::Tensor in, at::Tensor out) const {
     // _allgather_base: the one spelling of the single-tensor all-gather from torch 2.4 to today's
     // (later releases add all_gather_single and keep this one as its alias).
 #pragma GCC diagnostic push
@@ -85,15 +94,18 @@ class torch_group {
   }
 
   void check_agreement(std::size_t bytes) const {
-    std::array<std::int64_t, 2> mine{static_cast<std::int64_t>(bytes), digest_};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
-    gather(mine.data(), all.data(), sizeof(mine));
+    const at::Tensor mine =
+        at::tensor({static_cast<std::int64_t>(bytes), digest_}, at::kLong).to(device_);
+    at::Tensor all = at::empty({2 * size()}, mine.options());
+    gather(mine, all);
+    const at::Tensor got = all.cpu();  // on CUDA, the host waits here (XENT_CHECK_RANKS=1 only)
+    const std::int64_t* h = got.data_ptr<std::int64_t>();
     for (int r = 0; r < size(); ++r) {
-      TORCH_CHECK_VALUE(all[2 * r] == all[0],
+      TORCH_CHECK_VALUE(h[2 * r] == h[0],
                         "xent: the ranks of a vocab-parallel call disagree on the number of rows "
                         "(rank ",
-                        r, " exchanges ", all[2 * r], " bytes, rank 0 ", all[0], ")");
-      TORCH_CHECK_VALUE(all[2 * r + 1] == all[1], "xent: rank ", r,
+                        r, " exchanges ", h[2 * r], " bytes, rank 0 ", h[0], ")");
+      TORCH_CHECK_VALUE(h[2 * r + 1] == h[1], "xent: rank ", r,
                         " of a vocab-parallel call disagrees with rank 0 on the vocabulary size, "
                         "the options or the kind of targets");
     }
@@ -102,6 +114,7 @@ class torch_group {
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   at::Device device_;
   std::int64_t digest_;
+  bool check_;
 };
 
 // This rank's shard: classes [vocab_start, vocab_start + V_local) of vocab_size.

@@ -250,8 +250,9 @@ def vocab_parallel_cross_entropy(
                  the split is even, Megatron's: rank r holds [r * V_local, (r + 1) * V_local)
 
     Returns the loss in logits' dtype. Ranks that disagree on the number of rows, the vocabulary
-    size or the options get a ValueError on every rank (on CUDA this check would synchronise,
-    and is the caller's to keep, as for torch's own collectives).
+    size or the options get a ValueError on every rank (on CUDA the check synchronises, so it runs
+    only under the environment variable XENT_CHECK_RANKS=1; otherwise agreement is the caller's
+    contract, as for torch's own collectives).
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{reduction} is not a valid value for reduction")
