@@ -59,6 +59,24 @@ def slowest(ms):
     return t.item()
 
 
+def one_gpu(logits, target, reps, flush):
+    """xent.torch.cross_entropy on the whole logits: the slowest rank's median ms per mode."""
+    whole = logits.detach().requires_grad_()
+
+    def fwd():
+        with torch.no_grad():
+            xent.torch.cross_entropy(whole, target)
+
+    def fwd_bwd():
+        whole.grad = None
+        xent.torch.cross_entropy(whole, target).backward()
+
+    return {
+        mode: slowest(timed(fn, reps, flush))
+        for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd))
+    }
+
+
 def megatron_loss(group):
     """Megatron-core's function with its tensor-parallel group set to `group`, or the reason it
     cannot run."""
@@ -114,22 +132,10 @@ def main():
             }
         )
 
-    # The one-GPU baseline, then the sharded calls.
-    whole = full.requires_grad_()
-    for mode in ("fwd", "fwd+bwd"):
-        if mode == "fwd":
-
-            def single():
-                with torch.no_grad():
-                    xent.torch.cross_entropy(whole, target)
-        else:
-
-            def single():
-                whole.grad = None
-                xent.torch.cross_entropy(whole, target).backward()
-
-        row("single", mode, slowest(timed(single, args.reps, flush)))
-    del whole, full
+    # The one-GPU baseline (its N x V logits and gradient freed on return), then the sharded calls.
+    for mode, ms in one_gpu(full, target, args.reps, flush).items():
+        row("single", mode, ms)
+    del full
     torch.cuda.empty_cache()
 
     impls = {
