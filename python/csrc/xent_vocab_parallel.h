@@ -122,23 +122,28 @@ struct vp_shard {
   std::int64_t start, vocab;
 };
 
-// The targets, class weights (all vocab_size of them) and options of a vocab-parallel call over
-// the shard x, and the digest its ranks compare.
+// A vocab-parallel call's logits shard as rows, its place in the vocabulary, its targets, class
+// weights (all vocab_size of them) and options, and the digest its ranks compare.
 struct vp_inputs {
+  at::Tensor x;
+  vp_shard shard;
   ce_inputs ce;
   std::int64_t digest;
 };
 
-inline vp_inputs vp_inputs_of(const at::Tensor& x, const at::Tensor& target,
+inline vp_inputs vp_inputs_of(const at::Tensor& input, const at::Tensor& target,
                               const std::optional<at::Tensor>& weight, vp_shard shard,
                               std::int64_t ignore_index, std::int64_t reduction,
                               double label_smoothing, double z_loss, double softcap) {
+  check_input_dtype(input);
   vp_inputs in;
-  in.ce.tg = targets_of(target, x, x.size(1));
-  in.ce.weights = weights_of(x, weight, shard.vocab);
+  in.x = rows_view(input);
+  in.shard = shard;
+  in.ce.tg = targets_of(target, in.x, in.x.size(1));
+  in.ce.weights = weights_of(in.x, weight, shard.vocab);
   in.ce.opts = options_of(in.ce.weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
   in.digest = call_digest()
-                  .add(x.size(0))
+                  .add(in.x.size(0))
                   .add(shard.vocab)
                   .add(ignore_index)
                   .add(reduction)
@@ -154,8 +159,9 @@ inline vp_inputs vp_inputs_of(const at::Tensor& x, const at::Tensor& target,
 // One vocab-parallel call on backend B: `run(exec, group, T{}, targets, shard)`, xent's errors as
 // torch's.
 template <class B, class Run>
-void run_vocab_parallel(const at::Tensor& x, const vp_inputs& in, vp_shard shard,
-                        const std::string& group_name, Run&& run) {
+void run_vocab_parallel(const vp_inputs& in, const std::string& group_name, Run&& run) {
+  const at::Tensor& x = in.x;
+  const vp_shard shard = in.shard;
   const auto group = B::vp_group(group_name, x.device(), in.digest);
   dispatch<B>(x, in.ce.tg, [&](auto tag, auto tv) {
     if constexpr (std::is_same<decltype(tag), double>::value) {
@@ -178,14 +184,12 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy_fwd(
     std::int64_t vocab_start, std::int64_t vocab_size, const std::string& group_name,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
     double softcap) {
-  check_input_dtype(input);
   const typename B::guard device_guard(input.device());
-  const at::Tensor x = rows_view(input);
-  const vp_shard shard{vocab_start, vocab_size};
-  const vp_inputs in = vp_inputs_of(x, target, weight, shard, ignore_index, reduction,
-                                    label_smoothing, z_loss, softcap);
+  const vp_inputs in = vp_inputs_of(input, target, weight, {vocab_start, vocab_size}, ignore_index,
+                                    reduction, label_smoothing, z_loss, softcap);
+  const at::Tensor& x = in.x;
   const loss_outputs out(x, in.ce.opts.reduce);
-  run_vocab_parallel<B>(x, in, shard, group_name,
+  run_vocab_parallel<B>(in, group_name,
                         [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
                           using T = decltype(tag);
                           xent::vocab_parallel_forward(exec, group, matrix_of<const T>(x), s, tv,
@@ -203,24 +207,22 @@ at::Tensor vocab_parallel_cross_entropy_bwd(const at::Tensor& grad_output, const
                                             std::int64_t vocab_size, const std::string& group_name,
                                             std::int64_t ignore_index, std::int64_t reduction,
                                             double label_smoothing, double z_loss, double softcap) {
-  check_input_dtype(input);
   const typename B::guard device_guard(input.device());
-  const at::Tensor x = rows_view(input);
+  const vp_inputs in = vp_inputs_of(input, target, weight, {vocab_start, vocab_size}, ignore_index,
+                                    reduction, label_smoothing, z_loss, softcap);
+  const at::Tensor& x = in.x;
   const std::int64_t n = x.size(0);
-  const vp_shard shard{vocab_start, vocab_size};
-  const vp_inputs in = vp_inputs_of(x, target, weight, shard, ignore_index, reduction,
-                                    label_smoothing, z_loss, softcap);
   const at::Tensor g_out = upstream_tensor(x, grad_output);
   const at::Tensor saved = saved_lse(x, lse, n);
   at::Tensor grad = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  run_vocab_parallel<B>(x, in, shard, group_name,
-                        [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
-                          using T = decltype(tag);
-                          xent::vocab_parallel_backward(
-                              exec, group, matrix_of<const T>(x), s, tv, in.ce.opts,
-                              xent::vector_view<const float>(saved.data_ptr<float>(), n),
-                              upstream_of<float>(g_out, in.ce.opts.reduce, n), matrix_of<T>(grad));
-                        });
+  run_vocab_parallel<B>(
+      in, group_name, [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
+        using T = decltype(tag);
+        xent::vocab_parallel_backward(exec, group, matrix_of<const T>(x), s, tv, in.ce.opts,
+                                      xent::vector_view<const float>(saved.data_ptr<float>(), n),
+                                      upstream_of<float>(g_out, in.ce.opts.reduce, n),
+                                      matrix_of<T>(grad));
+      });
   return grad;
 }
 
@@ -232,22 +234,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> vocab_parallel_cross_entropy_fwd_
     std::int64_t vocab_start, std::int64_t vocab_size, const std::string& group_name,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
     double softcap) {
-  check_input_dtype(input);
   const typename B::guard device_guard(input.device());
-  const at::Tensor x = rows_view(input);
-  const vp_shard shard{vocab_start, vocab_size};
-  const vp_inputs in = vp_inputs_of(x, target, weight, shard, ignore_index, reduction,
-                                    label_smoothing, z_loss, softcap);
+  const vp_inputs in = vp_inputs_of(input, target, weight, {vocab_start, vocab_size}, ignore_index,
+                                    reduction, label_smoothing, z_loss, softcap);
+  const at::Tensor& x = in.x;
   check_fused_reduction(in.ce.opts);
   const loss_outputs out(x, in.ce.opts.reduce);
   at::Tensor grad = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  run_vocab_parallel<B>(x, in, shard, group_name,
-                        [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
-                          using T = decltype(tag);
-                          xent::vocab_parallel_forward_backward(
-                              exec, group, matrix_of<const T>(x), s, tv, in.ce.opts,
-                              xent::upstream{}, out.view<float>(), matrix_of<T>(grad));
-                        });
+  run_vocab_parallel<B>(
+      in, group_name, [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
+        using T = decltype(tag);
+        xent::vocab_parallel_forward_backward(exec, group, matrix_of<const T>(x), s, tv, in.ce.opts,
+                                              xent::upstream{}, out.view<float>(),
+                                              matrix_of<T>(grad));
+      });
   return {out.loss, out.lse, grad};
 }
 
@@ -257,6 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> vocab_parallel_cross_entropy_fwd_
 // class weights of the whole vocabulary, and the digest its ranks compare.
 struct vp_linear_inputs {
   linear_inputs lin;
+  vp_shard shard;
   std::int64_t digest;
 };
 
@@ -268,6 +269,7 @@ inline vp_linear_inputs vp_linear_inputs_of(const at::Tensor& hidden, const at::
                                             std::int64_t reduction, double label_smoothing,
                                             double z_loss, double softcap) {
   vp_linear_inputs in;
+  in.shard = shard;
   in.lin = linear_inputs_of(hidden, weight, bias, target, std::nullopt, ignore_index, reduction,
                             label_smoothing, z_loss, softcap);
   in.lin.class_weights = weights_of(in.lin.hidden, class_weight, shard.vocab);
@@ -293,9 +295,10 @@ inline vp_linear_inputs vp_linear_inputs_of(const at::Tensor& hidden, const at::
 // with a workspace of xent's size for `pass` (its chunk rows the same on every rank), xent's
 // errors as torch's.
 template <class B, class Run>
-void run_vocab_parallel_linear(const vp_linear_inputs& in, vp_shard shard,
-                               const std::string& group_name, xent::linear_pass pass, Run&& run) {
+void run_vocab_parallel_linear(const vp_linear_inputs& in, const std::string& group_name,
+                               xent::linear_pass pass, Run&& run) {
   const linear_inputs& lin = in.lin;
+  const vp_shard shard = in.shard;
   const auto group = B::vp_group(group_name, lin.hidden.device(), in.digest);
   dispatch<B>(lin.hidden, lin.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
@@ -329,14 +332,13 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy_fwd(
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
     double softcap) {
   const typename B::guard device_guard(hidden.device());
-  const vp_shard shard{vocab_start, vocab_size};
   const vp_linear_inputs in =
-      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, shard, ignore_index,
-                          reduction, label_smoothing, z_loss, softcap);
+      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, {vocab_start, vocab_size},
+                          ignore_index, reduction, label_smoothing, z_loss, softcap);
   const linear_inputs& lin = in.lin;
   const loss_outputs out(lin.hidden, lin.opts.reduce);
   run_vocab_parallel_linear<B>(
-      in, shard, group_name, xent::linear_pass::forward,
+      in, group_name, xent::linear_pass::forward,
       [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
         using T = decltype(tag);
         xent::vocab_parallel_linear_forward(
@@ -357,17 +359,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> vocab_parallel_linear_cross_entro
     std::int64_t reduction, double label_smoothing, double z_loss, double softcap,
     std::array<bool, 3> output_mask) {
   const typename B::guard device_guard(hidden.device());
-  const vp_shard shard{vocab_start, vocab_size};
   vp_linear_inputs in =
-      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, shard, ignore_index,
-                          reduction, label_smoothing, z_loss, softcap);
+      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, {vocab_start, vocab_size},
+                          ignore_index, reduction, label_smoothing, z_loss, softcap);
   const linear_inputs& lin = in.lin;
   const std::int64_t n = lin.hidden.size(0);
   const at::Tensor g_out = upstream_tensor(lin.hidden, grad_output);
   const at::Tensor saved = saved_lse(lin.hidden, lse, n);
   const linear_grad_tensors grads(lin, output_mask);
   run_vocab_parallel_linear<B>(
-      in, shard, group_name, xent::linear_pass::training,
+      in, group_name, xent::linear_pass::training,
       [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
         using T = decltype(tag);
         xent::vocab_parallel_linear_backward(
@@ -390,16 +391,15 @@ vocab_parallel_linear_cross_entropy_fwd_bwd(
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
     double softcap, std::array<bool, 3> output_mask) {
   const typename B::guard device_guard(hidden.device());
-  const vp_shard shard{vocab_start, vocab_size};
   const vp_linear_inputs in =
-      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, shard, ignore_index,
-                          reduction, label_smoothing, z_loss, softcap);
+      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, {vocab_start, vocab_size},
+                          ignore_index, reduction, label_smoothing, z_loss, softcap);
   const linear_inputs& lin = in.lin;
   check_fused_reduction(lin.opts);
   const loss_outputs out(lin.hidden, lin.opts.reduce);
   const linear_grad_tensors grads(lin, output_mask);
   run_vocab_parallel_linear<B>(
-      in, shard, group_name, xent::linear_pass::training,
+      in, group_name, xent::linear_pass::training,
       [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
         using T = decltype(tag);
         xent::vocab_parallel_linear_forward_backward(

@@ -218,6 +218,34 @@ def _disagreement(rank, world):
     return errors
 
 
+def _bad_inputs(rank, world):
+    """Calls every rank makes wrongly in the same way: (exception type name, message) of each."""
+    sizes = SPLITS[world]
+    start = sum(sizes[:rank])
+    x = torch.randn(4, sizes[rank])
+    y = torch.zeros(4, dtype=torch.long)
+    calls = {
+        "float64": lambda: xd.vocab_parallel_cross_entropy(
+            x.double(), y, vocab_start=start, vocab_size=37
+        ),
+        "outside": lambda: xd.vocab_parallel_cross_entropy(
+            x, y, vocab_start=start + 40, vocab_size=37
+        ),
+        "weight": lambda: xd.vocab_parallel_cross_entropy(
+            x, y, vocab_start=start, vocab_size=37, weight=torch.ones(sizes[rank] + 1)
+        ),
+        "half_shard": lambda: xd.vocab_parallel_cross_entropy(x, y, vocab_start=start),
+    }
+    got = {}
+    for name, call in calls.items():
+        try:
+            call()
+            got[name] = (None, "")
+        except Exception as e:  # noqa: BLE001 - the type is what the test checks
+            got[name] = (type(e).__name__, str(e))
+    return got
+
+
 def _worker(rank, world, init_file, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -233,6 +261,7 @@ def _worker(rank, world, init_file, out_dir):
         except Exception:
             results["linear:" + name] = traceback.format_exc()
     results["__disagreement__"] = _disagreement(rank, world)
+    results["__bad__"] = _bad_inputs(rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -341,6 +370,32 @@ def test_ranks_that_disagree_all_raise(ranks):
     options = [results[r]["__disagreement__"][1] for r in range(world)]
     assert all(e is not None and "number of rows" in e for e in rows), rows
     assert all(e is not None and "options" in e for e in options), options
+
+
+def test_bad_inputs_raise_torchs_error_types_naming_the_argument(ranks):
+    world, results = ranks
+    want = {
+        "float64": ("TypeError", "float64"),
+        "outside": ("ValueError", "shard.first"),
+        "weight": ("ValueError", "weight"),
+        "half_shard": ("ValueError", "vocab_size"),
+    }
+    for r in range(world):
+        for name, (kind, words) in want.items():
+            got_kind, message = results[r]["__bad__"][name]
+            assert got_kind == kind and words in message, (r, name, got_kind, message)
+
+
+def test_target_shape_and_reduction_are_checked_before_any_exchange():
+    x = torch.randn(2, 3, 5)
+    with pytest.raises(ValueError, match="target must be"):
+        xd.vocab_parallel_cross_entropy(x, torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="reduction"):
+        xd.vocab_parallel_cross_entropy(x, torch.zeros(2, 3, dtype=torch.long), reduction="avg")
+    with pytest.raises(ValueError, match="target must be"):
+        xd.vocab_parallel_linear_cross_entropy(
+            torch.randn(4, 8), torch.randn(5, 8), torch.zeros(3, dtype=torch.long)
+        )
 
 
 def test_needs_an_initialised_process_group():

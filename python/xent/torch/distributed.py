@@ -221,6 +221,26 @@ def _group_and_shard(group, v_local, vocab_start, vocab_size):
     return group.group_name, int(vocab_start), int(vocab_size)
 
 
+def _rows_and_args(fn, rows_shape, v_local, target, group, vocab_start, vocab_size, options):
+    """The targets as rows ((N,) class ids or (N, V_local) probabilities, checked against the
+    rows' shape) and the ops' trailing arguments: the shard, the group's name and the options."""
+    ignore_index, reduction, label_smoothing, z_loss, softcap = options
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    n = math.prod(rows_shape)  # not reshape(-1, ...): a slice may hold no class
+    soft = target.is_floating_point()
+    want = tuple(rows_shape) + ((v_local,) if soft else ())
+    if tuple(target.shape) != want:
+        raise ValueError(
+            f"xent.torch.distributed.{fn}: target must be {want} (class ids of every row, or "
+            f"class probabilities of this rank's classes), got {tuple(target.shape)}"
+        )
+    t = target.reshape(n, v_local) if soft else target.reshape(n)
+    name, start, vocab = _group_and_shard(group, v_local, vocab_start, vocab_size)
+    code = _REDUCTIONS[reduction]
+    return t, (start, vocab, name, ignore_index, code, label_smoothing, z_loss, softcap)
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -254,36 +274,24 @@ def vocab_parallel_cross_entropy(
     only under the environment variable XENT_CHECK_RANKS=1; otherwise agreement is the caller's
     contract, as for torch's own collectives).
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{reduction} is not a valid value for reduction")
     _check_like_torch("vocab_parallel_cross_entropy", weight, "weight", target, ignore_index)
     if logits.dim() < 1:
         raise ValueError("xent.torch.distributed: logits must have a class dimension (the last)")
-    v_local = logits.shape[-1]
-    n = math.prod(logits.shape[:-1])  # not reshape(-1, ...): a slice may hold no class
-    soft = target.is_floating_point()
-    if soft:
-        if target.shape != logits.shape:
-            raise ValueError(
-                f"xent.torch.distributed: class probabilities must have the shape of logits "
-                f"{tuple(logits.shape)}, got {tuple(target.shape)}"
-            )
-        rows_shape = logits.shape[:-1]
-        t = target.reshape(n, v_local)
-    else:
-        if target.shape != logits.shape[:-1]:
-            raise ValueError(
-                f"xent.torch.distributed: target must have the shape of logits without its "
-                f"last dimension, {tuple(logits.shape[:-1])}, got {tuple(target.shape)}"
-            )
-        rows_shape = target.shape
-        t = target.reshape(-1)
-    name, start, vocab = _group_and_shard(group, v_local, vocab_start, vocab_size)
-    code = _REDUCTIONS[reduction]
-    args = (start, vocab, name, ignore_index, code, label_smoothing, z_loss, softcap)
-    x = logits.reshape(n, v_local)
+    v_local, rows_shape = logits.shape[-1], logits.shape[:-1]
+    options = (ignore_index, reduction, label_smoothing, z_loss, softcap)
+    t, args = _rows_and_args(
+        "vocab_parallel_cross_entropy",
+        rows_shape,
+        v_local,
+        target,
+        group,
+        vocab_start,
+        vocab_size,
+        options,
+    )
+    x = logits.reshape(t.shape[0], v_local)
     loss, _ = _VocabParallelCrossEntropy.apply(x, t, weight, args)
-    if code == 0:
+    if reduction == "none":
         loss = loss.reshape(rows_shape)
     return _result(loss, logits)
 
@@ -323,8 +331,6 @@ def vocab_parallel_linear_cross_entropy(
 
     The other options and the result are vocab_parallel_cross_entropy's.
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{reduction} is not a valid value for reduction")
     _check_like_torch(
         "vocab_parallel_linear_cross_entropy", class_weight, "class_weight", target, ignore_index
     )
@@ -333,26 +339,19 @@ def vocab_parallel_linear_cross_entropy(
             "xent.torch.distributed: hidden must be (..., D) and weight_shard (V_local, D), got "
             f"{tuple(hidden.shape)} and {tuple(weight_shard.shape)}"
         )
-    v_local = weight_shard.shape[0]
-    rows_shape = hidden.shape[:-1]
-    n = math.prod(rows_shape)
-    if target.is_floating_point():
-        if target.shape != rows_shape + (v_local,):
-            raise ValueError(
-                f"xent.torch.distributed: class probabilities must be {tuple(rows_shape)} + "
-                f"(V_local,) = {tuple(rows_shape) + (v_local,)}, got {tuple(target.shape)}"
-            )
-        t = target.reshape(n, v_local)
-    else:
-        if target.shape != rows_shape:
-            raise ValueError(
-                f"xent.torch.distributed: target must have hidden's shape without its last "
-                f"dimension, {tuple(rows_shape)}, got {tuple(target.shape)}"
-            )
-        t = target.reshape(n)
-    name, start, vocab = _group_and_shard(group, v_local, vocab_start, vocab_size)
-    code = _REDUCTIONS[reduction]
-    args = (start, vocab, name, ignore_index, code, label_smoothing, z_loss, softcap)
+    v_local, rows_shape = weight_shard.shape[0], hidden.shape[:-1]
+    options = (ignore_index, reduction, label_smoothing, z_loss, softcap)
+    t, args = _rows_and_args(
+        "vocab_parallel_linear_cross_entropy",
+        rows_shape,
+        v_local,
+        target,
+        group,
+        vocab_start,
+        vocab_size,
+        options,
+    )
+    n = t.shape[0]
     x = hidden.reshape(n, hidden.shape[-1])
     loss, _ = _VocabParallelLinearCrossEntropy.apply(
         x,
@@ -364,6 +363,6 @@ def vocab_parallel_linear_cross_entropy(
         dist.group.WORLD if group is None else group,
         reduce_hidden_grad,
     )
-    if code == 0:
+    if reduction == "none":
         loss = loss.reshape(rows_shape)
     return _result(loss, hidden)
