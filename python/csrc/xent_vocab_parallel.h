@@ -122,6 +122,22 @@ struct vp_shard {
   std::int64_t start, vocab;
 };
 
+// The digest of what every rank's call over `rows` rows must share: the vocabulary, the options,
+// the kind of targets and whether class weights are given.
+inline call_digest call_digest_of(std::int64_t rows, vp_shard shard, const ce_inputs& in) {
+  const xent::options& o = in.opts;
+  return call_digest()
+      .add(rows)
+      .add(shard.vocab)
+      .add(o.ignore_index)
+      .add(o.reduce)
+      .add(o.label_smoothing)
+      .add(o.z_loss)
+      .add(o.softcap)
+      .add(in.tg.soft)
+      .add(in.weights.defined());
+}
+
 // A vocab-parallel call's logits shard as rows, its place in the vocabulary, its targets, class
 // weights (all vocab_size of them) and options, and the digest its ranks compare.
 struct vp_inputs {
@@ -142,17 +158,7 @@ inline vp_inputs vp_inputs_of(const at::Tensor& input, const at::Tensor& target,
   in.ce.tg = targets_of(target, in.x, in.x.size(1));
   in.ce.weights = weights_of(in.x, weight, shard.vocab);
   in.ce.opts = options_of(in.ce.weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
-  in.digest = call_digest()
-                  .add(in.x.size(0))
-                  .add(shard.vocab)
-                  .add(ignore_index)
-                  .add(reduction)
-                  .add(label_smoothing)
-                  .add(z_loss)
-                  .add(softcap)
-                  .add(in.ce.tg.soft)
-                  .add(in.ce.weights.defined())
-                  .value();
+  in.digest = call_digest_of(in.x.size(0), shard, in.ce).value();
   return in;
 }
 
@@ -275,19 +281,11 @@ inline vp_linear_inputs vp_linear_inputs_of(const at::Tensor& hidden, const at::
   in.lin.class_weights = weights_of(in.lin.hidden, class_weight, shard.vocab);
   static_cast<xent::options&>(in.lin.opts) =
       options_of(in.lin.class_weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
-  in.digest = call_digest()
-                  .add(in.lin.hidden.size(0))
-                  .add(in.lin.hidden.size(1))
-                  .add(shard.vocab)
-                  .add(ignore_index)
-                  .add(reduction)
-                  .add(label_smoothing)
-                  .add(z_loss)
-                  .add(softcap)
-                  .add(in.lin.tg.soft)
-                  .add(in.lin.class_weights.defined())
-                  .add(in.lin.bias.defined())
-                  .value();
+  in.digest =
+      call_digest_of(in.lin.hidden.size(0), shard, {in.lin.tg, in.lin.class_weights, in.lin.opts})
+          .add(in.lin.hidden.size(1))
+          .add(in.lin.bias.defined())
+          .value();
   return in;
 }
 
