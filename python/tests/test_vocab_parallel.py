@@ -1,0 +1,486 @@
+"""xent.torch.distributed.vocab_parallel_cross_entropy on the CPU: 2 and 4 processes over gloo,
+started by torch.multiprocessing, each holding a slice of the vocabulary.
+
+Every process builds the same full inputs from a seed, keeps its slice and runs the sharded call
+forward and backward; the test process then holds each rank's loss and gradient slice to the
+unsharded single-process call (xent.torch.cross_entropy on the whole vocabulary: within 1e-6
+relative) and to a float64 reference written out with torch's own ops, for every option, even
+and uneven splits, an empty slice, all rows ignored, soft targets and bfloat16.
+"""
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import xent.torch
+import xent.torch.distributed as xd
+
+# name -> (rows shape, V, dtype, options); options as vocab_parallel_cross_entropy's keywords,
+# plus "soft" (class probabilities), "int32", "ignore" ("some" / "all"), "split" ("even" for
+# Megatron's default, else explicit slice sizes per world size), "scale" (the loss's gradient).
+CASES = {
+    "mean": ((6,), 37, torch.float32, {"reduction": "mean"}),
+    "sum": ((6,), 37, torch.float32, {"reduction": "sum", "scale": 0.5}),
+    "none": ((2, 3), 37, torch.float32, {"reduction": "none"}),
+    "even_split": ((5,), 40, torch.float32, {"reduction": "mean", "split": "even"}),
+    "smoothing": ((6,), 37, torch.float32, {"reduction": "mean", "label_smoothing": 0.1}),
+    "weights": ((7,), 37, torch.float32, {"reduction": "mean", "weight": True, "ignore": "some"}),
+    "weights_none": ((7,), 37, torch.float32, {"reduction": "none", "weight": True}),
+    "z_loss_softcap": (
+        (6,),
+        37,
+        torch.float32,
+        {"reduction": "mean", "z_loss": 1e-3, "softcap": 5.0},
+    ),
+    "ignored_some": ((8,), 37, torch.float32, {"reduction": "mean", "ignore": "some"}),
+    "ignored_all": ((4,), 37, torch.float32, {"reduction": "mean", "ignore": "all"}),
+    "ignored_all_none": ((4,), 37, torch.float32, {"reduction": "none", "ignore": "all"}),
+    "int32": ((6,), 37, torch.float32, {"reduction": "sum", "int32": True}),
+    "soft": ((5,), 37, torch.float32, {"reduction": "mean", "soft": True}),
+    "soft_smoothing": (
+        (5,),
+        37,
+        torch.float32,
+        {"reduction": "none", "soft": True, "label_smoothing": 0.2},
+    ),
+    "no_rows": ((0,), 37, torch.float32, {"reduction": "sum"}),
+    "bfloat16": ((6,), 37, torch.bfloat16, {"reduction": "mean", "label_smoothing": 0.1}),
+}
+
+# The fused linear cases: name -> (rows shape, D, V, dtype, options); "bias": an LM head bias,
+# "frozen": the head's weight needs no gradient.
+LINEAR_CASES = {
+    "mean": ((6,), 8, 37, torch.float32, {"reduction": "mean", "bias": True}),
+    "sum_smoothing": ((2, 3), 8, 37, torch.float32, {"reduction": "sum", "label_smoothing": 0.1}),
+    "none_weights": ((7,), 8, 37, torch.float32, {"reduction": "none", "weight": True}),
+    "z_loss_softcap_ignored": (
+        (8,),
+        8,
+        37,
+        torch.float32,
+        {"reduction": "mean", "z_loss": 1e-3, "softcap": 5.0, "ignore": "some", "bias": True},
+    ),
+    "soft": ((5,), 8, 37, torch.float32, {"reduction": "mean", "soft": True}),
+    "even_split_frozen": (
+        (5,),
+        8,
+        40,
+        torch.float32,
+        {"reduction": "mean", "split": "even", "frozen": True},
+    ),
+    "ignored_all": ((4,), 8, 37, torch.float32, {"reduction": "sum", "ignore": "all"}),
+    "bfloat16": ((6,), 8, 37, torch.bfloat16, {"reduction": "mean", "bias": True}),
+}
+
+# Uneven slices of V = 37: world 4 has an empty one, and a world of 2 the larger slice first.
+SPLITS = {2: [20, 17], 4: [10, 0, 20, 7]}
+
+
+def _inputs(name):
+    """The full inputs of a case, the same in every process."""
+    rows, vocab, dtype, opts = CASES[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    n = 1
+    for r in rows:
+        n *= r
+    logits = (torch.randn(*rows, vocab, generator=g) * 2).to(dtype)
+    if opts.get("soft"):
+        target = torch.softmax(torch.randn(*rows, vocab, generator=g), -1).to(dtype)
+    else:
+        target = torch.randint(0, vocab, rows, generator=g)
+        flat = target.view(-1)
+        if opts.get("ignore") == "some":
+            flat[::3] = -100
+        elif opts.get("ignore") == "all":
+            flat[:] = -100
+        if opts.get("int32"):
+            target = target.int()
+    weight = torch.rand(vocab, generator=g) + 0.5 if opts.get("weight") else None
+    upstream = torch.rand(rows, generator=g) + 0.5 if opts["reduction"] == "none" else None
+    return logits, target, weight, upstream
+
+
+def _slices(name, world):
+    vocab = CASES[name][1]
+    if CASES[name][3].get("split") == "even":
+        return [vocab // world] * world, True
+    return SPLITS[world], False
+
+
+def _keywords(name):
+    opts = dict(CASES[name][3])
+    for k in ("soft", "int32", "ignore", "split", "scale", "weight"):
+        opts.pop(k, None)
+    return opts
+
+
+def _run_rank(name, rank, world):
+    """This rank's (loss, gradient slice) of a case."""
+    logits, target, weight, upstream = _inputs(name)
+    sizes, even = _slices(name, world)
+    start = sum(sizes[:rank])
+    mine = logits[..., start : start + sizes[rank]].clone().requires_grad_()
+    t = target[..., start : start + sizes[rank]] if target.is_floating_point() else target
+    where = {} if even else {"vocab_start": start, "vocab_size": logits.shape[-1]}
+    loss = xd.vocab_parallel_cross_entropy(mine, t, weight=weight, **where, **_keywords(name))
+    scale = CASES[name][3].get("scale", 1.0)
+    if upstream is not None:
+        loss.backward(upstream)
+    else:
+        (loss * scale).backward()
+    return loss.detach(), mine.grad
+
+
+def _linear_inputs(name):
+    """hidden, weight, bias, target, class weights and per-row upstream of a linear case."""
+    rows, d, vocab, dtype, opts = LINEAR_CASES[name]
+    g = torch.Generator().manual_seed(1000 + sum(map(ord, name)))
+    hidden = torch.randn(*rows, d, generator=g).to(dtype)
+    weight = (torch.randn(vocab, d, generator=g) / d**0.5 * 2).to(dtype)
+    bias = (torch.randn(vocab, generator=g) / 2).to(dtype) if opts.get("bias") else None
+    if opts.get("soft"):
+        target = torch.softmax(torch.randn(*rows, vocab, generator=g), -1).to(dtype)
+    else:
+        target = torch.randint(0, vocab, rows, generator=g)
+        if opts.get("ignore") == "some":
+            target.view(-1)[::3] = -100
+        elif opts.get("ignore") == "all":
+            target.fill_(-100)
+    class_weight = torch.rand(vocab, generator=g) + 0.5 if opts.get("weight") else None
+    upstream = torch.rand(rows, generator=g) + 0.5 if opts["reduction"] == "none" else None
+    return hidden, weight, bias, target, class_weight, upstream
+
+
+def _linear_keywords(name):
+    opts = dict(LINEAR_CASES[name][4])
+    for k in ("soft", "ignore", "split", "bias", "weight", "frozen"):
+        opts.pop(k, None)
+    return opts
+
+
+def _linear_slices(name, world):
+    vocab = LINEAR_CASES[name][2]
+    if LINEAR_CASES[name][4].get("split") == "even":
+        return [vocab // world] * world, True
+    return SPLITS[world], False
+
+
+def _backward(loss, upstream):
+    if upstream is not None:
+        loss.backward(upstream.to(loss.dtype))
+    else:
+        loss.backward()
+
+
+def _run_linear_rank(name, rank, world):
+    """This rank's (loss, d_hidden, d_weight rows, d_bias rows) of a linear case."""
+    hidden, weight, bias, target, class_weight, upstream = _linear_inputs(name)
+    opts = LINEAR_CASES[name][4]
+    sizes, even = _linear_slices(name, world)
+    start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    x = hidden.clone().requires_grad_()
+    w = weight[start:stop].clone().requires_grad_(not opts.get("frozen"))
+    b = bias[start:stop].clone().requires_grad_() if bias is not None else None
+    t = target[..., start:stop] if target.is_floating_point() else target
+    where = {} if even else {"vocab_start": start, "vocab_size": weight.shape[0]}
+    loss = xd.vocab_parallel_linear_cross_entropy(
+        x, w, t, None, b, class_weight=class_weight, **where, **_linear_keywords(name)
+    )
+    _backward(loss, upstream)
+    return loss.detach(), x.grad, w.grad, b.grad if b is not None else None
+
+
+def _disagreement(rank, world):
+    """Rank 1 with one row more, then with another label smoothing: every rank must raise."""
+    errors = []
+    for what in ("rows", "options"):
+        logits = torch.randn(4 + (what == "rows" and rank == 1), 37)
+        target = torch.zeros(logits.shape[0], dtype=torch.long)
+        sizes = SPLITS[world]
+        start = sum(sizes[:rank])
+        smoothing = 0.1 if what == "options" and rank == 1 else 0.0
+        try:
+            xd.vocab_parallel_cross_entropy(
+                logits[:, start : start + sizes[rank]],
+                target,
+                vocab_start=start,
+                vocab_size=37,
+                label_smoothing=smoothing,
+            )
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _bad_inputs(rank, world):
+    """Calls every rank makes wrongly in the same way: (exception type name, message) of each."""
+    sizes = SPLITS[world]
+    start = sum(sizes[:rank])
+    x = torch.randn(4, sizes[rank])
+    y = torch.zeros(4, dtype=torch.long)
+    calls = {
+        "float64": lambda: xd.vocab_parallel_cross_entropy(
+            x.double(), y, vocab_start=start, vocab_size=37
+        ),
+        "outside": lambda: xd.vocab_parallel_cross_entropy(
+            x, y, vocab_start=start + 40, vocab_size=37
+        ),
+        "weight": lambda: xd.vocab_parallel_cross_entropy(
+            x, y, vocab_start=start, vocab_size=37, weight=torch.ones(sizes[rank] + 1)
+        ),
+        "half_shard": lambda: xd.vocab_parallel_cross_entropy(x, y, vocab_start=start),
+    }
+    got = {}
+    for name, call in calls.items():
+        try:
+            call()
+            got[name] = (None, "")
+        except Exception as e:  # noqa: BLE001 - the type is what the test checks
+            got[name] = (type(e).__name__, str(e))
+    return got
+
+
+def _worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    for name in CASES:
+        try:
+            results[name] = _run_rank(name, rank, world)
+        except Exception:
+            results[name] = traceback.format_exc()
+    for name in LINEAR_CASES:
+        try:
+            results["linear:" + name] = _run_linear_rank(name, rank, world)
+        except Exception:
+            results["linear:" + name] = traceback.format_exc()
+    results["__disagreement__"] = _disagreement(rank, world)
+    results["__bad__"] = _bad_inputs(rank, world)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request, tmp_path_factory):
+    """Each rank's results of every case, from one gloo group of `world` processes."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"world{world}")
+    mp.spawn(_worker, args=(world, str(out / "init"), str(out)), nprocs=world, join=True)
+    return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def _unsharded(name):
+    """The single-process xent call on the whole vocabulary: (loss, gradient)."""
+    logits, target, weight, upstream = _inputs(name)
+    x = logits.reshape(-1, logits.shape[-1]).clone().requires_grad_()
+    t = target.reshape(-1, logits.shape[-1]) if target.is_floating_point() else target.reshape(-1)
+    loss = xent.torch.cross_entropy(
+        x, t.long() if not t.is_floating_point() else t, weight=weight, **_keywords(name)
+    )
+    scale = CASES[name][3].get("scale", 1.0)
+    if upstream is not None:
+        loss.backward(upstream.reshape(-1))
+    else:
+        (loss * scale).backward()
+    if loss.dim():
+        loss = loss.reshape(logits.shape[:-1])
+    return loss.detach(), x.grad.reshape(logits.shape)
+
+
+def _reference(name):
+    """The loss and gradient in float64 by torch's own ops, z-loss and soft-capping written out."""
+    logits, target, weight, upstream = _inputs(name)
+    opts = CASES[name][3]
+    x = logits.double().reshape(-1, logits.shape[-1]).requires_grad_()
+    z = x
+    if opts.get("softcap"):
+        z = opts["softcap"] * torch.tanh(x / opts["softcap"])
+    t = (
+        target.reshape(-1, logits.shape[-1]).double()
+        if target.is_floating_point()
+        else (target.reshape(-1).long())
+    )
+    w = weight.double() if weight is not None else None
+    red = opts["reduction"]
+    rows = F.cross_entropy(
+        z, t, weight=w, reduction="none", label_smoothing=opts.get("label_smoothing", 0.0)
+    )
+    if opts.get("z_loss"):
+        lse = torch.logsumexp(z, -1)
+        keep = torch.ones_like(lse) if t.is_floating_point() else (t != -100).double()
+        wy = keep if w is None or t.is_floating_point() else w[t.clamp(min=0)] * keep
+        rows = rows + opts["z_loss"] * lse**2 * wy
+    if red == "none":
+        loss = rows
+    elif red == "sum":
+        loss = rows.sum()
+    else:
+        if t.is_floating_point():
+            denom = torch.tensor(float(t.shape[0]), dtype=torch.float64)
+        else:
+            keep = (t != -100).double()
+            denom = (keep if w is None else w[t.clamp(min=0)] * keep).sum()
+        loss = rows.sum() / denom
+    scale = opts.get("scale", 1.0)
+    if upstream is not None:
+        loss.backward(upstream.double().reshape(-1))
+    else:
+        (loss * scale).backward()
+    return loss.detach(), x.grad.reshape(logits.shape)
+
+
+def _assemble(name, world, results):
+    sizes, _ = _slices(name, world)
+    return torch.cat([results[r][name][1] for r in range(world)], dim=-1), sizes
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_rank_matches_the_unsharded_call(ranks, name):
+    world, results = ranks
+    for r in range(world):
+        assert not isinstance(results[r][name], str), f"rank {r}:\n{results[r][name]}"
+    losses = [results[r][name][0] for r in range(world)]
+    for r in range(1, world):  # bit for bit the same loss on every rank
+        torch.testing.assert_close(losses[r], losses[0], rtol=0, atol=0, equal_nan=True)
+    grad, sizes = _assemble(name, world, results)
+    loss_u, grad_u = _unsharded(name)
+    loss_r, grad_r = _reference(name)
+    dtype = CASES[name][2]
+    assert losses[0].dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(losses[0], loss_u, rtol=1e-6, atol=1e-6, equal_nan=True)
+        scale = max(grad_u.abs().max().item(), 1e-30) if grad_u.numel() else 1.0
+        torch.testing.assert_close(grad, grad_u, rtol=1e-6, atol=1e-6 * scale)
+        tol = dict(rtol=1e-5, atol=1e-6, equal_nan=True)
+    else:  # bfloat16: the slices and the whole round differently; the float64 reference judges
+        tol = dict(rtol=2e-2, atol=2e-3, equal_nan=True)
+    torch.testing.assert_close(losses[0].double(), loss_r.reshape(losses[0].shape), **tol)
+    torch.testing.assert_close(grad.double(), grad_r, **tol)
+
+
+def test_ranks_that_disagree_all_raise(ranks):
+    world, results = ranks
+    rows = [results[r]["__disagreement__"][0] for r in range(world)]
+    options = [results[r]["__disagreement__"][1] for r in range(world)]
+    assert all(e is not None and "number of rows" in e for e in rows), rows
+    assert all(e is not None and "options" in e for e in options), options
+
+
+def test_bad_inputs_raise_torchs_error_types_naming_the_argument(ranks):
+    world, results = ranks
+    want = {
+        "float64": ("TypeError", "float64"),
+        "outside": ("ValueError", "shard.first"),
+        "weight": ("ValueError", "weight"),
+        "half_shard": ("ValueError", "vocab_size"),
+    }
+    for r in range(world):
+        for name, (kind, words) in want.items():
+            got_kind, message = results[r]["__bad__"][name]
+            assert got_kind == kind and words in message, (r, name, got_kind, message)
+
+
+def test_target_shape_and_reduction_are_checked_before_any_exchange():
+    x = torch.randn(2, 3, 5)
+    with pytest.raises(ValueError, match="target must be"):
+        xd.vocab_parallel_cross_entropy(x, torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="reduction"):
+        xd.vocab_parallel_cross_entropy(x, torch.zeros(2, 3, dtype=torch.long), reduction="avg")
+    with pytest.raises(ValueError, match="target must be"):
+        xd.vocab_parallel_linear_cross_entropy(
+            torch.randn(4, 8), torch.randn(5, 8), torch.zeros(3, dtype=torch.long)
+        )
+
+
+def test_needs_an_initialised_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        xd.vocab_parallel_cross_entropy(torch.randn(2, 4), torch.zeros(2, dtype=torch.long))
+
+
+def _linear_unsharded(name):
+    """xent.torch.linear_cross_entropy on the whole head: (loss, d_hidden, d_weight, d_bias)."""
+    hidden, weight, bias, target, class_weight, upstream = _linear_inputs(name)
+    opts = LINEAR_CASES[name][4]
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_(not opts.get("frozen"))
+    b = bias.clone().requires_grad_() if bias is not None else None
+    loss = xent.torch.linear_cross_entropy(
+        x, w, target, bias=b, class_weight=class_weight, **_linear_keywords(name)
+    )
+    _backward(loss, upstream)
+    return loss.detach(), x.grad, w.grad, b.grad if b is not None else None
+
+
+def _linear_reference(name):
+    """The same in float64 by torch's ops: logits formed, soft-capped, z-loss written out."""
+    hidden, weight, bias, target, class_weight, upstream = _linear_inputs(name)
+    opts = LINEAR_CASES[name][4]
+    x = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_(not opts.get("frozen"))
+    b = bias.double().requires_grad_() if bias is not None else None
+    logits = torch.nn.functional.linear(x, w, b)
+    z = logits
+    if opts.get("softcap"):
+        z = opts["softcap"] * torch.tanh(logits / opts["softcap"])
+    t = target.double() if target.is_floating_point() else target
+    cw = class_weight.double() if class_weight is not None else None
+    zr = z.reshape(-1, z.shape[-1])
+    tr = t.reshape(-1, z.shape[-1]) if t.is_floating_point() else t.reshape(-1)
+    rows = F.cross_entropy(
+        zr, tr, weight=cw, reduction="none", label_smoothing=opts.get("label_smoothing", 0.0)
+    )
+    keep = torch.ones_like(rows) if tr.is_floating_point() else (tr != -100).double()
+    wy = keep if cw is None or tr.is_floating_point() else cw[tr.clamp(min=0)] * keep
+    if opts.get("z_loss"):
+        rows = rows + opts["z_loss"] * torch.logsumexp(zr, -1) ** 2 * wy
+    red = opts["reduction"]
+    loss = (
+        rows.reshape(z.shape[:-1])
+        if red == "none"
+        else rows.sum() / (wy.sum() if red == "mean" else 1.0)
+    )
+    _backward(loss, upstream.double() if upstream is not None else None)
+    return loss.detach(), x.grad, w.grad, b.grad if b is not None else None
+
+
+@pytest.mark.parametrize("name", list(LINEAR_CASES))
+def test_fused_linear_matches_the_unsharded_call(ranks, name):
+    world, results = ranks
+    key = "linear:" + name
+    for r in range(world):
+        assert not isinstance(results[r][key], str), f"rank {r}:\n{results[r][key]}"
+    got = [results[r][key] for r in range(world)]
+    for r in range(1, world):  # the loss bit for bit, d_hidden summed over the same group
+        torch.testing.assert_close(got[r][0], got[0][0], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got[r][1], got[0][1], rtol=0, atol=0)
+    frozen = LINEAR_CASES[name][4].get("frozen")
+    assert all((g[2] is None) == bool(frozen) for g in got)
+    dw = None if frozen else torch.cat([g[2] for g in got])
+    db = None if got[0][3] is None else torch.cat([g[3] for g in got])
+    mine = (got[0][0], got[0][1], dw, db)
+    unsharded = _linear_unsharded(name)
+    reference = _linear_reference(name)
+    names = ("loss", "d_hidden", "d_weight", "d_bias")
+    if LINEAR_CASES[name][3] == torch.float32:
+        for what, a, u in zip(names, mine, unsharded):
+            if a is None:
+                assert u is None, what
+                continue
+            scale = max(u.abs().max().item(), 1e-30) if u.numel() else 1.0
+            torch.testing.assert_close(
+                a, u, rtol=1e-6, atol=1e-6 * scale, equal_nan=True, msg=lambda m: f"{what}: {m}"
+            )
+        tol = dict(rtol=1e-5, atol=1e-5, equal_nan=True)
+    else:
+        tol = dict(rtol=3e-2, atol=3e-2, equal_nan=True)
+    for what, a, ref in zip(names, mine, reference):
+        if a is not None:
+            torch.testing.assert_close(a.double(), ref, **tol, msg=lambda m: f"{what}: {m}")

@@ -1,0 +1,368 @@
+"""Vocab-parallel cross-entropy under torch.distributed: one process per device, each holding a
+slice of the vocabulary (tensor parallelism, Megatron's layout).
+
+    import torch.distributed as dist
+    import xent.torch.distributed as xd
+    # logits: (..., V_local), this rank's classes [rank * V_local, (rank + 1) * V_local)
+    loss = xd.vocab_parallel_cross_entropy(logits, target, group)   # per token, as Megatron's
+
+Every rank of `group` makes the same call with its own slice. Targets are global class ids (the
+same on every rank) or, for class probabilities, this rank's (..., V_local) slice of them; class
+weights are all V of them. Every rank gets the loss of the unsharded call, bit for bit the same on
+each, and the gradient of its own slice. The ops exchange a few floats per row through the
+group's own all-gather (gloo on the CPU, NCCL on CUDA), once per call.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _library  # noqa: F401  (loads the ops)
+from .ops import _REDUCTIONS, _accumulator, _check_fused, _check_like_torch, _result
+
+_fwd = torch.ops.xent.vocab_parallel_cross_entropy_fwd.default
+_bwd = torch.ops.xent.vocab_parallel_cross_entropy_bwd.default
+_fwd_bwd = torch.ops.xent.vocab_parallel_cross_entropy_fwd_bwd.default
+_linear_fwd = torch.ops.xent.vocab_parallel_linear_cross_entropy_fwd.default
+_linear_bwd = torch.ops.xent.vocab_parallel_linear_cross_entropy_bwd.default
+_linear_fwd_bwd = torch.ops.xent.vocab_parallel_linear_cross_entropy_fwd_bwd.default
+_scale_grad = torch.ops.xent.scale_grad_.default
+
+
+def _loss_and_lse_fake(x, reduction):
+    n = x.shape[0]
+    acc = _accumulator(x.dtype)
+    return x.new_empty((n,) if reduction == 0 else (), dtype=acc), x.new_empty((n,), dtype=acc)
+
+
+@torch.library.register_fake("xent::vocab_parallel_cross_entropy_fwd")
+def _fwd_fake(input, target, weight, start, vocab, group, ignore_index, reduction, *options):
+    return _loss_and_lse_fake(input, reduction)
+
+
+@torch.library.register_fake("xent::vocab_parallel_cross_entropy_bwd")
+def _bwd_fake(grad_output, input, *rest):
+    return torch.empty(input.shape, dtype=input.dtype, device=input.device)
+
+
+@torch.library.register_fake("xent::vocab_parallel_cross_entropy_fwd_bwd")
+def _fwd_bwd_fake(input, target, weight, start, vocab, group, ignore_index, reduction, *options):
+    _check_fused(reduction)
+    loss, lse = _loss_and_lse_fake(input, reduction)
+    return loss, lse, torch.empty(input.shape, dtype=input.dtype, device=input.device)
+
+
+def _linear_grads_fake(hidden, weight, bias, output_mask):
+    def grad(like, wanted):
+        return torch.empty(like.shape if wanted else (0,), dtype=hidden.dtype, device=hidden.device)
+
+    n_bias = weight.shape[0] if bias is not None and output_mask[2] else 0
+    return (
+        grad(hidden, output_mask[0]),
+        grad(weight, output_mask[1]),
+        torch.empty((n_bias,), dtype=hidden.dtype, device=hidden.device),
+    )
+
+
+@torch.library.register_fake("xent::vocab_parallel_linear_cross_entropy_fwd")
+def _linear_fwd_fake(
+    hidden,
+    weight,
+    bias,
+    target,
+    class_weight,
+    start,
+    vocab,
+    group,
+    ignore_index,
+    reduction,
+    *options,
+):
+    return _loss_and_lse_fake(hidden, reduction)
+
+
+@torch.library.register_fake("xent::vocab_parallel_linear_cross_entropy_bwd")
+def _linear_bwd_fake(grad_output, hidden, weight, bias, *rest):
+    return _linear_grads_fake(hidden, weight, bias, rest[-1])
+
+
+@torch.library.register_fake("xent::vocab_parallel_linear_cross_entropy_fwd_bwd")
+def _linear_fwd_bwd_fake(
+    hidden, weight, bias, target, class_weight, start, vocab, group, ignore_index, reduction, *rest
+):
+    _check_fused(reduction)
+    return _loss_and_lse_fake(hidden, reduction) + _linear_grads_fake(
+        hidden, weight, bias, rest[-1]
+    )
+
+
+def _consume_once(ctx):
+    """A gradient saved by a fused forward is scaled where it lies: one backward only."""
+    if ctx.scaled:
+        raise RuntimeError(
+            "xent.torch.distributed: a training call with a reduced loss keeps only the "
+            "gradients, which one backward consumes; for a second backward through it, "
+            "use reduction='none' and reduce the loss yourself"
+        )
+    ctx.scaled = True
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Training with a reduced loss runs the fused op (one read of the slice, its gradient written
+    with upstream 1) and scales that gradient by the loss's gradient in backward; otherwise the
+    forward saves the LSE and backward calls the backward op."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, args):
+        reduction = args[4]
+        ctx.fused = reduction != 0 and ctx.needs_input_grad[0]
+        if ctx.fused:
+            loss, lse, grad = _fwd_bwd(logits, target, weight, *args)
+            ctx.save_for_backward(grad)
+            ctx.scaled = False
+        else:
+            loss, lse = _fwd(logits, target, weight, *args)
+            ctx.save_for_backward(logits, target, weight, lse)
+            ctx.args = args
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        if grad_loss is None:
+            return None, None, None, None
+        if ctx.fused:
+            _consume_once(ctx)
+            (grad,) = ctx.saved_tensors
+            _scale_grad(grad, grad_loss)
+            return grad, None, None, None
+        logits, target, weight, lse = ctx.saved_tensors
+        grad = _bwd(grad_loss.contiguous(), logits, target, weight, lse, *ctx.args)
+        return grad, None, None, None
+
+
+def _sum_over_group(ctx, d_hidden):
+    """The ranks' partial d_hidden summed, unless the caller sums it (reduce_hidden_grad)."""
+    if ctx.mask[0] and ctx.reduce_hidden:
+        dist.all_reduce(d_hidden, group=ctx.group)
+    return d_hidden
+
+
+class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    """As _VocabParallelCrossEntropy, over hidden and this rank's weight rows. Each rank's
+    d_hidden is its partial, G_shard W_shard: it is summed over the group (an all-reduce of N x D,
+    torch.distributed's) unless the caller's own backward does that (reduce_hidden_grad=False, as
+    behind Megatron's copy_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, class_weight, args, group, reduce_hidden):
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+        ctx.mask, ctx.group, ctx.reduce_hidden = mask, group, reduce_hidden
+        ctx.fused = args[4] != 0 and any(mask)
+        if ctx.fused:
+            loss, lse, dh, dw, db = _linear_fwd_bwd(
+                hidden, weight, bias, target, class_weight, *args, mask
+            )
+            ctx.save_for_backward(_sum_over_group(ctx, dh), dw, db)
+            ctx.scaled = False
+        else:
+            loss, lse = _linear_fwd(hidden, weight, bias, target, class_weight, *args)
+            ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
+            ctx.args = args
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        if grad_loss is None:
+            return (None,) * 8
+        if ctx.fused:
+            _consume_once(ctx)
+            grads = ctx.saved_tensors
+            for g, wanted in zip(grads, ctx.mask):
+                if wanted:
+                    _scale_grad(g, grad_loss)
+        else:
+            hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
+            dh, dw, db = _linear_bwd(
+                grad_loss.contiguous(),
+                hidden,
+                weight,
+                bias,
+                target,
+                class_weight,
+                lse,
+                *ctx.args,
+                ctx.mask,
+            )
+            grads = (_sum_over_group(ctx, dh), dw, db)
+        out = tuple(g if wanted else None for g, wanted in zip(grads, ctx.mask))
+        return out + (None,) * 5
+
+
+def _group_and_shard(group, v_local, vocab_start, vocab_size):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "xent.torch.distributed: torch.distributed is not initialised "
+            "(call torch.distributed.init_process_group first)"
+        )
+    if group is None:
+        group = dist.group.WORLD
+    if (vocab_start is None) != (vocab_size is None):
+        raise ValueError(
+            "xent.torch.distributed: give both vocab_start and vocab_size (an uneven split), "
+            "or neither (Megatron's even split)"
+        )
+    if vocab_start is None:
+        rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+        vocab_start, vocab_size = rank * v_local, ranks * v_local
+    return group.group_name, int(vocab_start), int(vocab_size)
+
+
+def _rows_and_args(fn, rows_shape, v_local, target, group, vocab_start, vocab_size, options):
+    """The targets as rows ((N,) class ids or (N, V_local) probabilities, checked against the
+    rows' shape) and the ops' trailing arguments: the shard, the group's name and the options."""
+    ignore_index, reduction, label_smoothing, z_loss, softcap = options
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    n = math.prod(rows_shape)  # not reshape(-1, ...): a slice may hold no class
+    soft = target.is_floating_point()
+    want = tuple(rows_shape) + ((v_local,) if soft else ())
+    if tuple(target.shape) != want:
+        raise ValueError(
+            f"xent.torch.distributed.{fn}: target must be {want} (class ids of every row, or "
+            f"class probabilities of this rank's classes), got {tuple(target.shape)}"
+        )
+    t = target.reshape(n, v_local) if soft else target.reshape(n)
+    name, start, vocab = _group_and_shard(group, v_local, vocab_start, vocab_size)
+    code = _REDUCTIONS[reduction]
+    return t, (start, vocab, name, ignore_index, code, label_smoothing, z_loss, softcap)
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    weight: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "none",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    vocab_start: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Cross-entropy over logits whose class dimension (the last) is split across the ranks of
+    `group` (default: the world).
+
+    logits       (..., V_local): this rank's classes [vocab_start, vocab_start + V_local);
+                 float32, bfloat16 or float16, on the CPU (gloo group) or CUDA (NCCL group)
+    target       (...) global class ids, int64 or int32, the same on every rank; or (..., V_local)
+                 class probabilities of this rank's classes
+    weight       (V,) class weights of the whole vocabulary, the same on every rank
+    reduction    'none' (the default, Megatron's: one loss per token, of target's shape), 'mean'
+                 or 'sum'; the other options are xent.torch.cross_entropy's
+    vocab_start, vocab_size
+                 this rank's first class and the vocabulary size, for an uneven split; by default
+                 the split is even, Megatron's: rank r holds [r * V_local, (r + 1) * V_local)
+
+    Returns the loss in logits' dtype. Ranks that disagree on the number of rows, the vocabulary
+    size or the options get a ValueError on every rank (on CUDA the check synchronises, so it runs
+    only under the environment variable XENT_CHECK_RANKS=1; otherwise agreement is the caller's
+    contract, as for torch's own collectives).
+    """
+    _check_like_torch("vocab_parallel_cross_entropy", weight, "weight", target, ignore_index)
+    if logits.dim() < 1:
+        raise ValueError("xent.torch.distributed: logits must have a class dimension (the last)")
+    v_local, rows_shape = logits.shape[-1], logits.shape[:-1]
+    options = (ignore_index, reduction, label_smoothing, z_loss, softcap)
+    t, args = _rows_and_args(
+        "vocab_parallel_cross_entropy",
+        rows_shape,
+        v_local,
+        target,
+        group,
+        vocab_start,
+        vocab_size,
+        options,
+    )
+    x = logits.reshape(t.shape[0], v_local)
+    loss, _ = _VocabParallelCrossEntropy.apply(x, t, weight, args)
+    if reduction == "none":
+        loss = loss.reshape(rows_shape)
+    return _result(loss, logits)
+
+
+def vocab_parallel_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight_shard: torch.Tensor,
+    target: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    bias_shard: Optional[torch.Tensor] = None,
+    *,
+    class_weight: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "none",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    vocab_start: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    reduce_hidden_grad: bool = True,
+) -> torch.Tensor:
+    """Cross-entropy of the logits hidden @ weight.T (+ bias) over an LM head whose rows (the
+    vocabulary) are split across the ranks of `group`, never forming any logits beyond a chunk.
+
+    hidden        (..., D), the same on every rank
+    weight_shard  (V_local, D): this rank's rows of the head, classes [vocab_start,
+                  vocab_start + V_local) (by default Megatron's even split, as
+                  vocab_parallel_cross_entropy's)
+    target        (...) global class ids, or (..., V_local) class probabilities of this rank's
+                  classes
+    bias_shard    (V_local,) or None
+    class_weight  (V,) class weights of the whole vocabulary
+    reduce_hidden_grad
+                  hidden's gradient sums every rank's share: True all-reduces it over `group`
+                  in backward; False leaves each rank its partial, for a caller whose backward
+                  sums it already (Megatron's copy_to_tensor_model_parallel_region)
+
+    The other options and the result are vocab_parallel_cross_entropy's.
+    """
+    _check_like_torch(
+        "vocab_parallel_linear_cross_entropy", class_weight, "class_weight", target, ignore_index
+    )
+    if hidden.dim() < 1 or weight_shard.dim() != 2:
+        raise ValueError(
+            "xent.torch.distributed: hidden must be (..., D) and weight_shard (V_local, D), got "
+            f"{tuple(hidden.shape)} and {tuple(weight_shard.shape)}"
+        )
+    v_local, rows_shape = weight_shard.shape[0], hidden.shape[:-1]
+    options = (ignore_index, reduction, label_smoothing, z_loss, softcap)
+    t, args = _rows_and_args(
+        "vocab_parallel_linear_cross_entropy",
+        rows_shape,
+        v_local,
+        target,
+        group,
+        vocab_start,
+        vocab_size,
+        options,
+    )
+    n = t.shape[0]
+    x = hidden.reshape(n, hidden.shape[-1])
+    loss, _ = _VocabParallelLinearCrossEntropy.apply(
+        x,
+        weight_shard,
+        bias_shard,
+        t,
+        class_weight,
+        args,
+        dist.group.WORLD if group is None else group,
+        reduce_hidden_grad,
+    )
+    if reduction == "none":
+        loss = loss.reshape(rows_shape)
+    return _result(loss, hidden)
