@@ -11,7 +11,9 @@ bf16 16384 x 128256 on a GPU. Each line runs under two ways of passing the logit
            gradient over the logits (xent's fused pass does) XLA copies them first;
   donated  the logits are donated (donate_argnums), as an LM head's logits die inside a training
            step; a fresh copy is made before each call, outside the timed region.
-Time per call: the call then block_until_ready, the median of --reps calls after --warmup.
+Time per call: the call then block_until_ready, the median of --reps calls after --warmup. A
+last row times a copy of the logits into a fresh buffer (jnp.array(copy=True)), the copy XLA
+makes before the kept fused line: that line's floor.
 
 Threads. Both run on the CPU with all hardware threads: XLA's CPU client sizes its intra-op
 pool by the CPUs the process may use, and xent's handler runs xent::cpu with one worker per
@@ -24,7 +26,8 @@ Memory. `xla_temp_mib` is the compiled executable's own scratch (memory_analysis
 `extra_mib` what the call needs beyond its arguments (temp + outputs - outputs aliased to
 donated arguments): what XLA plans, on every platform. On a GPU `peak_mib` is also measured:
 the device's peak_bytes_in_use over one call, less what was in use before it, in a fresh
-process per line (the allocator's peak cannot be reset within one).
+process per line, run first (the allocator's peak cannot be reset within one; the script sets
+XLA_PYTHON_CLIENT_PREALLOCATE=false unless it is set, so those processes find memory free).
 
 JSON lines go to $OUT/jax_cross_entropy.jsonl when OUT is set; a table is printed (and written
 to $OUT/jax_cross_entropy.md).
@@ -48,6 +51,12 @@ import jax.numpy as jnp
 import optax
 import xent.jax as xj
 
+# On a GPU XLA would otherwise take 75% of the memory at start-up, leaving the peak probes'
+# processes (below) too little; the allocator's statistics count what is allocated either way.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# (call, logits): a forward writes nothing over its inputs, so donation changes nothing there.
+LINES = (("fwd", "kept"), ("fwd+bwd", "kept"), ("fwd+bwd", "donated"))
 DEFAULTS = {"cpu": ((4096, 32000), "float32"), "gpu": ((16384, 128256), "bfloat16")}
 MIB = 1 << 20
 
@@ -149,9 +158,11 @@ def probe_peak(args):
     fn = make_call(impl, kind, mode == "donated")
     fn.lower(logits, labels).compile()
     x = jnp.array(logits, copy=True).block_until_ready() if mode == "donated" else logits
-    before = device.memory_stats()["bytes_in_use"]
+    stats = device.memory_stats()  # None where the platform keeps none (the CPU)
+    before = stats["bytes_in_use"] if stats else None
     jax.block_until_ready(fn(x, labels))
-    print(json.dumps({"peak_bytes": device.memory_stats()["peak_bytes_in_use"] - before}))
+    peak = device.memory_stats()["peak_bytes_in_use"] - before if stats else None
+    print(json.dumps({"peak_bytes": peak}))
 
 
 def measured_peak(args, impl, kind, mode):
@@ -161,7 +172,7 @@ def measured_peak(args, impl, kind, mode):
     if run.returncode != 0:
         print(f"peak probe {impl} {kind} {mode} failed:\n{run.stderr[-2000:]}", file=sys.stderr)
         return None
-    return json.loads(run.stdout.strip().splitlines()[-1])["peak_bytes"]
+    return json.loads(run.stdout.strip().splitlines()[-1])["peak_bytes"]  # None: no statistics
 
 
 def mib(b):
@@ -190,6 +201,13 @@ def main():
     gpu = args.platform == "gpu"
     reps = args.reps or (50 if gpu else 15)
 
+    # The GPU's peaks first, while this process holds no device memory.
+    peaks = {}
+    if gpu:
+        for kind, mode in LINES:
+            for impl in IMPLS:
+                peaks[impl, kind, mode] = measured_peak(args, impl, kind, mode)
+
     device = jax.devices(args.platform)[0]
     n, v = args.shape
     logits, labels = make_inputs(n, v, jnp.dtype(args.dtype), device)
@@ -216,56 +234,77 @@ def main():
 
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     records = []
-    for kind in ("fwd", "fwd+bwd"):
-        for mode in ("kept", "donated"):
-            if kind == "fwd" and mode == "donated":
-                continue  # a forward writes nothing over its inputs: donation changes nothing
-            base, results = None, {}
-            for impl in ("xla", "xent"):
-                fn = make_call(impl, kind, mode == "donated")
-                temp, extra = memory_plan(fn, logits, labels)
-                sec, cores, other, out = time_call(
-                    fn, logits, labels, mode == "donated", reps, args.warmup
-                )
-                results[impl] = out
-                base = sec if impl == "xla" else base
-                rec = {
-                    "call": kind,
-                    "logits": mode,
-                    "impl": impl,
-                    "n": n,
-                    "v": v,
-                    "dtype": args.dtype,
-                    "ms": sec * 1e3,
-                    "ratio_to_xla": sec / base,
-                    "cores": cores,
-                    "other_cores": other,
-                    "reps": reps,
-                    "xla_temp_mib": mib(temp),
-                    "extra_mib": mib(extra),
-                }
-                if gpu:
-                    rec["peak_mib"] = mib(measured_peak(args, impl, kind, mode))
-                records.append(rec)
-                row = (
-                    f"| {kind} | {mode} | {impl} | {sec * 1e3:.2f} | {sec / base:.3f} "
-                    f"| {cores:.2f} | {other:.2f} | {fmt(rec['xla_temp_mib'], '.1f')} "
-                    f"| {fmt(rec['extra_mib'], '.1f')} |"
-                )
-                if gpu:
-                    row += f" {fmt(rec['peak_mib'], '.1f')} |"
-                lines.append(row)
-                print(row, flush=True)
-            # The two must agree, or the times compare different work.
-            a = jax.tree.leaves(results["xla"])
-            b = jax.tree.leaves(results["xent"])
-            diffs = [
-                float(jnp.max(jnp.abs(p.astype(jnp.float32) - q.astype(jnp.float32))))
-                for p, q in zip(a, b)
-            ]
-            records[-1]["max_abs_diff_to_xla"] = diffs
-            records[-2]["max_abs_diff_to_xla"] = diffs
-            del results
+    for kind, mode in LINES:
+        base, results = None, {}
+        for impl in ("xla", "xent"):
+            fn = make_call(impl, kind, mode == "donated")
+            temp, extra = memory_plan(fn, logits, labels)
+            sec, cores, other, out = time_call(
+                fn, logits, labels, mode == "donated", reps, args.warmup
+            )
+            results[impl] = out
+            base = sec if impl == "xla" else base
+            rec = {
+                "call": kind,
+                "logits": mode,
+                "impl": impl,
+                "n": n,
+                "v": v,
+                "dtype": args.dtype,
+                "ms": sec * 1e3,
+                "ratio_to_xla": sec / base,
+                "cores": cores,
+                "other_cores": other,
+                "reps": reps,
+                "xla_temp_mib": mib(temp),
+                "extra_mib": mib(extra),
+            }
+            if gpu:
+                rec["peak_mib"] = mib(peaks[impl, kind, mode])
+            records.append(rec)
+            row = (
+                f"| {kind} | {mode} | {impl} | {sec * 1e3:.2f} | {sec / base:.3f} "
+                f"| {cores:.2f} | {other:.2f} | {fmt(rec['xla_temp_mib'], '.1f')} "
+                f"| {fmt(rec['extra_mib'], '.1f')} |"
+            )
+            if gpu:
+                row += f" {fmt(rec['peak_mib'], '.1f')} |"
+            lines.append(row)
+            print(row, flush=True)
+        # The two must agree, or the times compare different work.
+        a = jax.tree.leaves(results["xla"])
+        b = jax.tree.leaves(results["xent"])
+        diffs = [
+            float(jnp.max(jnp.abs(p.astype(jnp.float32) - q.astype(jnp.float32))))
+            for p, q in zip(a, b)
+        ]
+        records[-1]["max_abs_diff_to_xla"] = diffs
+        records[-2]["max_abs_diff_to_xla"] = diffs
+        del results
+
+    # The floor of the kept fused line: the copy of the logits that XLA makes there, into a
+    # buffer as fresh as the call's own outputs.
+    sec, cores, other, _ = time_call(
+        lambda x, _: jnp.array(x, copy=True), logits, labels, False, reps, args.warmup
+    )
+    records.append(
+        {
+            "call": "copy",
+            "logits": "kept",
+            "impl": "copy",
+            "n": n,
+            "v": v,
+            "dtype": args.dtype,
+            "ms": sec * 1e3,
+            "cores": cores,
+            "other_cores": other,
+            "reps": reps,
+        }
+    )
+    row = f"| copy of the logits | kept | jnp.array(copy=True) | {sec * 1e3:.2f} | | {cores:.2f} "
+    row += f"| {other:.2f} | | |" + (" |" if gpu else "")
+    lines.append(row)
+    print(row, flush=True)
 
     machine["loadavg_after"] = os.getloadavg()
     machine["max_rss_mib"] = mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
