@@ -11,7 +11,8 @@ bf16 16384 x 128256 on a GPU. Each line runs under two ways of passing the logit
            gradient over the logits (xent's fused pass does) XLA copies them first;
   donated  the logits are donated (donate_argnums), as an LM head's logits die inside a training
            step; a fresh copy is made before each call, outside the timed region.
-Time per call: the call then block_until_ready, the median of --reps calls after --warmup. A
+Time per call: the call then block_until_ready, the median of --reps calls after --warmup, the
+two implementations taking turns call by call (a shared machine's load falls on both alike). A
 last row times a copy of the logits into a fresh buffer (jnp.array(copy=True)), the copy XLA
 makes before the kept fused line: that line's floor.
 
@@ -19,7 +20,8 @@ Threads. Both run on the CPU with all hardware threads: XLA's CPU client sizes i
 pool by the CPUs the process may use, and xent's handler runs xent::cpu with one worker per
 hardware thread. Each line reports `cores`, the process's CPU time over wall time while it ran,
 and `other_cores`, what the rest of the machine used meanwhile (from /proc/stat), so a loaded
-machine shows in the figures. Set XLA_FLAGS or taskset to change XLA's; xent's follows the
+machine shows in the figures (/proc/stat counts in clock ticks, 10 ms: `other_cores` means
+something only for calls much longer than that). Set XLA_FLAGS or taskset to change XLA's; xent's follows the
 machine's thread count.
 
 Memory. `xla_temp_mib` is the compiled executable's own scratch (memory_analysis().temp), and
@@ -69,7 +71,7 @@ def xent_loss(logits, labels):
     return xj.cross_entropy(logits, labels)
 
 
-IMPLS = {"xla": xla_loss, "xent": xent_loss}
+IMPLS = {"xla": xla_loss, "xent": xent_loss}  # XLA first: the ratios divide by its time
 
 
 def make_call(impl, kind, donated):
@@ -118,8 +120,10 @@ class Load:
         return self.own / wall, max(0.0, self.busy - self.own) / wall
 
 
-def time_call(fn, logits, labels, donated, reps, warmup):
-    """Median seconds per call, the cores used, and the last call's outputs."""
+def time_calls(fns, logits, labels, donated, reps, warmup):
+    """Per function: (median seconds per call, cores used, other processes' cores, the last
+    call's outputs). The functions take turns, call by call, so that a shared machine's load
+    falls on each alike."""
 
     def args():
         # A donated buffer is consumed: each call gets a fresh copy, made before the clock starts.
@@ -127,14 +131,18 @@ def time_call(fn, logits, labels, donated, reps, warmup):
         return x.block_until_ready()
 
     for _ in range(warmup):
-        out = jax.block_until_ready(fn(args(), labels))
-    times, load = [], Load()
+        for fn in fns:
+            jax.block_until_ready(fn(args(), labels))
+    times = [[] for _ in fns]
+    loads = [Load() for _ in fns]
+    outs = [None] * len(fns)
     for _ in range(reps):
-        x = args()
-        load.start()
-        out = jax.block_until_ready(fn(x, labels))
-        times.append(load.stop())
-    return (statistics.median(times), *load.cores(), out)
+        for i, fn in enumerate(fns):
+            x = args()
+            loads[i].start()
+            outs[i] = jax.block_until_ready(fn(x, labels))
+            times[i].append(loads[i].stop())
+    return [(statistics.median(t), *load.cores(), out) for t, load, out in zip(times, loads, outs)]
 
 
 def memory_plan(fn, logits, labels):
@@ -235,15 +243,13 @@ def main():
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     records = []
     for kind, mode in LINES:
-        base, results = None, {}
-        for impl in ("xla", "xent"):
-            fn = make_call(impl, kind, mode == "donated")
+        results = {}
+        fns = [make_call(impl, kind, mode == "donated") for impl in IMPLS]
+        timed = time_calls(fns, logits, labels, mode == "donated", reps, args.warmup)
+        base = timed[0][0]
+        for impl, fn, (sec, cores, other, out) in zip(IMPLS, fns, timed):
             temp, extra = memory_plan(fn, logits, labels)
-            sec, cores, other, out = time_call(
-                fn, logits, labels, mode == "donated", reps, args.warmup
-            )
             results[impl] = out
-            base = sec if impl == "xla" else base
             rec = {
                 "call": kind,
                 "logits": mode,
@@ -284,8 +290,8 @@ def main():
 
     # The floor of the kept fused line: the copy of the logits that XLA makes there, into a
     # buffer as fresh as the call's own outputs.
-    sec, cores, other, _ = time_call(
-        lambda x, _: jnp.array(x, copy=True), logits, labels, False, reps, args.warmup
+    ((sec, cores, other, _),) = time_calls(
+        [lambda x, _: jnp.array(x, copy=True)], logits, labels, False, reps, args.warmup
     )
     records.append(
         {
