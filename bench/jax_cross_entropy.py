@@ -16,13 +16,14 @@ two implementations taking turns call by call (a shared machine's load falls on 
 last row times a copy of the logits into a fresh buffer (jnp.array(copy=True)), the copy XLA
 makes before the kept fused line: that line's floor.
 
-Threads. Both run on the CPU with all hardware threads: XLA's CPU client sizes its intra-op
-pool by the CPUs the process may use, and xent's handler runs xent::cpu with one worker per
-hardware thread. Each line reports `cores`, the process's CPU time over wall time while it ran,
-and `other_cores`, what the rest of the machine used meanwhile (from /proc/stat), so a loaded
-machine shows in the figures (/proc/stat counts in clock ticks, 10 ms: `other_cores` means
-something only for calls much longer than that). Set XLA_FLAGS or taskset to change XLA's; xent's follows the
-machine's thread count.
+Threads. XLA's CPU client runs an intra-op pool of one thread per CPU the process may run on
+(its affinity mask; the table's foot counts the pool's threads, named tf_XLAEigen), and xent's
+handler runs xent::cpu with one worker per hardware thread (std::thread::hardware_concurrency,
+which ignores the mask): the same count unless the process is pinned to fewer CPUs. Each line
+reports `cores`, the process's CPU time over wall time while it ran, and `other_cores`, what the
+rest of the machine used meanwhile (from /proc/stat), so a loaded machine shows in the figures
+(/proc/stat counts in clock ticks, 10 ms: `other_cores` means something only for calls much
+longer than that).
 
 Memory. `xla_temp_mib` is the compiled executable's own scratch (memory_analysis().temp), and
 `extra_mib` what the call needs beyond its arguments (temp + outputs - outputs aliased to
@@ -85,6 +86,16 @@ def make_inputs(n, v, dtype, device):
     logits = (2.0 * jax.random.normal(kx, (n, v), jnp.float32)).astype(dtype)
     labels = jax.random.randint(ky, (n,), 0, v, jnp.int32)
     return jax.device_put(logits, device), jax.device_put(labels, device)
+
+
+def xla_pool_threads():
+    """The threads of XLA's CPU intra-op pool in this process (Linux), or None."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in tasks]
+    except OSError:
+        return None
+    return sum(name == "tf_XLAEigen" for name in names)
 
 
 class Load:
@@ -313,9 +324,12 @@ def main():
     print(row, flush=True)
 
     machine["loadavg_after"] = os.getloadavg()
+    machine["xla_pool_threads"] = xla_pool_threads()
     machine["max_rss_mib"] = mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     tail = (
-        f"\nload average {machine['loadavg_after'][0]:.2f} after; largest |xent - XLA| "
+        f"\nthreads: XLA's CPU pool {machine['xla_pool_threads']}, xent's workers "
+        f"{os.cpu_count()}; load average {machine['loadavg_after'][0]:.2f} after; "
+        "largest |xent - XLA| "
         f"(loss, gradient): "
         + "; ".join(
             f"{r['call']} {r['logits']} {', '.join(f'{d:.2e}' for d in r['max_abs_diff_to_xla'])}"
