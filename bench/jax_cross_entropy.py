@@ -23,7 +23,9 @@ which ignores the mask): the same count unless the process is pinned to fewer CP
 reports `cores`, the process's CPU time over wall time while it ran, and `other_cores`, what the
 rest of the machine used meanwhile (from /proc/stat), so a loaded machine shows in the figures
 (/proc/stat counts in clock ticks, 10 ms: `other_cores` means something only for calls much
-longer than that).
+longer than that). `page_faults` counts the process's minor faults per call: on the CPU a large
+buffer XLA allocates is fresh memory, each of its 4 KiB pages faulted in (and zeroed by the
+kernel) on first write.
 
 Memory. `xla_temp_mib` is the compiled executable's own scratch (memory_analysis().temp), and
 `extra_mib` what the call needs beyond its arguments (temp + outputs - outputs aliased to
@@ -99,11 +101,13 @@ def xla_pool_threads():
 
 
 class Load:
-    """Wall time, this process's CPU time and the machine's busy CPU time (Linux /proc/stat,
-    in clock ticks: summed over many calls) over the intervals between start() and stop()."""
+    """Wall time, this process's CPU time and page faults, and the machine's busy CPU time
+    (Linux /proc/stat, in clock ticks: summed over many calls) over the intervals between
+    start() and stop()."""
 
     def __init__(self):
-        self.wall = self.own = self.busy = 0.0
+        self.wall = self.own = self.busy = self.faults = 0.0
+        self.calls = 0
 
     @staticmethod
     def _read():
@@ -113,7 +117,8 @@ class Load:
             busy = (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
         except OSError:
             busy = float("nan")
-        return time.perf_counter(), time.process_time(), busy
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        return time.perf_counter(), time.process_time(), busy, faults
 
     def start(self):
         self._at = self._read()
@@ -123,18 +128,21 @@ class Load:
         self.wall += now[0] - self._at[0]
         self.own += now[1] - self._at[1]
         self.busy += now[2] - self._at[2]
+        self.faults += now[3] - self._at[3]
+        self.calls += 1
         return now[0] - self._at[0]
 
-    def cores(self):
-        """(this process's cores, the other processes' cores) over the intervals."""
+    def summary(self):
+        """(this process's cores, the other processes' cores, page faults per interval)."""
         wall = max(self.wall, 1e-9)
-        return self.own / wall, max(0.0, self.busy - self.own) / wall
+        other = max(0.0, self.busy - self.own) / wall
+        return self.own / wall, other, self.faults / max(self.calls, 1)
 
 
 def time_calls(fns, logits, labels, donated, reps, warmup):
-    """Per function: (median seconds per call, cores used, other processes' cores, the last
-    call's outputs). The functions take turns, call by call, so that a shared machine's load
-    falls on each alike."""
+    """Per function: (median seconds per call, cores used, other processes' cores, page faults
+    per call, the last call's outputs). The functions take turns, call by call, so that a
+    shared machine's load falls on each alike."""
 
     def args():
         # A donated buffer is consumed: each call gets a fresh copy, made before the clock starts.
@@ -153,7 +161,7 @@ def time_calls(fns, logits, labels, donated, reps, warmup):
             loads[i].start()
             outs[i] = jax.block_until_ready(fn(x, labels))
             times[i].append(loads[i].stop())
-    return [(statistics.median(t), *load.cores(), out) for t, load, out in zip(times, loads, outs)]
+    return [(statistics.median(t), *ld.summary(), out) for t, ld, out in zip(times, loads, outs)]
 
 
 def memory_plan(fn, logits, labels):
@@ -246,7 +254,8 @@ def main():
         f"jax {jax.__version__}, {machine['usable_cpus']} CPUs usable, "
         f"load average {machine['loadavg_before'][0]:.2f} before"
     )
-    cols = "| call | logits | impl | ms | xent / XLA | cores | other cores | XLA temp MiB "
+    cols = "| call | logits | impl | ms | xent / XLA | cores | other cores | page faults "
+    cols += "| XLA temp MiB "
     cols += "| extra MiB |" + (" peak MiB |" if gpu else "")
     lines = [head, "", cols, "|" + "---|" * (cols.count("|") - 1)]
     print("\n".join(lines), flush=True)
@@ -262,7 +271,7 @@ def main():
         copy = [lambda x, _: jnp.array(x, copy=True)] if floor else []
         timed = time_calls(fns + copy, logits, labels, mode == "donated", reps, args.warmup)
         base = timed[0][0]
-        for impl, fn, (sec, cores, other, out) in zip(IMPLS, fns, timed):
+        for impl, fn, (sec, cores, other, faults, out) in zip(IMPLS, fns, timed):
             temp, extra = memory_plan(fn, logits, labels)
             results[impl] = out
             rec = {
@@ -276,6 +285,7 @@ def main():
                 "ratio_to_xla": sec / base,
                 "cores": cores,
                 "other_cores": other,
+                "page_faults": faults,
                 "reps": reps,
                 "xla_temp_mib": mib(temp),
                 "extra_mib": mib(extra),
@@ -285,7 +295,7 @@ def main():
             records.append(rec)
             row = (
                 f"| {kind} | {mode} | {impl} | {sec * 1e3:.2f} | {sec / base:.3f} "
-                f"| {cores:.2f} | {other:.2f} | {fmt(rec['xla_temp_mib'], '.1f')} "
+                f"| {cores:.2f} | {other:.2f} | {faults:.0f} | {fmt(rec['xla_temp_mib'], '.1f')} "
                 f"| {fmt(rec['extra_mib'], '.1f')} |"
             )
             if gpu:
@@ -303,7 +313,7 @@ def main():
         records[-2]["max_abs_diff_to_xla"] = diffs
         del results
         if floor:
-            sec, cores, other, _ = timed[-1]
+            sec, cores, other, faults, _ = timed[-1]
             records.append(
                 {
                     "call": "copy",
@@ -315,11 +325,12 @@ def main():
                     "ms": sec * 1e3,
                     "cores": cores,
                     "other_cores": other,
+                    "page_faults": faults,
                     "reps": reps,
                 }
             )
             row = f"| copy of the logits | kept | jnp.array(copy=True) | {sec * 1e3:.2f} | "
-            row += f"| {cores:.2f} | {other:.2f} | | |" + (" |" if gpu else "")
+            row += f"| {cores:.2f} | {other:.2f} | {faults:.0f} | | |" + (" |" if gpu else "")
             lines.append(row)
             print(row, flush=True)
 
