@@ -9,7 +9,7 @@ which never forms the batch's logits; --loss logits computes them (h @ head.T + 
 xent.jax.cross_entropy instead, for the same loss. The text is GPL-3 from
 /usr/share/common-licenses (--text for another file). It writes the loss curve to
 DIR/jax_lm_head_loss.png (matplotlib, where installed) and always DIR/jax_lm_head_loss.csv, and
-prints the final loss. A few hundred steps take about a minute on two CPU cores.
+prints the final loss and how long the steps took.
 """
 
 from __future__ import annotations
