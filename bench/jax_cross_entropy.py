@@ -232,6 +232,9 @@ def main():
     if args.probe:
         return probe_peak(args)
     gpu = args.platform == "gpu"
+    if gpu and not xj.with_cuda:
+        print("xent.jax was built without its CUDA handlers (nvcc not found, or XENT_CUDA=0)")
+        return 2
     reps = args.reps or (50 if gpu else 15)
 
     # The GPU's peaks first, while this process holds no device memory.
