@@ -305,7 +305,8 @@ void run_vocab_parallel_linear(const vp_linear_inputs& in, const std::string& gr
                        "xent: vocab-parallel calls take float32, bfloat16 or float16 "
                        "hidden states, got float64");
     } else {
-      const auto call = B::vp_exec(lin.hidden, lin.hidden.size(0), group.size());
+      // As the single-device linear ops: the GEMM library's handle, no reduced-loss workspace.
+      const auto call = B::exec(lin.hidden, false, true);
       call_xent([&] {
         const auto size = xent::vocab_parallel_linear_workspace_size<T>(
             call.exec, {lin.hidden.size(0), lin.hidden.size(1), lin.weight.size(0)}, shard.vocab,
