@@ -119,9 +119,22 @@ def _keywords(name):
     return opts
 
 
+# The device of this process's ranks: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank); set by
+# _worker in each spawned process.
+DEVICE = "cpu"
+
+
+def _on_device(*tensors):
+    return [t.to(DEVICE) if t is not None else None for t in tensors]
+
+
+def _on_host(*tensors):
+    return tuple(t.cpu() if t is not None else None for t in tensors)
+
+
 def _run_rank(name, rank, world):
     """This rank's (loss, gradient slice) of a case."""
-    logits, target, weight, upstream = _inputs(name)
+    logits, target, weight, upstream = _on_device(*_inputs(name))
     sizes, even = _slices(name, world)
     start = sum(sizes[:rank])
     mine = logits[..., start : start + sizes[rank]].clone().requires_grad_()
@@ -133,7 +146,7 @@ def _run_rank(name, rank, world):
         loss.backward(upstream)
     else:
         (loss * scale).backward()
-    return loss.detach(), mine.grad
+    return _on_host(loss.detach(), mine.grad)
 
 
 def _linear_inputs(name):
@@ -179,7 +192,7 @@ def _backward(loss, upstream):
 
 def _run_linear_rank(name, rank, world):
     """This rank's (loss, d_hidden, d_weight rows, d_bias rows) of a linear case."""
-    hidden, weight, bias, target, class_weight, upstream = _linear_inputs(name)
+    hidden, weight, bias, target, class_weight, upstream = _on_device(*_linear_inputs(name))
     opts = LINEAR_CASES[name][4]
     sizes, even = _linear_slices(name, world)
     start, stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
@@ -192,15 +205,15 @@ def _run_linear_rank(name, rank, world):
         x, w, t, None, b, class_weight=class_weight, **where, **_linear_keywords(name)
     )
     _backward(loss, upstream)
-    return loss.detach(), x.grad, w.grad, b.grad if b is not None else None
+    return _on_host(loss.detach(), x.grad, w.grad, b.grad if b is not None else None)
 
 
 def _disagreement(rank, world):
     """Rank 1 with one row more, then with another label smoothing: every rank must raise."""
     errors = []
     for what in ("rows", "options"):
-        logits = torch.randn(4 + (what == "rows" and rank == 1), 37)
-        target = torch.zeros(logits.shape[0], dtype=torch.long)
+        logits = torch.randn(4 + (what == "rows" and rank == 1), 37, device=DEVICE)
+        target = torch.zeros(logits.shape[0], dtype=torch.long, device=DEVICE)
         sizes = SPLITS[world]
         start = sum(sizes[:rank])
         smoothing = 0.1 if what == "options" and rank == 1 else 0.0
@@ -222,8 +235,8 @@ def _bad_inputs(rank, world):
     """Calls every rank makes wrongly in the same way: (exception type name, message) of each."""
     sizes = SPLITS[world]
     start = sum(sizes[:rank])
-    x = torch.randn(4, sizes[rank])
-    y = torch.zeros(4, dtype=torch.long)
+    x = torch.randn(4, sizes[rank], device=DEVICE)
+    y = torch.zeros(4, dtype=torch.long, device=DEVICE)
     calls = {
         "float64": lambda: xd.vocab_parallel_cross_entropy(
             x.double(), y, vocab_start=start, vocab_size=37
@@ -232,7 +245,7 @@ def _bad_inputs(rank, world):
             x, y, vocab_start=start + 40, vocab_size=37
         ),
         "weight": lambda: xd.vocab_parallel_cross_entropy(
-            x, y, vocab_start=start, vocab_size=37, weight=torch.ones(sizes[rank] + 1)
+            x, y, vocab_start=start, vocab_size=37, weight=x.new_ones(sizes[rank] + 1)
         ),
         "half_shard": lambda: xd.vocab_parallel_cross_entropy(x, y, vocab_start=start),
     }
@@ -246,9 +259,14 @@ def _bad_inputs(rank, world):
     return got
 
 
-def _worker(rank, world, init_file, out_dir):
+def _worker(rank, world, init_file, out_dir, backend):
+    global DEVICE
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if backend == "nccl":
+        DEVICE = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+        os.environ["XENT_CHECK_RANKS"] = "1"  # the disagreement cases need the checked exchange
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
     for name in CASES:
         try:
@@ -260,24 +278,45 @@ def _worker(rank, world, init_file, out_dir):
             results["linear:" + name] = _run_linear_rank(name, rank, world)
         except Exception:
             results["linear:" + name] = traceback.format_exc()
+    if rank == 0:  # the unsharded calls on the same device, against which the tests hold the ranks
+        for name in CASES:
+            results["unsharded:" + name] = _unsharded(name)
+        for name in LINEAR_CASES:
+            results["unsharded:linear:" + name] = _linear_unsharded(name)
     results["__disagreement__"] = _disagreement(rank, world)
     results["__bad__"] = _bad_inputs(rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+def _gpus_for(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        return f"needs {world} GPUs"
+    if not xent.torch.cuda_built():
+        return "xent was built without its CUDA kernels"
+    return None
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("gloo", 2), ("gloo", 4), ("nccl", 2)],
+    ids=["gloo-2", "gloo-4", "nccl-2"],
+)
 def ranks(request, tmp_path_factory):
-    """Each rank's results of every case, from one gloo group of `world` processes."""
-    world = request.param
-    out = tmp_path_factory.mktemp(f"world{world}")
-    mp.spawn(_worker, args=(world, str(out / "init"), str(out)), nprocs=world, join=True)
+    """Each rank's results of every case, from one group of `world` processes: gloo on the CPU,
+    or NCCL with one GPU per rank (skipped without enough GPUs)."""
+    backend, world = request.param
+    if backend == "nccl" and _gpus_for(world):
+        pytest.skip(_gpus_for(world))
+    out = tmp_path_factory.mktemp(f"{backend}{world}")
+    mp.spawn(_worker, args=(world, str(out / "init"), str(out), backend), nprocs=world, join=True)
     return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
 def _unsharded(name):
-    """The single-process xent call on the whole vocabulary: (loss, gradient)."""
-    logits, target, weight, upstream = _inputs(name)
+    """The single-process xent call on the whole vocabulary, on this process's device (rank 0 of
+    each group makes it): (loss, gradient)."""
+    logits, target, weight, upstream = _on_device(*_inputs(name))
     x = logits.reshape(-1, logits.shape[-1]).clone().requires_grad_()
     t = target.reshape(-1, logits.shape[-1]) if target.is_floating_point() else target.reshape(-1)
     loss = xent.torch.cross_entropy(
@@ -290,7 +329,7 @@ def _unsharded(name):
         (loss * scale).backward()
     if loss.dim():
         loss = loss.reshape(logits.shape[:-1])
-    return loss.detach(), x.grad.reshape(logits.shape)
+    return _on_host(loss.detach(), x.grad.reshape(logits.shape))
 
 
 def _reference(name):
@@ -349,7 +388,7 @@ def test_every_rank_matches_the_unsharded_call(ranks, name):
     for r in range(1, world):  # bit for bit the same loss on every rank
         torch.testing.assert_close(losses[r], losses[0], rtol=0, atol=0, equal_nan=True)
     grad, sizes = _assemble(name, world, results)
-    loss_u, grad_u = _unsharded(name)
+    loss_u, grad_u = results[0]["unsharded:" + name]
     loss_r, grad_r = _reference(name)
     dtype = CASES[name][2]
     assert losses[0].dtype == dtype
@@ -406,8 +445,9 @@ def test_needs_an_initialised_process_group():
 
 
 def _linear_unsharded(name):
-    """xent.torch.linear_cross_entropy on the whole head: (loss, d_hidden, d_weight, d_bias)."""
-    hidden, weight, bias, target, class_weight, upstream = _linear_inputs(name)
+    """xent.torch.linear_cross_entropy on the whole head, on this process's device (rank 0 of each
+    group makes it): (loss, d_hidden, d_weight, d_bias)."""
+    hidden, weight, bias, target, class_weight, upstream = _on_device(*_linear_inputs(name))
     opts = LINEAR_CASES[name][4]
     x = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_(not opts.get("frozen"))
@@ -416,7 +456,7 @@ def _linear_unsharded(name):
         x, w, target, bias=b, class_weight=class_weight, **_linear_keywords(name)
     )
     _backward(loss, upstream)
-    return loss.detach(), x.grad, w.grad, b.grad if b is not None else None
+    return _on_host(loss.detach(), x.grad, w.grad, b.grad if b is not None else None)
 
 
 def _linear_reference(name):
@@ -466,7 +506,7 @@ def test_fused_linear_matches_the_unsharded_call(ranks, name):
     dw = None if frozen else torch.cat([g[2] for g in got])
     db = None if got[0][3] is None else torch.cat([g[3] for g in got])
     mine = (got[0][0], got[0][1], dw, db)
-    unsharded = _linear_unsharded(name)
+    unsharded = results[0]["unsharded:linear:" + name]
     reference = _linear_reference(name)
     names = ("loss", "d_hidden", "d_weight", "d_bias")
     if LINEAR_CASES[name][3] == torch.float32:
