@@ -319,6 +319,8 @@ def cross_entropy(
         raise ValueError(f"{reduction} is not a valid value for reduction")
     if label_smoothing > 1.0:
         raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    # torch smooths only for label_smoothing > 0: a negative value (or NaN) is no smoothing.
+    smoothing = float(label_smoothing) if label_smoothing > 0.0 else 0.0
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     _check_devices("cross_entropy", input, "the input", (("target", target), ("weight", weight)))
@@ -351,7 +353,7 @@ def cross_entropy(
         weight,
         int(ignore_index),
         code,
-        float(label_smoothing),
+        smoothing,
         float(z_loss),
         0.0 if softcap is None else float(softcap),
         bool(inplace_backward),
