@@ -78,10 +78,10 @@ def main():
         one = torch.ones((), device=device)
 
         def ops_fwd():
-            fwd_op(x, t, None, -100, 1, 0.0, 0.0, 0.0, False)
+            fwd_op(x, t, None, -100, 1, 0.0, 0.0, 0.0, False, False, False)
 
         def ops_fwdbwd():
-            grad = fused_op(x, t, None, -100, 1, 0.0, 0.0, 0.0)[2]
+            grad = fused_op(x, t, None, -100, 1, 0.0, 0.0, 0.0, False, False)[3]
             scale_op(grad, one)
 
         impls = [("torch", F.cross_entropy), ("xent", xent.torch.cross_entropy)]

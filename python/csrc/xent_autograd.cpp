@@ -49,9 +49,11 @@ using torch::autograd::variable_list;
 using opt_tensor = std::optional<at::Tensor>;
 
 // The schemas of xent_ops.cpp as C++ signatures, and each op's handle, found once.
-using ce_fwd_t = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                    const opt_tensor&, std::int64_t, std::int64_t,
-                                                    double, double, double, bool);
+using ce_fwd_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
+                                                                const at::Tensor&,
+                                                                const opt_tensor&, std::int64_t,
+                                                                std::int64_t, double, double,
+                                                                double, bool, bool, bool);
 using ce_bwd_t = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const opt_tensor&, const at::Tensor&, std::int64_t, std::int64_t,
                             double, double, double);
@@ -66,14 +68,12 @@ using lce_bwd_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&,
     const opt_tensor&, const at::Tensor&, std::int64_t, std::int64_t, double, double, double,
     std::array<bool, 3>);
-using ce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
-                                                                  const at::Tensor&,
-                                                                  const opt_tensor&, std::int64_t,
-                                                                  std::int64_t, double, double,
-                                                                  double);
-using ce_fused_inplace_t = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                              const opt_tensor&, std::int64_t,
-                                                              std::int64_t, double, double, double);
+using ce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const opt_tensor&, std::int64_t, std::int64_t, double,
+    double, double, bool, bool);
+using ce_fused_inplace_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const opt_tensor&, std::int64_t, std::int64_t, double,
+    double, double, bool, bool);
 using lce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&, const opt_tensor&,
     std::int64_t, std::int64_t, double, double, double, std::array<bool, 3>);
@@ -224,20 +224,20 @@ at::Tensor scaled(const at::Tensor& grad, const at::Tensor& grad_output) {
 // is torch::autograd::CppNode<xent_torch::cross_entropy_function>.
 
 // cross_entropy_fwd(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-// softcap, inplace_backward) -> (loss, lse). The gradient flows to `input` only: targets (class
-// ids, or soft targets that xent.torch.cross_entropy refuses to differentiate) and class weights
-// get none, as in torch's cross_entropy. lse is a saved statistic; a gradient reaching it is
-// ignored.
+// softcap, inplace_backward, return_argmax, return_num_correct) -> (loss, lse, stats). The
+// gradient flows to `input` only: targets (class ids, or soft targets that xent.torch.cross_entropy
+// refuses to differentiate) and class weights get none, as in torch's cross_entropy. lse is a
+// saved statistic, stats integer side outputs; a gradient reaching either is ignored.
 struct cross_entropy_function : torch::autograd::Function<cross_entropy_function> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input,
                                const at::Tensor& target, const opt_tensor& weight,
                                std::int64_t ignore_index, std::int64_t reduction,
                                double label_smoothing, double z_loss, double softcap,
-                               bool inplace_backward) {
+                               bool inplace_backward, bool return_argmax, bool return_num_correct) {
     // Undefined gradients stay undefined (lse's is never used; a zero-filled one would cost a
     // kernel launch per backward).
     ctx->set_materialize_grads(false);
-    at::Tensor loss, lse;
+    at::Tensor loss, lse, stats;
     if (fuses(reduction, input) && !traced(input)) {
       at::Tensor grad;
       // In place needs rows with a contiguous last dimension (that do not overlap); other layouts
@@ -245,8 +245,9 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
       if (inplace_backward && rows_readable_in_place(input)) {
         {
           const at::AutoDispatchBelowADInplaceOrView below_autograd;
-          std::tie(loss, lse) = ce_fused_inplace().call(
-              input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap);
+          std::tie(loss, lse, stats) = ce_fused_inplace().call(
+              input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap,
+              return_argmax, return_num_correct);
         }
         // The kernel wrote the gradient over the logits through a pointer, which autograd cannot
         // see: bump the version counter (shared with every view of the caller's logits) so that a
@@ -256,25 +257,29 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
         grad = input.detach();  // the same memory and version counter, no history
       } else {
         const at::AutoDispatchBelowADInplaceOrView below_autograd;
-        std::tie(loss, lse, grad) = ce_fused().call(input, target, weight, ignore_index, reduction,
-                                                    label_smoothing, z_loss, softcap);
+        std::tie(loss, lse, stats, grad) =
+            ce_fused().call(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                            softcap, return_argmax, return_num_correct);
       }
       save_fused(ctx, {grad});
-      return {loss, lse};
+      ctx->mark_non_differentiable({stats});
+      return {loss, lse, stats};
     }
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(loss, lse) = ce_fwd().call(input, target, weight, ignore_index, reduction,
-                                          label_smoothing, z_loss, softcap, inplace_backward);
+      std::tie(loss, lse, stats) =
+          ce_fwd().call(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                        softcap, inplace_backward, return_argmax, return_num_correct);
     }
     ctx->save_for_backward({input, target, weight.value_or(at::Tensor()), lse});
     save_options(ctx, {ignore_index, reduction, label_smoothing, z_loss, softcap});
     ctx->saved_data["inplace"] = inplace_backward;
-    return {loss, lse};
+    ctx->mark_non_differentiable({stats});
+    return {loss, lse, stats};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(9);  // one per forward argument; undefined: no gradient
+    variable_list result(11);  // one per forward argument; undefined: no gradient
     const at::Tensor& grad_loss = grads[0];
     if (!grad_loss.defined()) return result;  // only lse was used: zero gradient
     const variable_list saved = ctx->get_saved_variables();
@@ -376,19 +381,19 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
 
 // The Autograd kernels: what torch.ops.xent.*_fwd runs first (their tensors carry autograd's
 // dispatch keys), before the device kernel.
-std::tuple<at::Tensor, at::Tensor> cross_entropy_autograd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_autograd(
     const at::Tensor& input, const at::Tensor& target, const opt_tensor& weight,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
-    double softcap, bool inplace_backward) {
+    double softcap, bool inplace_backward, bool return_argmax, bool return_num_correct) {
   if (!records(input, target, weight)) {
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return ce_fwd().call(input, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                         softcap, inplace_backward);
+                         softcap, inplace_backward, return_argmax, return_num_correct);
   }
-  variable_list out =
-      cross_entropy_function::apply(input, target, weight, ignore_index, reduction, label_smoothing,
-                                    z_loss, softcap, inplace_backward);
-  return {std::move(out[0]), std::move(out[1])};
+  variable_list out = cross_entropy_function::apply(
+      input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap,
+      inplace_backward, return_argmax, return_num_correct);
+  return {std::move(out[0]), std::move(out[1]), std::move(out[2])};
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(

@@ -40,10 +40,13 @@ void scale_grad_cpu(const at::Tensor& grad, const at::Tensor& grad_output) {
 }  // namespace xent_torch
 
 TORCH_LIBRARY(xent, m) {
+  // The cross-entropy forwards' stats: int64, each row's argmax (N entries, -1 on ignored rows)
+  // when return_argmax, then the count of rows not ignored whose argmax is their target when
+  // return_num_correct; (0,) when neither is asked for.
   m.def(
       "cross_entropy_fwd(Tensor input, Tensor target, Tensor? weight, int ignore_index, "
-      "int reduction, float label_smoothing, float z_loss, float softcap, bool inplace_backward) "
-      "-> (Tensor loss, Tensor lse)");
+      "int reduction, float label_smoothing, float z_loss, float softcap, bool inplace_backward, "
+      "bool return_argmax, bool return_num_correct) -> (Tensor loss, Tensor lse, Tensor stats)");
   m.def(
       "cross_entropy_bwd(Tensor grad_output, Tensor input, Tensor target, Tensor? weight, "
       "Tensor lse, int ignore_index, int reduction, float label_smoothing, float z_loss, "
@@ -67,12 +70,12 @@ TORCH_LIBRARY(xent, m) {
   // upstream 1, which the autograd node scales by the loss's gradient (scale_grad_) in backward.
   m.def(
       "cross_entropy_fwd_bwd(Tensor input, Tensor target, Tensor? weight, int ignore_index, "
-      "int reduction, float label_smoothing, float z_loss, float softcap) "
-      "-> (Tensor loss, Tensor lse, Tensor grad)");
+      "int reduction, float label_smoothing, float z_loss, float softcap, bool return_argmax, "
+      "bool return_num_correct) -> (Tensor loss, Tensor lse, Tensor stats, Tensor grad)");
   m.def(
       "cross_entropy_fwd_bwd_(Tensor(a!) input, Tensor target, Tensor? weight, int ignore_index, "
-      "int reduction, float label_smoothing, float z_loss, float softcap) "
-      "-> (Tensor loss, Tensor lse)");
+      "int reduction, float label_smoothing, float z_loss, float softcap, bool return_argmax, "
+      "bool return_num_correct) -> (Tensor loss, Tensor lse, Tensor stats)");
   m.def(
       "linear_cross_entropy_fwd_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "Tensor? class_weight, int ignore_index, int reduction, float label_smoothing, "

@@ -167,17 +167,28 @@ inline ce_inputs ce_inputs_of(const at::Tensor& x, const at::Tensor& target,
   return in;
 }
 
-// A forward's results over the N rows of x, in its accumulator dtype (float32; float64 for
-// float64 x): the loss (0-d for mean / sum, (N,) for none) and the per-row LSE, and xent's view of
-// them for a call accumulating in A.
-struct loss_outputs {
-  at::Tensor loss, lse;
+// The side outputs a cross-entropy forward may also write (xent::basic_forward_outputs' argmax
+// and num_correct), asked for by the ops' return_argmax / return_num_correct: one int64 tensor,
+// `stats`, holds the N rows' argmax (when asked) and then num_correct (when asked); it is (0,)
+// when neither is, so a call asking for nothing pays one empty tensor and no pass.
+struct side_outputs {
+  bool argmax = false, num_correct = false;
+};
 
-  loss_outputs(const at::Tensor& x, xent::reduction reduce) {
+// A forward's results over the N rows of x, in its accumulator dtype (float32; float64 for
+// float64 x): the loss (0-d for mean / sum, (N,) for none), the per-row LSE and the side outputs,
+// and xent's view of them for a call accumulating in A.
+struct loss_outputs {
+  at::Tensor loss, lse, stats;
+  side_outputs side;
+
+  loss_outputs(const at::Tensor& x, xent::reduction reduce, side_outputs s = {}) : side(s) {
     const std::int64_t n = x.size(0);
     const auto acc = x.options().dtype(accumulator_dtype(x));
     loss = reduce == xent::reduction::none ? at::empty({n}, acc) : at::empty({}, acc);
     lse = at::empty({n}, acc);
+    stats = at::empty({(side.argmax ? n : 0) + (side.num_correct ? 1 : 0)},
+                      x.options().dtype(at::kLong));
   }
 
   template <class A>
@@ -188,8 +199,14 @@ struct loss_outputs {
     else
       out.row_loss = {loss.data_ptr<A>(), loss.numel()};
     out.lse = {lse.data_ptr<A>(), lse.numel()};
+    auto* st = stats.data_ptr<std::int64_t>();
+    if (side.argmax) out.argmax = {st, lse.numel()};
+    if (side.num_correct) out.num_correct = st + (side.argmax ? lse.numel() : 0);
     return out;
   }
+
+  // Whether a CUDA call needs the reduced-loss workspace (for the loss or num_correct's count).
+  bool reduces() const { return loss.dim() == 0 || side.num_correct; }
 };
 
 // The fused forward+backward ops compute the gradient with upstream 1, before the loss's gradient
@@ -250,28 +267,29 @@ void call_xent(F&& f) {
   }
 }
 
-// Forward: loss (a 0-d float32 tensor for mean / sum, (N,) for none) and the per-row LSE saved for
-// backward. inplace_backward is not read here; it rides along so the autograd formula sees it.
+// Forward: loss (a 0-d float32 tensor for mean / sum, (N,) for none), the per-row LSE saved for
+// backward and the side outputs asked for (see side_outputs). inplace_backward is not read here;
+// it rides along so the autograd formula sees it.
 template <class B>
-std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd(
     const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
-    double softcap, bool /*inplace_backward*/) {
+    double softcap, bool /*inplace_backward*/, bool return_argmax, bool return_num_correct) {
   check_input_dtype(input);
   const typename B::guard device_guard(input.device());
   const at::Tensor x = rows_view(input);
   const ce_inputs in =
       ce_inputs_of(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap);
-  const loss_outputs out(x, in.opts.reduce);
+  const loss_outputs out(x, in.opts.reduce, {return_argmax, return_num_correct});
   dispatch<B>(x, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
-    const auto call = B::exec(x, in.opts.reduce != xent::reduction::none);
+    const auto call = B::exec(x, out.reduces());
     call_xent([&] {
       xent::forward(call.exec, matrix_of<const T>(x), tv, in.opts,
                     out.view<xent::accumulator_t<T>>());
     });
   });
-  return {out.loss, out.lse};
+  return {out.loss, out.lse, out.stats};
 }
 
 // The per-row LSE a forward saved, as N values of x's accumulator dtype.
@@ -374,12 +392,12 @@ loss_outputs forward_backward_into(const at::Tensor& x, const at::Tensor& target
                                    const std::optional<at::Tensor>& weight,
                                    std::int64_t ignore_index, std::int64_t reduction,
                                    double label_smoothing, double z_loss, double softcap,
-                                   const at::Tensor& grad) {
+                                   side_outputs side, const at::Tensor& grad) {
   const typename B::guard device_guard(x.device());
   const ce_inputs in =
       ce_inputs_of(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap);
   check_fused_reduction(in.opts);
-  const loss_outputs out(x, in.opts.reduce);
+  const loss_outputs out(x, in.opts.reduce, side);
   dispatch<B>(x, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     using A = xent::accumulator_t<T>;
@@ -392,34 +410,36 @@ loss_outputs forward_backward_into(const at::Tensor& x, const at::Tensor& target
   return out;
 }
 
-// Out of place: (loss, lse, grad), grad a new contiguous tensor; the input is only read.
+// Out of place: (loss, lse, stats, grad), grad a new contiguous tensor; the input is only read.
 template <class B>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd_bwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd_bwd(
     const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
-    double softcap) {
+    double softcap, bool return_argmax, bool return_num_correct) {
   check_input_dtype(input);
   const at::Tensor x = rows_view(input);
   at::Tensor grad = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  const loss_outputs out = forward_backward_into<B>(x, target, weight, ignore_index, reduction,
-                                                    label_smoothing, z_loss, softcap, grad);
-  return {out.loss, out.lse, grad};
+  const loss_outputs out =
+      forward_backward_into<B>(x, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                               softcap, {return_argmax, return_num_correct}, grad);
+  return {out.loss, out.lse, out.stats, grad};
 }
 
-// In place: (loss, lse), the gradient over `input`, refused for the layouts (and for the reason)
-// that cross_entropy_bwd_ refuses.
+// In place: (loss, lse, stats), the gradient over `input`, refused for the layouts (and for the
+// reason) that cross_entropy_bwd_ refuses.
 template <class B>
-std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd_bwd_inplace(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd_bwd_inplace(
     const at::Tensor& input, const at::Tensor& target, const std::optional<at::Tensor>& weight,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
-    double softcap) {
+    double softcap, bool return_argmax, bool return_num_correct) {
   check_input_dtype(input);
   TORCH_CHECK_VALUE(rows_readable_in_place(input),
                     "xent: an in-place gradient needs 2-D logits whose last dimension is "
                     "contiguous");
-  const loss_outputs out = forward_backward_into<B>(input, target, weight, ignore_index, reduction,
-                                                    label_smoothing, z_loss, softcap, input);
-  return {out.loss, out.lse};
+  const loss_outputs out =
+      forward_backward_into<B>(input, target, weight, ignore_index, reduction, label_smoothing,
+                               z_loss, softcap, {return_argmax, return_num_correct}, input);
+  return {out.loss, out.lse, out.stats};
 }
 
 // scale_grad_(grad, grad_output): grad *= grad_output, the upstream gradient of a reduced loss (one

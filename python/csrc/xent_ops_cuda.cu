@@ -1,10 +1,7 @@
-// The CUDA kernels of the xent ops: the op bodies of xent_ops.h instantiated for xent::cuda
-// (<xent/xent.hpp> brings in the CUDA backend when nvcc compiles it), registered under the CUDA
-// dispatch key. Built by CMakeLists.txt only when torch has CUDA and nvcc is found.
-//
-// Every call runs on torch's current stream of the input's device and only enqueues work: no host
-// synchronisation, no .item(), no allocation outside torch's caching allocator, so each op can be
-// captured in a CUDA graph (torch.cuda.graph) and traced by torch.compile.
+// The CUDA state every xent op shares, defined once: the reduced-loss workspaces and the error
+// counters that cuda_backend (xent_cuda_backend.h) hands each call; and the two CUDA ops that run
+// no xent kernel, scale_grad_ and cuda_target_errors. The op bodies of xent_ops.h are instantiated
+// for CUDA in xent_cuda_*.cu. Built by CMakeLists.txt only when torch has CUDA and nvcc is found.
 //
 // The reduced-loss workspace (xent::cuda::workspace: zero-filled once, left zeroed by every call)
 // follows one rule: ONE WORKSPACE PER (DEVICE, STREAM), cached for the life of the process and
@@ -32,6 +29,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "xent_cuda_backend.h"
 #include "xent_ops.h"
 
 namespace xent_torch {
@@ -88,32 +86,17 @@ class cuda_state {
   std::unordered_map<c10::DeviceIndex, at::Tensor> counters_;
 };
 
-// The CUDA backend of the op bodies in xent_ops.h.
-struct cuda_backend {
-  using guard = c10::cuda::CUDAGuard;
-  struct call {
-    xent::cuda exec;
-    at::Tensor hold;  // the workspace, alive until the call has been enqueued
-  };
-  // x is on the current device (the guard); `reduced`: the call writes a reduced loss.
-  static call exec(const at::Tensor& x, bool reduced, bool blas = false) {
-    TORCH_CHECK_VALUE(x.is_cuda(), "xent: a CUDA kernel got a tensor on ", x.device());
-    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(x.get_device());
-    call c;
-    c.exec.stream = stream.stream();
-    // torch's handle for this thread and device, bound to the current stream: fused linear calls
-    // only (getting it sets the handle's stream and workspace).
-    if (blas) c.exec.cublas = at::cuda::getCurrentCUDABlasHandle();
-    c.exec.error_count = cuda_state::get().error_count(stream);
-    if (reduced) {
-      const std::size_t bytes = xent::cuda_workspace_size(x.size(0));
-      c.hold = cuda_state::get().workspace(stream, bytes);
-      c.exec.workspace = c.hold.data_ptr();
-      c.exec.workspace_bytes = bytes;
-    }
-    return c;
-  }
-};
+}  // namespace
+
+at::Tensor cuda_workspace(const c10::cuda::CUDAStream& stream, std::size_t bytes) {
+  return cuda_state::get().workspace(stream, bytes);
+}
+
+int* cuda_error_count(const c10::cuda::CUDAStream& stream) {
+  return cuda_state::get().error_count(stream);
+}
+
+namespace {
 
 // --- scale_grad_: the saved gradient of a fused forward times the loss's gradient ---------------
 //
@@ -236,15 +219,4 @@ TORCH_LIBRARY_FRAGMENT(xent, m) {
   m.def("cuda_target_errors(int device) -> Tensor", &xent_torch::cuda_target_errors);
 }
 
-TORCH_LIBRARY_IMPL(xent, CUDA, m) {
-  using xent_torch::cuda_backend;
-  m.impl("cross_entropy_fwd", &xent_torch::cross_entropy_fwd<cuda_backend>);
-  m.impl("cross_entropy_bwd", &xent_torch::cross_entropy_bwd<cuda_backend>);
-  m.impl("cross_entropy_bwd_", &xent_torch::cross_entropy_bwd_inplace<cuda_backend>);
-  m.impl("linear_cross_entropy_fwd", &xent_torch::linear_cross_entropy_fwd<cuda_backend>);
-  m.impl("linear_cross_entropy_bwd", &xent_torch::linear_cross_entropy_bwd<cuda_backend>);
-  m.impl("cross_entropy_fwd_bwd", &xent_torch::cross_entropy_fwd_bwd<cuda_backend>);
-  m.impl("cross_entropy_fwd_bwd_", &xent_torch::cross_entropy_fwd_bwd_inplace<cuda_backend>);
-  m.impl("linear_cross_entropy_fwd_bwd", &xent_torch::linear_cross_entropy_fwd_bwd<cuda_backend>);
-  m.impl("scale_grad_", &xent_torch::scale_grad_cuda);
-}
+TORCH_LIBRARY_IMPL(xent, CUDA, m) { m.impl("scale_grad_", &xent_torch::scale_grad_cuda); }

@@ -420,16 +420,20 @@ def test_float64_on_cuda_is_refused_clearly():
         xent.torch.cross_entropy(x.cuda(), t.cuda())
 
 
-def test_opcheck_registrations():
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_registrations(device):
     # Schema, fake kernels, autograd registration and AOT dispatch, as torch.library defines them.
     x, t = make(n=6, c=9)
+    x, t = x.to(device), t.to(device)
     lse = torch.logsumexp(x, dim=-1)
     for reduction in (0, 1, 2):
+        options = (-100, reduction, 0.1, 1e-3, 0.0, False, False, False)
         torch.library.opcheck(
             torch.ops.xent.cross_entropy_fwd.default,
-            (x.clone().requires_grad_(), t, weights(c=9), -100, reduction, 0.1, 1e-3, 0.0, False),
+            (x.clone().requires_grad_(), t, weights(c=9).to(device), *options),
         )
         g = torch.rand(6) if reduction == 0 else torch.tensor(0.5)
+        g = g.to(device)
         torch.library.opcheck(
             torch.ops.xent.cross_entropy_bwd.default,
             (g, x, t, None, lse, -100, reduction, 0.0, 0.0, 0.0),
@@ -875,37 +879,6 @@ def test_cuda_gradcheck_float32():
         softcap=2.0,
     )
     assert torch.autograd.gradcheck(fn, (x,), eps=1e-2, atol=2e-4, rtol=2e-3)
-
-
-@requires_cuda
-def test_cuda_opcheck_registrations():
-    x, t = make(n=6, c=9)
-    x, t = x.cuda(), t.cuda()
-    lse = torch.logsumexp(x, dim=-1)
-    for reduction in (0, 1, 2):
-        torch.library.opcheck(
-            torch.ops.xent.cross_entropy_fwd.default,
-            (
-                x.clone().requires_grad_(),
-                t,
-                weights(c=9).cuda(),
-                -100,
-                reduction,
-                0.1,
-                1e-3,
-                0.0,
-                False,
-            ),
-        )
-        g = torch.rand(6, device="cuda") if reduction == 0 else torch.tensor(0.5, device="cuda")
-        torch.library.opcheck(
-            torch.ops.xent.cross_entropy_bwd.default,
-            (g, x, t, None, lse, -100, reduction, 0.0, 0.0, 0.0),
-        )
-        torch.library.opcheck(
-            torch.ops.xent.cross_entropy_bwd_.default,
-            (g, x.clone(), t, None, lse, -100, reduction, 0.0, 0.0, 0.0),
-        )
 
 
 def test_build_info_matches_the_loaded_library():

@@ -213,7 +213,7 @@ def test_reduction_none_and_no_grad_keep_the_forward_alone():
 def test_fused_ops_refuse_reduction_none():
     x, t = make()
     with pytest.raises(ValueError, match="mean or sum"):
-        torch.ops.xent.cross_entropy_fwd_bwd(x, t, None, -100, 0, 0.0, 0.0, 0.0)
+        torch.ops.xent.cross_entropy_fwd_bwd(x, t, None, -100, 0, 0.0, 0.0, 0.0, False, False)
     hidden, weight, _, target = lin.make()
     with pytest.raises(ValueError, match="mean or sum"):
         torch.ops.xent.linear_cross_entropy_fwd_bwd(
@@ -351,11 +351,11 @@ def test_opcheck_fused_ops():
     for reduction in (1, 2):
         torch.library.opcheck(
             torch.ops.xent.cross_entropy_fwd_bwd.default,
-            (x, t, weights(c=9), -100, reduction, 0.1, 1e-3, 0.0),
+            (x, t, weights(c=9), -100, reduction, 0.1, 1e-3, 0.0, False, False),
         )
         torch.library.opcheck(
             torch.ops.xent.cross_entropy_fwd_bwd_.default,
-            (x.clone(), t, None, -100, reduction, 0.0, 0.0, 2.0),
+            (x.clone(), t, None, -100, reduction, 0.0, 0.0, 2.0, False, False),
         )
         for b in (None, bias):
             for mask in ([True, True, True], [True, False, False], [False, True, True]):

@@ -226,3 +226,33 @@ def test_compiles_fullgraph_with_torchs_layout():
     xe = x.clone().requires_grad_()
     F.cross_entropy(xe, t, label_smoothing=0.1).backward()
     torch.testing.assert_close(xr.grad, xe.grad)
+
+
+@pytest.mark.parametrize("label_smoothing", [-0.1, -1.0, -5.0, float("-inf"), float("nan")])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("soft", [False, True], ids=["class_ids", "probabilities"])
+def test_label_smoothing_at_or_below_zero_is_none_as_in_torch(label_smoothing, reduction, soft):
+    # torch smooths only for label_smoothing > 0: a negative value (or NaN) gives the plain loss.
+    x, t = inputs((6, C))
+    if soft:
+        t = torch.softmax(torch.randn(6, C, generator=torch.Generator().manual_seed(5)), dim=1)
+    else:
+        t[2] = -100
+    assert_same((x, t), dict(reduction=reduction, label_smoothing=label_smoothing))
+    assert_same(
+        (x, t),
+        dict(reduction=reduction, weight=torch.rand(C) + 0.5, label_smoothing=label_smoothing),
+    )
+
+
+@pytest.mark.parametrize("label_smoothing", [1.5, float("inf")])
+def test_label_smoothing_above_one_raises_torchs_error(label_smoothing):
+    x, t = inputs()
+    with pytest.raises(RuntimeError) as ref:
+        F.cross_entropy(x, t, label_smoothing=label_smoothing)
+    with pytest.raises(RuntimeError) as mine:
+        xent.torch.cross_entropy(x, t, label_smoothing=label_smoothing)
+    assert str(mine.value) == str(ref.value)
+    with pytest.raises(RuntimeError) as module:
+        xent.torch.CrossEntropyLoss(label_smoothing=label_smoothing)(x, t)
+    assert str(module.value) == str(ref.value)

@@ -26,6 +26,8 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
         inplace_backward: bool = False,
         return_lse: bool = False,
         return_z_loss: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
     ) -> None:
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         self.z_loss = z_loss
@@ -33,6 +35,8 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
         self.inplace_backward = inplace_backward
         self.return_lse = return_lse
         self.return_z_loss = return_z_loss
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
         return cross_entropy(
@@ -47,6 +51,8 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
             inplace_backward=self.inplace_backward,
             return_lse=self.return_lse,
             return_z_loss=self.return_z_loss,
+            return_token_accuracy=self.return_token_accuracy,
+            return_predicted_tokens=self.return_predicted_tokens,
         )
 
     def extra_repr(self) -> str:

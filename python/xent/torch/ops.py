@@ -34,12 +34,18 @@ def _loss_and_lse_fake(x, reduction):
     return x.new_empty((n,) if reduction == 0 else (), dtype=acc), x.new_empty((n,), dtype=acc)
 
 
+def _stats_fake(x, return_argmax, return_num_correct):
+    """The cross-entropy forwards' int64 side outputs: N argmax entries, then num_correct."""
+    size = (x.shape[0] if return_argmax else 0) + (1 if return_num_correct else 0)
+    return x.new_empty((size,), dtype=torch.int64)
+
+
 # The fake kernels take the schemas' arguments positionally and name only those they read.
 
 
 @torch.library.register_fake("xent::cross_entropy_fwd")
 def _fwd_fake(input, target, weight, ignore_index, reduction, *options):
-    return _loss_and_lse_fake(input, reduction)
+    return (*_loss_and_lse_fake(input, reduction), _stats_fake(input, *options[-2:]))
 
 
 @torch.library.register_fake("xent::cross_entropy_bwd")
@@ -65,13 +71,14 @@ def _check_fused(reduction):
 def _fwd_bwd_fake(input, target, weight, ignore_index, reduction, *options):
     _check_fused(reduction)
     loss, lse = _loss_and_lse_fake(input, reduction)
-    return loss, lse, torch.empty(input.shape, dtype=input.dtype, device=input.device)
+    stats = _stats_fake(input, *options[-2:])
+    return loss, lse, stats, torch.empty(input.shape, dtype=input.dtype, device=input.device)
 
 
 @torch.library.register_fake("xent::cross_entropy_fwd_bwd_")
 def _fwd_bwd_inplace_fake(input, target, weight, ignore_index, reduction, *options):
     _check_fused(reduction)
-    return _loss_and_lse_fake(input, reduction)
+    return (*_loss_and_lse_fake(input, reduction), _stats_fake(input, *options[-2:]))
 
 
 @torch.library.register_fake("xent::scale_grad_")
@@ -127,11 +134,19 @@ class CrossEntropyOutput(NamedTuple):
             0 on ignored rows; no gradient (a statistic, as the kernel saves it)
     z_loss  the z-loss term alone, reduced as the loss is (under mean, divided by the same sum
             of class weights of the rows not ignored), for logging; no gradient
+    token_accuracy  the fraction of rows not ignored whose largest (soft-capped) logit is the
+            target, float32 (Liger's definition): 0-d for reduction mean or sum (NaN when every
+            row is ignored), per row (1.0 or 0.0; 0.0 on ignored rows) of target's shape for none
+    predicted_tokens  each row's argmax (of the soft-capped logits; the first on ties, NaN
+            counting as largest, as torch.argmax), int64 of target's shape (the rows' shape for
+            class probabilities); -1 on ignored rows
     """
 
     loss: torch.Tensor
     lse: Optional[torch.Tensor] = None
     z_loss: Optional[torch.Tensor] = None
+    token_accuracy: Optional[torch.Tensor] = None
+    predicted_tokens: Optional[torch.Tensor] = None
 
 
 # c10's names of the dtypes, as torch's messages print them.
@@ -225,6 +240,15 @@ def _z_loss_term(lse, target, weight, ignore_index, code, z_loss, rows_shape):
     return total / torch.where(kept, weight[target.clamp(0, weight.shape[0] - 1)], 0).sum()
 
 
+def _token_accuracy(stats, argmax, target, ignore_index, code, rows_shape):
+    """Liger's token accuracy from the kernel's side outputs: per row from the argmax (reduction
+    none), else the count of rows predicted right (stats' last entry) over the rows not ignored."""
+    kept = target != ignore_index
+    if code == 0:
+        return ((argmax == target) & kept).to(torch.float32).reshape(rows_shape)
+    return stats[-1] / kept.sum()
+
+
 def cross_entropy(
     input: torch.Tensor,
     target: torch.Tensor,
@@ -240,6 +264,8 @@ def cross_entropy(
     inplace_backward: bool = False,
     return_lse: bool = False,
     return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
 ):
     """torch.nn.functional.cross_entropy, fused by xent: the same signature, positional order,
     layouts, targets and errors, plus keyword-only extensions.
@@ -267,6 +293,9 @@ def cross_entropy(
                         loss alone: the per-row log-sum-exp, and the z-loss term reduced on its
                         own for logging (a few small ops over the per-row results, not the
                         logits); neither carries a gradient.
+      return_token_accuracy, return_predicted_tokens  also return (in CrossEntropyOutput) the
+                        token accuracy and each row's argmax, found by the kernel in the same pass
+                        over the logits (no second read); class ids only for the accuracy.
     Training (grad mode on, input requiring grad, reduction mean or sum): the forward computes the
     gradient too, in one pass over the logits (xent::forward_backward, upstream 1), and keeps only
     that gradient for backward, never the logits or their softmax; backward multiplies it by the
@@ -290,6 +319,8 @@ def cross_entropy(
         raise ValueError(f"{reduction} is not a valid value for reduction")
     if label_smoothing > 1.0:
         raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    # torch smooths only for label_smoothing > 0: a negative value (or NaN) is no smoothing.
+    smoothing = float(label_smoothing) if label_smoothing > 0.0 else 0.0
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     _check_devices("cross_entropy", input, "the input", (("target", target), ("weight", weight)))
@@ -307,29 +338,45 @@ def cross_entropy(
             f"but got weight tensor of shape: {list(weight.shape)}"
         )
     _check_like_torch("cross_entropy", weight, "weight", target, ignore_index)
-    loss, lse = _cross_entropy_fwd(
+    if return_token_accuracy and t.is_floating_point():
+        raise ValueError(
+            "xent.torch.cross_entropy: return_token_accuracy needs class ids as target "
+            "(class probabilities have no correct class)"
+        )
+    # The kernel's side outputs: each row's argmax (predicted tokens; per-row accuracy under
+    # reduction none) and the count of rows predicted right (accuracy under mean or sum).
+    want_argmax = return_predicted_tokens or (return_token_accuracy and code == 0)
+    want_correct = return_token_accuracy and code != 0
+    loss, lse, stats = _cross_entropy_fwd(
         x,
         t,
         weight,
         int(ignore_index),
         code,
-        float(label_smoothing),
+        smoothing,
         float(z_loss),
         0.0 if softcap is None else float(softcap),
         bool(inplace_backward),
+        bool(want_argmax),
+        bool(want_correct),
     )
     if code == 0 and input.dim() != 2:
         loss = loss.reshape(rows_shape)
     loss = _result(loss, input, dtype)
-    if not (return_lse or return_z_loss):
+    if not (return_lse or return_z_loss or want_argmax or want_correct):
         return loss
     lse = lse.detach()
+    argmax = stats[: x.shape[0]] if want_argmax else None
     return CrossEntropyOutput(
         loss,
         lse.reshape(rows_shape) if return_lse else None,
         _z_loss_term(lse, t, weight, ignore_index, code, float(z_loss), rows_shape)
         if return_z_loss
         else None,
+        _token_accuracy(stats, argmax, t, ignore_index, code, rows_shape)
+        if return_token_accuracy
+        else None,
+        argmax.reshape(rows_shape) if return_predicted_tokens else None,
     )
 
 
