@@ -279,7 +279,7 @@ static_assert(xent::cuda_detail::tuning_for(__CUDA_ARCH__ / 100).bulk_copy ==
 namespace xent {
 namespace cuda_detail {
 /// The row of the architecture this build is tuned for.
-constexpr const tuning& tuned_row = tuning_for(XENT_CUDA_TUNED_MAJOR);
+constexpr tuning tuned_row = tuning_for(XENT_CUDA_TUNED_MAJOR);
 }  // namespace cuda_detail
 }  // namespace xent
 
