@@ -22,6 +22,9 @@ namespace xent_torch {
 // stream of its device); see xent_ops_cuda.cu.
 at::Tensor cuda_workspace(const c10::cuda::CUDAStream& stream, std::size_t bytes);
 
+// The same for vocab-parallel calls (xent::cuda_vocab_parallel_workspace_size), cached apart.
+at::Tensor cuda_vp_workspace(const c10::cuda::CUDAStream& stream, std::size_t bytes);
+
 // The device's counter of out-of-range class ids; nullptr under a capture that finds none.
 int* cuda_error_count(const c10::cuda::CUDAStream& stream);
 

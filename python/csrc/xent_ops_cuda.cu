@@ -49,13 +49,16 @@ class cuda_state {
     return *s;
   }
 
-  // A zero-filled workspace of at least `bytes` for calls on `stream` (the current stream).
-  at::Tensor workspace(const c10::cuda::CUDAStream& stream, std::size_t bytes) {
+  // A zero-filled workspace of at least `bytes` for calls on `stream` (the current stream). The
+  // vocab-parallel calls have a cache of their own: they leave only its head zeroed (the rest is
+  // their exchange's scratch), where the single-device calls need every byte of theirs zero.
+  at::Tensor workspace(const c10::cuda::CUDAStream& stream, std::size_t bytes,
+                       bool vocab_parallel) {
     const auto n = static_cast<std::int64_t>(bytes);
     const auto opts = at::TensorOptions().dtype(at::kByte).device(stream.device());
     if (capturing(stream.stream())) return at::zeros({n}, opts);
     const std::lock_guard<std::mutex> lock(mutex_);
-    at::Tensor& ws = workspaces_[stream.unwrap()];
+    at::Tensor& ws = (vocab_parallel ? vp_workspaces_ : workspaces_)[stream.unwrap()];
     if (!ws.defined() || ws.numel() < n) ws = at::zeros({n}, opts);  // on `stream`, in order
     return ws;
   }
@@ -82,14 +85,18 @@ class cuda_state {
 
  private:
   std::mutex mutex_;
-  std::unordered_map<c10::Stream, at::Tensor> workspaces_;
+  std::unordered_map<c10::Stream, at::Tensor> workspaces_, vp_workspaces_;
   std::unordered_map<c10::DeviceIndex, at::Tensor> counters_;
 };
 
 }  // namespace
 
 at::Tensor cuda_workspace(const c10::cuda::CUDAStream& stream, std::size_t bytes) {
-  return cuda_state::get().workspace(stream, bytes);
+  return cuda_state::get().workspace(stream, bytes, false);
+}
+
+at::Tensor cuda_vp_workspace(const c10::cuda::CUDAStream& stream, std::size_t bytes) {
+  return cuda_state::get().workspace(stream, bytes, true);
 }
 
 int* cuda_error_count(const c10::cuda::CUDAStream& stream) {
