@@ -7,6 +7,7 @@ round). One line per benchmark in the order first seen, one column per
 build with that build's rounds separated by " / " (real_time in each line's own time_unit:
 microseconds for the CUDA benchmarks). Repetition aggregates are left out.
 """
+
 import collections
 import glob
 import json

@@ -45,9 +45,13 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT", REPO / "build" / "compare"))
 
 CE_SHAPES = [  # (N, V, dtype): the issue's seed shapes, then language-model shapes
-    (32, 32000, torch.float32), (128, 32000, torch.float32), (32, 50257, torch.float32),
-    (8192, 32000, torch.bfloat16), (16384, 128256, torch.bfloat16),
-    (4096, 262144, torch.bfloat16), (8192, 128256, torch.float32),
+    (32, 32000, torch.float32),
+    (128, 32000, torch.float32),
+    (32, 50257, torch.float32),
+    (8192, 32000, torch.bfloat16),
+    (16384, 128256, torch.bfloat16),
+    (4096, 262144, torch.bfloat16),
+    (8192, 128256, torch.float32),
 ]
 LCE_SHAPES = [(8192, 4096, 128256), (16384, 2304, 256000)]  # (N, D, V), bfloat16
 
@@ -71,8 +75,8 @@ def make_bench():
         from triton.testing import do_bench
 
         def bench(fn, grad_to_none=None):
-            return do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none,
-                            return_mode="median")
+            return do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none, return_mode="median")
+
         return bench, "triton.testing.do_bench median"
     except Exception as e:  # noqa: BLE001  (any import failure: fall back)
         reason = short(e)
@@ -97,6 +101,7 @@ def make_bench():
             times.append(start.elapsed_time(end))
         times.sort()
         return times[len(times) // 2]
+
     return bench, f"CUDA-event median (triton unavailable: {reason})"
 
 
@@ -139,15 +144,19 @@ def load_libraries():
         traceback.print_exc()
         libs["xent"] = (None, short(e))
     try:
-        from liger_kernel.transformers.functional import (liger_cross_entropy,
-                                                          liger_fused_linear_cross_entropy)
+        from liger_kernel.transformers.functional import (
+            liger_cross_entropy,
+            liger_fused_linear_cross_entropy,
+        )
         import liger_kernel
+
         libs["liger"] = ((liger_cross_entropy, liger_fused_linear_cross_entropy), None)
         libs["liger_version"] = getattr(liger_kernel, "__version__", None)
     except Exception as e:  # noqa: BLE001
         libs["liger"] = (None, short(e))
     try:
         from cut_cross_entropy import linear_cross_entropy as cce_lce
+
         libs["cce"] = (cce_lce, None)
     except Exception as e:  # noqa: BLE001
         libs["cce"] = (None, short(e))
@@ -157,6 +166,7 @@ def load_libraries():
 def version_of(dist):
     try:
         from importlib.metadata import version
+
         return version(dist)
     except Exception:  # noqa: BLE001
         return None
@@ -179,8 +189,13 @@ def ce_impls(libs):
     impls.append(("Liger", (lambda x, t: liger[0](x, t)) if liger else None, liger_why))
     impls.append(("CCE", None, "no logits entry (CCE fuses the classifier)" if cce else cce_why))
     impls.append(("xent", (lambda x, t: xent.cross_entropy(x, t)) if xent else None, xent_why))
-    impls.append(("xent in-place", (lambda x, t: xent.cross_entropy(x, t, inplace_backward=True))
-                  if xent else None, xent_why))
+    impls.append(
+        (
+            "xent in-place",
+            (lambda x, t: xent.cross_entropy(x, t, inplace_backward=True)) if xent else None,
+            xent_why,
+        )
+    )
     return impls
 
 
@@ -188,14 +203,17 @@ def lce_impls(libs):
     xent, xent_why = libs["xent"]
     liger, liger_why = libs["liger"]
     cce, cce_why = libs["cce"]
-    impls = [("torch", lambda x, w, t: F.cross_entropy(x @ w.T, t), None),
-             ("torch.compile", "compile", None),
-             ("Liger", (lambda x, w, t: liger[1](x, w, t)) if liger else None, liger_why),
-             ("CCE", (lambda x, w, t: cce(x, w, t)) if cce else None, cce_why)]
+    impls = [
+        ("torch", lambda x, w, t: F.cross_entropy(x @ w.T, t), None),
+        ("torch.compile", "compile", None),
+        ("Liger", (lambda x, w, t: liger[1](x, w, t)) if liger else None, liger_why),
+        ("CCE", (lambda x, w, t: cce(x, w, t)) if cce else None, cce_why),
+    ]
     if xent:
         why = xent_linear_unavailable(xent)
-        impls.append(("xent", None if why else
-                      (lambda x, w, t: xent.linear_cross_entropy(x, w, t)), why))
+        impls.append(
+            ("xent", None if why else (lambda x, w, t: xent.linear_cross_entropy(x, w, t)), why)
+        )
     else:
         impls.append(("xent", None, xent_why))
     return impls
@@ -234,6 +252,7 @@ def measure(bench, fn, leaves, args, reference):
     # gradient it cannot steal: an N x V clone no model pays.
     def step():
         fn(*(x.view_as(x) for x in xs), *args).backward()
+
     fwdbwd_ms = bench(step, grad_to_none=xs)
     for x in xs:
         x.grad = None
@@ -249,8 +268,9 @@ def measure(bench, fn, leaves, args, reference):
     if reference is not None:
         ref_loss, ref_grads = reference
         result["loss_diff"] = abs(loss.float().item() - ref_loss)
-        result["grad_diff"] = max((g.float() - r.float()).abs().max().item()
-                                  for g, r in zip(grads, ref_grads))
+        result["grad_diff"] = max(
+            (g.float() - r.float()).abs().max().item() for g, r in zip(grads, ref_grads)
+        )
         del grads
         free()
         return result, None
@@ -293,10 +313,21 @@ def run_ce(bench, libs, roof, log, shapes):
         compiled = lambda x, t: F.cross_entropy(x, t)  # noqa: E731
 
         def pct(res):  # the fewest bytes per second over the copy roof's
-            return (100 * nbytes / res["fwd_ms"] / 1e6 / roof,
-                    100 * 2 * nbytes / res["fwdbwd_ms"] / 1e6 / roof)
-        rows += run_impls(bench, log, ce_impls(libs), compiled, [logits], (target,), pct,
-                          dict(kind="ce", n=n, v=v, dtype=str(dt).split(".")[-1]))
+            return (
+                100 * nbytes / res["fwd_ms"] / 1e6 / roof,
+                100 * 2 * nbytes / res["fwdbwd_ms"] / 1e6 / roof,
+            )
+
+        rows += run_impls(
+            bench,
+            log,
+            ce_impls(libs),
+            compiled,
+            [logits],
+            (target,),
+            pct,
+            dict(kind="ce", n=n, v=v, dtype=str(dt).split(".")[-1]),
+        )
         del logits, target
         free()
     return rows
@@ -324,10 +355,21 @@ def run_lce(bench, libs, log, shapes):
         compiled = lambda a, b, c: F.cross_entropy(a @ b.T, c)  # noqa: E731
 
         def pct(res):  # the GEMMs' time over the row's
-            return (100 * floor["fwd_ms"] / res["fwd_ms"],
-                    100 * floor["fwdbwd_ms"] / res["fwdbwd_ms"])
-        rows += run_impls(bench, log, lce_impls(libs), compiled, [x, w], (t,), pct,
-                          dict(kind="lce", n=n, d=d, v=v, dtype="bfloat16"))
+            return (
+                100 * floor["fwd_ms"] / res["fwd_ms"],
+                100 * floor["fwdbwd_ms"] / res["fwdbwd_ms"],
+            )
+
+        rows += run_impls(
+            bench,
+            log,
+            lce_impls(libs),
+            compiled,
+            [x, w],
+            (t,),
+            pct,
+            dict(kind="lce", n=n, d=d, v=v, dtype="bfloat16"),
+        )
         del x, w, t
         free()
     return rows
@@ -342,35 +384,55 @@ def fmt(v, digits):
 
 def table(rows, kind):
     if kind == "ce":
-        head = ("| logits N x V | impl | fwd ms | fwd % roof | fwd+bwd ms | fwd+bwd % roof "
-                "| extra MiB | max abs d loss / grad |\n|---|---|---|---|---|---|---|---|")
+        head = (
+            "| logits N x V | impl | fwd ms | fwd % roof | fwd+bwd ms | fwd+bwd % roof "
+            "| extra MiB | max abs d loss / grad |\n|---|---|---|---|---|---|---|---|"
+        )
     else:
-        head = ("| N, D, V (bf16) | impl | fwd ms | fwd % GEMMs | fwd+bwd ms | fwd+bwd % GEMMs "
-                "| extra MiB | max abs d loss / grad |\n|---|---|---|---|---|---|---|---|")
+        head = (
+            "| N, D, V (bf16) | impl | fwd ms | fwd % GEMMs | fwd+bwd ms | fwd+bwd % GEMMs "
+            "| extra MiB | max abs d loss / grad |\n|---|---|---|---|---|---|---|---|"
+        )
     lines = [head]
     for r in rows:
         if r["kind"] != kind:
             continue
-        shape = (f"{r['n']} x {r['v']} {r.get('dtype', '')}" if kind == "ce"
-                 else f"{r['n']}, {r['d']}, {r['v']}")
+        shape = (
+            f"{r['n']} x {r['v']} {r.get('dtype', '')}"
+            if kind == "ce"
+            else f"{r['n']}, {r['d']}, {r['v']}"
+        )
         if "na" in r:
             lines.append(f"| {shape} | {r['impl']} | n/a: {r['na']} | | | | | |")
             continue
-        diff = ("reference" if r["impl"] == "torch" else
-                f"{r['loss_diff']:.2e} / {r['grad_diff']:.2e}" if "loss_diff" in r else "")
+        diff = (
+            "reference"
+            if r["impl"] == "torch"
+            else f"{r['loss_diff']:.2e} / {r['grad_diff']:.2e}"
+            if "loss_diff" in r
+            else ""
+        )
         lines.append(
             f"| {shape} | {r['impl']} | {fmt(r['fwd_ms'], 3)} | {fmt(r.get('fwd_roof_pct'), 0)} "
             f"| {fmt(r['fwdbwd_ms'], 3)} | {fmt(r.get('fwdbwd_roof_pct'), 0)} "
-            f"| {fmt(r.get('extra_MiB'), 0)} | {diff} |")
+            f"| {fmt(r.get('extra_MiB'), 0)} | {diff} |"
+        )
     return "\n".join(lines)
 
 
-COLORS = {"torch": "#1f77b4", "torch.compile": "#ff7f0e", "Liger": "#2ca02c", "CCE": "#9467bd",
-          "xent": "#d62728", "xent in-place": "#8c564b"}  # one colour per implementation
+COLORS = {
+    "torch": "#1f77b4",
+    "torch.compile": "#ff7f0e",
+    "Liger": "#2ca02c",
+    "CCE": "#9467bd",
+    "xent": "#d62728",
+    "xent in-place": "#8c564b",
+}  # one colour per implementation
 
 
 def plot(rows, path, title):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -378,24 +440,50 @@ def plot(rows, path, title):
     fig, axes = plt.subplots(len(kinds), 1, figsize=(13, 4.5 * len(kinds)), squeeze=False)
     for ax, kind in zip(axes[:, 0], kinds):
         ok = [r for r in rows if r["kind"] == kind and "na" not in r and r["impl"] != "GEMM floor"]
-        shapes = list(dict.fromkeys(
-            (f"{r['n']}x{r['v']}\n{r['dtype']}" if kind == "ce" else f"{r['n']}x{r['d']}x{r['v']}")
-            for r in ok))
+        shapes = list(
+            dict.fromkeys(
+                (
+                    f"{r['n']}x{r['v']}\n{r['dtype']}"
+                    if kind == "ce"
+                    else f"{r['n']}x{r['d']}x{r['v']}"
+                )
+                for r in ok
+            )
+        )
         impls = list(dict.fromkeys(r["impl"] for r in ok))
         width = 0.8 / max(1, len(impls))
         for i, impl in enumerate(impls):
             values = []
             for s in shapes:
-                hit = [r for r in ok if r["impl"] == impl and
-                       (f"{r['n']}x{r['v']}\n{r['dtype']}" if kind == "ce"
-                        else f"{r['n']}x{r['d']}x{r['v']}") == s]
+                hit = [
+                    r
+                    for r in ok
+                    if r["impl"] == impl
+                    and (
+                        f"{r['n']}x{r['v']}\n{r['dtype']}"
+                        if kind == "ce"
+                        else f"{r['n']}x{r['d']}x{r['v']}"
+                    )
+                    == s
+                ]
                 values.append(hit[0]["fwdbwd_roof_pct"] if hit else 0.0)
-            ax.bar([j + i * width for j in range(len(shapes))], values, width, label=impl,
-                   color=COLORS.get(impl))
+            ax.bar(
+                [j + i * width for j in range(len(shapes))],
+                values,
+                width,
+                label=impl,
+                color=COLORS.get(impl),
+            )
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, fontsize=8)
         ax.set_ylabel("fwd+bwd, % of copy roof" if kind == "ce" else "fwd+bwd, % of GEMM time")
-        ax.set_title(("cross-entropy over logits" if kind == "ce"
-                      else "linear cross-entropy (LM head + loss)") + " — higher is better")
+        ax.set_title(
+            (
+                "cross-entropy over logits"
+                if kind == "ce"
+                else "linear cross-entropy (LM head + loss)"
+            )
+            + " — higher is better"
+        )
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=10)
@@ -406,8 +494,11 @@ def plot(rows, path, title):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", nargs="*", help="ce, lce or both (the default)")
-    ap.add_argument("--quick", action="store_true",
-                    help="the first three cross-entropy shapes and no linear shapes (a smoke run)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the first three cross-entropy shapes and no linear shapes (a smoke run)",
+    )
     args = ap.parse_args()
     what = args.what or ["ce", "lce"]
     if set(what) - {"ce", "lce"}:
@@ -421,37 +512,61 @@ def main():
     libs = load_libraries()
     dev = torch.cuda.get_device_properties(0)
     import subprocess
+
     # The device tool copies the working tree, not .git: the caller names the commit there.
-    commit = os.environ.get("XENT_COMMIT") or subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-        capture_output=True, text=True).stdout.strip() or "unknown"
-    versions = dict(torch=torch.__version__, triton=version_of("triton"),
-                    liger_kernel=version_of("liger-kernel"),
-                    cut_cross_entropy=version_of("cut-cross-entropy"))
+    commit = (
+        os.environ.get("XENT_COMMIT")
+        or subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown"
+    )
+    versions = dict(
+        torch=torch.__version__,
+        triton=version_of("triton"),
+        liger_kernel=version_of("liger-kernel"),
+        cut_cross_entropy=version_of("cut-cross-entropy"),
+    )
     roof, roof_ms = copy_roof_gbps(bench)
     free()
-    emit(log, kind="machine", gpu=dev.name, sms=dev.multi_processor_count, commit=commit,
-         date=time.strftime("%Y-%m-%d", time.gmtime()), timer=timer, copy_roof_GBps=roof,
-         copy_roof_ms=roof_ms,
-         **versions, unavailable={k: v[1] for k, v in libs.items()
-                                  if isinstance(v, tuple) and v[1]})
+    emit(
+        log,
+        kind="machine",
+        gpu=dev.name,
+        sms=dev.multi_processor_count,
+        commit=commit,
+        date=time.strftime("%Y-%m-%d", time.gmtime()),
+        timer=timer,
+        copy_roof_GBps=roof,
+        copy_roof_ms=roof_ms,
+        **versions,
+        unavailable={k: v[1] for k, v in libs.items() if isinstance(v, tuple) and v[1]},
+    )
     rows = []
     if "ce" in what:
         rows += run_ce(bench, libs, roof, log, CE_SHAPES[:3] if args.quick else CE_SHAPES)
     if "lce" in what and not args.quick:
         rows += run_lce(bench, libs, log, LCE_SHAPES)
 
-    title = (f"{dev.name}, {time.strftime('%Y-%m-%d', time.gmtime())}, xent {commit}, "
-             f"torch {versions['torch']}, Liger {versions['liger_kernel'] or 'n/a'}, "
-             f"CCE {versions['cut_cross_entropy'] or 'n/a'}")
-    md = ["# xent vs PyTorch, torch.compile, Liger-Kernel, Cut Cross-Entropy\n", title + "\n",
-          f"Timer: {timer}. Copy roof (device-to-device, read + written), measured in this run: "
-          f"{roof:.0f} GB/s. Legend: bench/compare.py's docstring.\n"]
+    title = (
+        f"{dev.name}, {time.strftime('%Y-%m-%d', time.gmtime())}, xent {commit}, "
+        f"torch {versions['torch']}, Liger {versions['liger_kernel'] or 'n/a'}, "
+        f"CCE {versions['cut_cross_entropy'] or 'n/a'}"
+    )
+    md = [
+        "# xent vs PyTorch, torch.compile, Liger-Kernel, Cut Cross-Entropy\n",
+        title + "\n",
+        f"Timer: {timer}. Copy roof (device-to-device, read + written), measured in this run: "
+        f"{roof:.0f} GB/s. Legend: bench/compare.py's docstring.\n",
+    ]
     if any(r["kind"] == "ce" for r in rows):
         md += ["## Cross-entropy over logits\n", table(rows, "ce"), ""]
     if any(r["kind"] == "lce" for r in rows):
-        md += ["## Linear cross-entropy (bf16 hidden N x D, weight V x D)\n", table(rows, "lce"),
-               ""]
+        md += [
+            "## Linear cross-entropy (bf16 hidden N x D, weight V x D)\n",
+            table(rows, "lce"),
+            "",
+        ]
     (OUT / "compare.md").write_text("\n".join(md) + "\n")
     try:
         plot(rows, OUT / "compare.png", title)

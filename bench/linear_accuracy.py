@@ -45,15 +45,18 @@ def loss_and_grads(fn, hidden, weight, target, dtype):
 def errors(got, ref):
     out = {}
     for name, g, r in zip(("loss", "d_hidden", "d_weight"), got, ref):
-        out[name] = {"rel": ((g - r).norm() / r.norm()).item(),
-                     "max_abs": (g - r).abs().max().item()}
+        out[name] = {
+            "rel": ((g - r).norm() / r.norm()).item(),
+            "max_abs": (g - r).abs().max().item(),
+        }
     return out
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", nargs="*",
-                   default=["4096,2048,32000", "2048,4096,128256", "8192,2304,65536"])
+    p.add_argument(
+        "--shapes", nargs="*", default=["4096,2048,32000", "2048,4096,128256", "8192,2304,65536"]
+    )
     p.add_argument("--sigma", type=float, default=4.0)
     p.add_argument("--seeds", type=int, default=2)
     a = p.parse_args()
@@ -72,17 +75,32 @@ def main():
 
             ref = loss_and_grads(eager, hidden, weight, target, torch.float64)
             torch_err = errors(loss_and_grads(eager, hidden, weight, target, torch.bfloat16), ref)
-            xent_err = errors(loss_and_grads(xent.torch.linear_cross_entropy, hidden, weight,
-                                             target, torch.bfloat16), ref)
+            xent_err = errors(
+                loss_and_grads(
+                    xent.torch.linear_cross_entropy, hidden, weight, target, torch.bfloat16
+                ),
+                ref,
+            )
             del ref
             torch.cuda.empty_cache()
             for what in ("loss", "d_hidden", "d_weight"):
                 t, x = torch_err[what], xent_err[what]
                 ratio = x["rel"] / t["rel"] if t["rel"] > 0 else float("inf")
-                rows.append({"shape": [n, d, v], "seed": seed, "sigma": a.sigma, "what": what,
-                             "torch": t, "xent": x, "ratio": ratio})
-                print(f"| {n} x {d} x {v} | {seed} | {what} | {t['rel']:.3e} | {x['rel']:.3e} | "
-                      f"{ratio:.3f} | {t['max_abs']:.3e} | {x['max_abs']:.3e} |")
+                rows.append(
+                    {
+                        "shape": [n, d, v],
+                        "seed": seed,
+                        "sigma": a.sigma,
+                        "what": what,
+                        "torch": t,
+                        "xent": x,
+                        "ratio": ratio,
+                    }
+                )
+                print(
+                    f"| {n} x {d} x {v} | {seed} | {what} | {t['rel']:.3e} | {x['rel']:.3e} | "
+                    f"{ratio:.3f} | {t['max_abs']:.3e} | {x['max_abs']:.3e} |"
+                )
     if out:
         with open(os.path.join(out, "linear_accuracy.json"), "w") as f:
             for r in rows:

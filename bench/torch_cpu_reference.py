@@ -4,6 +4,7 @@ the foundation issue's CPU target (4096 x 32000 fp32, forward + backward, 2 and 
 Run beside xent_bench_cpu on the same machine (bench/gpu/run.sh does): python3 bench/torch_cpu_reference.py
 Prints one JSON line per thread count.
 """
+
 import json
 import os
 import time
@@ -33,5 +34,15 @@ def time_fwd_bwd(rows, cols, threads, repeats=10):
 if __name__ == "__main__":
     for threads in sorted({2, os.cpu_count() or 2}):
         median = time_fwd_bwd(4096, 32000, threads)
-        print(json.dumps({"impl": "torch", "shape": "4096x32000", "dtype": "f32", "threads": threads,
-                          "fwd_bwd_ms": round(median * 1e3, 2), "torch": torch.__version__}))
+        print(
+            json.dumps(
+                {
+                    "impl": "torch",
+                    "shape": "4096x32000",
+                    "dtype": "f32",
+                    "threads": threads,
+                    "fwd_bwd_ms": round(median * 1e3, 2),
+                    "torch": torch.__version__,
+                }
+            )
+        )

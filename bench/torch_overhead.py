@@ -29,8 +29,7 @@ import torch.nn.functional as F
 
 import xent.torch  # the installed package: pip install ./python
 
-CUDA_SHAPES = [(32, 32000, torch.float32), (128, 32000, torch.float32),
-               (32, 50257, torch.float32)]
+CUDA_SHAPES = [(32, 32000, torch.float32), (128, 32000, torch.float32), (32, 50257, torch.float32)]
 CPU_SHAPES = [(1, 8, torch.float32), (4, 8, torch.float32)]
 
 
@@ -65,10 +64,12 @@ def main():
     fused_op = torch.ops.xent.cross_entropy_fwd_bwd.default
     scale_op = torch.ops.xent.scale_grad_.default
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    lines = [f"# xent.torch per-call time, {name}, torch {torch.__version__}, "
-             f"{time.strftime('%Y-%m-%d', time.gmtime())}\n",
-             "| logits N x V | impl | fwd us | fwd+bwd us | fwd+bwd / torch's |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"# xent.torch per-call time, {name}, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}\n",
+        "| logits N x V | impl | fwd us | fwd+bwd us | fwd+bwd / torch's |",
+        "|---|---|---|---|---|",
+    ]
     print("\n".join(lines), flush=True)
     for n, v, dtype in shapes:
         g = torch.Generator(device=device).manual_seed(0)
@@ -87,6 +88,7 @@ def main():
         impls = [("torch", F.cross_entropy), ("xent", xent.torch.cross_entropy)]
         rows = []
         for impl, fn in impls:
+
             def fwd(fn=fn):
                 with torch.no_grad():
                     fn(x, t)
@@ -94,14 +96,23 @@ def main():
             def fwdbwd(fn=fn):
                 fn(leaf, t).backward()
                 leaf.grad = None
-            rows.append((impl, per_call_us(fwd, args.reps, sync),
-                         per_call_us(fwdbwd, args.reps, sync)))
-        rows.append(("xent ops", per_call_us(ops_fwd, args.reps, sync),
-                     per_call_us(ops_fwdbwd, args.reps, sync)))
+
+            rows.append(
+                (impl, per_call_us(fwd, args.reps, sync), per_call_us(fwdbwd, args.reps, sync))
+            )
+        rows.append(
+            (
+                "xent ops",
+                per_call_us(ops_fwd, args.reps, sync),
+                per_call_us(ops_fwdbwd, args.reps, sync),
+            )
+        )
         for impl, f_us, fb_us in rows:
             ratio = fb_us / rows[0][2]  # the target: xent within 1.5x of torch
-            line = (f"| {n} x {v} {str(dtype).split('.')[-1]} | {impl} | {f_us:.1f} "
-                    f"| {fb_us:.1f} | {ratio:.2f} |")
+            line = (
+                f"| {n} x {v} {str(dtype).split('.')[-1]} | {impl} | {f_us:.1f} "
+                f"| {fb_us:.1f} | {ratio:.2f} |"
+            )
             lines.append(line)
             print(line, flush=True)
     if os.environ.get("OUT"):

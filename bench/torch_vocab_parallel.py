@@ -72,8 +72,7 @@ def one_gpu(logits, target, reps, flush):
         xent.torch.cross_entropy(whole, target).backward()
 
     return {
-        mode: slowest(timed(fn, reps, flush))
-        for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd))
+        mode: slowest(timed(fn, reps, flush)) for mode, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd))
     }
 
 
@@ -88,9 +87,7 @@ def megatron_loss(group):
     ps._TENSOR_MODEL_PARALLEL_GROUP = group
     ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = dist.get_world_size(group)
     ps._MPU_TENSOR_MODEL_PARALLEL_RANK = dist.get_rank(group)
-    return (
-        lambda logits, target: vocab_parallel_cross_entropy(logits, target).mean()
-    ), None
+    return (lambda logits, target: vocab_parallel_cross_entropy(logits, target).mean()), None
 
 
 def main():
@@ -138,11 +135,7 @@ def main():
     del full
     torch.cuda.empty_cache()
 
-    impls = {
-        "xent": lambda x, t: xd.vocab_parallel_cross_entropy(
-            x, t, group, reduction="mean"
-        )
-    }
+    impls = {"xent": lambda x, t: xd.vocab_parallel_cross_entropy(x, t, group, reduction="mean")}
     mega, why = megatron_loss(group)
     if mega is not None:
         impls["megatron"] = mega
@@ -177,15 +170,11 @@ def main():
                 if "ms" in r:
                     r["vs_single"] = r["ms"] / base[r["mode"]]
                 f.write(json.dumps(r) + "\n")
-        print(
-            f"| impl | mode | ms | x one GPU | ({ranks} ranks, {n} x {v} {args.dtype}) |"
-        )
+        print(f"| impl | mode | ms | x one GPU | ({ranks} ranks, {n} x {v} {args.dtype}) |")
         print("|---|---|---|---|---|")
         for r in rows:
             if "ms" in r:
-                print(
-                    f"| {r['impl']} | {r['mode']} | {r['ms']:.3f} | {r['vs_single']:.3f} | |"
-                )
+                print(f"| {r['impl']} | {r['mode']} | {r['ms']:.3f} | {r['vs_single']:.3f} | |")
             else:
                 print(f"| {r['impl']} | n/a: {r['error']} | | | |")
     dist.destroy_process_group()

@@ -12,6 +12,7 @@ reports other_cores <= --max-other (the counter host_load.hpp fills), else it is
       -o bench/results/cpu-HOST-DATE.json \
       [--filter REGEX] [--attempts 4] [-- flags for the binary]
 """
+
 import argparse
 import json
 import re
@@ -26,6 +27,7 @@ def cpu_idle_fraction(seconds=1.0):
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:9]]
         return sum(v), v[3] + v[4]
+
     t0, i0 = read()
     time.sleep(seconds)
     t1, i1 = read()
@@ -42,8 +44,9 @@ def wait_idle(max_wait, need=3, threshold=0.9):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("binary")
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--filter", default=".", help="regex over line names (default: all)")
@@ -54,12 +57,16 @@ def main():
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])
     # Flags after "--" go to the binary; without any, these.
-    extra = argv[cut + 1:] or ["--benchmark_min_time=0.2", "--benchmark_repetitions=3"]
+    extra = argv[cut + 1 :] or ["--benchmark_min_time=0.2", "--benchmark_repetitions=3"]
 
     # The binary's own flags (--xent_threads, --xent_chunks) change the set of lines.
     own = [a for a in extra if a.startswith("--xent_")]
-    names = subprocess.run([args.binary, "--benchmark_list_tests=true", *own], check=True,
-                           capture_output=True, text=True).stdout.split()
+    names = subprocess.run(
+        [args.binary, "--benchmark_list_tests=true", *own],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     lines = [n for n in names if "_roof/" not in n and re.search(args.filter, n)]
     merged, log = None, []
     for name in lines:
@@ -69,10 +76,18 @@ def main():
         for attempt in range(1, args.attempts + 1):
             idle = wait_idle(args.max_wait)
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-                proc = subprocess.run([args.binary, f"--benchmark_filter={flt}",
-                                       f"--benchmark_out={tmp.name}", "--benchmark_out_format=json",
-                                       *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True)
+                proc = subprocess.run(
+                    [
+                        args.binary,
+                        f"--benchmark_filter={flt}",
+                        f"--benchmark_out={tmp.name}",
+                        "--benchmark_out_format=json",
+                        *extra,
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
                 if proc.returncode != 0:
                     sys.exit(f"{args.binary} failed ({proc.returncode}):\n{proc.stderr}")
                 data = json.load(open(tmp.name))
@@ -80,14 +95,22 @@ def main():
             worst = max((b.get("other_cores", 0.0) for b in runs), default=0.0)
             if best is None or worst < best[0]:
                 best = (worst, attempt, data)
-            print(f"{name}: attempt {attempt}, waited-for-idle={idle}, "
-                  f"worst other_cores {worst:.2f}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{name}: attempt {attempt}, waited-for-idle={idle}, worst other_cores {worst:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
             if worst <= args.max_other:
                 break
         worst, attempt, data = best
-        log.append({"name": name, "attempt": attempt, "worst_other_cores": worst,
-                    "clean": worst <= args.max_other})
+        log.append(
+            {
+                "name": name,
+                "attempt": attempt,
+                "worst_other_cores": worst,
+                "clean": worst <= args.max_other,
+            }
+        )
         if merged is None:
             merged = {"context": data["context"], "benchmarks": []}
         merged["benchmarks"].extend(data["benchmarks"])
