@@ -44,15 +44,13 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT", REPO / "build" / "compare"))
 
+# fmt: off
 CE_SHAPES = [  # (N, V, dtype): the seed shapes, then language-model shapes
-    (32, 32000, torch.float32),
-    (128, 32000, torch.float32),
-    (32, 50257, torch.float32),
-    (8192, 32000, torch.bfloat16),
-    (16384, 128256, torch.bfloat16),
-    (4096, 262144, torch.bfloat16),
-    (8192, 128256, torch.float32),
+    (32, 32000, torch.float32), (128, 32000, torch.float32), (32, 50257, torch.float32),
+    (8192, 32000, torch.bfloat16), (16384, 128256, torch.bfloat16),
+    (4096, 262144, torch.bfloat16), (8192, 128256, torch.float32),
 ]
+# fmt: on
 LCE_SHAPES = [(8192, 4096, 128256), (16384, 2304, 256000)]  # (N, D, V), bfloat16
 
 

@@ -4,28 +4,13 @@
 // fake (meta) kernels that torch.compile traces with in Python (xent/torch/ops.py). The CUDA
 // kernels are registered by xent_ops_cuda.cu, built beside this file when torch has CUDA and nvcc
 // is found.
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-
+#include "xent_cpu_backend.h"
 #include "xent_ops.h"
 
 namespace xent_torch {
 namespace {
-
-// The CPU backend of the op bodies in xent_ops.h: torch's intra-op thread count, no workspace.
-struct cpu_backend {
-  struct guard {
-    explicit guard(const c10::Device&) {}
-  };
-  struct call {
-    xent::cpu exec;
-  };
-  static call exec(const at::Tensor&, bool, bool = false) {
-    return {xent::cpu{std::max(1, at::get_num_threads())}};
-  }
-};
 
 // On the CPU the upstream gradient is read where it lies. Exactly 1 (loss.backward()) leaves the
 // gradient as it is, as on CUDA; otherwise torch multiplies in float32 (float64 for a float64

@@ -1,26 +1,15 @@
 // The vocab-parallel ops' schemas and their CPU kernels (xent_vocab_parallel.h over xent::cpu,
 // the exchange through a gloo process group). Autograd is xent/torch/distributed.py's.
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-
+#include "xent_cpu_backend.h"
 #include "xent_vocab_parallel.h"
 
 namespace xent_torch {
 namespace {
 
-// torch's intra-op thread count, as for the single-device CPU ops (xent_ops.cpp).
-struct cpu_vp_backend {
-  struct guard {
-    explicit guard(const c10::Device&) {}
-  };
-  struct call {
-    xent::cpu exec;
-  };
-  static call exec(const at::Tensor&, bool, bool = false) {
-    return {xent::cpu{std::max(1, at::get_num_threads())}};
-  }
+// The single-device ops' CPU backend with the vocab-parallel calls' communicator.
+struct cpu_vp_backend : cpu_backend {
   static call vp_exec(const at::Tensor& x, std::int64_t, int) { return exec(x, false); }
   static torch_group vp_group(const std::string& name, const at::Device& device,
                               std::int64_t digest) {
