@@ -58,17 +58,5 @@ TORCH_LIBRARY_FRAGMENT(xent, m) {
 }
 
 TORCH_LIBRARY_IMPL(xent, CPU, m) {
-  using xent_torch::cpu_vp_backend;
-  m.impl("vocab_parallel_cross_entropy_fwd",
-         &xent_torch::vocab_parallel_cross_entropy_fwd<cpu_vp_backend>);
-  m.impl("vocab_parallel_cross_entropy_bwd",
-         &xent_torch::vocab_parallel_cross_entropy_bwd<cpu_vp_backend>);
-  m.impl("vocab_parallel_cross_entropy_fwd_bwd",
-         &xent_torch::vocab_parallel_cross_entropy_fwd_bwd<cpu_vp_backend>);
-  m.impl("vocab_parallel_linear_cross_entropy_fwd",
-         &xent_torch::vocab_parallel_linear_cross_entropy_fwd<cpu_vp_backend>);
-  m.impl("vocab_parallel_linear_cross_entropy_bwd",
-         &xent_torch::vocab_parallel_linear_cross_entropy_bwd<cpu_vp_backend>);
-  m.impl("vocab_parallel_linear_cross_entropy_fwd_bwd",
-         &xent_torch::vocab_parallel_linear_cross_entropy_fwd_bwd<cpu_vp_backend>);
+  xent_torch::register_vocab_parallel<xent_torch::cpu_vp_backend>(m);
 }

@@ -13,6 +13,7 @@
 // unsharded call's loss and LSE, bit for bit the same on every rank, and its shard of the gradient.
 #pragma once
 
+#include <torch/library.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -407,6 +408,18 @@ vocab_parallel_linear_cross_entropy_fwd_bwd(
             grads.view<T>(), ws);
       });
   return {out.loss, out.lse, grads.d_hidden, grads.d_weight, grads.d_bias};
+}
+
+// The six ops' kernels on backend B, under the dispatch key of the library `m` was made for.
+template <class B>
+void register_vocab_parallel(torch::Library& m) {
+  m.impl("vocab_parallel_cross_entropy_fwd", &vocab_parallel_cross_entropy_fwd<B>);
+  m.impl("vocab_parallel_cross_entropy_bwd", &vocab_parallel_cross_entropy_bwd<B>);
+  m.impl("vocab_parallel_cross_entropy_fwd_bwd", &vocab_parallel_cross_entropy_fwd_bwd<B>);
+  m.impl("vocab_parallel_linear_cross_entropy_fwd", &vocab_parallel_linear_cross_entropy_fwd<B>);
+  m.impl("vocab_parallel_linear_cross_entropy_bwd", &vocab_parallel_linear_cross_entropy_bwd<B>);
+  m.impl("vocab_parallel_linear_cross_entropy_fwd_bwd",
+         &vocab_parallel_linear_cross_entropy_fwd_bwd<B>);
 }
 
 }  // namespace xent_torch

@@ -45,17 +45,5 @@ struct cuda_vp_backend : cuda_backend {
 }  // namespace xent_torch
 
 TORCH_LIBRARY_IMPL(xent, CUDA, m) {
-  using xent_torch::cuda_vp_backend;
-  m.impl("vocab_parallel_cross_entropy_fwd",
-         &xent_torch::vocab_parallel_cross_entropy_fwd<cuda_vp_backend>);
-  m.impl("vocab_parallel_cross_entropy_bwd",
-         &xent_torch::vocab_parallel_cross_entropy_bwd<cuda_vp_backend>);
-  m.impl("vocab_parallel_cross_entropy_fwd_bwd",
-         &xent_torch::vocab_parallel_cross_entropy_fwd_bwd<cuda_vp_backend>);
-  m.impl("vocab_parallel_linear_cross_entropy_fwd",
-         &xent_torch::vocab_parallel_linear_cross_entropy_fwd<cuda_vp_backend>);
-  m.impl("vocab_parallel_linear_cross_entropy_bwd",
-         &xent_torch::vocab_parallel_linear_cross_entropy_bwd<cuda_vp_backend>);
-  m.impl("vocab_parallel_linear_cross_entropy_fwd_bwd",
-         &xent_torch::vocab_parallel_linear_cross_entropy_fwd_bwd<cuda_vp_backend>);
+  xent_torch::register_vocab_parallel<xent_torch::cuda_vp_backend>(m);
 }
