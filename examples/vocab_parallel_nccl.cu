@@ -89,8 +89,8 @@ float logit(std::int64_t n, std::int64_t c) {
 }
 
 template <class T>
-int run(int rank, int ranks, std::int64_t rows, std::int64_t vocab, int steps,
-        ncclComm_t comm, cudaStream_t stream) {
+int run(int rank, int ranks, std::int64_t rows, std::int64_t vocab, int steps, ncclComm_t comm,
+        cudaStream_t stream) {
   // This rank's slice: Megatron's even split, the last rank taking the remainder.
   const std::int64_t per = vocab / ranks;
   const std::int64_t first = per * rank;
@@ -160,11 +160,12 @@ int run(int rank, int ranks, std::int64_t rows, std::int64_t vocab, int steps,
       status = 1;
     }
   if (rank == 0)
-    std::printf("%d ranks, %lld x %lld (%lld classes on rank 0): loss %.6f, %.3f ms per call, "
-                "%zu bytes sent per rank per call\n",
-                ranks, static_cast<long long>(rows), static_cast<long long>(vocab),
-                static_cast<long long>(cols), mine, ms / steps,
-                xent::cuda_vocab_parallel_exchange_bytes(rows));
+    std::printf(
+        "%d ranks, %lld x %lld (%lld classes on rank 0): loss %.6f, %.3f ms per call, "
+        "%zu bytes sent per rank per call\n",
+        ranks, static_cast<long long>(rows), static_cast<long long>(vocab),
+        static_cast<long long>(cols), mine, ms / steps,
+        xent::cuda_vocab_parallel_exchange_bytes(rows));
   for (void* p : {static_cast<void*>(logits), static_cast<void*>(grad), static_cast<void*>(y),
                   static_cast<void*>(loss), ws, static_cast<void*>(all)})
     cudaFree(p);
@@ -179,10 +180,14 @@ int main(int argc, char** argv) {
   std::string dtype = "bf16";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--rows") rows = std::atoll(argv[i + 1]);
-    else if (a == "--vocab") vocab = std::atoll(argv[i + 1]);
-    else if (a == "--steps") steps = std::max(1, std::atoi(argv[i + 1]));
-    else if (a == "--dtype") dtype = argv[i + 1];
+    if (a == "--rows")
+      rows = std::atoll(argv[i + 1]);
+    else if (a == "--vocab")
+      vocab = std::atoll(argv[i + 1]);
+    else if (a == "--steps")
+      steps = std::max(1, std::atoi(argv[i + 1]));
+    else if (a == "--dtype")
+      dtype = argv[i + 1];
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
