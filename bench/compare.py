@@ -1,5 +1,5 @@
 """Side by side on one GPU, in one process, on the same tensors: PyTorch eager, torch.compile,
-Liger-Kernel, Cut Cross-Entropy and xent (the Python package in python/, installed), for
+Liger-Kernel, quack, Cut Cross-Entropy and xent (the Python package in python/, installed), for
 cross-entropy over given logits and for fused linear cross-entropy (LM head + loss).
 
     python3 bench/compare.py [ce] [lce] [--quick]     (default: ce lce; bench/compare.sh wraps it)
@@ -82,7 +82,10 @@ def make_bench():
     def bench(fn, grad_to_none=None):
         fn()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = (
+            torch.cuda.Event(enable_timing=True),
+            torch.cuda.Event(enable_timing=True),
+        )
         start.record()
         fn()
         end.record()
@@ -153,6 +156,12 @@ def load_libraries():
     except Exception as e:  # noqa: BLE001
         libs["liger"] = (None, short(e))
     try:
+        from quack import cross_entropy as quack_ce
+
+        libs["quack"] = (quack_ce, None)
+    except Exception as e:  # noqa: BLE001
+        libs["quack"] = (None, short(e))
+    try:
         from cut_cross_entropy import linear_cross_entropy as cce_lce
 
         libs["cce"] = (cce_lce, None)
@@ -185,6 +194,8 @@ def ce_impls(libs):
     eager = lambda x, t: F.cross_entropy(x, t)  # noqa: E731
     impls = [("torch", eager, None), ("torch.compile", "compile", None)]
     impls.append(("Liger", (lambda x, t: liger[0](x, t)) if liger else None, liger_why))
+    quack, quack_why = libs["quack"]
+    impls.append(("quack", (lambda x, t: quack(x, t)) if quack else None, quack_why))
     impls.append(("CCE", None, "no logits entry (CCE fuses the classifier)" if cce else cce_why))
     impls.append(("xent", (lambda x, t: xent.cross_entropy(x, t)) if xent else None, xent_why))
     impls.append(
@@ -210,7 +221,11 @@ def lce_impls(libs):
     if xent:
         why = xent_linear_unavailable(xent)
         impls.append(
-            ("xent", None if why else (lambda x, w, t: xent.linear_cross_entropy(x, w, t)), why)
+            (
+                "xent",
+                None if why else (lambda x, w, t: xent.linear_cross_entropy(x, w, t)),
+                why,
+            )
         )
     else:
         impls.append(("xent", None, xent_why))
@@ -335,7 +350,11 @@ def gemm_floor(bench, x, w):
     """The three GEMMs of a linear cross-entropy step, timed alone: logits X W^T (forward), then
     dX = G W and dW = G^T X for a logit gradient G."""
     grad = torch.randn(x.shape[0], w.shape[0], device="cuda", dtype=x.dtype)
-    t1, t2, t3 = bench(lambda: x @ w.T), bench(lambda: grad @ w), bench(lambda: grad.T @ x)
+    t1, t2, t3 = (
+        bench(lambda: x @ w.T),
+        bench(lambda: grad @ w),
+        bench(lambda: grad.T @ x),
+    )
     return dict(fwd_ms=t1, fwdbwd_ms=t1 + t2 + t3)
 
 
@@ -422,6 +441,7 @@ COLORS = {
     "torch": "#1f77b4",
     "torch.compile": "#ff7f0e",
     "Liger": "#2ca02c",
+    "quack": "#17becf",
     "CCE": "#9467bd",
     "xent": "#d62728",
     "xent in-place": "#8c564b",
@@ -515,7 +535,9 @@ def main():
     commit = (
         os.environ.get("XENT_COMMIT")
         or subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
         ).stdout.strip()
         or "unknown"
     )
@@ -523,6 +545,7 @@ def main():
         torch=torch.__version__,
         triton=version_of("triton"),
         liger_kernel=version_of("liger-kernel"),
+        quack_kernels=version_of("quack-kernels"),
         cut_cross_entropy=version_of("cut-cross-entropy"),
     )
     roof, roof_ms = copy_roof_gbps(bench)
@@ -549,10 +572,11 @@ def main():
     title = (
         f"{dev.name}, {time.strftime('%Y-%m-%d', time.gmtime())}, xent {commit}, "
         f"torch {versions['torch']}, Liger {versions['liger_kernel'] or 'n/a'}, "
+        f"quack {versions['quack_kernels'] or 'n/a'}, "
         f"CCE {versions['cut_cross_entropy'] or 'n/a'}"
     )
     md = [
-        "# xent vs PyTorch, torch.compile, Liger-Kernel, Cut Cross-Entropy\n",
+        "# xent vs PyTorch, torch.compile, Liger-Kernel, quack, Cut Cross-Entropy\n",
         title + "\n",
         f"Timer: {timer}. Copy roof (device-to-device, read + written), measured in this run: "
         f"{roof:.0f} GB/s. Legend: bench/compare.py's docstring.\n",
