@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "ffi_linear.h"
 #include "ffi_ops.h"
@@ -16,6 +17,15 @@ namespace {
 struct cpu_exec {
   xent::cpu exec{std::max(1, static_cast<int>(std::thread::hardware_concurrency()))};
   const xent::cpu& get() const { return exec; }
+};
+
+// The fused linear calls' workspace: host memory that lives for the handler's call.
+struct host_workspace {
+  std::vector<unsigned char> bytes;
+  void* operator()(std::size_t n) {
+    bytes.resize(n);
+    return bytes.data();
+  }
 };
 
 // No workspace on the CPU.
@@ -43,16 +53,16 @@ ffi::Error lin_fwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer 
                    ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                    ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                    loss_attrs attrs) {
-  return linear_fwd<true>(cpu_exec{}.exec, hidden, weight, bias, labels, class_weight, loss, lse,
-                          attrs);
+  return linear_fwd<true>(cpu_exec{}.exec, host_workspace{}, hidden, weight, bias, labels,
+                          class_weight, loss, lse, attrs);
 }
 
 ffi::Error lin_bwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                    ffi::AnyBuffer labels, ffi::AnyBuffer class_weight, ffi::AnyBuffer lse,
                    ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
                    ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
-  return linear_bwd<true>(cpu_exec{}.exec, hidden, weight, bias, labels, class_weight, lse, g, dh,
-                          dw, db, attrs);
+  return linear_bwd<true>(cpu_exec{}.exec, host_workspace{}, hidden, weight, bias, labels,
+                          class_weight, lse, g, dh, dw, db, attrs);
 }
 
 ffi::Error lin_fwd_bwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
@@ -60,8 +70,8 @@ ffi::Error lin_fwd_bwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuf
                        ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                        ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
                        ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
-  return linear_fwd_bwd<true>(cpu_exec{}.exec, hidden, weight, bias, labels, class_weight, loss,
-                              lse, dh, dw, db, attrs);
+  return linear_fwd_bwd<true>(cpu_exec{}.exec, host_workspace{}, hidden, weight, bias, labels,
+                              class_weight, loss, lse, dh, dw, db, attrs);
 }
 
 // One batch element's gradient times its scale, in the accumulator type and rounded once to the

@@ -1,6 +1,6 @@
-// xent's XLA FFI handlers for CUDA: the bodies of ffi_ops.h on xent::cuda, registered by
-// xent/jax/_ffi.py with jax.ffi.register_ffi_target(platform="CUDA"). Built by CMakeLists.txt
-// when nvcc is found.
+// xent's XLA FFI handlers for CUDA: the bodies of ffi_ops.h and ffi_linear.h on xent::cuda,
+// registered by xent/jax/_ffi.py with jax.ffi.register_ffi_target(platform="CUDA"). Built by
+// CMakeLists.txt when nvcc is found.
 //
 // Every handler runs on the stream XLA gives it and only enqueues work: no host synchronisation,
 // no allocation outside XLA's. xent's reduced-loss workspace (xent::cuda::workspace) is an FFI
@@ -8,9 +8,17 @@
 // (cudaMemsetAsync), since XLA's memory holds whatever it last held; the calls of one handler's
 // batch share it in stream order (each leaves it zeroed for the next).
 //
+// The fused linear handlers need a cuBLAS handle, which XLA does not give an FFI call: each thread
+// keeps one per device, created on its first call and kept for the process (cublasCreate
+// allocates, and a handle must not serve two threads at once). A call binds it to XLA's stream
+// and gives it a workspace from XLA's scratch allocator (cublasSetStream resets the handle's
+// workspace to cuBLAS's own pool, which would allocate behind XLA's back); the linear workspace
+// comes from the same allocator.
+//
 // Out-of-range class ids (not ignore_index, outside [0, V)) cannot be reported without a
 // synchronisation: such a row gets a NaN loss and LSE and a zero gradient row (xent::cuda's
 // contract), and no counter is kept.
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -18,7 +26,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 
+#include "ffi_linear.h"
 #include "ffi_ops.h"
 
 namespace xent_jax {
@@ -78,6 +88,99 @@ ffi::Error fwd_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
                                       loss, lse, grad, attrs);
 }
 
+// --- fused linear cross-entropy -----------------------------------------------------------------
+
+void check_blas(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    fail(what, std::string("failed: ") + cublasGetStatusString(status), ffi::ErrorCode::kInternal);
+}
+
+// cuBLAS's workspace for its GEMMs: what NVIDIA's cuBLAS guide recommends on Hopper, 32 MiB (it
+// also covers the smaller recommendations for older GPUs).
+constexpr std::size_t blas_workspace_bytes = std::size_t{32} << 20;
+
+void* scratch_bytes(ffi::ScratchAllocator& scratch, std::size_t bytes, const char* what) {
+  if (bytes == 0) return nullptr;
+  const auto p = scratch.Allocate(bytes, 256);
+  if (!p.has_value())
+    fail(what, "of " + std::to_string(bytes) + " bytes could not be allocated",
+         ffi::ErrorCode::kResourceExhausted);
+  return *p;
+}
+
+// This thread's handle for `device`, bound to `stream` with a workspace from `scratch`.
+cublasHandle_t blas_handle(int device, cudaStream_t stream, ffi::ScratchAllocator& scratch) {
+  thread_local std::unordered_map<int, cublasHandle_t> handles;
+  cublasHandle_t& h = handles[device];
+  if (h == nullptr) {
+    int current = 0;
+    check_cuda(cudaGetDevice(&current), "cudaGetDevice");
+    if (current != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    const cublasStatus_t created = cublasCreate(&h);
+    if (current != device) cudaSetDevice(current);
+    if (created != CUBLAS_STATUS_SUCCESS) h = nullptr;
+    check_blas(created, "cublasCreate");
+  }
+  check_blas(cublasSetStream(h, stream), "cublasSetStream");
+  check_blas(cublasSetWorkspace(h, scratch_bytes(scratch, blas_workspace_bytes, "cuBLAS workspace"),
+                                blas_workspace_bytes),
+             "cublasSetWorkspace");
+  return h;
+}
+
+// The execution object of a fused linear call and its workspace's allocator; the exec's own
+// reduced-loss workspace stays empty (the linear calls keep their sums in the linear workspace).
+struct linear_exec {
+  xent::cuda exec;
+  ffi::ScratchAllocator* scratch;
+  void* operator()(std::size_t bytes) { return scratch_bytes(*scratch, bytes, "workspace"); }
+};
+
+template <class F>
+ffi::Error with_linear_exec(cudaStream_t stream, ffi::ScratchAllocator& scratch, int device,
+                            F&& f) {
+  linear_exec le{};
+  le.exec.stream = stream;
+  le.scratch = &scratch;
+  ffi::Error bound = run_checked([&] { le.exec.cublas = blas_handle(device, stream, scratch); });
+  if (!bound.success()) return bound;
+  return f(le.exec, le);
+}
+
+ffi::Error lin_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, int device,
+                   ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                   ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
+                   ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
+                   loss_attrs attrs) {
+  return with_linear_exec(stream, scratch, device, [&](const xent::cuda& exec, auto& alloc) {
+    return linear_fwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, loss, lse,
+                             attrs);
+  });
+}
+
+ffi::Error lin_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, int device,
+                   ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                   ffi::AnyBuffer labels, ffi::AnyBuffer class_weight, ffi::AnyBuffer lse,
+                   ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
+                   ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
+  return with_linear_exec(stream, scratch, device, [&](const xent::cuda& exec, auto& alloc) {
+    return linear_bwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, lse, g, dh,
+                             dw, db, attrs);
+  });
+}
+
+ffi::Error lin_fwd_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, int device,
+                       ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                       ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
+                       ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
+                       ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
+  return with_linear_exec(stream, scratch, device, [&](const xent::cuda& exec, auto& alloc) {
+    return linear_fwd_bwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, loss, lse,
+                                 dh, dw, db, attrs);
+  });
+}
+
 // --- the saved gradient times the loss's gradient ------------------------------------------------
 //
 // The scale is read on the device (nothing waits for it, and a replayed graph reads whatever it
@@ -121,9 +224,12 @@ ffi::Error scale(cudaStream_t stream, ffi::AnyBuffer grad_in, ffi::AnyBuffer s,
       });
 }
 
-// The CUDA handlers' context: XLA's stream, then (cross-entropy) its scratch allocator.
+// The CUDA handlers' context: XLA's stream, then (cross-entropy, fused linear) its scratch
+// allocator.
 auto stream_binding() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
 auto stream_scratch_binding() { return stream_binding().Ctx<ffi::ScratchAllocator>(); }
+// The fused linear handlers': also the device (for this thread's cuBLAS handle).
+auto linear_context_binding() { return stream_scratch_binding().Ctx<ffi::DeviceOrdinal>(); }
 
 }  // namespace
 }  // namespace xent_jax
@@ -136,3 +242,9 @@ XENT_JAX_HANDLER(xent_cross_entropy_fwd_bwd_cuda, xent_jax::fwd_bwd,
                  xent_jax::fused_binding(xent_jax::stream_scratch_binding()));
 XENT_JAX_HANDLER(xent_scale_grad_cuda, xent_jax::scale,
                  xent_jax::scale_binding(xent_jax::stream_binding()));
+XENT_JAX_HANDLER(xent_linear_cross_entropy_fwd_cuda, xent_jax::lin_fwd,
+                 xent_jax::linear_loss_binding(xent_jax::linear_context_binding()));
+XENT_JAX_HANDLER(xent_linear_cross_entropy_bwd_cuda, xent_jax::lin_bwd,
+                 xent_jax::linear_backward_binding(xent_jax::linear_context_binding()));
+XENT_JAX_HANDLER(xent_linear_cross_entropy_fwd_bwd_cuda, xent_jax::lin_fwd_bwd,
+                 xent_jax::linear_fused_binding(xent_jax::linear_context_binding()));

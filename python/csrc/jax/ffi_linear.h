@@ -2,12 +2,12 @@
 // materialised), over an execution-object maker as in ffi_ops.h, which also gives the checks and
 // the attributes. Operands: hidden (N, D), weight (V, D) and bias (V,) or (0,) for none, all of
 // one dtype; labels (N,) int32 / int64; class weights (V,) or (0,) float32. No vmap batch: these
-// calls are batched by jax as a loop over the batch (ffi_call's vmap_method="sequential").
+// calls are batched by jax as a loop over the batch (ffi_call's vmap_method="sequential"). Each
+// handler takes an execution object and alloc(bytes), the workspace's memory of its kind.
 #pragma once
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "ffi_ops.h"
 
@@ -90,15 +90,14 @@ struct linear_call {
     return g;
   }
 
-  // Calls f(T{}, targets view, workspace) with a host workspace of the size xent plans for `pass`
-  // (xent's default budget).
-  template <bool float64, class Exec, class F>
-  void run(const Exec& exec, xent::linear_pass pass, F&& f) const {
+  // Calls f(T{}, targets view, workspace) with a workspace of the size xent plans for `pass`
+  // (xent's default budget), from alloc(bytes): memory of the exec's kind.
+  template <bool float64, class Exec, class Alloc, class F>
+  void run(const Exec& exec, xent::linear_pass pass, Alloc& alloc, F&& f) const {
     dispatch_dtype<float64>(hidden, [&](auto tag) {
       using T = decltype(tag);
       const auto size = xent::linear_workspace_size<T>(exec, {rows, dim, vocab}, pass, opts);
-      std::vector<unsigned char> ws(size.bytes);
-      const xent::linear_workspace workspace{ws.data(), ws.size()};
+      const xent::linear_workspace workspace{alloc(size.bytes), size.bytes};
       if (labels.element_type() == ffi::DataType::S64)
         f(tag,
           xent::vector_view<const std::int64_t>(
@@ -114,14 +113,14 @@ struct linear_call {
 };
 
 // Forward: loss (() or (N,) for none) and the per-row LSE (N,).
-template <bool float64, class Exec>
-ffi::Error linear_fwd(const Exec& exec, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
+template <bool float64, class Exec, class Alloc>
+ffi::Error linear_fwd(const Exec& exec, Alloc&& alloc, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
                       ffi::AnyBuffer bias, ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                       ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                       const loss_attrs& attrs) {
   return run_checked([&] {
     const linear_call c(hidden, weight, bias, labels, class_weight, attrs);
-    c.run<float64>(exec, xent::linear_pass::forward, [&](auto tag, auto tv, auto ws) {
+    c.run<float64>(exec, xent::linear_pass::forward, alloc, [&](auto tag, auto tv, auto ws) {
       using A = xent::accumulator_t<decltype(tag)>;
       using T = decltype(tag);
       xent::basic_forward_outputs<A> out;
@@ -138,15 +137,15 @@ ffi::Error linear_fwd(const Exec& exec, ffi::AnyBuffer hidden, ffi::AnyBuffer we
 
 // Backward from the LSE: d_hidden, d_weight, d_bias for the upstream gradient g (() for mean and
 // sum, (N,) for none); each chunk's logits are recomputed.
-template <bool float64, class Exec>
-ffi::Error linear_bwd(const Exec& exec, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
+template <bool float64, class Exec, class Alloc>
+ffi::Error linear_bwd(const Exec& exec, Alloc&& alloc, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
                       ffi::AnyBuffer bias, ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                       ffi::AnyBuffer lse, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dh,
                       ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db,
                       const loss_attrs& attrs) {
   return run_checked([&] {
     const linear_call c(hidden, weight, bias, labels, class_weight, attrs);
-    c.run<float64>(exec, xent::linear_pass::training, [&](auto tag, auto tv, auto ws) {
+    c.run<float64>(exec, xent::linear_pass::training, alloc, [&](auto tag, auto tv, auto ws) {
       using T = decltype(tag);
       using A = xent::accumulator_t<T>;
       const A* gp = static_cast<const A*>(g.untyped_data());
@@ -165,17 +164,18 @@ ffi::Error linear_bwd(const Exec& exec, ffi::AnyBuffer hidden, ffi::AnyBuffer we
 
 // Training in one pass for mean and sum: loss, lse and the three gradients for an upstream
 // gradient of 1 (the caller scales them), each chunk's logits computed once.
-template <bool float64, class Exec>
-ffi::Error linear_fwd_bwd(const Exec& exec, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
-                          ffi::AnyBuffer bias, ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
-                          ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
-                          ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
-                          ffi::Result<ffi::AnyBuffer> db, const loss_attrs& attrs) {
+template <bool float64, class Exec, class Alloc>
+ffi::Error linear_fwd_bwd(const Exec& exec, Alloc&& alloc, ffi::AnyBuffer hidden,
+                          ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer labels,
+                          ffi::AnyBuffer class_weight, ffi::Result<ffi::AnyBuffer> loss,
+                          ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> dh,
+                          ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db,
+                          const loss_attrs& attrs) {
   return run_checked([&] {
     const linear_call c(hidden, weight, bias, labels, class_weight, attrs);
     if (c.opts.reduce == xent::reduction::none)
       fail("reduction", "must be mean or sum for a fused forward and backward");
-    c.run<float64>(exec, xent::linear_pass::training, [&](auto tag, auto tv, auto ws) {
+    c.run<float64>(exec, xent::linear_pass::training, alloc, [&](auto tag, auto tv, auto ws) {
       using T = decltype(tag);
       using A = xent::accumulator_t<T>;
       xent::basic_forward_outputs<A> out;

@@ -1,12 +1,13 @@
 """xent.jax.linear_cross_entropy against the float64 oracle of the logits it never forms
 (hidden @ weight.T + bias): values and the gradients of hidden, weight and bias for every
-option, jit / vmap / checkpoint, and the errors for bad arguments (CPU)."""
+option, jit / vmap / checkpoint (on the CPU, and on a GPU when jax sees one), and the errors for
+bad arguments and float64 (CPU)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_jax_cross_entropy import OPTIONS, assert_close, oracle, resolve
+from test_jax_cross_entropy import OPTIONS, assert_close, oracle, put, resolve
 
 import xent.jax as xj
 
@@ -36,9 +37,11 @@ def linear_oracle(h, w, b, y, **kw):
 
 @pytest.mark.parametrize("kw", OPTIONS, ids=lambda kw: ",".join(kw) or "defaults")
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
-def test_matches_float64_oracle(kw, with_bias):
+def test_matches_float64_oracle(kw, with_bias, device):
     classes = 29
     h, w, b, y = make((3, 5), 16, classes, bias=with_bias)
+    h, w, y = put(device, h, w, y)
+    b = None if b is None else put(device, b)[0]
     kw = resolve(kw, classes)
     if "weight" in kw:
         kw["class_weight"] = kw.pop("weight")
@@ -58,8 +61,8 @@ def test_matches_float64_oracle(kw, with_bias):
         assert grads[2] is None
 
 
-def test_matches_cross_entropy_of_the_logits_in_bfloat16():
-    h, w, b, y = make((4, 6), 32, 40, jnp.bfloat16)
+def test_matches_cross_entropy_of_the_logits_in_bfloat16(device):
+    h, w, b, y = put(device, *make((4, 6), 32, 40, jnp.bfloat16))
     kw = {"label_smoothing": 0.1, "z_loss": 1e-3}
     got = jax.value_and_grad(lambda h: xj.linear_cross_entropy(h, w, y, b, **kw))(h)
     logits = h.astype(jnp.float32) @ w.astype(jnp.float32).T + b.astype(jnp.float32)
@@ -75,7 +78,7 @@ def test_matches_cross_entropy_of_the_logits_in_bfloat16():
 
 
 def test_float64_matches_oracle():
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
         h, w, b, y = make((7,), 8, 13, jnp.float64)
         for reduction in ("mean", "sum", "none"):
             loss, grads = jax.value_and_grad(
@@ -90,8 +93,8 @@ def test_float64_matches_oracle():
                 assert_close(g, wg, 1e-12)
 
 
-def test_jit_vmap_and_checkpoint():
-    h, w, b, y = make((3, 4), 8, 11)
+def test_jit_vmap_and_checkpoint(device):
+    h, w, b, y = put(device, *make((3, 4), 8, 11))
 
     def f(h, w, y):
         return 2.0 * xj.linear_cross_entropy(h, w, y, b, ignore_index=2)

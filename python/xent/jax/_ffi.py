@@ -24,16 +24,12 @@ from . import _build_info  # noqa: E402  (written beside the library by the buil
 
 _lib = ctypes.cdll.LoadLibrary(str(_LIBRARY))
 
-# The handlers, each exported as <name>_cpu and (CUDA builds) <name>_cuda; the fused linear ones
-# are on the CPU only so far (a CUDA handler needs a cuBLAS handle of its own, which XLA does not
-# give an FFI call).
+# The handlers, each exported as <name>_cpu and (CUDA builds) <name>_cuda.
 TARGETS = (
     "xent_cross_entropy_fwd",
     "xent_cross_entropy_bwd",
     "xent_cross_entropy_fwd_bwd",
     "xent_scale_grad",
-)
-CPU_TARGETS = (
     "xent_linear_cross_entropy_fwd",
     "xent_linear_cross_entropy_bwd",
     "xent_linear_cross_entropy_fwd_bwd",
@@ -42,11 +38,11 @@ CPU_TARGETS = (
 with_cuda: bool = _build_info.cuda
 """Whether the library has the CUDA handlers (built where nvcc was found)."""
 
-for _name in TARGETS + CPU_TARGETS:
+for _name in TARGETS:
     jax.ffi.register_ffi_target(
         _name, jax.ffi.pycapsule(getattr(_lib, _name + "_cpu")), platform="cpu"
     )
-    if with_cuda and _name in TARGETS:
+    if with_cuda:
         jax.ffi.register_ffi_target(
             _name, jax.ffi.pycapsule(getattr(_lib, _name + "_cuda")), platform="CUDA"
         )

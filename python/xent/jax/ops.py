@@ -346,8 +346,8 @@ def linear_cross_entropy(
     hidden (..., D), weight (V, D) (an LM head's, as torch.nn.Linear holds it), bias (V,) or
     None, labels hidden.shape[:-1]; hidden, weight and bias of one dtype. The options are
     cross_entropy's (class_weight is its `weight`). Differentiable in hidden, weight and bias;
-    the logits are computed a chunk of rows at a time in a workspace and never kept. CPU only so
-    far; under jax.vmap the call runs once per batch element.
+    the logits are computed a chunk of rows at a time in a workspace and never kept. Under
+    jax.vmap the call runs once per batch element.
     """
     hidden = jnp.asarray(hidden)
     weight = jnp.asarray(weight)
