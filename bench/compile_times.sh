@@ -9,6 +9,8 @@
 # The probes, each one translation unit of one entry-point call (written to a temporary folder):
 #   cuda       xent::forward_backward(xent::cuda{...}) on bf16 logits with int64 class ids, for
 #              sm_90 alone, then for CMake's default pair (80-virtual;90-real);
+#   precompiled  the same call with XENT_CUDA_PRECOMPILED (what a target that links
+#              xent::cuda_kernels sees: the library compiled its kernels), sm_90;
 #   cpu        xent::forward_backward(xent::cpu{}) on float logits, g++ -O3.
 # Each nvcc probe runs nvcc's own steps (nvcc -dryrun) one by one and reports each step's CPU
 # time: preprocessing, cudafe++ (the host/device split), cicc (device front end and NVVM, per
@@ -136,6 +138,8 @@ printf '%-12s %-13s %-11s %7s\n' probe step arch cpu-s
 time_nvcc cuda-sm90 "$work/cuda_call.cu" -gencode=arch=compute_90,code=sm_90
 time_nvcc cuda-80v90 "$work/cuda_call.cu" -gencode=arch=compute_80,code=compute_80 \
   -gencode=arch=compute_90,code=sm_90
+time_nvcc precompiled "$work/cuda_call.cu" -gencode=arch=compute_90,code=sm_90 \
+  -DXENT_CUDA_PRECOMPILED
 mark before
 "$cxx" -std=c++17 -O3 -DNDEBUG -I"$root/include" -isystem "$eigen" -c "$work/cpu_call.cpp" \
   -o "$work/cpu_call.o"
