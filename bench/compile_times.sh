@@ -2,7 +2,7 @@
 # CPU seconds (user + sys, not wall: the machine may be shared) of what a CUDA call costs to
 # compile, phase by phase, and how many kernels it instantiates.
 #
-#   bash bench/compile_times.sh                 the probes below
+#   bash bench/compile_times.sh [PROBE...]      the probes below (default: all of them)
 #   bash bench/compile_times.sh --ninja DIR OBJ...   each object's own compile command from the
 #                                                    build tree DIR (ninja), timed whole
 #
@@ -134,14 +134,27 @@ void step(xent::matrix_view<float> logits, xent::vector_view<const std::int64_t>
 EOF
 
 echo "nvcc: $("$nvcc" --version | tail -n 1); $cxx: $("$cxx" --version | head -n 1)"
+probes=("$@")
+((${#probes[@]})) || probes=(cuda-sm90 cuda-80v90 precompiled cpu)
 printf '%-12s %-13s %-11s %7s\n' probe step arch cpu-s
-time_nvcc cuda-sm90 "$work/cuda_call.cu" -gencode=arch=compute_90,code=sm_90
-time_nvcc cuda-80v90 "$work/cuda_call.cu" -gencode=arch=compute_80,code=compute_80 \
-  -gencode=arch=compute_90,code=sm_90
-time_nvcc precompiled "$work/cuda_call.cu" -gencode=arch=compute_90,code=sm_90 \
-  -DXENT_CUDA_PRECOMPILED
-mark before
-"$cxx" -std=c++17 -O3 -DNDEBUG -I"$root/include" -isystem "$eigen" -c "$work/cpu_call.cpp" \
-  -o "$work/cpu_call.o"
-mark after
-printf '%-12s %-13s %-11s %7s\n' cpu total "" "$(since "$before" "$after")"
+for probe in "${probes[@]}"; do
+  case $probe in
+    cuda-sm90) time_nvcc "$probe" "$work/cuda_call.cu" -gencode=arch=compute_90,code=sm_90 ;;
+    cuda-80v90)
+      time_nvcc "$probe" "$work/cuda_call.cu" -gencode=arch=compute_80,code=compute_80 \
+        -gencode=arch=compute_90,code=sm_90
+      ;;
+    precompiled)
+      time_nvcc "$probe" "$work/cuda_call.cu" -gencode=arch=compute_90,code=sm_90 \
+        -DXENT_CUDA_PRECOMPILED
+      ;;
+    cpu)
+      mark before
+      "$cxx" -std=c++17 -O3 -DNDEBUG -I"$root/include" -isystem "$eigen" \
+        -c "$work/cpu_call.cpp" -o "$work/cpu_call.o"
+      mark after
+      printf '%-12s %-13s %-11s %7s\n' cpu total "" "$(since "$before" "$after")"
+      ;;
+    *) echo "unknown probe '$probe' (cuda-sm90, cuda-80v90, precompiled, cpu)" >&2 && exit 2 ;;
+  esac
+done

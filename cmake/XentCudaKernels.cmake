@@ -25,6 +25,12 @@ foreach(_dtype IN ITEMS f32 bf16 f16)
                                XENT_CUDA_KERNELS_DTYPE=${_dtype} XENT_CUDA_KERNELS_PASS=${_pass})
     target_link_libraries(${_object} PRIVATE xent::xent)
     xent_target_options(${_object})
+    # A build for sm_90 alone (no GPU visible, cmake/XentComponents.cmake) compiles the kernels'
+    # portable paths here: the float instances as compute_80 PTX too.
+    if(XENT_CUDA_PORTABLE_CHECK AND _dtype STREQUAL "f32")
+      set_property(TARGET ${_object} PROPERTY CUDA_ARCHITECTURES 80-virtual
+                                                                 ${CMAKE_CUDA_ARCHITECTURES})
+    endif()
     list(APPEND _xent_kernel_objects $<TARGET_OBJECTS:${_object}>)
   endforeach()
 endforeach()
