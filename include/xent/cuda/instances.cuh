@@ -10,8 +10,8 @@
 // as on the header-only route (no XENT_CUDA_PRECOMPILED), which compiles everything itself.
 //
 // The list: logits of float, bfloat16 and half; class ids of int32 (JAX) and int64 (PyTorch) and
-// soft targets of float or of the logits' dtype; gradients of the logits' dtype, and in the fused
-// pass of 16-bit logits float too (a float gradient of bf16 logits, say). A
+// soft targets of float or of the logits' dtype; gradients of the logits' dtype or float (a float
+// gradient of bf16 logits, as the vocab-parallel and mixed-precision calls take). A
 // translation unit that changes the kernels' build (XENT_CUDA_TUNING_OVERRIDE,
 // XENT_CUDA_TUNED_MAJOR) must see the library built with the same definitions (CMake's
 // xent_target_options gives both).
@@ -29,13 +29,13 @@
 #define XENT_CUDA_ROWS_f32(X, P) XENT_CUDA_ROWS_TARGETS(X, P, float, float)
 #define XENT_CUDA_ROWS_bf16(X, P) XENT_CUDA_ROWS_16(X, P, __nv_bfloat16)
 #define XENT_CUDA_ROWS_f16(X, P) XENT_CUDA_ROWS_16(X, P, __half)
-// 16-bit logits: soft targets of their own dtype too. The gradient types of each pass: forward's
-// is float (it writes none); backward's the logits' dtype; fused, either.
-#define XENT_CUDA_ROWS_16(X, P, T) XENT_CUDA_ROWS_GRADIENTS_##P(X, P, T)
-#define XENT_CUDA_ROWS_GRADIENTS_forward(X, P, T) XENT_CUDA_ROWS_TARGETS_16(X, P, T, float)
-#define XENT_CUDA_ROWS_GRADIENTS_fused(X, P, T) \
-  XENT_CUDA_ROWS_TARGETS_16(X, P, T, T) XENT_CUDA_ROWS_TARGETS_16(X, P, T, float)
-#define XENT_CUDA_ROWS_GRADIENTS_backward(X, P, T) XENT_CUDA_ROWS_TARGETS_16(X, P, T, T)
+// 16-bit logits: soft targets of their own dtype too; a float gradient, and in the passes that
+// write one, a gradient of the logits' dtype (forward's gradient type is float, unused).
+#define XENT_CUDA_ROWS_16(X, P, T) \
+  XENT_CUDA_ROWS_TARGETS_16(X, P, T, float) XENT_CUDA_ROWS_GRADIENT_##P(X, P, T)
+#define XENT_CUDA_ROWS_GRADIENT_forward(X, P, T)
+#define XENT_CUDA_ROWS_GRADIENT_fused(X, P, T) XENT_CUDA_ROWS_TARGETS_16(X, P, T, T)
+#define XENT_CUDA_ROWS_GRADIENT_backward(X, P, T) XENT_CUDA_ROWS_TARGETS_16(X, P, T, T)
 #define XENT_CUDA_ROWS_TARGETS(X, P, T, G)                 \
   X(P, T, G, ::xent::cuda_detail::class_ids<std::int32_t>) \
   X(P, T, G, ::xent::cuda_detail::class_ids<std::int64_t>) \
