@@ -35,10 +35,29 @@ if(NOT CMAKE_CUDA_COMPILER)
   return()
 endif()
 
-# Machine code for Hopper, PTX for Ampere (which the driver compiles at load): every kernel then
-# goes through ptxas once, the larger part of the CUDA tests' build on a 2-core CI machine.
+# Architectures, where the configure names none (a given CMAKE_CUDA_ARCHITECTURES, as the cuda
+# preset's native or bench/gpu/run.sh's, is kept):
+#  - a GPU visible (nvidia-smi lists one): machine code for Hopper and PTX for Ampere, which the
+#    driver compiles at load, so that the build runs on either;
+#  - none (a machine that only compiles, as the CI): each kernel for one architecture, sm_90, whose
+#    code takes the Hopper paths (clusters, bulk copies; tuning/policy.cuh's XENT_CUDA_SM90_PTX).
+#    The portable paths below sm_90 are compiled once, as compute_80 PTX of xent::cuda_kernels'
+#    float objects (XENT_CUDA_PORTABLE_CHECK), where every kernel that has one is instantiated.
+#    Such a build runs on Hopper GPUs alone.
+set(XENT_CUDA_PORTABLE_CHECK OFF)
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  set(CMAKE_CUDA_ARCHITECTURES "80-virtual;90-real")
+  find_program(XENT_NVIDIA_SMI nvidia-smi)
+  mark_as_advanced(XENT_NVIDIA_SMI)
+  set(_xent_gpus "")
+  if(XENT_NVIDIA_SMI)
+    execute_process(COMMAND "${XENT_NVIDIA_SMI}" -L OUTPUT_VARIABLE _xent_gpus ERROR_QUIET)
+  endif()
+  if(_xent_gpus MATCHES "GPU [0-9]")
+    set(CMAKE_CUDA_ARCHITECTURES "80-virtual;90-real")
+  else()
+    set(CMAKE_CUDA_ARCHITECTURES "90-real")
+    set(XENT_CUDA_PORTABLE_CHECK ON)
+  endif()
 endif()
 enable_language(CUDA)
 set(XENT_HAS_CUDA ON CACHE BOOL "CUDA is enabled for xent's own targets (detected)" FORCE)
@@ -74,7 +93,13 @@ if(XENT_NCCL_INCLUDE_DIR AND XENT_NCCL_LIBRARY)
   endif()
 endif()
 
-message(STATUS "xent: CUDA   ON  (${CMAKE_CUDA_COMPILER}, architectures ${CMAKE_CUDA_ARCHITECTURES})")
+if(XENT_CUDA_PORTABLE_CHECK)
+  message(STATUS "xent: CUDA   ON  (${CMAKE_CUDA_COMPILER}, no GPU visible: architectures "
+                 "${CMAKE_CUDA_ARCHITECTURES}, compute_80 PTX of the float kernels; set "
+                 "CMAKE_CUDA_ARCHITECTURES for a build to run elsewhere)")
+else()
+  message(STATUS "xent: CUDA   ON  (${CMAKE_CUDA_COMPILER}, architectures ${CMAKE_CUDA_ARCHITECTURES})")
+endif()
 if(XENT_HAS_CUBLAS)
   message(STATUS "xent: cuBLAS ON  (CUDAToolkit ${CUDAToolkit_VERSION})")
 else()

@@ -9,6 +9,7 @@
 #include "block/dtype.cuh"
 #include "cuda.cuh"
 #include "dispatch/rows.cuh"
+#include "instances.cuh"
 
 namespace xent {
 

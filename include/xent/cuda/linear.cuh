@@ -14,6 +14,7 @@
 #include "cuda.cuh"
 #include "dispatch/linear.cuh"
 #include "dispatch/linear_plan.cuh"
+#include "instances.cuh"
 
 namespace xent {
 

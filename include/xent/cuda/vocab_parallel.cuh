@@ -29,6 +29,7 @@
 #include "../views.hpp"
 #include "cuda.cuh"
 #include "dispatch/vocab_parallel.cuh"
+#include "instances.cuh"
 
 namespace xent {
 

@@ -14,6 +14,7 @@
 #include "dispatch/linear_plan.cuh"
 #include "dispatch/vocab_parallel.cuh"
 #include "dispatch/vocab_parallel_linear.cuh"
+#include "instances.cuh"
 
 namespace xent {
 
