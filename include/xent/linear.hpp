@@ -178,8 +178,8 @@ void linear_forward(const Exec& exec, matrix_view<H, HE> hidden, matrix_view<WT,
   constexpr const char* fn = "xent::linear_forward";
   using T = std::remove_const_t<H>;
   detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
-  detail::static_targets<HE::rows, WE::rows, Tgt, W>();
-  detail::static_rows<HE::rows, OE, dynamic_extent>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, OE, dynamic_extent>();
+
   using Targets = typename detail::target_traits<Tgt>::type;
   const matrix_view<const T> x(hidden), weight(static_weight);
   const vector_view<const T> bias(static_bias);
@@ -217,8 +217,8 @@ void linear_forward_backward(const Exec& exec, matrix_view<H, HE> hidden,
   constexpr const char* fn = "xent::linear_forward_backward";
   using T = std::remove_const_t<H>;
   detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
-  detail::static_targets<HE::rows, WE::rows, Tgt, W>();
-  detail::static_rows<HE::rows, OE, UE>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, OE, UE>();
+
   detail::static_linear_grads<HE, WE, GHE, GWE>();
   using Targets = typename detail::target_traits<Tgt>::type;
   const matrix_view<const T> x(hidden), weight(static_weight);
@@ -259,8 +259,8 @@ void linear_backward(const Exec& exec, matrix_view<H, HE> hidden, matrix_view<WT
   constexpr const char* fn = "xent::linear_backward";
   using T = std::remove_const_t<H>;
   detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
-  detail::static_targets<HE::rows, WE::rows, Tgt, W>();
-  detail::static_rows<HE::rows, dynamic_extent, UE>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, dynamic_extent, UE>();
+
   detail::static_lse<HE::rows, A, LseT, LseE>();
   detail::static_linear_grads<HE, WE, GHE, GWE>();
   using Targets = typename detail::target_traits<Tgt>::type;

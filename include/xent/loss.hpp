@@ -56,8 +56,8 @@ template <class Exec, class L, class LE, class Tgt, class W = dynamic_extent, cl
 void forward(const Exec& exec, matrix_view<L, LE> static_logits, const Tgt& static_targets,
              const basic_options<W>& static_opts, const basic_forward_outputs<A, OE>& static_out) {
   constexpr const char* fn = "xent::forward";
-  detail::static_targets<LE::rows, LE::cols, Tgt, W>();
-  detail::static_rows<LE::rows, OE, dynamic_extent>();
+  detail::static_call<LE::rows, LE::cols, Tgt, W, OE, dynamic_extent>();
+
   using Targets = typename detail::target_traits<Tgt>::type;
   const matrix_view<L> logits(static_logits);
   const Targets targets = detail::dynamic_targets(static_targets);
@@ -67,8 +67,7 @@ void forward(const Exec& exec, matrix_view<L, LE> static_logits, const Tgt& stat
   detail::require_accumulator<L, A>();
   detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft, true);
   detail::check_forward_memory(fn, exec, logits, targets, opts, outputs);
-  using T = std::remove_const_t<L>;
-  backend_traits<Exec>::forward(exec, matrix_view<const T>(logits),
+  backend_traits<Exec>::forward(exec, detail::backend_logits<Exec>(static_logits),
                                 detail::dynamic_targets(targets), opts, outputs);
 }
 
@@ -84,8 +83,8 @@ void backward(const Exec& exec, matrix_view<L, LE> static_logits, const Tgt& sta
               const basic_options<W>& static_opts, vector_view<LseT, LseE> static_lse,
               const basic_upstream<A, UE>& static_up, matrix_view<G, GE> static_grad) {
   constexpr const char* fn = "xent::backward";
-  detail::static_targets<LE::rows, LE::cols, Tgt, W>();
-  detail::static_rows<LE::rows, dynamic_extent, UE>();
+  detail::static_call<LE::rows, LE::cols, Tgt, W, dynamic_extent, UE>();
+
   detail::static_lse<LE::rows, A, LseT, LseE>();
   detail::static_grad<LE, GE>();
   using Targets = typename detail::target_traits<Tgt>::type;
@@ -106,8 +105,7 @@ void backward(const Exec& exec, matrix_view<L, LE> static_logits, const Tgt& sta
   detail::check_gradient(fn, logits, grad);
   detail::check_gradient_memory(fn, exec, logits, targets, opts, lse, up,
                                 basic_forward_outputs<A>{}, grad);
-  using T = std::remove_const_t<L>;
-  backend_traits<Exec>::backward(exec, matrix_view<const T>(logits),
+  backend_traits<Exec>::backward(exec, detail::backend_logits<Exec>(static_logits),
                                  detail::dynamic_targets(targets), opts, lse, up, grad);
 }
 
@@ -121,8 +119,8 @@ void forward_backward(const Exec& exec, matrix_view<L, LE> static_logits, const 
                       const basic_forward_outputs<B, OE>& static_out,
                       matrix_view<G, GE> static_grad) {
   constexpr const char* fn = "xent::forward_backward";
-  detail::static_targets<LE::rows, LE::cols, Tgt, W>();
-  detail::static_rows<LE::rows, OE, UE>();
+  detail::static_call<LE::rows, LE::cols, Tgt, W, OE, UE>();
+
   detail::static_grad<LE, GE>();
   using Targets = typename detail::target_traits<Tgt>::type;
   const matrix_view<L> logits(static_logits);
@@ -144,8 +142,7 @@ void forward_backward(const Exec& exec, matrix_view<L, LE> static_logits, const 
   detail::check_gradient(fn, logits, grad);
   detail::check_gradient_memory(fn, exec, logits, targets, opts, vector_view<const A>{}, up,
                                 outputs, grad);
-  using T = std::remove_const_t<L>;
-  backend_traits<Exec>::forward_backward(exec, matrix_view<const T>(logits),
+  backend_traits<Exec>::forward_backward(exec, detail::backend_logits<Exec>(static_logits),
                                          detail::dynamic_targets(targets), opts, up, outputs, grad);
 }
 

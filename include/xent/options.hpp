@@ -46,7 +46,7 @@ struct basic_options {
       : reduce(o.reduce),
         ignore_index(o.ignore_index),
         label_smoothing(o.label_smoothing),
-        class_weights(o.class_weights),
+        class_weights(detail::optional_view(o.class_weights)),
         z_loss(o.z_loss),
         softcap(o.softcap) {}
 };
@@ -69,7 +69,7 @@ using upstream = basic_upstream<float>;
 /// Where forward results go; every member is optional except the loss the reduction produces
 /// (`loss` for mean and sum, `row_loss` for none). Pointers and views refer to the backend's
 /// memory. A is the call's accumulator, as for basic_upstream; E the extent of the per-row
-/// outputs (views.hpp; a static one with null data is absent).
+/// outputs (views.hpp; a static one with null data is absent: detail::optional_view).
 template <class A, class E = dynamic_extent>
 struct basic_forward_outputs {
   A* loss = nullptr;                      ///< reduced loss (mean or sum)

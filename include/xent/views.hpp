@@ -64,30 +64,19 @@ inline void check_static_extent(const char* view, const char* arg, std::int64_t 
 
 // Each extent is a data member when dynamic and a static constexpr one otherwise, so `v.rows`
 // reads either way and a static view stores its pointer (and ld) only.
-template <std::int64_t N>
-struct rows_member {
-  static constexpr std::int64_t rows = N;
-};
-template <>
-struct rows_member<dynamic> {
-  std::int64_t rows = 0;
-};
-template <std::int64_t N>
-struct cols_member {
-  static constexpr std::int64_t cols = N;
-};
-template <>
-struct cols_member<dynamic> {
-  std::int64_t cols = 0;
-};
-template <std::int64_t N>
-struct size_member {
-  static constexpr std::int64_t size = N;
-};
-template <>
-struct size_member<dynamic> {
-  std::int64_t size = 0;
-};
+#define XENT_EXTENT_MEMBER(NAME)            \
+  template <std::int64_t N>                 \
+  struct NAME##_member {                    \
+    static constexpr std::int64_t NAME = N; \
+  };                                        \
+  template <>                               \
+  struct NAME##_member<dynamic> {           \
+    std::int64_t NAME = 0;                  \
+  };
+XENT_EXTENT_MEMBER(rows)
+XENT_EXTENT_MEMBER(cols)
+XENT_EXTENT_MEMBER(size)
+#undef XENT_EXTENT_MEMBER
 
 }  // namespace detail
 
@@ -122,7 +111,7 @@ struct matrix_view : detail::rows_member<E::rows>, detail::cols_member<E::cols> 
   }
 
   /// A view of mutable elements converts to a view of const ones, and a static extent to a
-  /// dynamic one. A static view with null data becomes the empty (absent) view.
+  /// dynamic one.
   template <
       class U, class E2,
       std::enable_if_t<std::is_convertible<U*, T*>::value && detail::widens_to(E2::rows, E::rows) &&
@@ -130,10 +119,8 @@ struct matrix_view : detail::rows_member<E::rows>, detail::cols_member<E::cols> 
                        int> = 0>
   constexpr matrix_view(const matrix_view<U, E2>& other)  // NOLINT(google-explicit-constructor)
       : data(other.data), ld(other.ld) {
-    const bool absent = E2::rank_dynamic < 2 && other.data == nullptr;
-    if constexpr (E::rows == dynamic) this->rows = absent ? 0 : other.rows;
-    if constexpr (E::cols == dynamic) this->cols = absent ? 0 : other.cols;
-    if (absent) ld = this->cols;
+    if constexpr (E::rows == dynamic) this->rows = other.rows;
+    if constexpr (E::cols == dynamic) this->cols = other.cols;
   }
   /// A dynamic extent made static: checked (xent::error naming "rows" or "cols").
   template <
@@ -187,16 +174,14 @@ struct vector_view : detail::size_member<E::size> {
   template <int D = E::rank_dynamic, std::enable_if_t<D == 0, int> = 0>
   explicit constexpr vector_view(T* data_) : data(data_) {}
 
-  /// Mutable to const elements and static to dynamic extent; a static view with null data
-  /// becomes the empty (absent) view.
+  /// Mutable to const elements and static to dynamic extent.
   template <
       class U, class E2,
       std::enable_if_t<std::is_convertible<U*, T*>::value && detail::widens_to(E2::size, E::size),
                        int> = 0>
   constexpr vector_view(const vector_view<U, E2>& other)  // NOLINT(google-explicit-constructor)
       : data(other.data) {
-    if constexpr (E::size == dynamic)
-      this->size = E2::size != dynamic && other.data == nullptr ? 0 : other.size;
+    if constexpr (E::size == dynamic) this->size = other.size;
   }
   /// A dynamic extent made static: checked (xent::error naming "size").
   template <
@@ -209,4 +194,19 @@ struct vector_view : detail::size_member<E::size> {
   XENT_HOST_DEVICE bool empty() const { return this->size == 0; }
 };
 
+namespace detail {
+
+/// An optional input or output (class weights, per-row outputs and upstream, linear gradients)
+/// as the run-time sized view the backends take: a static view with null data has no other way
+/// to say it is absent, so it becomes the empty view (null data, size 0).
+template <class T, class E>
+vector_view<T> optional_view(const vector_view<T, E>& v) {
+  return v.data ? vector_view<T>(v) : vector_view<T>();
+}
+template <class T, class E>
+matrix_view<T> optional_view(const matrix_view<T, E>& m) {
+  return m.data ? matrix_view<T>(m) : matrix_view<T>();
+}
+
+}  // namespace detail
 }  // namespace xent

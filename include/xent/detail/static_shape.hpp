@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../backend.hpp"
 #include "../linear/options.hpp"
 #include "../options.hpp"
 #include "../targets.hpp"
@@ -16,11 +17,12 @@
 namespace xent {
 namespace detail {
 
-/// Targets and class weights against the logits' extents LE (RowsE and ColsE for the fused
-/// linear calls: hidden's rows, weight's rows). `Weights`: whether the class weights span the
-/// logits' columns (not a vocab-parallel shard's, whose weights are all V).
-template <std::int64_t Rows, std::int64_t Cols, class Targets, class W, bool Weights = true>
-constexpr void static_targets() {
+/// The arguments sized by the rows and the classes of a call of `Rows` x `Cols` (the logits', or
+/// hidden's rows by the weight's): targets, class weights (W; unless `Weights` is false, as in a
+/// vocab-parallel call, whose weights are all V), per-row outputs (OE) and upstream (UE).
+template <std::int64_t Rows, std::int64_t Cols, class Targets, class W, class OE, class UE,
+          bool Weights = true>
+constexpr void static_call() {
   using tt = target_traits<Targets>;
   static_assert(compatible_extent(tt::rows, Rows),
                 "xent: the targets' static row count differs from the logits' (hidden's) static "
@@ -31,11 +33,6 @@ constexpr void static_targets() {
   static_assert(!Weights || compatible_extent(W::size, Cols),
                 "xent: options.class_weights has a static size other than the static class count "
                 "(the logits' columns, the weight's rows): one weight per class");
-}
-
-/// Per-row outputs (OE) and upstream gradients (UE) of a call of `Rows` rows.
-template <std::int64_t Rows, class OE, class UE>
-constexpr void static_rows() {
   static_assert(compatible_extent(OE::size, Rows),
                 "xent: the per-row outputs' static size differs from the logits' (hidden's) "
                 "static rows");
@@ -82,20 +79,41 @@ constexpr void static_linear_grads() {
                 "xent: grads.d_weight's static extents differ from the weight's");
 }
 
-// The run-time sized forms the backends take.
+// The run-time sized forms the backends take; optional views as optional_view (views.hpp).
 template <class A, class E>
 basic_forward_outputs<A> dynamic_outputs(const basic_forward_outputs<A, E>& o) {
-  return {o.loss, o.row_loss, o.lse, o.argmax, o.num_correct};
+  return {o.loss, optional_view(o.row_loss), optional_view(o.lse), optional_view(o.argmax),
+          o.num_correct};
 }
 
 template <class A, class E>
 basic_upstream<A> dynamic_upstream(const basic_upstream<A, E>& u) {
-  return {u.scale, u.scale_ptr, u.rows};
+  return {u.scale, u.scale_ptr, optional_view(u.rows)};
 }
 
 template <class G, class HE, class WE>
 linear_grads<G> dynamic_grads(const linear_grads<G, HE, WE>& g) {
-  return {g.d_hidden, g.d_weight, g.d_bias};
+  return {optional_view(g.d_hidden), optional_view(g.d_weight), optional_view(g.d_bias)};
+}
+
+/// Whether backend_traits<Exec> takes the logits with their static column count
+/// (`static_columns`: the CPU's whole-row sweeps specialise on it).
+template <class Exec, class = void>
+struct takes_static_columns : std::false_type {};
+template <class Exec>
+struct takes_static_columns<Exec, std::enable_if_t<backend_traits<Exec>::static_columns>>
+    : std::true_type {};
+
+/// The logits as backend_traits<Exec> takes them: const, and with their static column count
+/// where it takes one, run-time sized otherwise.
+template <class Exec, class T, class E>
+auto backend_logits(const matrix_view<T, E>& logits) {
+  using C = const std::remove_const_t<T>;
+  if constexpr (takes_static_columns<Exec>::value) {
+    return matrix_view<C, extents<dynamic, E::cols>>(logits);
+  } else {
+    return matrix_view<C>(logits);
+  }
 }
 
 }  // namespace detail

@@ -109,8 +109,8 @@ void vocab_parallel_forward(const Exec& exec, const Group& group, matrix_view<L,
                             const basic_options<W>& static_opts,
                             const basic_forward_outputs<float, OE>& static_out) {
   constexpr const char* fn = "xent::vocab_parallel_forward";
-  detail::static_targets<LE::rows, LE::cols, Tgt, W, false>();
-  detail::static_rows<LE::rows, OE, dynamic_extent>();
+  detail::static_call<LE::rows, LE::cols, Tgt, W, OE, dynamic_extent, false>();
+
   using Targets = typename detail::target_traits<Tgt>::type;
   const matrix_view<L> logits(static_logits);
   const Targets targets = detail::dynamic_targets(static_targets);
@@ -138,8 +138,8 @@ void vocab_parallel_backward(const Exec& exec, const Group& group, matrix_view<L
                              const basic_upstream<float, UE>& static_up,
                              matrix_view<G, GE> static_grad) {
   constexpr const char* fn = "xent::vocab_parallel_backward";
-  detail::static_targets<LE::rows, LE::cols, Tgt, W, false>();
-  detail::static_rows<LE::rows, dynamic_extent, UE>();
+  detail::static_call<LE::rows, LE::cols, Tgt, W, dynamic_extent, UE, false>();
+
   detail::static_lse<LE::rows, float, LseT, LseE>();
   detail::static_grad<LE, GE>();
   using Targets = typename detail::target_traits<Tgt>::type;
@@ -174,8 +174,8 @@ void vocab_parallel_forward_backward(const Exec& exec, const Group& group,
                                      const basic_forward_outputs<float, OE>& static_out,
                                      matrix_view<G, GE> static_grad) {
   constexpr const char* fn = "xent::vocab_parallel_forward_backward";
-  detail::static_targets<LE::rows, LE::cols, Tgt, W, false>();
-  detail::static_rows<LE::rows, OE, UE>();
+  detail::static_call<LE::rows, LE::cols, Tgt, W, OE, UE, false>();
+
   detail::static_grad<LE, GE>();
   using Targets = typename detail::target_traits<Tgt>::type;
   const matrix_view<L> logits(static_logits);

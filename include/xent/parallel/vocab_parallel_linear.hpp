@@ -236,8 +236,8 @@ void vocab_parallel_linear_forward(const Exec& exec, const Group& group, matrix_
   constexpr const char* fn = "xent::vocab_parallel_linear_forward";
   using T = std::remove_const_t<H>;
   detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
-  detail::static_targets<HE::rows, WE::rows, Tgt, W, false>();
-  detail::static_rows<HE::rows, OE, dynamic_extent>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, OE, dynamic_extent, false>();
+
   using Targets = typename detail::target_traits<Tgt>::type;
   const matrix_view<const T> x(hidden), weight(static_weight);
   const vector_view<const T> bias(static_bias);
@@ -275,8 +275,8 @@ void vocab_parallel_linear_forward_backward(
   constexpr const char* fn = "xent::vocab_parallel_linear_forward_backward";
   using T = std::remove_const_t<H>;
   detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
-  detail::static_targets<HE::rows, WE::rows, Tgt, W, false>();
-  detail::static_rows<HE::rows, OE, UE>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, OE, UE, false>();
+
   detail::static_linear_grads<HE, WE, GHE, GWE>();
   using Targets = typename detail::target_traits<Tgt>::type;
   const matrix_view<const T> x(hidden), weight(static_weight);
@@ -317,8 +317,8 @@ void vocab_parallel_linear_backward(const Exec& exec, const Group& group, matrix
   constexpr const char* fn = "xent::vocab_parallel_linear_backward";
   using T = std::remove_const_t<H>;
   detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
-  detail::static_targets<HE::rows, WE::rows, Tgt, W, false>();
-  detail::static_rows<HE::rows, dynamic_extent, UE>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, dynamic_extent, UE, false>();
+
   detail::static_lse<HE::rows, float, LseT, LseE>();
   detail::static_linear_grads<HE, WE, GHE, GWE>();
   using Targets = typename detail::target_traits<Tgt>::type;
