@@ -18,6 +18,7 @@
 
 #include "accumulator.hpp"
 #include "backend.hpp"
+#include "detail/static_shape.hpp"
 #include "detail/validate.hpp"
 #include "linear/options.hpp"
 #include "linear/validate.hpp"
@@ -73,8 +74,7 @@ void check_linear_call(const char* fn, const matrix_view<const T>& hidden,
                        const matrix_view<const T>& weight, const vector_view<const T>& bias,
                        const Targets& targets, const linear_options& opts) {
   require_linear_types<Exec, has_linear_backend<Exec>::value, T, Targets>();
-  check_linear_inputs(fn, hidden, weight, bias, typename target_traits<Targets>::type(targets),
-                      opts, weight.rows);
+  check_linear_inputs(fn, hidden, weight, bias, dynamic_targets(targets), opts, weight.rows);
 }
 
 /// A forward call's workspace: at least `need` bytes (`query` says how to size it), not
@@ -163,15 +163,29 @@ linear_options planned_options(const Exec& exec, const matrix_view<const T>& hid
 /// linear_workspace_size(..., linear_pass::forward).minimal bytes; more makes row chunks larger.
 /// Outputs, upstream gradients and LSE are of the inputs' accumulator type, as in loss.hpp:
 /// double for double hidden / weight (CPU only), float otherwise.
-template <class Exec, class H, class Targets, class A>
-void linear_forward(const Exec& exec, matrix_view<H> hidden,
-                    matrix_view<const std::remove_const_t<H>> weight,
-                    vector_view<const std::remove_const_t<H>> bias, const Targets& targets,
-                    const linear_options& opts, const basic_forward_outputs<A>& outputs,
+///
+/// Views may carry static extents (views.hpp); those of two arguments for the same size (N, D,
+/// V) must agree, a static_assert otherwise. The training calls check their gradients' too.
+template <class Exec, class H, class HE, class WT = const std::remove_const_t<H>,
+          class WE = dynamic_extents, class BT = const std::remove_const_t<H>,
+          class BE = dynamic_extent, class Tgt, class W = dynamic_extent, class A,
+          class OE = dynamic_extent>
+void linear_forward(const Exec& exec, matrix_view<H, HE> hidden, matrix_view<WT, WE> static_weight,
+                    vector_view<BT, BE> static_bias, const Tgt& static_targets,
+                    const basic_linear_options<W>& static_opts,
+                    const basic_forward_outputs<A, OE>& static_out,
                     const linear_workspace& workspace) {
   constexpr const char* fn = "xent::linear_forward";
   using T = std::remove_const_t<H>;
-  const matrix_view<const T> x(hidden);
+  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, OE, dynamic_extent>();
+
+  using Targets = typename detail::target_traits<Tgt>::type;
+  const matrix_view<const T> x(hidden), weight(static_weight);
+  const vector_view<const T> bias(static_bias);
+  const Targets targets = detail::dynamic_targets(static_targets);
+  const linear_options opts(static_opts);
+  const basic_forward_outputs<A> outputs = detail::dynamic_outputs(static_out);
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
   detail::require_accumulator<T, A>();
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, true);
@@ -180,8 +194,7 @@ void linear_forward(const Exec& exec, matrix_view<H> hidden,
       detail::linear_minimal<T, T>(exec, x, weight, linear_pass::forward, opts),
       "xent::linear_workspace_size",
       detail::linear_memory(fn, targets, opts).writes_outputs(outputs));
-  linear_traits<Exec>::forward(exec, x, weight, bias,
-                               typename detail::target_traits<Targets>::type(targets), opts,
+  linear_traits<Exec>::forward(exec, x, weight, bias, detail::dynamic_targets(targets), opts,
                                outputs, workspace);
 }
 
@@ -189,16 +202,32 @@ void linear_forward(const Exec& exec, matrix_view<H> hidden,
 /// optional, see linear_grads) with the upstream gradient given up front (a scalar for mean /
 /// sum, per row for none). Per-row upstream gradients scale each row's logit gradient before it
 /// is summed over rows into d_weight and d_bias (Liger #678 / #968 summed first).
-template <class Exec, class H, class Targets, class A, class B, class G>
-void linear_forward_backward(const Exec& exec, matrix_view<H> hidden,
-                             matrix_view<const std::remove_const_t<H>> weight,
-                             vector_view<const std::remove_const_t<H>> bias, const Targets& targets,
-                             const linear_options& opts, const basic_upstream<A>& up,
-                             const basic_forward_outputs<B>& outputs, const linear_grads<G>& grads,
+template <class Exec, class H, class HE, class WT = const std::remove_const_t<H>,
+          class WE = dynamic_extents, class BT = const std::remove_const_t<H>,
+          class BE = dynamic_extent, class Tgt, class W = dynamic_extent, class A,
+          class UE = dynamic_extent, class B, class OE = dynamic_extent, class G, class GHE,
+          class GWE>
+void linear_forward_backward(const Exec& exec, matrix_view<H, HE> hidden,
+                             matrix_view<WT, WE> static_weight, vector_view<BT, BE> static_bias,
+                             const Tgt& static_targets, const basic_linear_options<W>& static_opts,
+                             const basic_upstream<A, UE>& static_up,
+                             const basic_forward_outputs<B, OE>& static_out,
+                             const linear_grads<G, GHE, GWE>& static_grads,
                              const linear_workspace& workspace) {
   constexpr const char* fn = "xent::linear_forward_backward";
   using T = std::remove_const_t<H>;
-  const matrix_view<const T> x(hidden);
+  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, OE, UE>();
+
+  detail::static_linear_grads<HE, WE, GHE, GWE>();
+  using Targets = typename detail::target_traits<Tgt>::type;
+  const matrix_view<const T> x(hidden), weight(static_weight);
+  const vector_view<const T> bias(static_bias);
+  const Targets targets = detail::dynamic_targets(static_targets);
+  const linear_options opts(static_opts);
+  const basic_upstream<A> up = detail::dynamic_upstream(static_up);
+  const basic_forward_outputs<B> outputs = detail::dynamic_outputs(static_out);
+  const linear_grads<G> grads = detail::dynamic_grads(static_grads);
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
   detail::require_accumulator<T, A>();
   detail::require_accumulator<T, B>();
@@ -209,24 +238,39 @@ void linear_forward_backward(const Exec& exec, matrix_view<H> hidden,
       detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, planned),
       "xent::linear_workspace_size",
       detail::linear_memory(fn, targets, opts).writes_outputs(outputs));
-  linear_traits<Exec>::forward_backward(exec, x, weight, bias,
-                                        typename detail::target_traits<Targets>::type(targets),
+  linear_traits<Exec>::forward_backward(exec, x, weight, bias, detail::dynamic_targets(targets),
                                         planned, up, outputs, grads, workspace);
 }
 
 /// The gradients from the per-row LSE that linear_forward saved, recomputing each chunk's logits
 /// (the N x V logits are never kept between the calls). The upstream gradient is a scalar for
 /// mean / sum and per row for none, applied to each row before any sum over rows.
-template <class Exec, class H, class Targets, class A, class G>
-void linear_backward(const Exec& exec, matrix_view<H> hidden,
-                     matrix_view<const std::remove_const_t<H>> weight,
-                     vector_view<const std::remove_const_t<H>> bias, const Targets& targets,
-                     const linear_options& opts, vector_view<const detail::non_deduced_t<A>> lse,
-                     const basic_upstream<A>& up, const linear_grads<G>& grads,
+template <class Exec, class H, class HE, class WT = const std::remove_const_t<H>,
+          class WE = dynamic_extents, class BT = const std::remove_const_t<H>,
+          class BE = dynamic_extent, class Tgt, class W = dynamic_extent, class A,
+          class LseT = const A, class LseE = dynamic_extent, class UE = dynamic_extent, class G,
+          class GHE, class GWE>
+void linear_backward(const Exec& exec, matrix_view<H, HE> hidden, matrix_view<WT, WE> static_weight,
+                     vector_view<BT, BE> static_bias, const Tgt& static_targets,
+                     const basic_linear_options<W>& static_opts, vector_view<LseT, LseE> static_lse,
+                     const basic_upstream<A, UE>& static_up,
+                     const linear_grads<G, GHE, GWE>& static_grads,
                      const linear_workspace& workspace) {
   constexpr const char* fn = "xent::linear_backward";
   using T = std::remove_const_t<H>;
-  const matrix_view<const T> x(hidden);
+  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, dynamic_extent, UE>();
+
+  detail::static_lse<HE::rows, A, LseT, LseE>();
+  detail::static_linear_grads<HE, WE, GHE, GWE>();
+  using Targets = typename detail::target_traits<Tgt>::type;
+  const matrix_view<const T> x(hidden), weight(static_weight);
+  const vector_view<const T> bias(static_bias);
+  const Targets targets = detail::dynamic_targets(static_targets);
+  const linear_options opts(static_opts);
+  const vector_view<const A> lse(static_lse);
+  const basic_upstream<A> up = detail::dynamic_upstream(static_up);
+  const linear_grads<G> grads = detail::dynamic_grads(static_grads);
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
   detail::require_accumulator<T, A>();
   detail::check_vector(fn, "lse", lse, x.rows, false);
@@ -235,8 +279,7 @@ void linear_backward(const Exec& exec, matrix_view<H> hidden,
       fn, x, weight, bias, opts, up, grads, workspace,
       detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, planned),
       "xent::linear_workspace_size", detail::linear_memory(fn, targets, opts).reads("lse", lse));
-  linear_traits<Exec>::backward(exec, x, weight, bias,
-                                typename detail::target_traits<Targets>::type(targets), planned,
+  linear_traits<Exec>::backward(exec, x, weight, bias, detail::dynamic_targets(targets), planned,
                                 lse, up, grads, workspace);
 }
 

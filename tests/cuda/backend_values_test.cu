@@ -13,6 +13,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <utility>
@@ -781,6 +782,105 @@ TEST(CudaBackendLarge, MoreThan2Pow31ElementsIndexCorrectly) {
     for (std::int64_t c : {std::int64_t{0}, y[n], V - 1})
       EXPECT_NEAR(dbl(g[c]), ref.grad[c], 1e-2 * std::fabs(ref.grad[c]) + 1e-9) << n << "," << c;
   }
+}
+
+}  // namespace
+
+namespace {
+
+/// The same forward_backward (out of place, every output) through run-time sized views and
+/// through views whose extents are R x C, on the device; both results downloaded.
+template <std::int64_t R, std::int64_t C>
+void expect_static_bits(const xent::options& opts, bool weighted, bool soft, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> x(R * C), probs(R * C, 0.0f), weights(C);
+  for (float& v : x) v = normal(rng);
+  for (std::int64_t c = 0; c < C; ++c) weights[c] = 0.5f + static_cast<float>(c % 7) / 4;
+  std::vector<std::int64_t> ids(R);
+  for (std::int64_t n = 0; n < R; ++n) {
+    ids[n] = n % 5 == 4 ? opts.ignore_index : (n * 7919) % C;
+    probs[n * C + (n * 7919) % C] = 0.75f;
+    probs[n * C + (n * 104729) % C] += 0.25f;
+  }
+  dbuf<float> d_x(x), d_probs(probs), d_w(weights);
+  dbuf<std::int64_t> d_ids(ids);
+  dbuf<char> ws(xent::cuda_workspace_size(R));
+  xent::cuda exec;
+  exec.workspace = ws.ptr;
+  exec.workspace_bytes = ws.n;
+  xent::options o = opts;
+  if (weighted) o.class_weights = {d_w.ptr, C};
+  xent::basic_options<xent::extent<C>> so;
+  so.reduce = o.reduce;
+  so.ignore_index = o.ignore_index;
+  so.label_smoothing = o.label_smoothing;
+  so.z_loss = o.z_loss;
+  so.softcap = o.softcap;
+  if (weighted) so.class_weights = {d_w.ptr, C};
+  std::vector<float> got[2][4];
+  for (int pass = 0; pass < 2; ++pass) {
+    dbuf<float> loss(1), row_loss(R), lse(R), grad(R * C);
+    dbuf<std::int64_t> argmax(R);
+    if (pass == 0) {
+      xent::forward_outputs out{loss.ptr, {row_loss.ptr, R}, {lse.ptr, R}, {argmax.ptr, R}};
+      const xent::matrix_view<const float> logits(d_x.ptr, R, C);
+      const xent::matrix_view<float> g(grad.ptr, R, C);
+      if (soft)
+        xent::forward_backward(exec, logits,
+                               xent::soft(xent::matrix_view<const float>(d_probs.ptr, R, C)), o,
+                               xent::upstream{}, out, g);
+      else
+        xent::forward_backward(exec, logits, xent::vector_view<const std::int64_t>(d_ids.ptr, R), o,
+                               xent::upstream{}, out, g);
+    } else {
+      using rows = xent::extent<R>;
+      using shape = xent::extents<R, C>;
+      xent::basic_forward_outputs<float, rows> out;
+      out.loss = loss.ptr;
+      out.row_loss = xent::vector_view<float, rows>(row_loss.ptr);
+      out.lse = xent::vector_view<float, rows>(lse.ptr);
+      out.argmax = xent::vector_view<std::int64_t, rows>(argmax.ptr);
+      const xent::matrix_view<const float, shape> logits(d_x.ptr);
+      const xent::matrix_view<float, shape> g(grad.ptr);
+      if (soft)
+        xent::forward_backward(exec, logits,
+                               xent::soft(xent::matrix_view<const float, shape>(d_probs.ptr)), so,
+                               xent::basic_upstream<float, rows>{}, out, g);
+      else
+        xent::forward_backward(exec, logits, xent::vector_view<const std::int64_t, rows>(d_ids.ptr),
+                               so, xent::basic_upstream<float, rows>{}, out, g);
+    }
+    ok(cudaDeviceSynchronize());
+    got[pass][0] = loss.download();
+    got[pass][1] = row_loss.download();
+    got[pass][2] = lse.download();
+    got[pass][3] = grad.download();
+  }
+  const char* names[4] = {"loss", "row_loss", "lse", "grad"};
+  for (int k = 0; k < 4; ++k)
+    EXPECT_EQ(std::memcmp(got[0][k].data(), got[1][k].data(), got[0][k].size() * sizeof(float)), 0)
+        << names[k] << " differs, " << R << " x " << C << " soft " << soft << " seed " << seed;
+}
+
+template <std::int64_t R, std::int64_t C>
+void expect_static_bits_with_every_option(std::uint64_t seed) {
+  for (auto red : {xent::reduction::mean, xent::reduction::sum, xent::reduction::none})
+    for (int variant = 0; variant < 4; ++variant) {
+      xent::options o;
+      o.reduce = red;
+      o.label_smoothing = variant == 1 || variant == 3 ? 0.1f : 0.0f;
+      o.z_loss = variant == 2 ? 1e-3f : 0.0f;
+      o.softcap = variant == 2 ? 30.0f : 0.0f;
+      expect_static_bits<R, C>(o, variant == 1 || variant == 3, variant == 3, ++seed);
+    }
+}
+
+TEST(CudaStaticExtents, SeedShapesGiveTheBitsOfRunTimeSizedViews) {
+  REQUIRE_GPU();
+  expect_static_bits_with_every_option<32, 32000>(10);
+  expect_static_bits_with_every_option<128, 32000>(20);
+  expect_static_bits_with_every_option<32, 50257>(30);
 }
 
 }  // namespace

@@ -255,7 +255,7 @@ void finish_rows(const problem<T, Tgt>& pb, std::int64_t pieces, const Piece& pi
 
 /// The gradient of every (row, slice) task of the plan: zero on ignored rows, else slice_gradient
 /// from the row's LSE and mass (lse_of(n), mass_of(n)) and upstream scale.
-template <class T, class Tgt, class G, class Lse, class Mass, class A>
+template <std::int64_t Cols = dynamic, class T, class Tgt, class G, class Lse, class Mass, class A>
 void write_gradient(const plan& pl, const problem<T, Tgt>& pb, const Lse& lse_of,
                     const Mass& mass_of, const row_scales<A>& scale, matrix_view<G> grad) {
   for_each_task(pl, pb.logits.rows, pb.logits.cols,
@@ -263,15 +263,21 @@ void write_gradient(const plan& pl, const problem<T, Tgt>& pb, const Lse& lse_of
                   if (pb.ignored(n))
                     zero_slice(grad.row(n), v0, v1);
                   else
-                    slice_gradient(pb, n, v0, v1, lse_of(n), mass_of(n), scale(n), grad.row(n));
+                    slice_gradient<Cols>(pb, n, v0, v1, lse_of(n), mass_of(n), scale(n),
+                                         grad.row(n));
                 });
 }
 
-/// forward, and forward_backward when `grad` is non-null.
-template <bool Argmax, class T, class Tgt, class A, class G>
+/// forward, and forward_backward when `grad` is non-null. Cols: the logits' static column count
+/// (views.hpp), or dynamic.
+template <bool Argmax, std::int64_t StaticCols, class T, class Tgt, class A, class G>
 void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
          const options& opts, const basic_upstream<A>* up, const basic_forward_outputs<A>& out,
          matrix_view<G> grad) {
+  // Only where nothing is converted on the way in or out: GCC's loop analysis of the inlined
+  // conversions with constant lengths warns of overflow that cannot happen (bf16, half).
+  constexpr std::int64_t Cols =
+      std::is_same<T, A>::value && std::is_same<G, A>::value ? StaticCols : dynamic;
   const problem<T, Tgt> pb = make_problem(exec, logits, targets, opts, {0, logits.cols});
   const double normalizer = check_targets_and_weigh(fn, targets, logits.cols, opts);
   const row_scales<A> scale = up ? make_row_scales(*up, opts, normalizer) : row_scales<A>{};
@@ -296,17 +302,18 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
           if (cacheable) {
             exp_cache<A> cache;
             cache.values = grad.row(n);
-            const basic_row_partial<A> p = slice_stats<Argmax>(pb, n, 0, cols, &am, &cache);
+            const basic_row_partial<A> p = slice_stats<Argmax, Cols>(pb, n, 0, cols, &am, &cache);
             finish_row(pb, n, p, am, out, sums, worker);
-            cached_row_gradient(pb, n, p.target_logit, p.lse.lse(), row_mass(pb, n, &p), scale(n),
-                                cache, grad.row(n));
+            cached_row_gradient<Cols>(pb, n, p.target_logit, p.lse.lse(), row_mass(pb, n, &p),
+                                      scale(n), cache, grad.row(n));
             continue;
           }
         }
-        const basic_row_partial<A> p = slice_stats<Argmax>(pb, n, 0, cols, &am);
+        const basic_row_partial<A> p = slice_stats<Argmax, Cols>(pb, n, 0, cols, &am);
         finish_row(pb, n, p, am, out, sums, worker);
         if (grad.data)
-          slice_gradient(pb, n, 0, cols, p.lse.lse(), row_mass(pb, n, &p), scale(n), grad.row(n));
+          slice_gradient<Cols>(pb, n, 0, cols, p.lse.lse(), row_mass(pb, n, &p), scale(n),
+                               grad.row(n));
       }
     });
   } else {
@@ -324,23 +331,25 @@ void run(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt
   write_totals(sums, pl.threads, opts, normalizer, out);
 }
 
-template <class T, class Tgt, class A, class G>
+template <std::int64_t Cols, class T, class Tgt, class A, class G>
 void run_forward(const char* fn, const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
                  const options& opts, const basic_upstream<A>* up,
                  const basic_forward_outputs<A>& out, matrix_view<G> grad) {
   if (out.argmax.data || out.num_correct)
-    run<true>(fn, exec, logits, targets, opts, up, out, grad);
+    run<true, Cols>(fn, exec, logits, targets, opts, up, out, grad);
   else
-    run<false>(fn, exec, logits, targets, opts, up, out, grad);
+    run<false, Cols>(fn, exec, logits, targets, opts, up, out, grad);
 }
 
-template <class T, class Tgt, class A, class G>
+template <std::int64_t StaticCols, class T, class Tgt, class A, class G>
 void run_backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
                   const options& opts, vector_view<const A> lse, const basic_upstream<A>& up,
                   matrix_view<G> grad) {
+  constexpr std::int64_t Cols =
+      std::is_same<T, A>::value && std::is_same<G, A>::value ? StaticCols : dynamic;  // as run's
   const problem<T, Tgt> pb = make_problem(exec, logits, targets, opts, {0, logits.cols});
   const double normalizer = check_targets_and_weigh("xent::backward", targets, logits.cols, opts);
-  write_gradient(
+  write_gradient<Cols>(
       make_plan(exec, logits.rows, logits.cols), pb, [&](std::int64_t n) { return lse[n]; },
       [&](std::int64_t n) { return row_mass(pb, n); }, make_row_scales(up, opts, normalizer), grad);
 }
@@ -360,26 +369,32 @@ struct backend_traits<cpu> {
   /// Any gradient dtype for any logits: each element is converted on its way out.
   template <class T, class G>
   static constexpr bool supports_gradient = cpu_detail::is_cpu_dtype<G>::value;
+  /// The logits come with their static column count (views.hpp), which the whole-row sweeps
+  /// specialise on (row_pass.hpp's for_each_chunk).
+  static constexpr bool static_columns = true;
 
-  template <class T, class Tgt, class A>
-  static void forward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
+  template <class T, class E, class Tgt, class A>
+  static void forward(const cpu& exec, matrix_view<const T, E> logits, const Tgt& targets,
                       const options& opts, const basic_forward_outputs<A>& out) {
-    cpu_detail::run_forward("xent::forward", exec, logits, targets, opts,
-                            static_cast<const basic_upstream<A>*>(nullptr), out, matrix_view<A>{});
+    cpu_detail::run_forward<E::cols>("xent::forward", exec, matrix_view<const T>(logits), targets,
+                                     opts, static_cast<const basic_upstream<A>*>(nullptr), out,
+                                     matrix_view<A>{});
   }
 
-  template <class T, class Tgt, class A, class G>
-  static void backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
+  template <class T, class E, class Tgt, class A, class G>
+  static void backward(const cpu& exec, matrix_view<const T, E> logits, const Tgt& targets,
                        const options& opts, vector_view<const A> lse, const basic_upstream<A>& up,
                        matrix_view<G> grad) {
-    cpu_detail::run_backward(exec, logits, targets, opts, lse, up, grad);
+    cpu_detail::run_backward<E::cols>(exec, matrix_view<const T>(logits), targets, opts, lse, up,
+                                      grad);
   }
 
-  template <class T, class Tgt, class A, class G>
-  static void forward_backward(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
+  template <class T, class E, class Tgt, class A, class G>
+  static void forward_backward(const cpu& exec, matrix_view<const T, E> logits, const Tgt& targets,
                                const options& opts, const basic_upstream<A>& up,
                                const basic_forward_outputs<A>& out, matrix_view<G> grad) {
-    cpu_detail::run_forward("xent::forward_backward", exec, logits, targets, opts, &up, out, grad);
+    cpu_detail::run_forward<E::cols>("xent::forward_backward", exec, matrix_view<const T>(logits),
+                                     targets, opts, &up, out, grad);
   }
 };
 

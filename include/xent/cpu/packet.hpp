@@ -41,9 +41,12 @@ packet_of<A> packet_exp(const packet_of<A>& x) {
   return pandnot(pexp(x), pcmp_lt(x, pset1<packet_of<A>>(exp_underflow<A>)));
 }
 
+// n is a std::int64_t, or a std::integral_constant where the chunk's length is known at compile
+// time (cpu/row_pass.hpp's for_each_chunk): the remainder loops then vanish or become constant.
+
 /// max_j z_j over n elements; NaN need not win here (the exponential sum carries it).
-template <class A>
-A packet_max(const A* z, std::int64_t n) {
+template <class A, class N>
+A packet_max(const A* z, N n) {
   using namespace Eigen::internal;
   using packet = packet_of<A>;
   constexpr std::int64_t lanes = lanes_of<A>;
@@ -57,8 +60,8 @@ A packet_max(const A* z, std::int64_t n) {
 
 /// sum_j exp(z_j - m) over n elements, also storing each exp(z_j - m) to `out` when it is given
 /// (`out` may be `z` itself: each packet is loaded before it is stored).
-template <class A>
-A packet_exp_sum(const A* z, std::int64_t n, A m, A* out) {
+template <class A, class N>
+A packet_exp_sum(const A* z, N n, A m, A* out) {
   using namespace Eigen::internal;
   using packet = packet_of<A>;
   constexpr std::int64_t lanes = lanes_of<A>;
@@ -147,8 +150,8 @@ A softcap_one(A x, A softcap, A inv_softcap) {
 }
 
 /// d_j *= scale over n elements, in place.
-template <class A>
-void packet_scale(A* d, std::int64_t n, A scale) {
+template <class A, class N>
+void packet_scale(A* d, N n, A scale) {
   using namespace Eigen::internal;
   using packet = packet_of<A>;
   constexpr std::int64_t lanes = lanes_of<A>;

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "../accumulator.hpp"
 #include "../loss_math.hpp"
@@ -82,6 +83,34 @@ struct problem {
   /// Weight of column c; columns outside the shard still index the caller's full weight vector.
   acc weight(std::int64_t c) const { return weights ? static_cast<acc>(weights[c]) : acc(1); }
 };
+
+template <class F, std::int64_t... I>
+XENT_ALWAYS_INLINE void unrolled(F& f, std::integer_sequence<std::int64_t, I...>) {
+  (f(std::integral_constant<std::int64_t, I>{}), ...);
+}
+
+/// Calls f(c, len, i) for chunk i, [c, c + len), of [v0, v1): `chunk` elements each, the last
+/// fewer. Where the columns are a static extent Cols (views.hpp) and the call is a whole row at
+/// the policy's chunk, the loop is unrolled and every len is a std::integral_constant, so the
+/// packet loops (packet.hpp) know their remainders at compile time; the chunks, and so the
+/// results, are the run-time loop's.
+template <std::int64_t Cols = dynamic, class F>
+XENT_ALWAYS_INLINE void for_each_chunk(std::int64_t v0, std::int64_t v1, std::int64_t chunk,
+                                       F&& f) {
+  if constexpr (Cols != dynamic) {
+    if (v0 == 0 && v1 == Cols && chunk == policy::chunk) {
+      constexpr std::int64_t full = Cols / policy::chunk, tail = Cols % policy::chunk;
+      auto whole_chunk = [&](auto i) {
+        f(i * policy::chunk, std::integral_constant<std::int64_t, policy::chunk>{}, i);
+      };
+      unrolled(whole_chunk, std::make_integer_sequence<std::int64_t, full>{});
+      if constexpr (tail > 0)
+        f(full * policy::chunk, std::integral_constant<std::int64_t, tail>{}, full);
+      return;
+    }
+  }
+  for (std::int64_t c = v0, i = 0; c < v1; c += chunk, ++i) f(c, std::min(chunk, v1 - c), i);
+}
 
 /// z = softcap(x) for n elements, as A, into the aligned buffer `buf`.
 template <class T, class A>
@@ -157,7 +186,8 @@ void accumulate_sides(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t c,
 
 /// Statistics of row n over classes [v0, v1): one read of the logits. With a cache (whole rows,
 /// no softcap), exp(z_j - m_c) is also stored in cache->values.
-template <bool Argmax, class T, class Tgt, class A = typename problem<T, Tgt>::acc>
+template <bool Argmax, std::int64_t Cols = dynamic, class T, class Tgt,
+          class A = typename problem<T, Tgt>::acc>
 basic_row_partial<A> slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0,
                                  std::int64_t v1, basic_argmax_state<A>* am,
                                  exp_cache<A>* cache = nullptr) {
@@ -176,8 +206,7 @@ basic_row_partial<A> slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std:
       p.target_logit = softcap_one(static_cast<A>(x[y]), pb.k.softcap, pb.k.inv_softcap);
   }
   constexpr A inf = std::numeric_limits<A>::infinity();
-  for (std::int64_t c = v0, i = 0; c < v1; c += pb.chunk, ++i) {
-    const std::int64_t len = std::min(pb.chunk, v1 - c);
+  for_each_chunk<Cols>(v0, v1, pb.chunk, [&](std::int64_t c, auto len, std::int64_t i) {
     const A* zp = direct ? reinterpret_cast<const A*>(x + c) : load_logits(x + c, len, pb.k, zbuf);
     // Max first, then one exponential per element relative to it: the chunk is in L1, so the
     // second sweep is cheap, and it halves the exponentials of a per-element online update.
@@ -194,7 +223,7 @@ basic_row_partial<A> slice_stats(const problem<T, Tgt>& pb, std::int64_t n, std:
     }
     if (cache) cache->chunk_max[i] = m;
     p.lse.merge(basic_online_lse<A>::of_block(m, s));
-  }
+  });
   return p;
 }
 
@@ -247,7 +276,7 @@ void write_target_gradient(const problem<T, Tgt>& pb, std::int64_t y, A x_y, A l
 ///   g * (alpha * exp(z_j - lse) - w_j t'_j) * softcap'(x_j),
 /// then the target class from write_target_gradient. `out` is the row of grad; it may be the row
 /// of the logits (each chunk is read in full before it is written).
-template <class T, class Tgt, class G, class A>
+template <std::int64_t Cols = dynamic, class T, class Tgt, class G, class A>
 void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, std::int64_t v1,
                     A lse, A mass, A g, G* out) {
   alignas(64) A zbuf[policy::max_chunk];
@@ -259,8 +288,7 @@ void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, 
   const std::int64_t y = pb.target(n);
   const bool has_target = y >= v0 && y < v1;
   const A x_y = has_target ? static_cast<A>(x[y]) : A(0);  // read before it is overwritten
-  for (std::int64_t c = v0; c < v1; c += pb.chunk) {
-    const std::int64_t len = std::min(pb.chunk, v1 - c);
+  for_each_chunk<Cols>(v0, v1, pb.chunk, [&](std::int64_t c, std::int64_t len, std::int64_t) {
     const_amap<A> z(load_logits(x + c, len, k, zbuf), len);
     amap<A> d(gbuf, len);
     // Eigen's exponential clamps its argument: terms below the normal range (a masked class's
@@ -270,14 +298,14 @@ void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, 
     subtract_target_mass(pb, n, c, g, d, tbuf);
     if (k.softcap > A(0)) d *= A(1) - (z * k.inv_softcap).square();
     convert(gbuf, len, out + c);  // a conversion only: no peeled arithmetic
-  }
+  });
   if (has_target) write_target_gradient(pb, y, x_y, lse, mass, g, out);
 }
 
 /// The same gradient over a whole row from the exponentials slice_stats cached in `out` (a row of
 /// the accumulator type; no softcap): one multiply per element replaces the second exponential.
 /// The row was written moments ago and is still in L2.
-template <class T, class Tgt, class A>
+template <std::int64_t Cols = dynamic, class T, class Tgt, class A>
 void cached_row_gradient(const problem<T, Tgt>& pb, std::int64_t n, A x_y, A lse, A mass, A g,
                          const exp_cache<A>& cache, A* out) {
   alignas(64) A gbuf[policy::max_chunk];
@@ -285,19 +313,18 @@ void cached_row_gradient(const problem<T, Tgt>& pb, std::int64_t n, A x_y, A lse
   const A ga = g * gradient_alpha(mass, lse, pb.k);
   const std::int64_t cols = pb.logits.cols;
   const bool plain = !problem<T, Tgt>::soft && !pb.k.smoothing();
-  for (std::int64_t c = 0, i = 0; c < cols; c += pb.chunk, ++i) {
-    const std::int64_t len = std::min(pb.chunk, cols - c);
+  for_each_chunk<Cols>(0, cols, pb.chunk, [&](std::int64_t c, auto len, std::int64_t i) {
     const A scale = ga * std::exp(cache.chunk_max[i] - lse);  // exp(z - m_c) exp(m_c - lse)
     if (plain) {
       packet_scale(out + c, len, scale);
-      continue;
+      return;
     }
     amap<A> d(gbuf, len);
     d = tmap<A>(out + c, len);  // into the aligned buffer (L1/L2), computed there
     d *= scale;
     subtract_target_mass(pb, n, c, g, d, tbuf);
     tmap<A>(out + c, len) = d;
-  }
+  });
   if constexpr (!problem<T, Tgt>::soft)
     write_target_gradient(pb, pb.target(n), x_y, lse, mass, g, out);
 }

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "../options.hpp"
 #include "../views.hpp"
@@ -26,18 +27,28 @@ enum class dw_accumulation {
 };
 
 /// The loss options of xent::options (every one applies to the logits hidden · weightᵀ + bias)
-/// and how d_weight is accumulated.
-struct linear_options : options {
+/// and how d_weight is accumulated. W: the extent of class_weights, as in basic_options.
+template <class W = dynamic_extent>
+struct basic_linear_options : basic_options<W> {
   dw_accumulation accumulate = dw_accumulation::fp32;
+
+  basic_linear_options() = default;
+  /// Run-time sized options from static ones.
+  template <class W2, class = std::enable_if_t<std::is_convertible<basic_options<W2>,
+                                                                   basic_options<W>>::value>>
+  basic_linear_options(const basic_linear_options<W2>& o)  // NOLINT(google-explicit-constructor)
+      : basic_options<W>(o), accumulate(o.accumulate) {}
 };
+using linear_options = basic_linear_options<>;
 
 /// The gradients of a training call, each optional (an empty view is not computed: a frozen
 /// weight or bias, or a first layer without d_hidden). Each is written, not added to.
-template <class G>
+/// HE, WE: the extents of hidden (N x D) and weight (V x D), as in views.hpp.
+template <class G, class HE = dynamic_extents, class WE = dynamic_extents>
 struct linear_grads {
-  matrix_view<G> d_hidden{};  ///< N x D
-  matrix_view<G> d_weight{};  ///< V x D
-  vector_view<G> d_bias{};    ///< V; only with a bias
+  matrix_view<G, HE> d_hidden{};              ///< N x D
+  matrix_view<G, WE> d_weight{};              ///< V x D
+  vector_view<G, extent<WE::rows>> d_bias{};  ///< V; only with a bias
 };
 
 /// The sizes of a call: hidden is rows x hidden, weight is vocab x hidden.

@@ -31,6 +31,7 @@
 
 #include "../backend.hpp"
 #include "../detail/disjoint.hpp"
+#include "../detail/static_shape.hpp"
 #include "../detail/validate.hpp"
 #include "../options.hpp"
 #include "../targets.hpp"
@@ -87,7 +88,7 @@ void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<
   check_matrix(fn, "logits", logits);
   check_shard(fn, shard, logits.cols, logits.rows);
   check_exchange_rows(fn, "logits", logits.rows, group.size());
-  check_targets(fn, typename target_traits<Targets>::type(targets), logits.rows, logits.cols);
+  check_targets(fn, dynamic_targets(targets), logits.rows, logits.cols);
   check_options(fn, opts, shard.vocab);  // class_weights: all V of them
 }
 
@@ -99,30 +100,55 @@ void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<
 /// logits: this rank's N x V_local shard, classes [shard.first, shard.first + V_local) of
 /// shard.vocab; targets: N global class ids (int32 / int64), or soft_targets of this rank's
 /// N x V_local probabilities. outputs as xent::forward, written on every rank with the same values.
-template <class Exec, class Group, class L, class Targets>
-void vocab_parallel_forward(const Exec& exec, const Group& group, matrix_view<L> logits,
-                            vocab_shard shard, const Targets& targets, const options& opts,
-                            const forward_outputs& outputs) {
+/// Static extents (views.hpp) are checked as in xent::forward, except the class weights' (all V
+/// of them, not the shard's columns).
+template <class Exec, class Group, class L, class LE, class Tgt, class W = dynamic_extent,
+          class OE = dynamic_extent>
+void vocab_parallel_forward(const Exec& exec, const Group& group, matrix_view<L, LE> static_logits,
+                            vocab_shard shard, const Tgt& static_targets,
+                            const basic_options<W>& static_opts,
+                            const basic_forward_outputs<float, OE>& static_out) {
   constexpr const char* fn = "xent::vocab_parallel_forward";
+  detail::static_call<LE::rows, LE::cols, Tgt, W, OE, dynamic_extent, false>();
+
+  using Targets = typename detail::target_traits<Tgt>::type;
+  const matrix_view<L> logits(static_logits);
+  const Targets targets = detail::dynamic_targets(static_targets);
+  const options opts(static_opts);
+  const forward_outputs outputs = detail::dynamic_outputs(static_out);
   detail::check_vocab_parallel<Exec>(fn, group, logits, shard, targets, opts);
   detail::check_outputs(fn, outputs, opts, logits.rows, detail::target_traits<Targets>::soft, true);
   detail::check_forward_memory(fn, exec, logits, targets, opts, outputs);
   using T = std::remove_const_t<L>;
   vocab_parallel_traits<Exec>::forward(exec, group, matrix_view<const T>(logits), shard,
-                                       typename detail::target_traits<Targets>::type(targets), opts,
-                                       outputs);
+                                       detail::dynamic_targets(targets), opts, outputs);
 }
 
 /// This rank's shard of the gradient (N x V_local) from the global per-row LSE that
 /// vocab_parallel_forward saved (the same on every rank). With class ids it needs no collective;
 /// with soft targets it exchanges one float per row (the shards' target mass). grad may be the
 /// logits shard itself (in place).
-template <class Exec, class Group, class L, class Targets, class G>
-void vocab_parallel_backward(const Exec& exec, const Group& group, matrix_view<L> logits,
-                             vocab_shard shard, const Targets& targets, const options& opts,
-                             vector_view<const float> lse, const upstream& up,
-                             matrix_view<G> grad) {
+template <class Exec, class Group, class L, class LE, class Tgt, class W = dynamic_extent,
+          class LseT = const float, class LseE = dynamic_extent, class UE = dynamic_extent, class G,
+          class GE>
+void vocab_parallel_backward(const Exec& exec, const Group& group, matrix_view<L, LE> static_logits,
+                             vocab_shard shard, const Tgt& static_targets,
+                             const basic_options<W>& static_opts,
+                             vector_view<LseT, LseE> static_lse,
+                             const basic_upstream<float, UE>& static_up,
+                             matrix_view<G, GE> static_grad) {
   constexpr const char* fn = "xent::vocab_parallel_backward";
+  detail::static_call<LE::rows, LE::cols, Tgt, W, dynamic_extent, UE, false>();
+
+  detail::static_lse<LE::rows, float, LseT, LseE>();
+  detail::static_grad<LE, GE>();
+  using Targets = typename detail::target_traits<Tgt>::type;
+  const matrix_view<L> logits(static_logits);
+  const Targets targets = detail::dynamic_targets(static_targets);
+  const options opts(static_opts);
+  const vector_view<const float> lse(static_lse);
+  const upstream up = detail::dynamic_upstream(static_up);
+  const matrix_view<G> grad(static_grad);
   static_assert(!std::is_const<G>::value, "xent::vocab_parallel_backward: grad must be writable");
   static_assert(backend_traits<Exec>::template supports_gradient<std::remove_const_t<L>, G>,
                 "xent: unsupported gradient dtype for these logits on this backend (CUDA: a "
@@ -134,18 +160,30 @@ void vocab_parallel_backward(const Exec& exec, const Group& group, matrix_view<L
   detail::check_gradient_memory(fn, exec, logits, targets, opts, lse, up, forward_outputs{}, grad);
   using T = std::remove_const_t<L>;
   vocab_parallel_traits<Exec>::backward(exec, group, matrix_view<const T>(logits), shard,
-                                        typename detail::target_traits<Targets>::type(targets),
-                                        opts, lse, up, grad);
+                                        detail::dynamic_targets(targets), opts, lse, up, grad);
 }
 
 /// Loss and this rank's gradient shard in one call (one collective): the vocab-parallel
 /// xent::forward_backward. Every output is optional; grad may be the logits shard itself.
-template <class Exec, class Group, class L, class Targets, class G>
-void vocab_parallel_forward_backward(const Exec& exec, const Group& group, matrix_view<L> logits,
-                                     vocab_shard shard, const Targets& targets, const options& opts,
-                                     const upstream& up, const forward_outputs& outputs,
-                                     matrix_view<G> grad) {
+template <class Exec, class Group, class L, class LE, class Tgt, class W = dynamic_extent,
+          class UE = dynamic_extent, class OE = dynamic_extent, class G, class GE>
+void vocab_parallel_forward_backward(const Exec& exec, const Group& group,
+                                     matrix_view<L, LE> static_logits, vocab_shard shard,
+                                     const Tgt& static_targets, const basic_options<W>& static_opts,
+                                     const basic_upstream<float, UE>& static_up,
+                                     const basic_forward_outputs<float, OE>& static_out,
+                                     matrix_view<G, GE> static_grad) {
   constexpr const char* fn = "xent::vocab_parallel_forward_backward";
+  detail::static_call<LE::rows, LE::cols, Tgt, W, OE, UE, false>();
+
+  detail::static_grad<LE, GE>();
+  using Targets = typename detail::target_traits<Tgt>::type;
+  const matrix_view<L> logits(static_logits);
+  const Targets targets = detail::dynamic_targets(static_targets);
+  const options opts(static_opts);
+  const upstream up = detail::dynamic_upstream(static_up);
+  const forward_outputs outputs = detail::dynamic_outputs(static_out);
+  const matrix_view<G> grad(static_grad);
   static_assert(!std::is_const<G>::value,
                 "xent::vocab_parallel_forward_backward: grad must be writable");
   static_assert(backend_traits<Exec>::template supports_gradient<std::remove_const_t<L>, G>,
@@ -159,9 +197,9 @@ void vocab_parallel_forward_backward(const Exec& exec, const Group& group, matri
   detail::check_gradient_memory(fn, exec, logits, targets, opts, vector_view<const float>{}, up,
                                 outputs, grad);
   using T = std::remove_const_t<L>;
-  vocab_parallel_traits<Exec>::forward_backward(
-      exec, group, matrix_view<const T>(logits), shard,
-      typename detail::target_traits<Targets>::type(targets), opts, up, outputs, grad);
+  vocab_parallel_traits<Exec>::forward_backward(exec, group, matrix_view<const T>(logits), shard,
+                                                detail::dynamic_targets(targets), opts, up, outputs,
+                                                grad);
 }
 
 }  // namespace xent

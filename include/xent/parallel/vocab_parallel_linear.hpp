@@ -60,6 +60,7 @@
 #include <type_traits>
 
 #include "../backend.hpp"
+#include "../detail/static_shape.hpp"
 #include "../detail/validate.hpp"
 #include "../linear.hpp"
 #include "../linear/options.hpp"
@@ -129,8 +130,8 @@ void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<
                 "for the single-device CPU calls");
   check_group(fn, group);
   // Soft targets are the shard's (N x V_local); class weights all V of them.
-  check_linear_inputs(fn, hidden, weight, bias, typename target_traits<Targets>::type(targets),
-                      opts, shard.vocab, "shard.vocab");
+  check_linear_inputs(fn, hidden, weight, bias, dynamic_targets(targets), opts, shard.vocab,
+                      "shard.vocab");
   check_shard(fn, shard, weight.rows, hidden.rows);
   check_exchange_rows(fn, "hidden", hidden.rows, group.size());
   require(
@@ -152,7 +153,7 @@ vp_linear_args<T, G, typename target_traits<Targets>::type> vp_args(
   a.weight = weight;
   a.bias = bias;
   a.shard = shard;
-  a.targets = typename target_traits<Targets>::type(targets);
+  a.targets = dynamic_targets(targets);
   a.opts = opts;
   a.ws = ws;
   a.ranks = ranks;
@@ -222,16 +223,27 @@ linear_workspace_sizes vocab_parallel_linear_workspace_size(
 /// V_local) of shard.vocab; bias: those V_local entries or empty; targets: N global class ids
 /// (int32 / int64) or soft_targets of this rank's N x V_local probabilities. outputs as
 /// linear_forward's. workspace: vocab_parallel_linear_workspace_size(..., linear_pass::forward).
-template <class Exec, class Group, class H, class Targets>
-void vocab_parallel_linear_forward(const Exec& exec, const Group& group, matrix_view<H> hidden,
-                                   matrix_view<const std::remove_const_t<H>> weight,
-                                   vector_view<const std::remove_const_t<H>> bias,
-                                   vocab_shard shard, const Targets& targets,
-                                   const linear_options& opts, const forward_outputs& outputs,
+template <class Exec, class Group, class H, class HE, class WT = const std::remove_const_t<H>,
+          class WE = dynamic_extents, class BT = const std::remove_const_t<H>,
+          class BE = dynamic_extent, class Tgt, class W = dynamic_extent, class OE = dynamic_extent>
+void vocab_parallel_linear_forward(const Exec& exec, const Group& group, matrix_view<H, HE> hidden,
+                                   matrix_view<WT, WE> static_weight,
+                                   vector_view<BT, BE> static_bias, vocab_shard shard,
+                                   const Tgt& static_targets,
+                                   const basic_linear_options<W>& static_opts,
+                                   const basic_forward_outputs<float, OE>& static_out,
                                    const vocab_parallel_linear_workspace& workspace) {
   constexpr const char* fn = "xent::vocab_parallel_linear_forward";
   using T = std::remove_const_t<H>;
-  const matrix_view<const T> x(hidden);
+  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, OE, dynamic_extent, false>();
+
+  using Targets = typename detail::target_traits<Tgt>::type;
+  const matrix_view<const T> x(hidden), weight(static_weight);
+  const vector_view<const T> bias(static_bias);
+  const Targets targets = detail::dynamic_targets(static_targets);
+  const linear_options opts(static_opts);
+  const forward_outputs outputs = detail::dynamic_outputs(static_out);
   detail::check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, true);
   detail::check_forward_workspace(
@@ -249,16 +261,31 @@ void vocab_parallel_linear_forward(const Exec& exec, const Group& group, matrix_
 /// (N x D), G_shard · W_shard, which the caller sums over the group (see the top of this file).
 /// The upstream gradient is the same on every rank: a scalar for mean / sum, per row for none,
 /// applied to each row before any sum over rows.
-template <class Exec, class Group, class H, class Targets, class G>
+template <class Exec, class Group, class H, class HE, class WT = const std::remove_const_t<H>,
+          class WE = dynamic_extents, class BT = const std::remove_const_t<H>,
+          class BE = dynamic_extent, class Tgt, class W = dynamic_extent, class UE = dynamic_extent,
+          class OE = dynamic_extent, class G, class GHE, class GWE>
 void vocab_parallel_linear_forward_backward(
-    const Exec& exec, const Group& group, matrix_view<H> hidden,
-    matrix_view<const std::remove_const_t<H>> weight,
-    vector_view<const std::remove_const_t<H>> bias, vocab_shard shard, const Targets& targets,
-    const linear_options& opts, const upstream& up, const forward_outputs& outputs,
-    const linear_grads<G>& grads, const vocab_parallel_linear_workspace& workspace) {
+    const Exec& exec, const Group& group, matrix_view<H, HE> hidden,
+    matrix_view<WT, WE> static_weight, vector_view<BT, BE> static_bias, vocab_shard shard,
+    const Tgt& static_targets, const basic_linear_options<W>& static_opts,
+    const basic_upstream<float, UE>& static_up, const basic_forward_outputs<float, OE>& static_out,
+    const linear_grads<G, GHE, GWE>& static_grads,
+    const vocab_parallel_linear_workspace& workspace) {
   constexpr const char* fn = "xent::vocab_parallel_linear_forward_backward";
   using T = std::remove_const_t<H>;
-  const matrix_view<const T> x(hidden);
+  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, OE, UE, false>();
+
+  detail::static_linear_grads<HE, WE, GHE, GWE>();
+  using Targets = typename detail::target_traits<Tgt>::type;
+  const matrix_view<const T> x(hidden), weight(static_weight);
+  const vector_view<const T> bias(static_bias);
+  const Targets targets = detail::dynamic_targets(static_targets);
+  const linear_options opts(static_opts);
+  const upstream up = detail::dynamic_upstream(static_up);
+  const forward_outputs outputs = detail::dynamic_outputs(static_out);
+  const linear_grads<G> grads = detail::dynamic_grads(static_grads);
   auto a = detail::vp_training_args(
       fn, exec, group, x, weight, bias, shard, targets, opts, up, grads, workspace,
       [&] {
@@ -274,17 +301,34 @@ void vocab_parallel_linear_forward_backward(
 /// from the per-row LSE a vocab-parallel forward saved (the same on every rank), recomputing each
 /// chunk's logits. With class ids it makes no collective; with soft targets one per chunk (the
 /// rows' target mass spans every shard).
-template <class Exec, class Group, class H, class Targets, class G>
-void vocab_parallel_linear_backward(const Exec& exec, const Group& group, matrix_view<H> hidden,
-                                    matrix_view<const std::remove_const_t<H>> weight,
-                                    vector_view<const std::remove_const_t<H>> bias,
-                                    vocab_shard shard, const Targets& targets,
-                                    const linear_options& opts, vector_view<const float> lse,
-                                    const upstream& up, const linear_grads<G>& grads,
+template <class Exec, class Group, class H, class HE, class WT = const std::remove_const_t<H>,
+          class WE = dynamic_extents, class BT = const std::remove_const_t<H>,
+          class BE = dynamic_extent, class Tgt, class W = dynamic_extent, class LseT = const float,
+          class LseE = dynamic_extent, class UE = dynamic_extent, class G, class GHE, class GWE>
+void vocab_parallel_linear_backward(const Exec& exec, const Group& group, matrix_view<H, HE> hidden,
+                                    matrix_view<WT, WE> static_weight,
+                                    vector_view<BT, BE> static_bias, vocab_shard shard,
+                                    const Tgt& static_targets,
+                                    const basic_linear_options<W>& static_opts,
+                                    vector_view<LseT, LseE> static_lse,
+                                    const basic_upstream<float, UE>& static_up,
+                                    const linear_grads<G, GHE, GWE>& static_grads,
                                     const vocab_parallel_linear_workspace& workspace) {
   constexpr const char* fn = "xent::vocab_parallel_linear_backward";
   using T = std::remove_const_t<H>;
-  const matrix_view<const T> x(hidden);
+  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
+  detail::static_call<HE::rows, WE::rows, Tgt, W, dynamic_extent, UE, false>();
+
+  detail::static_lse<HE::rows, float, LseT, LseE>();
+  detail::static_linear_grads<HE, WE, GHE, GWE>();
+  using Targets = typename detail::target_traits<Tgt>::type;
+  const matrix_view<const T> x(hidden), weight(static_weight);
+  const vector_view<const T> bias(static_bias);
+  const Targets targets = detail::dynamic_targets(static_targets);
+  const linear_options opts(static_opts);
+  const vector_view<const float> lse(static_lse);
+  const upstream up = detail::dynamic_upstream(static_up);
+  const linear_grads<G> grads = detail::dynamic_grads(static_grads);
   auto a = detail::vp_training_args(
       fn, exec, group, x, weight, bias, shard, targets, opts, up, grads, workspace,
       [&] { detail::check_vector(fn, "lse", lse, x.rows, false); },
