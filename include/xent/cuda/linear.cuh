@@ -7,6 +7,7 @@
 #include <cstddef>
 
 #include "../backend.hpp"
+#include "../detail/validate.hpp"
 #include "../linear/options.hpp"
 #include "../linear/plan.hpp"
 #include "../options.hpp"
@@ -19,6 +20,12 @@ namespace xent {
 
 template <>
 struct linear_traits<cuda> {
+  /// Refuses linear_order::low_memory before anything is enqueued (not on this backend yet).
+  static void require_fast_order(const char* fn, const linear_options& opts) {
+    detail::require(opts.order != linear_order::low_memory, fn, "options.order",
+                    "low_memory is not on the CUDA backend yet (the CPU backend has it)");
+  }
+
   /// The workspace of a call (linear_plan.cuh has the layout). Per chunk row: V elements of T
   /// (V rounded up to 16 bytes) of logits, plus for training a float of upstream gradient and,
   /// with G not float, D floats of d_hidden. Once: 8 bytes, 12 bytes per row of hidden (row
@@ -32,10 +39,14 @@ struct linear_traits<cuda> {
   /// accumulator when that fits the bytes the accumulator's plan would take (the figure returned
   /// is then that plan's); otherwise, with a d_weight without row padding, a call may take larger
   /// chunks than the figure returned: it keeps the logits in d_weight when that holds more rows.
+  ///
+  /// The low-memory order (linear_order::low_memory) is not on this backend yet: its query
+  /// answers the fast order's sizes, so linear_order::automatic resolves to fast here, and a
+  /// training call that names low_memory throws.
   template <class T, class G>
   static linear_workspace_sizes workspace_size(const cuda&, const linear_shape& shape,
                                                linear_pass pass, dw_accumulation accumulate,
-                                               std::size_t budget) {
+                                               linear_order, std::size_t budget) {
     const auto least = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 1);
     const auto fixed = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 0);
     const auto plan = cuda_detail::plan_linear<T, G>(shape, pass, accumulate,
@@ -60,6 +71,7 @@ struct linear_traits<cuda> {
                                const Tgt& targets, const linear_options& opts, const upstream& up,
                                const forward_outputs& out, const linear_grads<G>& grads,
                                const linear_workspace& ws) {
+    require_fast_order("xent::linear_forward_backward", opts);
     cuda_detail::run_linear<cuda_detail::linear_mode::fused>("xent::linear_forward_backward", exec,
                                                              hidden, weight, bias, targets, opts,
                                                              &up, {}, out, grads, ws);
@@ -70,6 +82,7 @@ struct linear_traits<cuda> {
                        vector_view<const T> bias, const Tgt& targets, const linear_options& opts,
                        vector_view<const float> lse, const upstream& up,
                        const linear_grads<G>& grads, const linear_workspace& ws) {
+    require_fast_order("xent::linear_backward", opts);
     cuda_detail::run_linear<cuda_detail::linear_mode::backward>(
         "xent::linear_backward", exec, hidden, weight, bias, targets, opts, &up, lse,
         forward_outputs{}, grads, ws);
