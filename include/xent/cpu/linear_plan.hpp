@@ -127,16 +127,15 @@ struct low_memory_plan {
   std::size_t bytes = 0;
 };
 
-/// Panel sub-chunks of `rows` rows; the statistics' chunks take as many rows as the same logits
-/// bytes hold over the whole vocabulary (at least one).
+/// Panel sub-chunks of `rows` rows, statistics chunks of `stats_rows` rows over the whole
+/// vocabulary.
 template <class T, class G>
-low_memory_plan make_low_memory_plan(const cpu& exec, const linear_shape& s, std::int64_t rows) {
+low_memory_plan make_low_memory_plan(const cpu& exec, const linear_shape& s, std::int64_t rows,
+                                     std::int64_t stats_rows = 1) {
   low_memory_plan p;
   p.cols = panel_cols(exec, s.vocab);
   p.panel = make_linear_plan<T, G>(exec, {s.rows, s.hidden, p.cols}, linear_pass::training,
                                    dw_accumulation::fp32, rows, s.rows);
-  const std::int64_t stats_rows = std::max<std::int64_t>(
-      1, std::min(s.rows, rows * p.cols / std::max<std::int64_t>(s.vocab, 1)));
   p.stats =
       make_linear_plan<T, G>(exec, s, linear_pass::forward, dw_accumulation::fp32, stats_rows);
   buffer_stack stack{std::max(p.panel.end, p.stats.end)};
@@ -147,11 +146,17 @@ low_memory_plan make_low_memory_plan(const cpu& exec, const linear_shape& s, std
   return p;
 }
 
-/// The low-memory plan with the largest panel sub-chunks that fit `budget` bytes.
+/// The low-memory plan with the largest panel sub-chunks that fit `budget` bytes, then the largest
+/// statistics chunks that fit it beside them: sized to the panel's logits bytes instead, they were
+/// 32 rows at 1024 x 512 x 32000, GEMMs of a fraction of the fast order's rows.
 template <class T, class G>
 low_memory_plan plan_low_memory(const cpu& exec, const linear_shape& s, std::size_t budget) {
-  return detail::largest_chunk_plan(
-      s.rows, budget, [&](std::int64_t rows) { return make_low_memory_plan<T, G>(exec, s, rows); });
+  const std::int64_t rows = detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t r) {
+                              return make_low_memory_plan<T, G>(exec, s, r);
+                            }).panel.chunk_rows;
+  return detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t stats_rows) {
+    return make_low_memory_plan<T, G>(exec, s, rows, stats_rows);
+  });
 }
 
 }  // namespace cpu_detail
