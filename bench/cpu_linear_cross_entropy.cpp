@@ -11,11 +11,14 @@
 //                                         rows): the three GEMMs of a training step, nothing else
 //   linear_forward/DTYPE/NxDxV/threads:T           class ids, mean; outputs loss + LSE
 //   linear_forward_backward/DTYPE/NxDxV/threads:T  the same plus d_hidden and d_weight
+//   linear_forward_backward_low_memory/DTYPE/NxDxV/threads:T   in linear_order::low_memory
 // Counters:
 //   items_per_second   multiply-adds x 2 (FLOP/s): 2 N V D forward, 6 N V D training
 //   floor_pct          the floor line's time / this line's time * 100 (the floor's float GEMMs on
 //                      the same shapes; bf16 lines also convert, so their floor is the same)
-//   chunk_rows, workspace_MiB   the plan the default 256 MiB budget gives
+//   fast_ratio         (low-memory lines) this line's time / the fast order's line of the same
+//                      dtype, shape and threads in this run
+//   chunk_rows, workspace_MiB   the plan the default 256 MiB budget gives (for the line's order)
 //   loss               the last call's loss (checked finite, else the line is an error)
 #include <benchmark/benchmark.h>
 
@@ -122,8 +125,14 @@ const char* dtype_name() {
   return std::is_same<T, float>::value ? "f32" : "bf16";
 }
 
+/// Best seconds per call of each fast-order training line (by dtype, shape, threads).
+std::map<std::string, double>& fast_lines() {
+  static std::map<std::string, double> table;
+  return table;
+}
+
 template <class T>
-void bm_linear(benchmark::State& state, bool training, shape s) {
+void bm_linear(benchmark::State& state, bool training, shape s, xent::linear_order order) {
   const int threads = static_cast<int>(state.range(0));
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -135,7 +144,9 @@ void bm_linear(benchmark::State& state, bool training, shape s) {
   std::vector<float> lse(s.n);
   const xent::cpu exec(threads);
   const auto pass = training ? xent::linear_pass::training : xent::linear_pass::forward;
-  const auto size = xent::linear_workspace_size<T>(exec, {s.n, s.d, s.v}, pass);
+  xent::linear_options opts;
+  opts.order = order;
+  const auto size = xent::linear_workspace_size<T>(exec, {s.n, s.d, s.v}, pass, opts);
   std::vector<unsigned char> workspace(size.bytes);
   float loss = 0.0f;
   xent::forward_outputs out;
@@ -147,10 +158,10 @@ void bm_linear(benchmark::State& state, bool training, shape s) {
   const xent::linear_workspace ws{workspace.data(), workspace.size()};
   auto call = [&] {
     if (training)
-      xent::linear_forward_backward(exec, hidden, weight, {}, ids, xent::linear_options{},
-                                    xent::upstream{}, out, grads, ws);
+      xent::linear_forward_backward(exec, hidden, weight, {}, ids, opts, xent::upstream{}, out,
+                                    grads, ws);
     else
-      xent::linear_forward(exec, hidden, weight, {}, ids, xent::linear_options{}, out, ws);
+      xent::linear_forward(exec, hidden, weight, {}, ids, opts, out, ws);
   };
   call();  // warm-up
   double best = 1e30;
@@ -167,6 +178,14 @@ void bm_linear(benchmark::State& state, bool training, shape s) {
   state.counters["loss"] = loss;
   const auto f = floors().find(floor_key(training, s, threads));
   if (f != floors().end()) state.counters["floor_pct"] = 100.0 * f->second / best;
+  if (!training) return;
+  const std::string key = std::string(dtype_name<T>()) + "/" + floor_key(true, s, threads);
+  if (order == xent::linear_order::fast) {
+    auto& fast = fast_lines()[key];
+    fast = fast > 0 ? std::min(fast, best) : best;
+  } else if (fast_lines().count(key)) {
+    state.counters["fast_ratio"] = best / fast_lines()[key];
+  }
 }
 
 std::vector<int> thread_counts(int* argc, char** argv) {
@@ -203,20 +222,26 @@ int main(int argc, char** argv) {
             ->ArgName("threads")
             ->UseRealTime()
             ->Unit(benchmark::kMillisecond);
-      const std::string name = training ? "linear_forward_backward/" : "linear_forward/";
-      for (int t : threads) {
-        benchmark::RegisterBenchmark((name + "f32/" + s.name()).c_str(), bm_linear<float>, training,
-                                     s)
-            ->Arg(t)
-            ->ArgName("threads")
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
-        benchmark::RegisterBenchmark((name + "bf16/" + s.name()).c_str(),
-                                     bm_linear<Eigen::bfloat16>, training, s)
-            ->Arg(t)
-            ->ArgName("threads")
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
+      // The fast order's lines come before the low-memory order's, for fast_ratio.
+      for (auto order : {xent::linear_order::fast, xent::linear_order::low_memory}) {
+        if (!training && order == xent::linear_order::low_memory) continue;
+        const std::string name =
+            std::string(training ? "linear_forward_backward" : "linear_forward") +
+            (order == xent::linear_order::low_memory ? "_low_memory/" : "/");
+        for (int t : threads) {
+          benchmark::RegisterBenchmark((name + "f32/" + s.name()).c_str(), bm_linear<float>,
+                                       training, s, order)
+              ->Arg(t)
+              ->ArgName("threads")
+              ->UseRealTime()
+              ->Unit(benchmark::kMillisecond);
+          benchmark::RegisterBenchmark((name + "bf16/" + s.name()).c_str(),
+                                       bm_linear<Eigen::bfloat16>, training, s, order)
+              ->Arg(t)
+              ->ArgName("threads")
+              ->UseRealTime()
+              ->Unit(benchmark::kMillisecond);
+        }
       }
     }
   benchmark::RunSpecifiedBenchmarks();

@@ -8,11 +8,16 @@
 //   xent::linear_forward_backward(exec, hidden, weight, bias, targets, opts, xent::upstream{},
 //                                 outputs, {d_hidden, d_weight, d_bias}, {buffer, ws.bytes});
 //
+// Training runs in one of two orders (linear_order): rows outer (fast, 3 GEMMs, a V x D float
+// d_weight sum for 16-bit gradients) or the vocabulary outer (low_memory, 4 GEMMs in
+// forward_backward, no V x D buffer); by default the workspace's size chooses.
+//
 // Every loss option of xent::options applies, with the semantics of loss.hpp; the mean's
 // normaliser W is the whole call's, not a chunk's. Arguments are checked here for every backend
 // and a bad one throws xent::error before anything is written.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <type_traits>
 
@@ -49,9 +54,20 @@ linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shap
                 "xent: no fused linear backend for this execution object");
   detail::check_linear_shape("xent::linear_workspace_size", "shape", shape);
   detail::check_accumulation("xent::linear_workspace_size", opts);
+  detail::check_order("xent::linear_workspace_size", opts);
   detail::check_pass("xent::linear_workspace_size", pass);
-  return linear_traits<Exec>::template workspace_size<T, G>(exec, shape, pass, opts.accumulate,
-                                                            budget);
+  auto of = [&](linear_order order) {
+    return linear_traits<Exec>::template workspace_size<T, G>(exec, shape, pass, opts.accumulate,
+                                                              order, budget);
+  };
+  linear_workspace_sizes fast = of(linear_order::fast);
+  fast.fast_minimal = fast.minimal;
+  if (pass == linear_pass::forward || opts.order == linear_order::fast) return fast;
+  linear_workspace_sizes low = of(linear_order::low_memory);
+  low.fast_minimal = fast.minimal;
+  if (opts.order == linear_order::low_memory) return low;
+  fast.minimal = std::min(fast.minimal, low.minimal);
+  return fast;
 }
 
 namespace detail {
@@ -126,7 +142,7 @@ call_memory linear_memory(const char* fn, const Targets& targets, const linear_o
   return mem;
 }
 
-/// The least workspace a single-device call of this shape accepts.
+/// The least workspace a single-device call of this shape accepts (in the order of `opts`).
 template <class T, class G, class Exec>
 std::size_t linear_minimal(const Exec& exec, const matrix_view<const T>& hidden,
                            const matrix_view<const T>& weight, linear_pass pass,
@@ -135,23 +151,45 @@ std::size_t linear_minimal(const Exec& exec, const matrix_view<const T>& hidden,
       .minimal;
 }
 
+/// `opts` with linear_order::automatic resolved for a training workspace of `bytes`: fast when it
+/// holds fast's minimal (or fast needs no more than low_memory), else low_memory.
+template <class T, class G, class Exec>
+linear_options resolved_order(const Exec& exec, const matrix_view<const T>& hidden,
+                              const matrix_view<const T>& weight, linear_options opts,
+                              std::size_t bytes) {
+  if (opts.order != linear_order::automatic) return opts;
+  const std::size_t fast =
+      linear_workspace_size<T, G>(exec, {hidden.rows, hidden.cols, weight.rows},
+                                  linear_pass::training, opts, 0)
+          .fast_minimal;
+  opts.order = linear_order::low_memory;
+  const bool low_fits =
+      linear_minimal<T, G>(exec, hidden, weight, linear_pass::training, opts) < fast;
+  opts.order = bytes >= fast || !low_fits ? linear_order::fast : linear_order::low_memory;
+  return opts;
+}
+
 /// The options a training call plans its workspace with. Without d_weight (a frozen LM head)
 /// nothing is summed over row chunks and both modes give the same results, so the one with the
 /// smaller buffers is planned: the V x D float accumulator (4 V D bytes: 2 GiB at 128256 x 4096)
 /// is never required, nor output's weight blocks where V is smaller than them, and no such call
 /// needs more than linear_workspace_size(...).minimal for the caller's mode.
+/// The order is then resolved from the workspace's `bytes` (resolved_order).
 template <class T, class G, class Exec>
 linear_options planned_options(const Exec& exec, const matrix_view<const T>& hidden,
                                const matrix_view<const T>& weight, const linear_options& opts,
-                               const linear_grads<G>& grads) {
-  if (grads.d_weight.data) return opts;
+                               const linear_grads<G>& grads, std::size_t bytes) {
+  if (grads.d_weight.data) return resolved_order<T, G>(exec, hidden, weight, opts, bytes);
   linear_options fp32 = opts, output = opts;
   fp32.accumulate = dw_accumulation::fp32;
   output.accumulate = dw_accumulation::output;
-  return linear_minimal<T, G>(exec, hidden, weight, linear_pass::training, fp32) <
-                 linear_minimal<T, G>(exec, hidden, weight, linear_pass::training, output)
-             ? fp32
-             : output;
+  return resolved_order<T, G>(
+      exec, hidden, weight,
+      linear_minimal<T, G>(exec, hidden, weight, linear_pass::training, fp32) <
+              linear_minimal<T, G>(exec, hidden, weight, linear_pass::training, output)
+          ? fp32
+          : output,
+      bytes);
 }
 
 }  // namespace detail
@@ -232,7 +270,8 @@ void linear_forward_backward(const Exec& exec, matrix_view<H, HE> hidden,
   detail::require_accumulator<T, A>();
   detail::require_accumulator<T, B>();
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, false);
-  const linear_options planned = detail::planned_options<T>(exec, x, weight, opts, grads);
+  const linear_options planned =
+      detail::planned_options<T>(exec, x, weight, opts, grads, workspace.bytes);
   detail::check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
       detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, planned),
@@ -274,7 +313,8 @@ void linear_backward(const Exec& exec, matrix_view<H, HE> hidden, matrix_view<WT
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
   detail::require_accumulator<T, A>();
   detail::check_vector(fn, "lse", lse, x.rows, false);
-  const linear_options planned = detail::planned_options<T>(exec, x, weight, opts, grads);
+  const linear_options planned =
+      detail::planned_options<T>(exec, x, weight, opts, grads, workspace.bytes);
   detail::check_linear_training<Exec>(
       fn, x, weight, bias, opts, up, grads, workspace,
       detail::linear_minimal<T, G>(exec, x, weight, linear_pass::training, planned),

@@ -11,7 +11,8 @@
 //   struct error_count;                 read(): rows the backend counted as bad (0 without one)
 //   exec(lspec, error_count&), sync(), offset(seed, k) (of a case's k-th workspace),
 //   stored<T>() (xtl::rounding), chunk_rows<T, G>(exec, shape, accumulate, bytes),
-//   narrow_stride (the share of the every-option cases run in bf16 / fp16), set_up(), tear_down().
+//   narrow_stride (the share of the every-option cases run in bf16 / fp16), low_memory_order
+//   (whether the backend has linear_order::low_memory), set_up(), tear_down().
 #pragma once
 
 #include <gtest/gtest.h>
@@ -19,8 +20,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "cpu/backend_fixture.hpp"
 #include "cpu/linear_harness.hpp"
@@ -179,11 +183,10 @@ TYPED_TEST_P(LinearBackend, FrozenWeightTrainsInTheLeastWorkspaceOfEitherMode) {
       s.ce.threads = 2;
       s.accumulate = mode;
       s.space = budget::minimal;
-      const ldata<bf16> L = make_data<bf16>(s);
-      const oracle::linear_problem pb = L.problem();
-      const oracle::upstream up = L.d.oracle_upstream();
-      const oracle::linear_result r = oracle::evaluate_linear(pb, &up);
-      const bounds e = error_bounds(L, pb, r, 0.0, B::template stored<bf16>());
+      const judged_case<bf16> j(s, B::template stored<bf16>());
+      const ldata<bf16>& L = j.L;
+      const oracle::linear_result& r = j.r;
+      const bounds& e = j.e;
       const typename B::template inputs<bf16> in(L);
       typename B::error_count errors;
       const auto exec = this->backend.exec(s, errors);
@@ -220,12 +223,174 @@ TYPED_TEST_P(LinearBackend, NoHiddenColumnsGivesTheBiasAloneOnEveryPath) {
     }
 }
 
-REGISTER_TYPED_TEST_SUITE_P(LinearBackend, Float32MatchesFloat64OracleWithEveryOption,
-                            Bfloat16AndHalfMatchFloat64OracleWithEveryOption,
-                            EveryRowIgnoredGivesPyTorchsResultsAndZeroGradients,
-                            NoRowsWritesZeroWeightAndBiasGradients,
-                            WorkspaceTooSmallThrowsNamingItAndTheSizeBeforeWriting,
-                            FrozenWeightTrainsInTheLeastWorkspaceOfEitherMode,
-                            NoHiddenColumnsGivesTheBiasAloneOnEveryPath);
+/// every_option's cases in the low-memory order.
+inline std::vector<lspec> low_memory_cases(std::int64_t rows, std::int64_t hidden,
+                                           std::int64_t vocab) {
+  std::vector<lspec> out = every_option(rows, hidden, vocab);
+  for (lspec& s : out) s.order = xent::linear_order::low_memory;
+  return out;
+}
+
+TYPED_TEST_P(LinearBackend, LowMemoryOrderMatchesFloat64OracleWithEveryOption) {
+  if (!TypeParam::low_memory_order) GTEST_SKIP() << "no low-memory order on this backend";
+  xt::case_budget b;
+  for (const lspec& s : low_memory_cases(19, 13, 37))
+    if (!b.record(run_case<float>(this->backend, s))) return;
+  EXPECT_EQ(b.cases(), 288);
+}
+
+TYPED_TEST_P(LinearBackend, LowMemoryOrderInBfloat16AndHalfMatchesFloat64OracleWithEveryOption) {
+  if (!TypeParam::low_memory_order) GTEST_SKIP() << "no low-memory order on this backend";
+  narrow_every_option(TypeParam::narrow_stride, [&](lspec s, int, auto* dtype) {
+    s.order = xent::linear_order::low_memory;
+    return run_case<std::remove_pointer_t<decltype(dtype)>>(this->backend, s);
+  });
+}
+
+// V = 5000 and D = 29 are multiples of no tile, block or panel; the vocabulary spans several
+// panels (the CPU's are 1024 rows or more), the last one partial. Every seventh case.
+TYPED_TEST_P(LinearBackend, LowMemoryOrderOverSeveralPanelsMatchesFloat64Oracle) {
+  if (!TypeParam::low_memory_order) GTEST_SKIP() << "no low-memory order on this backend";
+  xt::case_budget b;
+  int i = 0;
+  for (const lspec& s : low_memory_cases(9, 29, 5000)) {
+    if (i++ % 7 != 0) continue;
+    const bool passed =
+        i % 2 ? run_case<float>(this->backend, s) : run_case<bf16, float>(this->backend, s);
+    if (!b.record(passed)) return;
+  }
+  EXPECT_EQ(b.cases(), 42);
+}
+
+// linear_order::automatic runs the fast order in a training workspace of the fast order's
+// minimal and the low-memory order in one byte less, down to the low-memory minimal; one byte
+// less than that throws naming it. Each automatic call's results are bit for bit those of the
+// order it chose, given the same bytes.
+TYPED_TEST_P(LinearBackend, AutomaticOrderSwitchesAtTheFastOrdersMinimal) {
+  if (!TypeParam::low_memory_order) GTEST_SKIP() << "no low-memory order on this backend";
+  using B = TypeParam;
+  // V past both backends' panels (1024 rows and more on the CPU, 8192 on CUDA): the V x D
+  // accumulator outgrows a panel's.
+  lspec s = make_spec(9, 6, 20000);
+  s.ce.threads = 2;
+  const ldata<bf16> L = make_data<bf16>(s);
+  const typename B::template inputs<bf16> in(L);
+  typename B::error_count errors;
+  const auto exec = this->backend.exec(s, errors);
+  const xent::linear_shape shape{L.N(), L.D(), L.V()};
+  const auto train = xent::linear_pass::training;
+  xent::linear_options automatic = in.options(), fast = automatic, low = automatic;
+  automatic.order = xent::linear_order::automatic;
+  fast.order = xent::linear_order::fast;
+  low.order = xent::linear_order::low_memory;
+  const auto sizes = xent::linear_workspace_size<bf16>(exec, shape, train, automatic, 0);
+  const std::size_t fast_min = xent::linear_workspace_size<bf16>(exec, shape, train, fast).minimal;
+  const std::size_t low_min = xent::linear_workspace_size<bf16>(exec, shape, train, low).minimal;
+  ASSERT_LT(low_min, fast_min);  // the V x D float accumulator
+  EXPECT_EQ(sizes.fast_minimal, fast_min);
+  EXPECT_EQ(sizes.minimal, low_min);
+
+  auto train_with = [&](const xent::linear_options& o, std::size_t bytes) {
+    typename B::workspace ws(bytes, 8);
+    typename B::template outputs<float> f(L.N());
+    typename B::template grads<bf16> g(s);
+    in.with_targets([&](auto t) {
+      xent::linear_forward_backward(exec, in.hidden(), in.weight(), in.bias(), t, o, in.upstream(),
+                                    f.all(s.ce), g.views(), ws.ws);
+    });
+    B::sync();
+    return g.fetch();
+  };
+  auto same = [](const gradients<bf16>& a, const gradients<bf16>& b) {
+    auto bits = [](const std::vector<bf16>& x, const std::vector<bf16>& y) {
+      return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16)) == 0;
+    };
+    return bits(a.dx, b.dx) && bits(a.dw, b.dw) && bits(a.db, b.db);
+  };
+  EXPECT_TRUE(same(train_with(automatic, fast_min), train_with(fast, fast_min)));
+  EXPECT_TRUE(same(train_with(automatic, fast_min - 1), train_with(low, fast_min - 1)));
+  EXPECT_TRUE(same(train_with(automatic, low_min), train_with(low, low_min)));
+  const judged_case<bf16> j(s, B::template stored<bf16>());
+  EXPECT_EQ(check_gradients(L, j.r, j.e, train_with(automatic, low_min)), "");
+
+  for (const auto& order_need :
+       {std::pair{automatic, low_min}, std::pair{fast, fast_min}, std::pair{low, low_min}}) {
+    const xent::linear_options& o = order_need.first;
+    const std::size_t need = order_need.second;
+    typename B::workspace ws(need - 1, 0);
+    typename B::template outputs<float> f(L.N());
+    typename B::template grads<bf16> g(s);
+    in.with_targets([&](auto t) {
+      expect_error("workspace", std::to_string(need), [&] {
+        xent::linear_forward_backward(exec, in.hidden(), in.weight(), in.bias(), t, o,
+                                      in.upstream(), f.all(s.ce), g.views(), ws.ws);
+      });
+    });
+    B::sync();
+    EXPECT_TRUE(xt::same_bits(g.fetch().dw[0], xt::sentinel<bf16>()));
+    EXPECT_TRUE(ws.untouched());
+  }
+}
+
+// Every subset of d_hidden, d_weight and d_bias (a frozen head, a first layer, a frozen bias) in
+// both orders: the gradients asked for match the oracle and the others keep their poison. V spans
+// several CPU panels.
+TYPED_TEST_P(LinearBackend, EachOrderComputesExactlyTheGradientsAskedFor) {
+  using B = TypeParam;
+  if (!B::low_memory_order) GTEST_SKIP() << "no low-memory order on this backend";
+  lspec s = make_spec(7, 10, 2100);
+  s.ce.threads = 2;
+  s.ce.label_smoothing = 0.1f;
+  s.ce.ignore = ignore_mode::some;
+  typename B::error_count errors;
+  const auto exec = this->backend.exec(s, errors);
+  const judged_case<bf16> j(s, B::template stored<bf16>());
+  const ldata<bf16>& L = j.L;
+  const typename B::template inputs<bf16> in(L);
+  for (auto order : {xent::linear_order::fast, xent::linear_order::low_memory})
+    for (int mask = 0; mask < 8; ++mask) {
+      xent::linear_options o = in.options();
+      o.order = order;
+      const auto size = xent::linear_workspace_size<bf16>(exec, {L.N(), L.D(), L.V()},
+                                                          xent::linear_pass::training, o);
+      typename B::workspace ws(size.bytes, 0);
+      typename B::template outputs<float> f(L.N());
+      typename B::template grads<bf16> g(s);
+      xent::linear_grads<bf16> asked = g.views();
+      if (!(mask & 1)) asked.d_hidden = {};
+      if (!(mask & 2)) asked.d_weight = {};
+      if (!(mask & 4)) asked.d_bias = {};
+      in.with_targets([&](auto t) {
+        xent::linear_forward_backward(exec, in.hidden(), in.weight(), in.bias(), t, o,
+                                      in.upstream(), f.all(s.ce), asked, ws.ws);
+      });
+      B::sync();
+      const gradients<bf16>& got = g.fetch();
+      SCOPED_TRACE(std::string(order == xent::linear_order::fast ? "fast" : "low_memory") +
+                   " mask " + std::to_string(mask));
+      if (mask & 1)
+        EXPECT_EQ(check_array("d_hidden", got.dx.data(), L.N(), L.D(), s.ld(), j.r.dx, j.e.dx), "");
+      else
+        EXPECT_TRUE(xt::same_bits(got.dx[0], xt::sentinel<bf16>()));
+      if (mask & 2)
+        EXPECT_EQ(check_array("d_weight", got.dw.data(), L.V(), L.D(), s.ld(), j.r.dw, j.e.dw), "");
+      else
+        EXPECT_TRUE(xt::same_bits(got.dw.back(), xt::sentinel<bf16>()));
+      if (mask & 4)
+        EXPECT_EQ(check_array("d_bias", got.db.data(), 1, L.V(), L.V(), j.r.db, j.e.db), "");
+      else
+        EXPECT_TRUE(xt::same_bits(got.db.back(), xt::sentinel<bf16>()));
+    }
+}
+
+REGISTER_TYPED_TEST_SUITE_P(
+    LinearBackend, Float32MatchesFloat64OracleWithEveryOption,
+    EachOrderComputesExactlyTheGradientsAskedFor, LowMemoryOrderMatchesFloat64OracleWithEveryOption,
+    LowMemoryOrderInBfloat16AndHalfMatchesFloat64OracleWithEveryOption,
+    LowMemoryOrderOverSeveralPanelsMatchesFloat64Oracle,
+    AutomaticOrderSwitchesAtTheFastOrdersMinimal, Bfloat16AndHalfMatchFloat64OracleWithEveryOption,
+    EveryRowIgnoredGivesPyTorchsResultsAndZeroGradients, NoRowsWritesZeroWeightAndBiasGradients,
+    WorkspaceTooSmallThrowsNamingItAndTheSizeBeforeWriting,
+    FrozenWeightTrainsInTheLeastWorkspaceOfEitherMode, NoHiddenColumnsGivesTheBiasAloneOnEveryPath);
 
 }  // namespace xtl

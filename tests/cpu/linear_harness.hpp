@@ -59,6 +59,8 @@ struct lspec {
   bool bias = true;
   budget space = budget::all_rows;
   xent::dw_accumulation accumulate = xent::dw_accumulation::fp32;
+  /// The training order: fast unless a test names another (the workspace is sized for it).
+  xent::linear_order order = xent::linear_order::fast;
 
   std::int64_t ld() const { return hidden + pad; }
   std::string describe() const {
@@ -66,7 +68,11 @@ struct lspec {
     std::ostringstream o;
     o << ce.describe() << " D=" << hidden << " pad=" << pad << " bias=" << bias
       << " workspace=" << spaces[static_cast<int>(space)]
-      << " accumulate=" << (accumulate == xent::dw_accumulation::fp32 ? "fp32" : "output");
+      << " accumulate=" << (accumulate == xent::dw_accumulation::fp32 ? "fp32" : "output")
+      << " order="
+      << (order == xent::linear_order::fast         ? "fast"
+          : order == xent::linear_order::low_memory ? "low_memory"
+                                                    : "automatic");
     return o.str();
   }
 };
@@ -100,6 +106,7 @@ struct ldata {
     xent::linear_options o;
     static_cast<xent::options&>(o) = d.options();
     o.accumulate = s.accumulate;
+    o.order = s.order;
     return o;
   }
   oracle::linear_problem problem() const {
@@ -277,6 +284,23 @@ bounds error_bounds(const ldata<T>& L, const oracle::linear_problem& pb,
   for (std::int64_t v = 0; v < V; ++v) e.db[v] += 2.0 * (N + 2) * u * db_terms[v];
   return e;
 }
+
+/// A case's inputs in dtype T with the oracle's results and their error bounds (no chunk
+/// rounding; `stored`: the backend's).
+template <class T>
+struct judged_case {
+  ldata<T> L;
+  oracle::linear_problem pb;
+  oracle::upstream up;
+  oracle::linear_result r;
+  bounds e;
+  judged_case(const lspec& s, const rounding& stored)
+      : L(make_data<T>(s)),
+        pb(L.problem()),
+        up(L.d.oracle_upstream()),
+        r(oracle::evaluate_linear(pb, &up)),
+        e(error_bounds(L, pb, r, 0.0, stored)) {}
+};
 
 /// |got - ref| <= tol + the output dtype's rounding, for a dense-by-ld array; also checks that
 /// padding kept its sentinel. Returns a message for the first few failures.

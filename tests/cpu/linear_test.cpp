@@ -61,6 +61,7 @@ struct cpu_memory {
   };
   /// Every fourth every-option case in bf16 / fp16, whose CPU arithmetic is emulated (slow).
   static constexpr int narrow_stride = 4;
+  static constexpr bool low_memory_order = true;
 
   void set_up() {}
   void tear_down() {}
@@ -89,6 +90,28 @@ TEST(CpuLinear, Float64MatchesFloat64OracleToDoublePrecisionWithEveryOption) {
   for (const lspec& s : every_option(19, 13, 37))
     if (!b.record(run_case<double>(host, s))) return;
   EXPECT_EQ(b.cases(), 288);
+}
+
+TEST(CpuLinear, Float64LowMemoryOrderMatchesFloat64OracleToDoublePrecisionWithEveryOption) {
+  xt::case_budget b;
+  for (lspec s : every_option(19, 13, 37)) {
+    s.order = xent::linear_order::low_memory;
+    if (!b.record(run_case<double>(host, s))) return;
+  }
+  EXPECT_EQ(b.cases(), 288);
+}
+
+TEST(CpuLinear, LowMemoryOrderTakesEveryGradientDtype) {
+  // Each sum is in the inputs' accumulator whatever G is: d_weight panels and d_hidden's N x D sum
+  // in float for bf16 gradients, the caller's float d_weight and d_hidden as their own sums.
+  xt::case_budget b;
+  for (lspec s : mixed_dtype_cases()) {
+    s.order = xent::linear_order::low_memory;
+    if (!b.record(run_case<bf16, float>(host, s) && run_case<half, float>(host, s) &&
+                  run_case<float, bf16>(host, s) && run_case<double, float>(host, s) &&
+                  run_case<float, double>(host, s) && run_case<bf16, half>(host, s)))
+      return;
+  }
 }
 
 TEST(CpuLinear, GradientDtypeMayDifferFromTheInputs) {
@@ -233,10 +256,13 @@ TEST(CpuLinearWorkspace, SizeQueryPlansChunksWithinTheBudget) {
   const xent::cpu exec(2);
   const xent::linear_shape shape{1000, 64, 5003};
   const auto train = xent::linear_pass::training;
-  const auto all = xent::linear_workspace_size<float>(exec, shape, train, {}, std::size_t{1} << 40);
+  xent::linear_options fast;  // the fast order's plans
+  fast.order = xent::linear_order::fast;
+  const auto all =
+      xent::linear_workspace_size<float>(exec, shape, train, fast, std::size_t{1} << 40);
   EXPECT_EQ(all.chunk_rows, 1000);
   EXPECT_GE(all.bytes, 1000u * 5003u * 4u);  // the whole logits matrix in float
-  const auto least = xent::linear_workspace_size<float>(exec, shape, train, {}, 0);
+  const auto least = xent::linear_workspace_size<float>(exec, shape, train, fast, 0);
   EXPECT_EQ(least.chunk_rows, 1);
   EXPECT_EQ(least.bytes, least.minimal);
   EXPECT_EQ(least.minimal, all.minimal);
@@ -245,7 +271,7 @@ TEST(CpuLinearWorkspace, SizeQueryPlansChunksWithinTheBudget) {
   const auto fixed = xent::cpu_detail::make_linear_plan<float, float>(
       exec, shape, train, xent::dw_accumulation::fp32, 0);
   for (std::size_t budget : {std::size_t{1}, std::size_t{1} << 20, std::size_t{4} << 20}) {
-    const auto s = xent::linear_workspace_size<float>(exec, shape, train, {}, budget);
+    const auto s = xent::linear_workspace_size<float>(exec, shape, train, fast, budget);
     EXPECT_GE(s.chunk_rows, 1);
     if (s.chunk_rows > 1) {
       EXPECT_LE(s.bytes, fixed.bytes + budget);
@@ -257,9 +283,9 @@ TEST(CpuLinearWorkspace, SizeQueryPlansChunksWithinTheBudget) {
   }
   // The fp32 d_weight accumulator of a bf16 d_weight costs 4 V D bytes; a float d_weight is its
   // own accumulator; the lower-memory mode needs none.
-  xent::linear_options lo;
+  xent::linear_options lo = fast;
   lo.accumulate = xent::dw_accumulation::output;
-  const auto bf_fp32 = xent::linear_workspace_size<bf16>(exec, shape, train, {}, 0);
+  const auto bf_fp32 = xent::linear_workspace_size<bf16>(exec, shape, train, fast, 0);
   const auto bf_out = xent::linear_workspace_size<bf16>(exec, shape, train, lo, 0);
   EXPECT_GE(bf_fp32.minimal - bf_out.minimal, 5003u * 64u * 4u - 2u * 256u * 64u * 4u);
   EXPECT_LT(least.minimal, 5003u * 64u * 4u);
@@ -410,6 +436,20 @@ TEST(CpuLinearValidation, BadArgumentsThrowNamingThemBeforeWriting) {
   expect_error("options.accumulate", "fp32, output", [&] {
     xent::linear_workspace_size<float>(exec, {4, 3, 5}, xent::linear_pass::training,
                                        bad_accumulate);
+  });
+  auto bad_order = opts;
+  bad_order.order = static_cast<xent::linear_order>(7);
+  expect_error("options.order", "automatic, fast, low_memory", [&] {
+    xent::linear_workspace_size<float>(exec, {4, 3, 5}, xent::linear_pass::training, bad_order);
+  });
+  expect_error("options.order", "automatic, fast, low_memory", [&] {
+    xent::linear_forward(exec, X, W, B, t, bad_order, f.all(s.ce), ws.ws);
+  });
+  auto low = opts;
+  low.order = xent::linear_order::low_memory;
+  expect_error("options.order", "not on the vocab-parallel calls", [&] {
+    xent::vocab_parallel_linear_workspace_size<float>(exec, {4, 3, 5}, 5, 1,
+                                                      xent::linear_pass::training, low);
   });
   expect_error("pass", "forward, training", [&] {
     xent::linear_workspace_size<float>(exec, {4, 3, 5}, static_cast<xent::linear_pass>(5));

@@ -185,6 +185,7 @@ struct device_memory {
   };
   /// Every other every-option case in bf16 / fp16.
   static constexpr int narrow_stride = 2;
+  static constexpr bool low_memory_order = true;
 
   void set_up() {
     REQUIRE_GPU();

@@ -58,9 +58,12 @@ struct linear_plan {
   std::size_t bytes = 0;           ///< what the call needs, alignment slack included
 };
 
+/// The plan of chunks of `chunk_rows` rows; its d_hidden buffer holds `dx_rows` rows (the chunk's,
+/// or every row's for the low-memory order's sum).
 template <class T, class G>
 linear_plan make_linear_plan(const cpu& exec, const linear_shape& s, linear_pass pass,
-                             dw_accumulation accumulate, std::int64_t chunk_rows) {
+                             dw_accumulation accumulate, std::int64_t chunk_rows,
+                             std::int64_t dx_rows = -1) {
   linear_plan p;
   p.block = std::max<std::int64_t>(1, std::min(s.vocab, linear_block_rows));
   const std::int64_t blocks = (s.vocab + p.block - 1) / p.block;
@@ -82,7 +85,7 @@ linear_plan make_linear_plan(const cpu& exec, const linear_shape& s, linear_pass
   p.x = take(R * D, convert_in);
   p.wblock = take(p.threads * p.block * D, convert_in);
   p.bias = take(V, convert_in);
-  p.dx = take(R * D, training && convert_out);
+  p.dx = take((dx_rows < 0 ? R : dx_rows) * D, training && convert_out);
   p.dw = accumulate == dw_accumulation::fp32
              ? take(V * D, training && convert_out)
              : take(p.threads * p.block * D, training && convert_out);
@@ -99,6 +102,60 @@ linear_plan plan_linear(const cpu& exec, const linear_shape& s, linear_pass pass
                         dw_accumulation accumulate, std::size_t budget) {
   return detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t rows) {
     return make_linear_plan<T, G>(exec, s, pass, accumulate, rows);
+  });
+}
+
+/// Weight rows per panel of the low-memory order: a 256-row block per thread, at least four
+/// (1024 rows). A panel's d_weight sum is panel x D floats (16 MiB at D = 4096), and d_hidden's
+/// N x D float sum is read and written once per panel, so wider panels trade the one for the
+/// other. Not tuned by measurement yet.
+inline std::int64_t panel_cols(const cpu& exec, std::int64_t vocab) {
+  const std::int64_t threads = std::min(std::max(exec.threads, 1), max_threads);
+  return std::max<std::int64_t>(
+      1, std::min(vocab, linear_block_rows * std::max<std::int64_t>(threads, 4)));
+}
+
+/// The low-memory order's workspace (linear_order::low_memory): one region holds first the
+/// statistics' row chunks over the whole vocabulary, then a panel's row sub-chunks (d_hidden's
+/// N x D float sum in the panel plan's dx); each row's LSE and target mass follow it.
+struct low_memory_plan {
+  linear_plan stats;  ///< the forward over row chunks that saves each row's LSE
+  linear_plan panel;  ///< one panel of `cols` weight rows, chunk_rows rows at a time
+  std::int64_t cols = 1;
+  std::size_t lse = linear_absent;   ///< N: each row's LSE
+  std::size_t mass = linear_absent;  ///< N: each row's target mass
+  std::size_t bytes = 0;
+};
+
+/// Panel sub-chunks of `rows` rows, statistics chunks of `stats_rows` rows over the whole
+/// vocabulary.
+template <class T, class G>
+low_memory_plan make_low_memory_plan(const cpu& exec, const linear_shape& s, std::int64_t rows,
+                                     std::int64_t stats_rows = 1) {
+  low_memory_plan p;
+  p.cols = panel_cols(exec, s.vocab);
+  p.panel = make_linear_plan<T, G>(exec, {s.rows, s.hidden, p.cols}, linear_pass::training,
+                                   dw_accumulation::fp32, rows, s.rows);
+  p.stats =
+      make_linear_plan<T, G>(exec, s, linear_pass::forward, dw_accumulation::fp32, stats_rows);
+  buffer_stack stack{std::max(p.panel.end, p.stats.end)};
+  using A = accumulator_t<T>;
+  p.lse = stack.take(sizeof(A) * static_cast<std::size_t>(s.rows));
+  p.mass = stack.take(sizeof(A) * static_cast<std::size_t>(s.rows));
+  p.bytes = stack.bytes();
+  return p;
+}
+
+/// The low-memory plan with the largest panel sub-chunks that fit `budget` bytes, then the largest
+/// statistics chunks that fit it beside them: sized to the panel's logits bytes instead, they were
+/// 32 rows at 1024 x 512 x 32000, GEMMs of a fraction of the fast order's rows.
+template <class T, class G>
+low_memory_plan plan_low_memory(const cpu& exec, const linear_shape& s, std::size_t budget) {
+  const std::int64_t rows = detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t r) {
+                              return make_low_memory_plan<T, G>(exec, s, r);
+                            }).panel.chunk_rows;
+  return detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t stats_rows) {
+    return make_low_memory_plan<T, G>(exec, s, rows, stats_rows);
   });
 }
 

@@ -1,6 +1,6 @@
 // linear_traits<cuda>: fused linear cross-entropy on the GPU, with the caller's cuBLAS handle.
-// The chunked call, its GEMMs and the Hopper paths are dispatch/linear.cuh's; cublas_error is
-// dispatch/cublas.cuh's.
+// The chunked call (the fast order), its GEMMs and the Hopper paths are dispatch/linear.cuh's; the
+// low-memory order is dispatch/linear_panels.cuh's; cublas_error is dispatch/cublas.cuh's.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include "../views.hpp"
 #include "cuda.cuh"
 #include "dispatch/linear.cuh"
+#include "dispatch/linear_panels.cuh"
 #include "dispatch/linear_plan.cuh"
 #include "instances.cuh"
 
@@ -33,10 +34,24 @@ struct linear_traits<cuda> {
   /// accumulator when that fits the bytes the accumulator's plan would take (the figure returned
   /// is then that plan's); otherwise, with a d_weight without row padding, a call may take larger
   /// chunks than the figure returned: it keeps the logits in d_weight when that holds more rows.
+  ///
+  /// The low-memory order (linear_order::low_memory, dispatch/linear_panels.cuh): the statistics'
+  /// or a panel's buffers, whichever is larger (a panel of 8192 weight rows: chunk rows x 8192
+  /// elements of T of logits, with G not float and fewer chunk rows than N a float panel of
+  /// d_weight, 8192 x D), then per row 8 bytes of LSE and mass and, G not float, D floats of
+  /// d_hidden's sum.
   template <class T, class G>
   static linear_workspace_sizes workspace_size(const cuda&, const linear_shape& shape,
                                                linear_pass pass, dw_accumulation accumulate,
-                                               std::size_t budget) {
+                                               linear_order order, std::size_t budget) {
+    if (pass == linear_pass::training && order == linear_order::low_memory) {
+      const auto least = cuda_detail::make_low_memory_plan<T, G>(shape, 1);
+      const auto fixed = cuda_detail::make_low_memory_plan<T, G>(shape, 0);
+      const auto plan =
+          cuda_detail::plan_low_memory<T, G>(shape, detail::chunk_budget(fixed.bytes, budget));
+      return {least.bytes, std::max(plan.bytes, least.bytes),
+              std::min(plan.panel.chunk_rows, shape.rows)};
+    }
     const auto least = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 1);
     const auto fixed = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 0);
     const auto plan = cuda_detail::plan_linear<T, G>(shape, pass, accumulate,
@@ -61,9 +76,14 @@ struct linear_traits<cuda> {
                                const Tgt& targets, const linear_options& opts, const upstream& up,
                                const forward_outputs& out, const linear_grads<G>& grads,
                                const linear_workspace& ws) {
-    cuda_detail::run_linear<cuda_detail::linear_mode::fused>("xent::linear_forward_backward", exec,
-                                                             hidden, weight, bias, targets, opts,
-                                                             &up, {}, out, grads, ws);
+    constexpr const char* fn = "xent::linear_forward_backward";
+    if (opts.order == linear_order::low_memory)
+      cuda_detail::run_low_memory(fn, exec, hidden, weight, bias, targets, opts, up,
+                                  static_cast<const vector_view<const float>*>(nullptr), out, grads,
+                                  ws);
+    else
+      cuda_detail::run_linear<cuda_detail::linear_mode::fused>(
+          fn, exec, hidden, weight, bias, targets, opts, &up, {}, out, grads, ws);
   }
 
   template <class T, class Tgt, class G>
@@ -71,9 +91,13 @@ struct linear_traits<cuda> {
                        vector_view<const T> bias, const Tgt& targets, const linear_options& opts,
                        vector_view<const float> lse, const upstream& up,
                        const linear_grads<G>& grads, const linear_workspace& ws) {
-    cuda_detail::run_linear<cuda_detail::linear_mode::backward>(
-        "xent::linear_backward", exec, hidden, weight, bias, targets, opts, &up, lse,
-        forward_outputs{}, grads, ws);
+    constexpr const char* fn = "xent::linear_backward";
+    if (opts.order == linear_order::low_memory)
+      cuda_detail::run_low_memory(fn, exec, hidden, weight, bias, targets, opts, up, &lse,
+                                  forward_outputs{}, grads, ws);
+    else
+      cuda_detail::run_linear<cuda_detail::linear_mode::backward>(
+          fn, exec, hidden, weight, bias, targets, opts, &up, lse, forward_outputs{}, grads, ws);
   }
 };
 

@@ -26,18 +26,39 @@ enum class dw_accumulation {
   output,
 };
 
-/// The loss options of xent::options (every one applies to the logits hidden · weightᵀ + bias)
-/// and how d_weight is accumulated. W: the extent of class_weights, as in basic_options.
+/// The order a training call (linear_forward_backward, linear_backward) computes in. Forward calls
+/// have one order.
+enum class linear_order {
+  /// fast when the workspace holds fast's minimal, else low_memory when it holds low_memory's
+  /// minimal, else the call throws naming the smaller of the two. The default stays the fast order
+  /// (3 GEMMs), and a caller who sizes the workspace from a low_memory query gets that order
+  /// without naming it: the bytes given are the caller's statement of what memory there is.
+  automatic,
+  /// Row chunks outer: each chunk's logits over the whole vocabulary, d_weight summed across the
+  /// chunks as dw_accumulation says (its float sum is 4 V D bytes: 2 GiB at 128256 x 4096).
+  fast,
+  /// The vocabulary outer, in panels: a forward pass for each row's LSE (linear_backward is given
+  /// it), then per panel its logits for every row, d_weight[panel] summed over all rows in float
+  /// and written once, d_hidden added into an N x D float sum (d_hidden itself when it is float).
+  /// Exact as fast is; one GEMM more in forward_backward (4 against 3); no V x D buffer. Ignores
+  /// dw_accumulation (nothing is summed across chunks in d_weight's dtype).
+  low_memory,
+};
+
+/// The loss options of xent::options (every one applies to the logits hidden · weightᵀ + bias),
+/// how d_weight is accumulated and the training order. W: the extent of class_weights, as in
+/// basic_options.
 template <class W = dynamic_extent>
 struct basic_linear_options : basic_options<W> {
   dw_accumulation accumulate = dw_accumulation::fp32;
+  linear_order order = linear_order::automatic;
 
   basic_linear_options() = default;
   /// Run-time sized options from static ones.
   template <class W2, class = std::enable_if_t<std::is_convertible<basic_options<W2>,
                                                                    basic_options<W>>::value>>
   basic_linear_options(const basic_linear_options<W2>& o)  // NOLINT(google-explicit-constructor)
-      : basic_options<W>(o), accumulate(o.accumulate) {}
+      : basic_options<W>(o), accumulate(o.accumulate), order(o.order) {}
 };
 using linear_options = basic_linear_options<>;
 
@@ -77,11 +98,16 @@ struct vocab_parallel_linear_workspace : linear_workspace {
   std::int64_t chunk_rows = 0;
 };
 
-/// What xent::linear_workspace_size answers.
+/// What xent::linear_workspace_size answers, for the order of the options it is given
+/// (linear_order::automatic: the least is the smaller minimal of the two orders, and bytes and
+/// chunk_rows are the fast order's; a query with linear_order::low_memory answers that order's).
 struct linear_workspace_sizes {
   std::size_t minimal = 0;  ///< the least a call accepts: one row per chunk
   std::size_t bytes = 0;    ///< what a call uses when given the budget (minimal if that is more)
   std::int64_t chunk_rows = 0;  ///< rows per chunk with `bytes`
+  /// The fast order's minimal: with linear_order::automatic, a training workspace of at least
+  /// this many bytes runs the fast order and one byte less the low-memory order.
+  std::size_t fast_minimal = 0;
 };
 
 /// The budget xent::linear_workspace_size plans for when none is given.

@@ -1,6 +1,6 @@
-// What every backend of fused linear cross-entropy shares about row chunks: the search for the
-// largest chunk whose buffers fit a byte budget, and the slices of per-row arguments a chunk
-// passes to the cross-entropy core.
+// What every backend of fused linear cross-entropy shares about row chunks and vocabulary panels:
+// the search for the largest chunk whose buffers fit a byte budget, and the slices of per-row and
+// per-class arguments a chunk or panel passes to the cross-entropy core and the GEMMs.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 
 #include "../targets.hpp"
 #include "../views.hpp"
+#include "options.hpp"
 
 namespace xent {
 namespace detail {
@@ -53,6 +54,43 @@ vector_view<const I> target_rows(const vector_view<const I>& targets, std::int64
 template <class S>
 soft_targets<S> target_rows(const soft_targets<S>& targets, std::int64_t r0, std::int64_t n) {
   return {matrix_view<const S>(targets.probs.row(r0), n, targets.probs.cols, targets.probs.ld)};
+}
+
+/// Rows [v0, v0 + n) of an optional matrix (absent, null and 0 x 0, stays absent; a matrix of no
+/// columns may have null data, so no row address is formed for it).
+template <class U>
+matrix_view<U> panel_rows(const matrix_view<U>& m, std::int64_t v0, std::int64_t n) {
+  if (!m.data && m.rows == 0 && m.cols == 0) return m;
+  return matrix_view<U>(m.cols == 0 ? m.data : m.row(v0), n, m.cols, m.ld);
+}
+
+template <class U>
+vector_view<U> panel_slice(const vector_view<U>& v, std::int64_t v0, std::int64_t n) {
+  return v.data ? vector_view<U>(v.data + v0, n) : v;
+}
+
+/// The gradients of weight rows [v0, v0 + n): their rows of d_weight and d_bias (each absent when
+/// absent), no d_hidden (the low-memory order sums it over the panels itself).
+template <class G>
+linear_grads<G> panel_grads(const linear_grads<G>& grads, std::int64_t v0, std::int64_t n) {
+  linear_grads<G> g;
+  g.d_weight = panel_rows(grads.d_weight, v0, n);
+  g.d_bias = panel_slice(grads.d_bias, v0, n);
+  return g;
+}
+
+/// The targets of rows [r0, r0 + n) for a panel's columns [v0, v0 + nb): class ids are global,
+/// soft targets are the panel's columns (as a vocab-parallel shard's).
+template <class I>
+vector_view<const I> panel_targets(const vector_view<const I>& targets, std::int64_t r0,
+                                   std::int64_t n, std::int64_t, std::int64_t) {
+  return detail::target_rows(targets, r0, n);
+}
+
+template <class S>
+soft_targets<S> panel_targets(const soft_targets<S>& targets, std::int64_t r0, std::int64_t n,
+                              std::int64_t v0, std::int64_t nb) {
+  return {matrix_view<const S>(targets.probs.row(r0) + v0, n, nb, targets.probs.ld)};
 }
 
 }  // namespace detail

@@ -35,6 +35,12 @@ inline void check_accumulation(const char* fn, const linear_options& opts) {
           fn, "options.accumulate", "not one of fp32, output");
 }
 
+inline void check_order(const char* fn, const linear_options& opts) {
+  require(opts.order == linear_order::automatic || opts.order == linear_order::fast ||
+              opts.order == linear_order::low_memory,
+          fn, "options.order", "not one of automatic, fast, low_memory");
+}
+
 inline void check_pass(const char* fn, linear_pass pass) {
   require(pass == linear_pass::forward || pass == linear_pass::training, fn, "pass",
           "not one of forward, training");
@@ -64,6 +70,7 @@ void check_linear_inputs(const char* fn, const matrix_view<const T>& hidden,
   check_targets(fn, targets, hidden.rows, weight.rows);
   check_options(fn, opts, vocab);
   check_accumulation(fn, opts);
+  check_order(fn, opts);
 }
 
 /// An optional gradient matrix: absent when null and 0 x 0, else exactly rows x cols.

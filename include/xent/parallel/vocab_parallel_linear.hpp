@@ -119,6 +119,13 @@ std::size_t vp_linear_need(const Exec& exec, int ranks, const matrix_view<const 
 
 constexpr const char* vp_linear_query = "xent::vocab_parallel_linear_workspace_size";
 
+/// The vocab-parallel calls run the fast order (row chunks, each chunk's records exchanged):
+/// linear_order::automatic is that order here, and low_memory is refused.
+inline void require_rows_order(const char* fn, const linear_options& opts) {
+  require(opts.order != linear_order::low_memory, fn, "options.order",
+          "low_memory is not on the vocab-parallel calls yet (automatic runs the fast order)");
+}
+
 template <class Exec, class Group, class T, class Targets>
 void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<const T>& hidden,
                           const matrix_view<const T>& weight, const vector_view<const T>& bias,
@@ -133,6 +140,7 @@ void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<
   check_linear_inputs(fn, hidden, weight, bias, dynamic_targets(targets), opts, shard.vocab,
                       "shard.vocab");
   check_shard(fn, shard, weight.rows, hidden.rows);
+  require_rows_order(fn, opts);
   check_exchange_rows(fn, "hidden", hidden.rows, group.size());
   require(
       ws.chunk_rows >= 1 || (hidden.rows == 0 && ws.chunk_rows == 0), fn, "workspace.chunk_rows",
@@ -203,6 +211,8 @@ linear_workspace_sizes vocab_parallel_linear_workspace_size(
   constexpr const char* fn = "xent::vocab_parallel_linear_workspace_size";
   detail::check_linear_shape(fn, "shape", shape);
   detail::check_accumulation(fn, opts);
+  detail::check_order(fn, opts);
+  detail::require_rows_order(fn, opts);
   detail::check_pass(fn, pass);
   detail::require(ranks >= 1, fn, "ranks",
                   [&] { return "must be >= 1, got " + std::to_string(ranks); });

@@ -1,7 +1,8 @@
 // The small kernels of fused linear cross-entropy on CUDA, around the cuBLAS GEMMs and the
 // cross-entropy core: the whole call's normaliser and per-row upstream gradient before the chunks,
-// the bias broadcast into a chunk's logits, d_bias's column sums, float-to-dtype rounding, and the
-// reduced loss after the chunks. Each is simple and memory-bound; none is on the GEMMs' scale.
+// the bias broadcast into a chunk's logits, d_bias's column sums, float-to-dtype rounding, the
+// reduced loss after the chunks, and soft targets' row mass for the low-memory order. Each is
+// simple and memory-bound; none is on the GEMMs' scale.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -175,6 +176,24 @@ XENT_KERNEL void column_sums_kernel(const T* g, std::int64_t ld, std::int64_t ro
   float s = 0.0f;
   for (std::int64_t r = 0; r < rows; ++r) s += to_float(g[r * ld + c]);
   sums[c] = first ? s : sums[c] + s;
+}
+
+/// Each row's target mass sum_c w_c t'_c, t'_c = keep t_c + smooth, over all `cols` classes of
+/// soft targets (the low-memory order's panels each see part of a row, so the gradient takes it
+/// from here): a warp per row, its lanes strided over the classes and summed by shuffles in a
+/// fixed order.
+template <class S>
+XENT_KERNEL void soft_mass_kernel(soft_probs<S> targets, std::int64_t rows, std::int64_t cols,
+                                  const float* weights, float keep, float smooth, float* mass) {
+  const std::int64_t row = (blockIdx.x * std::int64_t{linear_threads} + threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (row >= rows) return;  // a warp's lanes share its row: whole warps leave
+  float s = 0.0f;
+  for (std::int64_t c = lane; c < cols; c += 32)
+    s += (weights ? weights[c] : 1.0f) *
+         (keep * to_float(targets.probs[row * targets.ld + c]) + smooth);
+  s = warp_sum(s);
+  if (lane == 0) mass[row] = s;
 }
 
 }  // namespace cuda_detail

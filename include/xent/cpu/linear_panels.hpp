@@ -1,0 +1,128 @@
+// The low-memory order of fused linear cross-entropy on the CPU (linear_order::low_memory): the
+// vocabulary outer, so that no V x D buffer exists.
+//   1. forward_backward only: the fast order's forward over row chunks (linear_rows.hpp), writing
+//      the outputs and each row's LSE into the workspace (linear_backward is given the LSE);
+//   2. each row's target mass: from the target's class weight, or summed over the soft targets;
+//   3. per panel of weight rows, its rows in sub-chunks: L = X_c · W_panelᵀ (+ b), the logit
+//      gradient of the panel from each row's LSE and mass (the vocab-parallel gradient of a shard,
+//      cpu/backend.hpp's write_gradient), d_weight[panel] += Gᵀ · X_c and d_bias[panel] += column
+//      sums in a panel-sized float sum (d_weight itself when float), d_hidden rows += G · W_panel
+//      into an N x D float sum (d_hidden itself when float); after the panel's last sub-chunk its
+//      d_weight and d_bias rows are rounded, once.
+// Every sum is in float (double for double inputs) and each output is rounded once, as in the
+// fast order.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "../linear/options.hpp"
+#include "../loss_math.hpp"
+#include "../options.hpp"
+#include "../targets.hpp"
+#include "../views.hpp"
+#include "backend.hpp"
+#include "cpu.hpp"
+#include "linear_plan.hpp"
+#include "linear_rows.hpp"
+#include "linear_steps.hpp"
+#include "parallel.hpp"
+
+namespace xent {
+namespace cpu_detail {
+
+/// A training call in the low-memory order. `saved_lse` is linear_backward's (null:
+/// forward_backward, which computes each row's LSE and writes `out`).
+template <class T, class G, class Tgt, class A>
+void run_low_memory(const char* fn, const cpu& exec, matrix_view<const T> hidden,
+                    matrix_view<const T> weight, vector_view<const T> bias, const Tgt& targets,
+                    const linear_options& opts, const basic_upstream<A>& up,
+                    const vector_view<const A>* saved_lse, const basic_forward_outputs<A>& out,
+                    const linear_grads<G>& grads, const linear_workspace& ws) {
+  const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
+  // Class ids are checked, and the mean's W summed over every row, before anything is written.
+  const double normalizer = check_targets_and_weigh(fn, targets, V, opts);
+  const low_memory_plan plan = plan_low_memory<T, G>(exec, {N, D, V}, ws.bytes);
+  // The panel plan's call lays out the region from the aligned base; its base locates the rest.
+  const linear_call<T, G> region =
+      make_linear_call(exec, hidden, weight, grads, dw_accumulation::fp32, plan.panel, ws.data);
+  A* mass = region.buffer(plan.mass);
+  const A* lse = saved_lse ? saved_lse->data : region.buffer(plan.lse);
+  if (!saved_lse) {
+    basic_forward_outputs<A> o = out;
+    o.lse = vector_view<A>(region.buffer(plan.lse), N);
+    const linear_call<T, G> stats = make_linear_call(exec, hidden, weight, linear_grads<G>{},
+                                                     dw_accumulation::fp32, plan.stats, ws.data);
+    run_row_chunks<linear_mode::forward>(stats, bias, targets, opts,
+                                         static_cast<const basic_upstream<A>*>(nullptr),
+                                         vector_view<const A>{}, o, normalizer);
+    if (out.lse.data) std::copy_n(lse, N, out.lse.data);
+  }
+
+  // The problem of the whole vocabulary (its loss constants span every class); each panel's is it
+  // shifted to the panel's first class, as a vocab-parallel shard's.
+  const problem<A, Tgt> whole =
+      make_problem(exec, matrix_view<const A>(nullptr, N, V, V), targets, opts, {0, V});
+  const int threads = std::min(std::max(exec.threads, 1), max_threads);
+  parallel_for(N * V < policy::min_parallel_elements ? 1 : threads, N,
+               [&](std::int64_t a, std::int64_t b, int) {
+                 for (std::int64_t n = a; n < b; ++n)
+                   mass[n] = whole.ignored(n) ? A(0) : row_mass(whole, n);
+               });
+  const row_scales<A> scales = make_row_scales(up, opts, normalizer);
+
+  // d_hidden's sum over the panels: d_hidden itself when it is the accumulator type.
+  A* dx = nullptr;
+  std::int64_t ldx = D;
+  if (grads.d_hidden.data) {
+    if constexpr (std::is_same<G, A>::value) {
+      dx = grads.d_hidden.data;
+      ldx = grads.d_hidden.ld;
+    } else {
+      dx = region.buffer(plan.panel.dx);
+    }
+    for (std::int64_t n = 0; n < N; ++n) std::fill_n(dx + n * ldx, D, A(0));
+  }
+
+  for (std::int64_t v0 = 0; v0 < V; v0 += plan.cols) {
+    const std::int64_t nb = std::min(plan.cols, V - v0);
+    const linear_call<T, G> c = make_linear_call(exec, hidden, detail::panel_rows(weight, v0, nb),
+                                                 detail::panel_grads(grads, v0, nb),
+                                                 dw_accumulation::fp32, plan.panel, ws.data);
+    const A* bias_f = float_bias(c, detail::panel_slice(bias, v0, nb));
+    start_grads(c);
+    problem<A, Tgt> pb = whole;
+    pb.weights = whole.weights ? whole.weights + v0 : nullptr;
+    pb.first_class = v0;
+    for (std::int64_t r0 = 0; r0 < N; r0 += plan.panel.chunk_rows) {
+      const std::int64_t n = std::min(plan.panel.chunk_rows, N - r0);
+      const const_acc_rows_map<A> x = float_rows(hidden, r0, n, c.buffer(plan.panel.x));
+      A* tile = c.buffer(plan.panel.logits);
+      acc_rows_map<A> logits(tile, n, nb, Eigen::OuterStride<>(nb));
+      chunk_logits(c, x, logits, bias_f);
+
+      pb.logits = matrix_view<const A>(tile, n, nb, nb);
+      pb.targets = detail::panel_targets(targets, r0, n, v0, nb);
+      row_scales<A> scale = scales;
+      if (scale.rows) scale.rows += r0;
+      write_gradient(
+          make_plan(exec, n, nb), pb, [&](std::int64_t row) { return lse[r0 + row]; },
+          [&](std::int64_t row) { return mass[r0 + row]; }, scale, matrix_view<A>(tile, n, nb, nb));
+
+      chunk_weight_grads(c, x, logits);
+      if (dx)
+        parallel_for(c.threads(n), n, [&](std::int64_t a, std::int64_t b, int worker) {
+          acc_rows_map<A> rows(dx + (r0 + a) * ldx, b - a, D, Eigen::OuterStride<>(ldx));
+          add_grad_times_weight(c, logits, a, b, rows, worker);
+        });
+    }
+    finish_grads(c);
+  }
+  if constexpr (!std::is_same<G, A>::value)
+    if (dx)
+      for (std::int64_t n = 0; n < N; ++n) convert(dx + n * D, D, grads.d_hidden.row(n));
+}
+
+}  // namespace cpu_detail
+}  // namespace xent

@@ -1,0 +1,209 @@
+// The low-memory order of fused linear cross-entropy on one GPU (linear_order::low_memory): the
+// vocabulary outer, so that no V x D buffer exists. Every step on exec.stream:
+//   1. forward_backward only: linear.cuh's forward over row chunks (the Hopper statistics GEMM
+//      where it applies), its outputs written and each row's LSE into the workspace
+//      (linear_backward is given the LSE);
+//   2. the prologue (the mean's W, each row's upstream gradient) and, for soft targets, each row's
+//      target mass over the whole vocabulary (soft_mass_kernel);
+//   3. per panel of weight rows, its rows in sub-chunks: L = X_c · W_panelᵀ (+ b) by cuBLAS into
+//      the workspace in T; the panel's logit gradient in place from each row's LSE and mass (the
+//      row kernel's backward pass over a vocabulary shard, vocab_parallel.cuh's vp_gradient);
+//      d_weight[panel] and d_bias[panel] by linear_call.cuh's chunk_grads (written by the GEMM
+//      straight into d_weight when one sub-chunk holds every row, else summed in a panel-sized
+//      float accumulator and rounded once); d_hidden += G · W_panel with a float C, the N x D float
+//      sum (d_hidden itself when float), rounded once into d_hidden after the last panel.
+// The statistics and panel buffers share one region of the workspace (one runs after the other on
+// the stream); the rows' LSE, mass and d_hidden sum follow it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "../../linear/options.hpp"
+#include "../../linear/plan.hpp"
+#include "../../loss_math.hpp"
+#include "../../options.hpp"
+#include "../../parallel/shard.hpp"
+#include "../../targets.hpp"
+#include "../../views.hpp"
+#include "../cuda.cuh"
+#include "../kernels/linear_kernels.cuh"
+#include "../runtime.cuh"
+#include "cublas.cuh"
+#include "linear.cuh"
+#include "linear_call.cuh"
+#include "linear_plan.cuh"
+#include "rows.cuh"
+#include "vocab_parallel.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+/// Weight rows per panel. d_hidden's N x D float sum is read and written once per panel by its
+/// GEMM's epilogue (2 x 4 N D bytes: 256 MiB at N = 8192, D = 4096), and a panel's logits for
+/// every row are N x P elements of T (128 MiB at N = 8192, P = 8192, bf16). Not tuned by
+/// measurement yet.
+constexpr std::int64_t linear_panel_cols = 8192;
+
+/// The low-memory order's workspace: the statistics' plan and a panel's plan from the same aligned
+/// base, then each row's LSE and target mass and d_hidden's float sum.
+struct low_memory_plan {
+  linear_plan stats;  ///< the forward over row chunks of the whole vocabulary
+  linear_plan panel;  ///< a panel of `cols` weight rows, panel.chunk_rows rows at a time
+  std::int64_t cols = 1;
+  std::size_t lse = linear_absent;
+  std::size_t mass = linear_absent;
+  std::size_t dx = linear_absent;  ///< N x D floats (G not float)
+  std::size_t bytes = 0;
+};
+
+/// Panel sub-chunks of `rows` rows. One sub-chunk of every row writes d_weight[panel] from its
+/// GEMM's float sum (dw_accumulation::output's buffers: none for G = T); fewer rows sum the panel
+/// in float (dw_accumulation::fp32's, P x D floats). The statistics take as many rows as the same
+/// logits bytes hold over the whole vocabulary.
+template <class T, class G>
+low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows) {
+  constexpr bool narrow_grads = !std::is_same<device_t<G>, float>::value;
+  low_memory_plan p;
+  p.cols = std::max<std::int64_t>(1, std::min(s.vocab, linear_panel_cols));
+  const bool every_row = rows >= s.rows;
+  p.panel = make_linear_plan<T, G>({s.rows, s.hidden, p.cols}, linear_pass::training,
+                                   every_row ? dw_accumulation::output : dw_accumulation::fp32,
+                                   rows, false, false);
+  const std::int64_t stats_rows = std::max<std::int64_t>(
+      1, std::min(s.rows, rows * p.cols / std::max<std::int64_t>(s.vocab, 1)));
+  p.stats = make_linear_plan<T, G>(s, linear_pass::forward, dw_accumulation::fp32, stats_rows,
+                                   false, false);
+  aligned_layout at{std::max(p.panel.end, p.stats.end)};
+  const auto N = static_cast<std::size_t>(s.rows), D = static_cast<std::size_t>(s.hidden);
+  p.lse = at.take(sizeof(float) * N);
+  p.mass = at.take(sizeof(float) * N);
+  p.dx = at.take(sizeof(float) * N * D, narrow_grads);
+  p.bytes = at.end + linear_alignment;
+  return p;
+}
+
+/// The plan with the largest panel sub-chunks that fit `budget` bytes (within cuBLAS's int rows,
+/// whole 128-row tiles where that stays within them), or the one-row plan.
+template <class T, class G>
+low_memory_plan plan_low_memory(const linear_shape& s, std::size_t budget) {
+  constexpr std::int64_t most_rows = std::int64_t{INT_MAX} / 128 * 128;
+  const low_memory_plan p = detail::largest_chunk_plan(
+      std::min(s.rows, most_rows), budget,
+      [&](std::int64_t rows) { return make_low_memory_plan<T, G>(s, rows); });
+  const std::int64_t rows = gemm_friendly_rows(s.rows, p.panel.chunk_rows);
+  return rows == p.panel.chunk_rows ? p : make_low_memory_plan<T, G>(s, rows);
+}
+
+/// The device targets of rows [r0, r0 + n) for the panel's columns from v0 (soft targets: the
+/// panel's columns, as a vocab-parallel shard's).
+template <class Tgt>
+auto panel_device_targets(const Tgt& targets, std::int64_t r0, std::int64_t n, std::int64_t v0,
+                          std::int64_t nb) {
+  return device_targets(detail::panel_targets(targets, r0, n, v0, nb));
+}
+
+/// A training call in the low-memory order. `saved_lse` is linear_backward's (null:
+/// forward_backward, which computes each row's LSE and writes `out`).
+template <class T, class G, class Tgt>
+void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidden,
+                    matrix_view<const T> weight, vector_view<const T> bias, const Tgt& targets,
+                    const linear_options& opts, const upstream& up,
+                    const vector_view<const float>* saved_lse, const forward_outputs& out,
+                    const linear_grads<G>& grads, const linear_workspace& ws) {
+  using DG = device_t<G>;
+  constexpr bool soft = detail::target_traits<Tgt>::soft;
+  const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
+  const low_memory_plan plan = plan_low_memory<T, G>({N, D, V}, ws.bytes);
+  // Every panel's call sees d_weight and d_bias rows of its own and no d_hidden (summed here).
+  linear_grads<G> weight_grads = grads;
+  weight_grads.d_hidden = {};
+  check_linear_call(fn, exec, hidden, weight, grads, plan.panel);
+  const cudaStream_t s = exec.stream;
+
+  // Buffers at plan offsets from the workspace's first 256-byte-aligned address, as every call's.
+  const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(ws.data);
+  char* const base =
+      static_cast<char*>(ws.data) +
+      ((address + linear_alignment - 1) / linear_alignment * linear_alignment - address);
+  float* const row_lse = reinterpret_cast<float*>(base + plan.lse);
+  float* const mass = reinterpret_cast<float*>(base + plan.mass);
+  if (!saved_lse) {
+    // The forward lays out the statistics' region itself, from the same aligned base.
+    forward_outputs o = out;
+    o.lse = {row_lse, N};
+    run_linear<linear_mode::forward>(fn, exec, hidden, weight, bias, targets, opts, nullptr, {}, o,
+                                     linear_grads<T>{},
+                                     linear_workspace{ws.data, plan.stats.bytes});
+    if (out.lse.data && N > 0)
+      check_cuda(fn, cudaMemcpyAsync(out.lse.data, row_lse, sizeof(float) * N,
+                                     cudaMemcpyDeviceToDevice, s));
+  }
+
+  const cublas_scope blas(fn, exec);
+  const linear_call<T, G> whole =
+      make_linear_call(exec, blas, hidden, weight, bias, weight_grads, plan.panel, ws.data);
+  const float* lse = saved_lse ? saved_lse->data : row_lse;
+  const auto dt = device_targets(targets);
+  const linear_totals totals = start_totals(fn, whole, dt, N, V, opts, &up, nullptr);
+  if constexpr (soft) {
+    if (N > 0) {
+      const auto k = make_loss_constants(opts, V, static_cast<float>(V));
+      const auto blocks = static_cast<unsigned>((N * 32 + linear_threads - 1) / linear_threads);
+      soft_mass_kernel<<<blocks, linear_threads, 0, s>>>(dt, N, V, opts.class_weights.data, k.keep,
+                                                         k.smooth, mass);
+      check_cuda(fn, cudaGetLastError());
+    }
+  }
+
+  // d_hidden's float sum over the panels: d_hidden itself when it is float.
+  float* dx = nullptr;
+  std::int64_t ldx = D;
+  if (grads.d_hidden.data) {
+    if constexpr (std::is_same<DG, float>::value) {
+      dx = reinterpret_cast<float*>(grads.d_hidden.data);
+      ldx = grads.d_hidden.ld;
+    } else {
+      dx = reinterpret_cast<float*>(base + plan.dx);
+    }
+    if (V == 0) zero_matrix(fn, grads.d_hidden.data, N, D, grads.d_hidden.ld, s);
+  }
+
+  options core = opts;
+  core.reduce = reduction::none;  // each sub-chunk's rows; W and the reduction are the call's
+  for (std::int64_t v0 = 0; v0 < V; v0 += plan.cols) {
+    const std::int64_t nb = std::min(plan.cols, V - v0);
+    const linear_call<T, G> c = make_linear_call(
+        exec, blas, hidden, detail::panel_rows(weight, v0, nb), detail::panel_slice(bias, v0, nb),
+        detail::panel_grads(grads, v0, nb), plan.panel, ws.data);
+    for (std::int64_t r0 = 0; r0 < N; r0 += plan.panel.chunk_rows) {
+      const std::int64_t n = std::min(plan.panel.chunk_rows, N - r0);
+      chunk_logits(c, r0, n);
+      const matrix_view<T> tile(reinterpret_cast<T*>(c.logits()), n, nb, plan.panel.ld);
+      // Out-of-range class ids are counted once: by the forward, or by backward's first panel.
+      vp_gradient(fn, exec, matrix_view<const T>(tile), vocab_shard{v0, V},
+                  panel_device_targets(targets, r0, n, v0, nb), core, lse + r0,
+                  soft ? mass + r0 : nullptr, chunk_upstream(&up, opts, totals, r0, n), tile,
+                  saved_lse && v0 == 0 && !soft ? exec.error_count : nullptr);
+      chunk_grads(c, r0, n, r0 == 0, c.hidden_row(r0), c.hidden.ld);
+      if (dx)
+        gemm(blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, nb, c.weight.data, c.weight.ld, c.logits(),
+             plan.panel.ld, v0 == 0 ? 0.0f : 1.0f, dx + r0 * ldx, CUDA_R_32F, sizeof(float), ldx);
+    }
+    finish_grads(c);
+  }
+  if constexpr (!std::is_same<DG, float>::value)
+    if (dx && V > 0)
+      launch_round(
+          round_op<DG>{dx, D, reinterpret_cast<DG*>(grads.d_hidden.data), grads.d_hidden.ld}, N, D,
+          s);
+  check_cuda(fn, cudaGetLastError());
+}
+
+}  // namespace cuda_detail
+}  // namespace xent
