@@ -167,9 +167,13 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, 0), "properties");
   const double single = single_gpu_ms(rows, vocab, iterations);
   const double split = vocab_parallel_ms(rows, vocab, iterations, gpus);
-  // What each rank sends per row (the header is per call, not per row) and receives.
-  const double sent_per_row = static_cast<double>(sizeof(xent::slice_partial));
-  const double header = static_cast<double>(xent::cuda_vocab_parallel_exchange_bytes(0));
+  // What each rank sends per row (the header is per call, not per row) and receives: the records
+  // of class ids without argmax (parallel/records.hpp), as the timed calls exchange.
+  const xent::options plain{};
+  const double sent_per_row =
+      static_cast<double>(xent::record_layout::statistics(false, plain, false).bytes());
+  const double header = static_cast<double>(
+      xent::vocab_parallel_exchange_bytes(xent::cuda{}, 0, false, plain, false));
   std::printf("%s x %d, bf16 %lld x %lld forward_backward (in place), median of %d\n", prop.name,
               gpus, static_cast<long long>(rows), static_cast<long long>(vocab), iterations);
   std::printf("  single GPU xent::forward_backward      %9.3f ms\n", single);

@@ -165,7 +165,7 @@ int run(int rank, int ranks, std::int64_t rows, std::int64_t vocab, int steps, n
         "%zu bytes sent per rank per call\n",
         ranks, static_cast<long long>(rows), static_cast<long long>(vocab),
         static_cast<long long>(cols), mine, ms / steps,
-        xent::cuda_vocab_parallel_exchange_bytes(rows));
+        xent::vocab_parallel_exchange_bytes(exec, rows, false, xent::options{}, false));
   for (void* p : {static_cast<void*>(logits), static_cast<void*>(grad), static_cast<void*>(y),
                   static_cast<void*>(loss), ws, static_cast<void*>(all)})
     cudaFree(p);

@@ -23,7 +23,13 @@ struct backend_traits;
 ///   static void backward(exec, group, logits, shard, targets, opts, lse, upstream, grad);
 ///   static void forward_backward(exec, group, logits, shard, targets, opts, upstream, outputs,
 ///                                grad);
-/// called by parallel/vocab_parallel.hpp after its argument checks.
+/// called by parallel/vocab_parallel.hpp after its argument checks, and the split phases
+///   static void records(exec, logits, shard, targets, opts, record_layout, send);
+///   static void finish(exec, ranks, logits, shard, targets, opts, record_layout, recv, outputs,
+///                      row_mass, upstream or null, grad);
+///   static void backward_from_mass(exec, logits, shard, targets, opts, lse, row_mass, upstream,
+///                                  grad);
+/// called by parallel/vocab_parallel_phases.hpp after its own.
 template <class Exec>
 struct vocab_parallel_traits;
 

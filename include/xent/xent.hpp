@@ -17,6 +17,9 @@
 //                                 grad_shard);
 //   xent::vocab_parallel_forward_backward(exec, group, logits_shard, shard, targets, opts,
 //                                         upstream, outputs, grad_shard);
+// or in two phases around a collective of the caller's (parallel/vocab_parallel_phases.hpp):
+//   xent::vocab_parallel_records(exec, logits_shard, shard, targets, opts, argmax, send);
+//   xent::vocab_parallel_finish(exec, ranks, logits_shard, shard, targets, opts, recv, outputs);
 //
 // and vocab-parallel fused linear cross-entropy over an LM head split by vocabulary (each rank
 // gets its d_weight / d_bias rows and its partial d_hidden, which the caller sums over the group):
@@ -54,6 +57,7 @@
 #include "parallel/shard.hpp"
 #include "parallel/vocab_parallel.hpp"
 #include "parallel/vocab_parallel_linear.hpp"
+#include "parallel/vocab_parallel_phases.hpp"
 #include "targets.hpp"
 #include "views.hpp"
 

@@ -6,7 +6,11 @@
 // itself.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -21,13 +25,28 @@ namespace {
 using xt::spec;
 using xt::split;
 
-/// The CPU backend of the shared vocab-parallel tests (vocab_parallel_backend_tests.hpp): ranks as
-/// threads of an in-process group, each on its shard (xvp::shard_of) with the case's xent::cpu.
-struct cpu_ranks {
+/// What the CPU backends of the shared vocab-parallel tests (vocab_parallel_backend_tests.hpp)
+/// share: the unsharded reference and a case's run; Self provides ranks().
+template <class Self>
+struct cpu_backend {
   static constexpr bool narrower_gradient = true;
   void set_up() {}
   void tear_down() {}
 
+  template <class T>
+  xt::call_result<float> unsharded(const xt::dataset<T>& d, bool fused) const {
+    return xt::call<T, float>(d, fused);
+  }
+
+  template <class T, class G = T>
+  bool run(const spec& s, const split& sp) const {
+    return xvp::run_case<T, G>(static_cast<const Self&>(*this), xt::make_dataset<T>(s), sp);
+  }
+};
+
+/// The CPU backend of the shared vocab-parallel tests: ranks as threads of an in-process group,
+/// each on its shard (xvp::shard_of) with the case's xent::cpu.
+struct cpu_ranks : cpu_backend<cpu_ranks> {
   template <class T, class G>
   xvp::ranks_result<G> ranks(const xt::dataset<T>& d, const split& sp, bool fused) const {
     const std::vector<xt::dataset<T>> shards = xvp::shards_of(d, sp);
@@ -49,15 +68,67 @@ struct cpu_ranks {
     });
     return res;
   }
+};
 
-  template <class T>
-  xt::call_result<float> unsharded(const xt::dataset<T>& d, bool fused) const {
-    return xt::call<T, float>(d, fused);
-  }
-
-  template <class T, class G = T>
-  bool run(const spec& s, const split& sp) const {
-    return xvp::run_case<T, G>(*this, xt::make_dataset<T>(s), sp);
+/// The split phases (parallel/vocab_parallel_phases.hpp) with a hand-made gather, as the shared
+/// tests' backend: every rank's records phase in turn on one thread, their blocks copied side by
+/// side in rank order, then every rank's finish; the unfused form's backward takes the LSE and the
+/// rows' target mass that its forward finish wrote. Each case also runs the group calls
+/// (cpu_ranks) and must match them bit for bit: forward outputs and gradient shards.
+struct cpu_split_ranks : cpu_backend<cpu_split_ranks> {
+  template <class T, class G>
+  xvp::ranks_result<G> ranks(const xt::dataset<T>& d, const split& sp, bool fused) const {
+    const std::vector<xt::dataset<T>> shards = xvp::shards_of(d, sp);
+    const int R = sp.ranks();
+    const std::int64_t N = d.s.rows;
+    xvp::ranks_result<G> res;
+    for (const auto& in : shards) res.ranks.push_back(xvp::poisoned<G>(N, in.s.ld()));
+    const bool argmax = true;  // all_outputs asks for argmax
+    const std::size_t block = xent::vocab_parallel_exchange_bytes(
+        shards[0].exec(), N, d.s.kind == xt::target_kind::soft, shards[0].options(), argmax);
+    std::vector<unsigned char> recv(block * static_cast<std::size_t>(R));
+    for (int r = 0; r < R; ++r)
+      shards[r].with_targets([&](auto t) {
+        const xt::dataset<T>& in = shards[r];
+        std::vector<unsigned char> send(block);
+        xent::vocab_parallel_records(in.exec(), in.view(), {sp.first(r), d.s.cols}, t, in.options(),
+                                     argmax, {send.data(), std::int64_t(block)});
+        std::copy(send.begin(), send.end(), recv.begin() + static_cast<std::ptrdiff_t>(r * block));
+      });
+    const xent::vector_view<const unsigned char> gathered(recv.data(),
+                                                          static_cast<std::int64_t>(recv.size()));
+    for (int r = 0; r < R; ++r) {
+      const xt::dataset<T>& in = shards[r];
+      xt::call_result<G>& out = res.ranks[r];
+      const xent::forward_outputs o = xvp::all_outputs(
+          d.s, N, &out.loss, out.row_loss.data(), out.lse.data(), out.argmax.data(), &out.correct);
+      const xent::matrix_view<G> g(out.grad.data(), N, in.s.cols, in.s.ld());
+      const xent::vocab_shard shard{sp.first(r), d.s.cols};
+      in.with_targets([&](auto t) {
+        if (fused) {
+          xent::vocab_parallel_finish(in.exec(), R, in.view(), shard, t, in.options(), gathered, o,
+                                      in.upstream(), g);
+          return;
+        }
+        std::vector<float> mass(static_cast<std::size_t>(N));
+        xent::vocab_parallel_finish(in.exec(), R, in.view(), shard, t, in.options(), gathered, o,
+                                    xent::vector_view<float>(mass.data(), N));
+        xent::vocab_parallel_backward(in.exec(), in.view(), shard, t, in.options(),
+                                      xent::vector_view<const float>(o.lse.data, N),
+                                      xent::vector_view<const float>(mass.data(), N), in.upstream(),
+                                      g);
+      });
+    }
+    const xvp::ranks_result<G> group = cpu_ranks{}.ranks<T, G>(d, sp, fused);
+    for (int r = 0; r < R; ++r) {
+      if (xvp::forward_bytes(res.ranks[r]) != xvp::forward_bytes(group.ranks[r]))
+        res.errors += "  rank " + std::to_string(r) + ": forward outputs differ from the group's\n";
+      const auto& a = res.ranks[r].grad;
+      const auto& b = group.ranks[r].grad;
+      if (a.size() != b.size() || std::memcmp(a.data(), b.data(), a.size() * sizeof(G)) != 0)
+        res.errors += "  rank " + std::to_string(r) + ": gradient differs from the group's\n";
+    }
+    return res;
   }
 };
 
@@ -292,6 +363,126 @@ TEST(CpuVocabParallelValidation, RowsOfAnEmptyShardBeyondWhatAWorkspaceSizeCount
 }
 
 // ---------------------------------------------------------------------------------------------
+// The split phases' own arguments: the buffers, the gathered headers, the ranks, the row mass
+// ---------------------------------------------------------------------------------------------
+
+/// Two ranks' blocks of vp_args' rows, shards {0, 10} and {10, 10} of V = 20 unless `second`
+/// says otherwise for rank 1, gathered by hand in rank order.
+std::vector<unsigned char> gathered_blocks(vp_args& a, xent::vocab_shard second = {10, 20}) {
+  const std::size_t block = xent::vocab_parallel_exchange_bytes(xent::cpu{}, 3, false, {}, false);
+  std::vector<unsigned char> recv(2 * block);
+  const xent::vocab_shard shards[2] = {{0, 20}, second};
+  for (int r = 0; r < 2; ++r)
+    xent::vocab_parallel_records(xent::cpu{}, a.view(), shards[r], a.ids(), {}, false,
+                                 {recv.data() + r * block, static_cast<std::int64_t>(block)});
+  return recv;
+}
+
+/// The argument named by the xent::error that `f` throws.
+template <class F>
+std::string thrown_argument(F&& f) {
+  try {
+    f();
+  } catch (const xent::error& e) {
+    return e.argument();
+  }
+  return "(no error)";
+}
+
+TEST(CpuVocabParallelSplitValidation, BuffersOfTheWrongSizeAreNamed) {
+  vp_args a;
+  const std::size_t block = xent::vocab_parallel_exchange_bytes(xent::cpu{}, 3, false, {}, false);
+  EXPECT_EQ(block, 32u + 3u * 12u + 4u);  // header, 12-byte records, padding to 8
+  std::vector<unsigned char> bytes(3 * block);
+  EXPECT_EQ(thrown_argument([&] {
+              xent::vocab_parallel_records(xent::cpu{}, a.view(), {0, 20}, a.ids(), {}, false,
+                                           {bytes.data(), static_cast<std::int64_t>(block - 8)});
+            }),
+            "send");
+  EXPECT_EQ(thrown_argument([&] {  // argmax asked of the finish: wider records than were sent
+              std::int64_t correct = 0;
+              xent::forward_outputs o = a.out();
+              o.num_correct = &correct;
+              xent::vocab_parallel_finish(xent::cpu{}, 2, a.view(), {0, 20}, a.ids(), {},
+                                          {bytes.data(), static_cast<std::int64_t>(2 * block)}, o);
+            }),
+            "recv");
+  EXPECT_EQ(thrown_argument([&] {  // three ranks' bytes for two ranks
+              xent::vocab_parallel_finish(xent::cpu{}, 2, a.view(), {0, 20}, a.ids(), {},
+                                          {bytes.data(), static_cast<std::int64_t>(3 * block)},
+                                          a.out());
+            }),
+            "recv");
+  EXPECT_EQ(thrown_argument([&] {
+              xent::vocab_parallel_finish(xent::cpu{}, 0, a.view(), {0, 20}, a.ids(), {},
+                                          {bytes.data(), 0}, a.out());
+            }),
+            "ranks");
+  EXPECT_EQ(a.loss, 0.0f) << "an output was written before the error";
+}
+
+TEST(CpuVocabParallelSplitValidation, GatheredHeadersThatDoNotTileNameRecv) {
+  // Rank 1's shard overlaps rank 0's, leaves a gap, declares another V; or the caller gathered
+  // rank 0's block twice. Nothing is written.
+  for (const xent::vocab_shard second :
+       {xent::vocab_shard{5, 20}, xent::vocab_shard{12, 22}, xent::vocab_shard{10, 21}}) {
+    vp_args a;
+    const std::vector<unsigned char> recv = gathered_blocks(a, second);
+    EXPECT_EQ(thrown_argument([&] {
+                xent::vocab_parallel_finish(xent::cpu{}, 2, a.view(), {0, 20}, a.ids(), {},
+                                            {recv.data(), static_cast<std::int64_t>(recv.size())},
+                                            a.out());
+              }),
+              "recv")
+        << second.first << " " << second.vocab;
+    EXPECT_EQ(a.loss, 0.0f);
+  }
+  vp_args a;
+  std::vector<unsigned char> recv = gathered_blocks(a);
+  std::copy(recv.begin(), recv.begin() + recv.size() / 2, recv.begin() + recv.size() / 2);
+  EXPECT_EQ(thrown_argument([&] {
+              xent::vocab_parallel_finish(xent::cpu{}, 2, a.view(), {10, 20}, a.ids(), {},
+                                          {recv.data(), static_cast<std::int64_t>(recv.size())},
+                                          a.out());
+            }),
+            "recv");
+  // The good blocks finish, the same on both ranks' shards.
+  const std::vector<unsigned char> good = gathered_blocks(a);
+  float loss[2] = {0.0f, 0.0f};
+  for (int r = 0; r < 2; ++r)
+    xent::vocab_parallel_finish(xent::cpu{}, 2, a.view(), {r * 10, 20}, a.ids(), {},
+                                {good.data(), static_cast<std::int64_t>(good.size())},
+                                xent::forward_outputs{&loss[r]});
+  EXPECT_TRUE(std::isfinite(loss[0]));
+  EXPECT_EQ(loss[0], loss[1]);
+}
+
+TEST(CpuVocabParallelSplitValidation, SoftTargetBackwardNeedsTheRowMass) {
+  vp_args a;
+  std::vector<float> probs(3 * 10, 0.05f), lse(3, 1.0f), g(3 * 10), mass(3, 1.0f);
+  const auto t = xent::soft(xent::matrix_view<const float>(probs.data(), 3, 10));
+  const xent::matrix_view<float> grad(g.data(), 3, 10);
+  const xent::vector_view<const float> saved(lse.data(), 3);
+  EXPECT_EQ(
+      thrown_argument([&] {
+        xent::vocab_parallel_backward(xent::cpu{}, a.view(), {0, 20}, t, {}, saved, {}, {}, grad);
+      }),
+      "row_mass");
+  EXPECT_EQ(thrown_argument([&] {
+              xent::vocab_parallel_backward(xent::cpu{}, a.view(), {0, 20}, t, {}, saved,
+                                            xent::vector_view<const float>(mass.data(), 2), {},
+                                            grad);
+            }),
+            "row_mass");
+  // Class ids take no mass.
+  EXPECT_EQ(thrown_argument([&] {
+              xent::vocab_parallel_backward(xent::cpu{}, a.view(), {0, 20}, a.ids(), {}, saved, {},
+                                            {}, grad);
+            }),
+            "(no error)");
+}
+
+// ---------------------------------------------------------------------------------------------
 // The in-process group itself
 // ---------------------------------------------------------------------------------------------
 
@@ -324,4 +515,5 @@ TEST(InprocessGroup, RejectsBadSizesAndRanks) {
 namespace xvp {
 // Named so that the tsan preset's filter (^CpuVocabParallel) runs them with the threaded tests.
 INSTANTIATE_TYPED_TEST_SUITE_P(CpuVocabParallel, VocabParallelBackend, cpu_ranks);
+INSTANTIATE_TYPED_TEST_SUITE_P(CpuVocabParallelSplit, VocabParallelBackend, cpu_split_ranks);
 }  // namespace xvp

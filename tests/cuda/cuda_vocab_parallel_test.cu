@@ -144,6 +144,56 @@ struct device_result {
   }
 };
 
+/// A rank of `Group` whose calls go through the split phases (parallel/vocab_parallel_phases.hpp):
+/// the group's all-gather stands for the caller's own collective between them.
+template <class Group>
+struct split_phases {
+  Group group;
+  int rank() const { return group.rank(); }
+  int size() const { return group.size(); }
+  cudaStream_t stream() const { return group.stream(); }
+};
+
+}  // namespace
+
+namespace xvp {
+
+/// xvp::rank_calls through the split phases: records, the all-gather, finish; the unfused form's
+/// backward from the LSE and the rows' target mass that its forward finish wrote. The exchange's
+/// buffers are device memory of the rank's own.
+template <class Group, class T, class Targets, class G>
+void rank_calls(const xent::cuda& exec, const split_phases<Group>& s,
+                xent::matrix_view<const T> logits, xent::vocab_shard shard, const Targets& targets,
+                const xent::options& opts, const xent::upstream& up,
+                const xent::forward_outputs& out, xent::matrix_view<G> grad, bool fused) {
+  const int R = s.size();
+  const std::int64_t N = logits.rows;
+  const bool argmax = out.argmax.data || out.num_correct;
+  const std::size_t block = xent::vocab_parallel_exchange_bytes(
+      exec, N, xent::detail::target_traits<Targets>::soft, opts, argmax);
+  const xent_test::dbuf<unsigned char> send(block), recv(block * static_cast<std::size_t>(R));
+  const xent_test::dbuf<float> mass(static_cast<std::size_t>(N) + 1);
+  xent::vocab_parallel_records(exec, logits, shard, targets, opts, argmax,
+                               {send.ptr, static_cast<std::int64_t>(block)});
+  s.group.all_gather(send.ptr, recv.ptr, block);
+  const xent::vector_view<const unsigned char> gathered(recv.ptr,
+                                                        static_cast<std::int64_t>(recv.n));
+  if (fused) {
+    xent::vocab_parallel_finish(exec, R, logits, shard, targets, opts, gathered, out, up, grad);
+  } else {
+    xent::vocab_parallel_finish(exec, R, logits, shard, targets, opts, gathered, out,
+                                xent::vector_view<float>(mass.ptr, N));
+    xent::vocab_parallel_backward(exec, logits, shard, targets, opts,
+                                  xent::vector_view<const float>(out.lse.data, N),
+                                  xent::vector_view<const float>(mass.ptr, N), up, grad);
+  }
+  xent_test::ok(cudaStreamSynchronize(exec.stream));  // the buffers are freed on return
+}
+
+}  // namespace xvp
+
+namespace {
+
 /// `calls(exec, logits, targets, options, upstream, outputs, grad)` on `in` (a case or a rank's
 /// shard of one) on `stream`, with the workspace of a group of `ranks`, into outputs poisoned as
 /// xvp::poisoned's; returns what they wrote, the device error count in `errors`.
@@ -239,6 +289,21 @@ struct staged_launch {
 struct staged_ranks : device_ranks<staged_launch> {
   /// A bf16 gradient of float logits does not compile: the kernels store whole 16-byte vectors
   /// of the gradient per vector of logits (block/tile_gradient.cuh's store_whole).
+  static constexpr bool narrower_gradient = false;
+  void set_up() { REQUIRE_GPU(); }
+  void tear_down() {}
+};
+
+struct staged_split_launch {
+  template <class F>
+  void operator()(int ranks, F&& f) const {
+    xent_test::on_staged_ranks(ranks,
+                               [&](const staged_group& g) { f(split_phases<staged_group>{g}); });
+  }
+};
+
+/// The split phases on staged ranks: the same cases as staged_ranks, held to the same checks.
+struct staged_split_ranks : device_ranks<staged_split_launch> {
   static constexpr bool narrower_gradient = false;
   void set_up() { REQUIRE_GPU(); }
   void tear_down() {}
@@ -461,4 +526,5 @@ TEST(NcclVocabParallel, SkippedWithoutNccl) {
 
 namespace xvp {
 INSTANTIATE_TYPED_TEST_SUITE_P(Cuda, VocabParallelBackend, staged_ranks);
+INSTANTIATE_TYPED_TEST_SUITE_P(CudaSplit, VocabParallelBackend, staged_split_ranks);
 }  // namespace xvp

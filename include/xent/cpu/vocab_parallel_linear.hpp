@@ -45,7 +45,7 @@ namespace cpu_detail {
 /// the same aligned base).
 struct vp_linear_plan {
   linear_plan chunk;
-  std::size_t send = 0;   ///< exchange::block(chunk_rows): this rank's header and records
+  std::size_t send = 0;   ///< a block of chunk_rows records (record_layout::largest): this rank's
   std::size_t recv = 0;   ///< ranks blocks
   std::size_t parts = 0;  ///< chunk_rows records: this shard's statistics of each row
   std::size_t lse = 0;    ///< chunk_rows floats: each row's merged LSE
@@ -61,7 +61,7 @@ vp_linear_plan make_vp_linear_plan(const cpu& exec, const linear_shape& s, int r
   p.chunk = make_linear_plan<T, G>(exec, s, pass, accumulate, chunk_rows);
   buffer_stack stack{p.chunk.end};
   const auto rows = static_cast<std::size_t>(chunk_rows);
-  const std::size_t block = exchange::block(chunk_rows);
+  const std::size_t block = detail::exchange_block_bytes(chunk_rows, record_layout::largest());
   p.send = stack.take(block);
   p.recv = stack.take(block * static_cast<std::size_t>(ranks));
   p.parts = stack.take(sizeof(slice_partial) * rows);
@@ -71,16 +71,8 @@ vp_linear_plan make_vp_linear_plan(const cpu& exec, const linear_shape& s, int r
   return p;
 }
 
-/// Every rank has the call's rows (each header says how many): the chunks cover the same rows.
-inline void check_rows(const char* fn, const exchange& x) {
-  const std::int64_t rows = x.header(0).rows;
-  for (int r = 1; r < x.ranks(); ++r)
-    detail::require(x.header(r).rows == rows, fn, "hidden", [&] {
-      return "rank " + std::to_string(r) + " has " + std::to_string(x.header(r).rows) +
-             " rows, rank 0 has " + std::to_string(rows) +
-             "; every rank passes the same hidden rows";
-    });
-}
+/// The fused linear calls' names for a bad gathered header: their rows are hidden's.
+constexpr header_names linear_headers{"shard.vocab", "shard", "hidden"};
 
 /// One call on one rank: its buffers and the steps of a chunk (parallel/linear_chunks.hpp).
 template <class T, class G, class Tgt>
@@ -124,7 +116,7 @@ class vp_linear_call {
 
   /// This rank's header and one record per row of the chunk into the send block.
   detail::vp_block records(std::int64_t, std::int64_t n, detail::vp_records what) {
-    exchange x = exchange_of(n);
+    exchange x = exchange_of(n, what);
     x.put_header(shard_header{a_.shard.first, vocab(), a_.shard.vocab, a_.hidden.rows});
     if (what == detail::vp_records::statistics) {
       const plan pl = make_plan(exec_, n, vocab());
@@ -146,15 +138,15 @@ class vp_linear_call {
         x.put(row, p);
       }
     }
-    return {x.send(), x.recv(), x.block()};
+    return {buffer<unsigned char>(plan_.send), buffer<unsigned char>(plan_.recv), x.block()};
   }
 
   /// Every rank's records of each row merged in rank order: the chunk's rows' outputs, and
   /// each row's LSE and target mass for its gradient (or, `mass`, the target mass alone).
   void merge(std::int64_t r0, std::int64_t n, detail::vp_records what) {
-    const exchange x = exchange_of(n);
-    check_tiling(fn_, x);
-    check_rows(fn_, x);
+    const exchange x = exchange_of(n, what);
+    check_tiling(fn_, x, linear_headers);
+    check_rows(fn_, x, a_.hidden.rows, linear_headers);
     auto piece = [&](std::int64_t row, std::int64_t r) { return x.get(static_cast<int>(r), row); };
     float* mass = buffer<float>(plan_.mass);
     if (what == detail::vp_records::statistics) {
@@ -164,8 +156,7 @@ class vp_linear_call {
       o.argmax = detail::rows_slice(a_.out.argmax, r0, n);
       finish_rows(chunk_, a_.ranks, piece, o, sums_, buffer<float>(plan_.lse), mass);
     } else {
-      for (std::int64_t row = 0; row < n; ++row)
-        mass[row] = merge_pieces(piece, row, a_.ranks).stats.mass;
+      for (std::int64_t row = 0; row < n; ++row) mass[row] = merged_mass(x, row);
     }
   }
 
@@ -226,8 +217,13 @@ class vp_linear_call {
   rows_map logits_map(std::int64_t n) const {
     return rows_map(c_.buffer(plan_.chunk.logits), n, vocab(), Eigen::OuterStride<>(vocab()));
   }
-  exchange exchange_of(std::int64_t n) const {
-    return exchange(a_.ranks, n, buffer<unsigned char>(plan_.send),
+  /// A chunk of n rows: its records carry what `what` needs (parallel/records.hpp).
+  exchange exchange_of(std::int64_t n, detail::vp_records what) const {
+    const record_layout layout =
+        what == detail::vp_records::mass
+            ? record_layout::mass_only()
+            : record_layout::statistics(problem<float, Tgt>::soft, a_.opts, argmax_);
+    return exchange(a_.ranks, n, layout, buffer<unsigned char>(plan_.send),
                     buffer<unsigned char>(plan_.recv));
   }
 
@@ -254,8 +250,9 @@ class vp_linear_call {
 template <>
 struct vocab_parallel_linear_traits<cpu> {
   /// The single-device call's bytes (cpu/linear_plan.hpp) for this rank's shard, plus the
-  /// chunk's exchange: (R + 1) blocks of a 32-byte header and 40 bytes per row, and 48 bytes per
-  /// row of this shard's records, LSE and target mass.
+  /// chunk's exchange: (R + 1) blocks of a 32-byte header and at most 32 bytes per row
+  /// (record_layout::largest), and 48 bytes per row of this shard's slice_partials, LSE and
+  /// target mass.
   template <class T, class G>
   static std::size_t workspace_bytes(const cpu& exec, const linear_shape& shape, int ranks,
                                      linear_pass pass, dw_accumulation accumulate,

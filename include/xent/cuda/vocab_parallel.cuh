@@ -20,10 +20,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "../backend.hpp"
 #include "../detail/validate.hpp"
 #include "../options.hpp"
+#include "../parallel/records.hpp"
 #include "../parallel/shard.hpp"
 #include "../targets.hpp"
 #include "../views.hpp"
@@ -34,17 +36,20 @@
 namespace xent {
 
 /// Bytes of exec.workspace a CUDA vocab-parallel call over `rows` rows on `ranks` ranks needs
-/// (zero-filled once before its first use; see cuda/vocab_parallel.cuh).
+/// (zero-filled once before its first use; see cuda/vocab_parallel.cuh), whatever its options and
+/// outputs: room for the widest records (record_layout::largest, parallel/records.hpp).
 inline std::size_t cuda_vocab_parallel_workspace_size(std::int64_t rows, int ranks) {
   detail::check_exchange_rows("xent::cuda_vocab_parallel_workspace_size", "rows", rows,
                               ranks < 1 ? 1 : ranks);
-  return cuda_detail::vp_layout(rows, ranks).total;
+  return cuda_detail::vp_layout(rows, ranks, record_layout::largest()).total;
 }
 
-/// Bytes each rank sends through the collective per call: a 32-byte header and one record per row.
-inline std::size_t cuda_vocab_parallel_exchange_bytes(std::int64_t rows) {
-  detail::check_exchange_rows("xent::cuda_vocab_parallel_exchange_bytes", "rows", rows, 1);
-  return cuda_detail::vp_layout(rows, 1).block;
+/// Bytes of exec.workspace a CUDA vocab_parallel_finish over `rows` rows needs (zero-filled once
+/// before its first use): the reduction's and each row's merged LSE and target mass; the exchange
+/// is in the caller's buffers.
+inline std::size_t cuda_vocab_parallel_finish_workspace_size(std::int64_t rows) {
+  detail::check_exchange_rows("xent::cuda_vocab_parallel_finish_workspace_size", "rows", rows, 1);
+  return cuda_detail::vp_layout(rows, 0, record_layout{}).total;
 }
 
 template <>
@@ -71,6 +76,42 @@ struct vocab_parallel_traits<cuda> {
                                matrix_view<G> grad) {
     cuda_detail::vp_run("xent::vocab_parallel_forward_backward", exec, group, logits, shard,
                         targets, opts, &up, out, grad);
+  }
+
+  // The split phases (parallel/vocab_parallel_phases.hpp): send, recv and row_mass are device
+  // memory; each phase is enqueued on exec.stream.
+  template <class T, class Tgt>
+  static void records(const cuda& exec, matrix_view<const T> logits, vocab_shard shard,
+                      const Tgt& targets, const options& opts, record_layout layout,
+                      unsigned char* send) {
+    cuda_detail::vp_send("xent::vocab_parallel_records", exec, send, layout, logits, shard,
+                         cuda_detail::device_targets(targets), opts);
+  }
+
+  template <class T, class Tgt, class G>
+  static void finish(const cuda& exec, int ranks, matrix_view<const T> logits, vocab_shard shard,
+                     const Tgt& targets, const options& opts, record_layout layout,
+                     const unsigned char* recv, const forward_outputs& out, float* row_mass,
+                     const upstream* up, matrix_view<G> grad) {
+    constexpr const char* fn = "xent::vocab_parallel_finish";
+    const cuda_detail::vp_layout lay(logits.rows, 0, layout);
+    cuda_detail::require_vp_workspace(fn, exec, lay,
+                                      "cuda_vocab_parallel_finish_workspace_size(rows)");
+    cuda_detail::vp_finish(fn, exec, lay, recv, ranks, logits, shard,
+                           cuda_detail::device_targets(targets), opts, out, row_mass, up, grad);
+  }
+
+  template <class T, class Tgt, class G>
+  static void backward_from_mass(const cuda& exec, matrix_view<const T> logits, vocab_shard shard,
+                                 const Tgt& targets, const options& opts,
+                                 vector_view<const float> lse, const float* row_mass,
+                                 const upstream& up, matrix_view<G> grad) {
+    const auto dt = cuda_detail::device_targets(targets);
+    constexpr bool soft = std::decay_t<decltype(dt)>::soft;
+    // Class ids: no merge ran in this call, so the gradient pass counts out-of-range ids.
+    cuda_detail::vp_gradient("xent::vocab_parallel_backward", exec, logits, shard, dt, opts,
+                             lse.data, soft ? row_mass : nullptr, up, grad,
+                             soft ? nullptr : exec.error_count);
   }
 };
 

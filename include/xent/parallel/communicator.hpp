@@ -11,15 +11,16 @@
 // xent never creates processes or communicators: the caller builds one and passes it in.
 //
 // Why an all-gather of fixed-size records and not an all-reduce. Each rank sends, per row, the
-// statistics of its shard (slice_partial: the online-LSE state, the target logit when it holds the
-// target, the sums label smoothing and soft targets need, and its argmax), a few floats per row.
+// statistics of its shard that the call merges (parallel/records.hpp: the online-LSE state and the
+// target logit, 12 bytes with class ids; the sums label smoothing and soft targets need, and its
+// argmax, only when the call reads them).
 // Every rank then merges the R records of a row in rank order 0, 1, ..., R - 1 with the same code
 // (slice_partial::merge on online_lse). The merge is not associative in float, but the same inputs
 // in the same order give the same bits: every rank ends with bitwise-identical losses, LSEs and
 // argmax, and the result does not depend on timing. An all-reduce would need a custom reduction
 // operator (NCCL has none for a (max, sum) pair: a max all-reduce then a sum all-reduce is two
 // collectives and a second pass) and would leave the order of combination to the library.
-// Traffic per rank is R x (record bytes) per row: a few dozen bytes per row per rank.
+// Traffic per rank is R x (record bytes) per row, 4 to 32 bytes a record.
 #pragma once
 
 #include <cstddef>

@@ -5,8 +5,9 @@
 // every rank; for a chunk of rows [r0, r0 + n) a backend's call object (backend.hpp's
 // vocab_parallel_linear_traits<Exec>::call) runs
 //   logits(r0, n)      L = X_c · W_shardᵀ (+ b_shard), n x V_local, in the workspace;
-//   records(r0, n, k)  this shard's per-row records of L (slice_partial: online-LSE state, target
-//                      logit, smoothing / soft-target sums, argmax) into its send block;
+//   records(r0, n, k)  this shard's per-row records of L into its send block (the fields of a
+//                      slice_partial the call merges, parallel/records.hpp: online-LSE state and
+//                      target logit; smoothing / soft-target sums and argmax where read);
 //   then this loop makes the chunk's one collective, group.all_gather of those blocks;
 //   merge(r0, n, k)    every rank merges the R records of each row in rank order (the same code,
 //                      slice_partial::merge, as vocab_parallel_forward: bitwise-identical loss,

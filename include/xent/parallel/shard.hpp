@@ -30,11 +30,12 @@ struct shard_header {
 };
 
 /// The most rows x (ranks + 3) a vocab-parallel call may have. Per row a rank's workspace holds
-/// (ranks + 1) exchanged records (sent and received, 40 bytes each) and at most two more records'
-/// worth (this shard's statistics, the merged LSE and mass, the reduction's entries): below 64
-/// bytes per unit, so the exchange stays under 2^61 bytes and adding it to a single-device call's
-/// buffers does not wrap a workspace size. Rows alone are bounded only by the views: 2^59 rows of
-/// an empty shard (or of D = 0) wrapped the sizes to a few bytes that passed the workspace check.
+/// (ranks + 1) exchanged records (sent and received, at most 32 bytes each: parallel/records.hpp)
+/// and at most two more units' worth (this shard's 40-byte slice_partial on the CPU, the merged
+/// LSE and mass, the reduction's entries): below 64 bytes per unit, so the exchange stays under
+/// 2^61 bytes and adding it to a single-device call's buffers does not wrap a workspace size. Rows
+/// alone are bounded only by the views: 2^59 rows of an empty shard (or of D = 0) wrapped the sizes
+/// to a few bytes that passed the workspace check.
 constexpr std::int64_t max_exchange_units = std::int64_t{1} << 55;
 
 /// `rows` rows exchanged among `ranks` ranks (ranks >= 1, rows >= 0) fit max_exchange_units.

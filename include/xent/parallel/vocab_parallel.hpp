@@ -71,9 +71,11 @@ inline void check_shard(const char* fn, vocab_shard shard, std::int64_t cols, st
   });
 }
 
-template <class Exec, class Group, class L, class Targets>
-void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<L>& logits,
-                          vocab_shard shard, const Targets& targets, const options& opts) {
+/// A rank's own arguments of a call over `ranks` ranks: the types, logits, shard, targets and
+/// options (the group calls' and the split phases' alike).
+template <class Exec, class L, class Targets>
+void check_vp_arguments(const char* fn, int ranks, const matrix_view<L>& logits, vocab_shard shard,
+                        const Targets& targets, const options& opts) {
   static_assert(has_vocab_parallel<Exec>::value,
                 "xent: no vocab-parallel backend for this execution object");
   static_assert(has_backend<Exec>::value &&
@@ -84,12 +86,18 @@ void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<
                 "the single-device CPU calls");
   static_assert(target_traits<Targets>::valid,
                 "xent: targets must be vector_view<int32_t / int64_t> or soft_targets<dtype>");
-  check_group(fn, group);
   check_matrix(fn, "logits", logits);
   check_shard(fn, shard, logits.cols, logits.rows);
-  check_exchange_rows(fn, "logits", logits.rows, group.size());
+  check_exchange_rows(fn, "logits", logits.rows, ranks);
   check_targets(fn, dynamic_targets(targets), logits.rows, logits.cols);
   check_options(fn, opts, shard.vocab);  // class_weights: all V of them
+}
+
+template <class Exec, class Group, class L, class Targets>
+void check_vocab_parallel(const char* fn, const Group& group, const matrix_view<L>& logits,
+                          vocab_shard shard, const Targets& targets, const options& opts) {
+  check_group(fn, group);
+  check_vp_arguments<Exec>(fn, group.size(), logits, shard, targets, opts);
 }
 
 }  // namespace detail

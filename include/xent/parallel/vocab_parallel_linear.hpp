@@ -19,7 +19,8 @@
 //
 // How (parallel/linear_chunks.hpp): rows are taken workspace.chunk_rows at a time; per chunk a
 // rank computes its shard's logits (GEMM), their per-row statistics, and makes one all-gather of
-// those records (a 32-byte header and 40 bytes per row from each rank); every rank merges the R
+// those records (a 32-byte header and, per row, the fields the call merges from each rank:
+// 12 bytes with class ids, parallel/records.hpp); every rank merges the R
 // records of a row in rank order, then writes the logit gradient over the chunk's logits in place
 // and folds it into its gradients. Backward from a saved LSE needs no collective with class ids;
 // with soft targets it exchanges the rows' target mass per chunk.
@@ -199,9 +200,10 @@ vp_linear_args<T, G, typename target_traits<Targets>::type> vp_training_args(
 /// on every rank given the same arguments other than shape.vocab. bytes: what this rank needs for
 /// chunks of chunk_rows (its own shard's buffers, more than the budget when its shard is larger
 /// than ceil(V / R)); minimal: what it needs for one-row chunks. On top of a single-device call's
-/// buffers (linear.hpp) a rank holds its chunk's exchange: per chunk row (R + 1) x 40 bytes of
-/// records sent and received and up to 48 more (the merged LSE and target mass; on the CPU this
-/// shard's record too), and (R + 1) 32-byte headers.
+/// buffers (linear.hpp) a rank holds its chunk's exchange: per chunk row (R + 1) records sent and
+/// received, room for the widest (32 bytes, record_layout::largest: the options and outputs are
+/// not known here), and up to 48 more bytes (the merged LSE and target mass; on the CPU this
+/// shard's slice_partial too), and (R + 1) 32-byte headers.
 template <class T, class G = T, class Exec>
 linear_workspace_sizes vocab_parallel_linear_workspace_size(
     const Exec& exec, const linear_shape& shape, std::int64_t vocab, int ranks, linear_pass pass,

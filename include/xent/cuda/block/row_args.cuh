@@ -11,6 +11,7 @@
 
 #include "../../loss_math.hpp"
 #include "../../options.hpp"
+#include "../../parallel/records.hpp"
 #include "dtype.cuh"
 #include "row_sums.cuh"
 
@@ -62,8 +63,8 @@ struct row_args {
   // vector + first), so local columns index logits, soft targets and weights alike.
   std::int64_t first;
   std::int64_t vocab;
-  slice_partial* partials;  ///< forward: each row's statistics go here instead of its outputs
-  const float* mass_in;     ///< backward, soft targets: the row's sum_c w_c t'_c over all shards
+  record_sink records;   ///< forward: each row's statistics go here instead of its outputs
+  const float* mass_in;  ///< backward, soft targets: the row's sum_c w_c t'_c over all shards
 };
 
 /// The caller's whole weight vector (vocab entries) from a shard's view of it.

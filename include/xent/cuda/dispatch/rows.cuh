@@ -367,7 +367,7 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
       !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f && !args.want_argmax;
   // Plain rows of an unsharded call (no vocab-parallel partials): the kernels below that
   // specialise the row kernel's work take only those.
-  [[maybe_unused]] const bool own_plain = plain && args.first == 0 && args.partials == nullptr;
+  [[maybe_unused]] const bool own_plain = plain && args.first == 0 && args.records.block == nullptr;
   if constexpr (P == pass::backward && !Tgt::soft && policy::stream_backward) {
     if (aligned) {
       // Short rows, a warp each (policy::warp_rows_kib).

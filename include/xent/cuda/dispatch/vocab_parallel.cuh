@@ -4,8 +4,9 @@
 // waiting for the host:
 //   1. vp_begin_kernel writes this rank's header (and, for an empty shard, empty records) into the
 //      send block;
-//   2. the row kernel's forward pass over the shard (row_args::first / vocab / partials) writes one
-//      slice_partial per row into the send block instead of the row's outputs;
+//   2. the row kernel's forward pass over the shard (row_args::first / vocab / records) writes one
+//      record per row into the send block instead of the row's outputs (parallel/records.hpp:
+//      the fields of a slice_partial that the call's merge reads);
 //   3. group.all_gather(send, recv, block bytes): every rank's block, in rank order;
 //   4. vp_merge_kernel checks the tiling, merges each row's R records in rank order with
 //      slice_partial::merge (the CPU's order, so every rank gets the same bits), and writes the
@@ -28,6 +29,7 @@
 #include "../../loss_math.hpp"
 #include "../../options.hpp"
 #include "../../parallel/communicator.hpp"
+#include "../../parallel/records.hpp"
 #include "../../parallel/shard.hpp"
 #include "../../targets.hpp"
 #include "../../views.hpp"
@@ -40,22 +42,25 @@ namespace xent {
 namespace cuda_detail {
 
 using detail::shard_header;
-static_assert(sizeof(shard_header) % alignof(slice_partial) == 0,
-              "records after the header stay aligned");
+static_assert(sizeof(shard_header) % 8 == 0, "records after the header stay word-aligned");
 
 /// Where a vocab-parallel call keeps its bookkeeping in exec.workspace: xent::cuda's workspace
 /// (the reduction's per-row losses and counter; left out by calls that reduce nothing, such as
-/// the fused linear calls' chunks), the send block (header + N records), the receive blocks (R of
-/// them, in rank order), and per row the merged LSE and target mass.
+/// the fused linear calls' chunks), the send block (header + N records of `record`), the receive
+/// blocks (R of them, in rank order), and per row the merged LSE and target mass. ranks = 0: a
+/// finish phase's, whose exchange is in the caller's buffers.
 struct vp_layout {
+  record_layout record;
   std::size_t block = 0;  ///< bytes of one rank's block: what all_gather moves per rank
   std::size_t send = 0, recv = 0, lse = 0, mass = 0, total = 0;
-  vp_layout(std::int64_t rows, int ranks, bool reduction = true) {
+  vp_layout(std::int64_t rows, int ranks, record_layout record_, bool reduction = true)
+      : record(record_) {
     const std::size_t n = static_cast<std::size_t>(rows < 0 ? 0 : rows);
-    block = sizeof(shard_header) + n * sizeof(slice_partial);
+    const auto blocks = static_cast<std::size_t>(ranks < 0 ? 0 : ranks);
+    block = detail::exchange_block_bytes(rows, record);
     send = reduction ? align_up(cuda_workspace_size(rows), 256) : 0;
-    recv = align_up(send + block, 256);
-    lse = align_up(recv + block * static_cast<std::size_t>(ranks < 1 ? 1 : ranks), 256);
+    recv = align_up(send + (blocks > 0 ? block : 0), 256);
+    lse = align_up(recv + block * blocks, 256);
     mass = align_up(lse + sizeof(float) * n, 256);
     total = align_up(mass + sizeof(float) * n, 256);
   }
@@ -78,15 +83,16 @@ void check_device_group(const char* fn, const cuda& exec, const Group& group) {
                   "stream of the call's kernels");
 }
 
-inline void require_vp_workspace(const char* fn, const cuda& exec, std::int64_t rows, int ranks) {
-  const std::size_t need = vp_layout(rows, ranks).total;
-  detail::require(exec.workspace != nullptr && exec.workspace_bytes >= need, fn, "exec.workspace",
-                  [&] {
-                    return "needs " + std::to_string(need) +
-                           " bytes of zero-filled device memory "
-                           "(cuda_vocab_parallel_workspace_size(rows, ranks)), got " +
-                           std::to_string(exec.workspace ? exec.workspace_bytes : 0);
-                  });
+/// exec.workspace holds lay.total bytes (`query` names the size query that answers them).
+inline void require_vp_workspace(
+    const char* fn, const cuda& exec, const vp_layout& lay,
+    const char* query = "cuda_vocab_parallel_workspace_size(rows, ranks)") {
+  const std::size_t need = lay.total;
+  detail::require(
+      exec.workspace != nullptr && exec.workspace_bytes >= need, fn, "exec.workspace", [&] {
+        return "needs " + std::to_string(need) + " bytes of zero-filled device memory (" + query +
+               "), got " + std::to_string(exec.workspace ? exec.workspace_bytes : 0);
+      });
 }
 
 /// The row kernel's arguments for this rank's shard (see row_args::first).
@@ -124,44 +130,48 @@ void vp_gradient(const char* fn, const cuda& exec, matrix_view<const T> logits, 
   dispatch_rows<pass::backward>(fn, exec, a, aligned);
 }
 
-/// Steps 1-2 into the send block at ws + lay.send: this rank's header and, per row, its shard's
-/// record (with the shard's argmax when `argmax`: an output asks for it).
+/// Steps 1-2 into the send block `send`: this rank's header and, per row, its shard's record of
+/// `record` (with the shard's argmax when the layout has it: an output asks for it).
 template <class T, class Tgt>
-void vp_send(const char* fn, const cuda& exec, unsigned char* ws, const vp_layout& lay,
-             matrix_view<const T> logits, vocab_shard shard, Tgt targets, const options& opts,
-             bool argmax) {
+void vp_send(const char* fn, const cuda& exec, unsigned char* send, record_layout record,
+             matrix_view<const T> logits, vocab_shard shard, Tgt targets, const options& opts) {
   const std::int64_t rows = logits.rows;
-  unsigned char* send = ws + lay.send;
+  const record_sink sink{send, record};
   const bool empty = logits.cols == 0;
   const unsigned begin_grid =
       empty ? static_cast<unsigned>(rows / 256 + 1 < 1024 ? rows / 256 + 1 : 1024) : 1u;
   vp_begin_kernel<256><<<begin_grid, 256, 0, exec.stream>>>(
-      shard_header{shard.first, logits.cols, shard.vocab, rows}, send, empty);
+      shard_header{shard.first, logits.cols, shard.vocab, rows}, sink, empty);
   check_cuda(fn, cudaGetLastError());
   if (empty || rows == 0) return;
   // The row kernel's forward pass writes records (no outputs): the merge writes the outputs.
   auto stats = shard_args<T, float>(exec, logits, shard, targets, opts);
-  stats.partials = reinterpret_cast<slice_partial*>(send + sizeof(shard_header));
-  stats.want_argmax = argmax;
+  stats.records = sink;
+  stats.want_argmax = record.has(record_layout::argmax);
   dispatch_rows<pass::forward>(fn, exec, stats,
                                aligned16(logits.data, logits.ld * std::int64_t{sizeof(T)}));
 }
 
-/// Step 4 on the gathered blocks at ws + lay.recv: `out` (null: soft-target backward, only the
-/// rows' mass is wanted) is written for every row, and each row's LSE and target mass at
-/// ws + lay.lse / ws + lay.mass. A reduced loss or num_correct is summed in exec.workspace.
+/// Step 4 on the gathered blocks at `recv`: `out` (null: soft-target backward, only the rows'
+/// mass is wanted) is written for every row, and each row's LSE and target mass at ws + lay.lse
+/// and at `mass` (null: ws + lay.mass). A reduced loss or num_correct is summed in
+/// exec.workspace.
 template <class T, class Tgt>
-void vp_merge(const char* fn, const cuda& exec, unsigned char* ws, const vp_layout& lay, int ranks,
-              matrix_view<const T> logits, vocab_shard shard, Tgt targets, const options& opts,
-              const forward_outputs* out) {
+void vp_merge(const char* fn, const cuda& exec, unsigned char* ws, const vp_layout& lay,
+              const unsigned char* recv, int ranks, matrix_view<const T> logits, vocab_shard shard,
+              Tgt targets, const options& opts, const forward_outputs* out, float* mass) {
   const std::int64_t rows = logits.rows;
   // The row kernel's arguments of the call, for the merge to write its outputs.
   auto a = shard_args<T, float>(exec, logits, shard, targets, opts);
   if (out) set_outputs(a, opts, *out);
   if (a.loss || a.num_correct) a.workspace = exec.workspace;
   a.error_count = exec.error_count;
-  const vp_gathered x{ws + lay.recv, lay.block, ranks, reinterpret_cast<float*>(ws + lay.lse),
-                      reinterpret_cast<float*>(ws + lay.mass)};
+  const vp_gathered x{recv,
+                      lay.block,
+                      ranks,
+                      lay.record,
+                      reinterpret_cast<float*>(ws + lay.lse),
+                      mass ? mass : reinterpret_cast<float*>(ws + lay.mass)};
   constexpr int block = 256;
   // At most 64 CTAs: each sums the mean's normaliser over every row's target (as the row
   // kernel's CTAs do), and one thread per row is plenty for a few floats per rank.
@@ -171,35 +181,47 @@ void vp_merge(const char* fn, const cuda& exec, unsigned char* ws, const vp_layo
   check_cuda(fn, cudaGetLastError());
 }
 
-/// Steps 1-4 in exec.workspace. `out` may be null (soft-target backward: only the rows' mass is
-/// wanted). Returns the layout, whose lse / mass arrays then hold each row's merged values.
-template <class Group, class T, class Tgt>
-vp_layout vp_exchange(const char* fn, const cuda& exec, const Group& group,
-                      matrix_view<const T> logits, vocab_shard shard, Tgt targets,
-                      const options& opts, const forward_outputs* out) {
-  const vp_layout lay(logits.rows, group.size());
+/// The finish phase (step 4, then step 5 when `grad` is given) on the gathered blocks at `recv`,
+/// with exec.workspace laid out as `lay`: the outputs, each row's target mass at `mass` when given,
+/// and this rank's gradient shard from the upstream `up`.
+template <class T, class Tgt, class G>
+void vp_finish(const char* fn, const cuda& exec, const vp_layout& lay, const unsigned char* recv,
+               int ranks, matrix_view<const T> logits, vocab_shard shard, Tgt targets,
+               const options& opts, const forward_outputs& out, float* mass, const upstream* up,
+               matrix_view<G> grad) {
   unsigned char* ws = static_cast<unsigned char*>(exec.workspace);
-  vp_send(fn, exec, ws, lay, logits, shard, targets, opts,
-          out && (out->argmax.data || out->num_correct));
-  group.all_gather(ws + lay.send, ws + lay.recv, lay.block);
-  vp_merge(fn, exec, ws, lay, group.size(), logits, shard, targets, opts, out);
-  return lay;
+  vp_merge(fn, exec, ws, lay, recv, ranks, logits, shard, targets, opts, &out, mass);
+  if (!grad.data) return;
+  const float* merged_mass = mass ? mass : reinterpret_cast<const float*>(ws + lay.mass);
+  vp_gradient(fn, exec, logits, shard, targets, opts, reinterpret_cast<const float*>(ws + lay.lse),
+              Tgt::soft ? merged_mass : nullptr, *up, grad, nullptr);
 }
 
+/// A group call's exchange in exec.workspace, laid out as `lay`: the records phase into the send
+/// block, then the all-gather into the receive blocks.
+template <class Group, class T, class Tgt>
+void vp_exchange(const char* fn, const cuda& exec, const Group& group, const vp_layout& lay,
+                 matrix_view<const T> logits, vocab_shard shard, Tgt targets, const options& opts) {
+  unsigned char* ws = static_cast<unsigned char*>(exec.workspace);
+  vp_send(fn, exec, ws + lay.send, lay.record, logits, shard, targets, opts);
+  group.all_gather(ws + lay.send, ws + lay.recv, lay.block);
+}
+
+/// vocab-parallel forward, and forward_backward when `grad` is non-null: the two phases around
+/// group.all_gather.
 template <class Group, class T, class Tgt, class G>
 void vp_run(const char* fn, const cuda& exec, const Group& group, matrix_view<const T> logits,
             vocab_shard shard, const Tgt& targets, const options& opts, const upstream* up,
             const forward_outputs& out, matrix_view<G> grad) {
   check_device_group(fn, exec, group);
-  require_vp_workspace(fn, exec, logits.rows, group.size());
   const auto dt = device_targets(targets);
-  using device_targets_t = std::decay_t<decltype(dt)>;
-  const vp_layout lay = vp_exchange(fn, exec, group, logits, shard, dt, opts, &out);
-  if (!grad.data) return;
-  unsigned char* ws = static_cast<unsigned char*>(exec.workspace);
-  vp_gradient(fn, exec, logits, shard, dt, opts, reinterpret_cast<const float*>(ws + lay.lse),
-              device_targets_t::soft ? reinterpret_cast<const float*>(ws + lay.mass) : nullptr, *up,
-              grad, nullptr);
+  const vp_layout lay(logits.rows, group.size(),
+                      record_layout::statistics(std::decay_t<decltype(dt)>::soft, opts,
+                                                out.argmax.data || out.num_correct));
+  require_vp_workspace(fn, exec, lay);
+  vp_exchange(fn, exec, group, lay, logits, shard, dt, opts);
+  vp_finish(fn, exec, lay, static_cast<unsigned char*>(exec.workspace) + lay.recv, group.size(),
+            logits, shard, dt, opts, out, nullptr, up, grad);
 }
 
 template <class Group, class T, class Tgt, class G>
@@ -210,9 +232,13 @@ void vp_backward(const cuda& exec, const Group& group, matrix_view<const T> logi
   check_device_group(fn, exec, group);
   const auto dt = device_targets(targets);
   if constexpr (std::decay_t<decltype(dt)>::soft) {
-    // sum_c w_c t'_c spans every shard: exchange each shard's statistics for it.
-    require_vp_workspace(fn, exec, logits.rows, group.size());
-    const vp_layout lay = vp_exchange(fn, exec, group, logits, shard, dt, opts, nullptr);
+    // sum_c w_c t'_c spans every shard: exchange each shard's part of it (4 bytes a row).
+    const vp_layout lay(logits.rows, group.size(), record_layout::mass_only());
+    require_vp_workspace(fn, exec, lay);
+    vp_exchange(fn, exec, group, lay, logits, shard, dt, opts);
+    unsigned char* ws = static_cast<unsigned char*>(exec.workspace);
+    vp_merge(fn, exec, ws, lay, ws + lay.recv, group.size(), logits, shard, dt, opts, nullptr,
+             nullptr);
     vp_gradient(
         fn, exec, logits, shard, dt, opts, lse.data,
         reinterpret_cast<const float*>(static_cast<unsigned char*>(exec.workspace) + lay.mass), up,

@@ -75,18 +75,19 @@ class vp_linear_call {
 
   void logits(std::int64_t r0, std::int64_t n) { chunk_logits(c_, r0, n); }
 
-  detail::vp_block records(std::int64_t r0, std::int64_t n, detail::vp_records what) {
+  detail::vp_block records(std::int64_t r0, std::int64_t n, detail::vp_records) {
     const vp_layout lay = layout(n);
-    const bool argmax =
-        what == detail::vp_records::statistics && (a_.out.argmax.data || a_.out.num_correct);
-    vp_send(fn_, exec_, exchange_, lay, chunk(n), a_.shard, chunk_targets(r0, n), core_, argmax);
+    vp_send(fn_, exec_, exchange_ + lay.send, lay.record, chunk(n), a_.shard, chunk_targets(r0, n),
+            core_);
     return {exchange_ + lay.send, exchange_ + lay.recv, lay.block};
   }
 
   void merge(std::int64_t r0, std::int64_t n, detail::vp_records what) {
     const forward_outputs o = chunk_outputs(a_.out, totals_, r0, n);
-    vp_merge(fn_, exec_, exchange_, layout(n), a_.ranks, chunk(n), a_.shard, chunk_targets(r0, n),
-             core_, what == detail::vp_records::statistics ? &o : nullptr);
+    const vp_layout lay = layout(n);
+    vp_merge(fn_, exec_, exchange_, lay, exchange_ + lay.recv, a_.ranks, chunk(n), a_.shard,
+             chunk_targets(r0, n), core_, what == detail::vp_records::statistics ? &o : nullptr,
+             nullptr);
   }
 
   void gradient(std::int64_t r0, std::int64_t n) {
@@ -123,8 +124,16 @@ class vp_linear_call {
     return true;
   }
   std::int64_t vocab() const { return a_.weight.rows; }
-  /// A chunk of n rows exchanges n records per rank (the same n on every rank).
-  vp_layout layout(std::int64_t n) const { return vp_layout(n, a_.ranks, false); }
+  /// A chunk of n rows exchanges n records per rank (the same n on every rank): every statistic
+  /// a forward pass merges, or in backward (soft targets) the target mass alone
+  /// (linear_chunks.hpp's vp_records), the same records in every chunk.
+  vp_layout layout(std::int64_t n) const {
+    const record_layout record =
+        mode_ == mode::backward
+            ? record_layout::mass_only()
+            : record_layout::statistics(soft, a_.opts, a_.out.argmax.data || a_.out.num_correct);
+    return vp_layout(n, a_.ranks, record, false);
+  }
   matrix_view<const T> chunk(std::int64_t n) const {
     return {reinterpret_cast<const T*>(c_.logits()), n, vocab(), plan_.ld};
   }

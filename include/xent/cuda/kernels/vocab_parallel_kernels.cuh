@@ -9,6 +9,7 @@
 
 #include "../../loss_math.hpp"
 #include "../../options.hpp"
+#include "../../parallel/records.hpp"
 #include "../../parallel/shard.hpp"
 #include "../block/row_args.cuh"
 #include "../block/row_sums.cuh"
@@ -19,15 +20,10 @@ namespace cuda_detail {
 
 using detail::shard_header;
 
-/// Rank r's header and records in the gathered blocks.
+/// Rank r's header in the gathered blocks (each block a multiple of 8 bytes: aligned).
 __device__ __forceinline__ const shard_header& gathered_header(const unsigned char* recv,
                                                                std::size_t block, int r) {
   return *reinterpret_cast<const shard_header*>(recv + static_cast<std::size_t>(r) * block);
-}
-__device__ __forceinline__ const slice_partial* gathered_records(const unsigned char* recv,
-                                                                 std::size_t block, int r) {
-  return reinterpret_cast<const slice_partial*>(recv + static_cast<std::size_t>(r) * block +
-                                                sizeof(shard_header));
 }
 
 /// Whether the gathered shards tile [0, vocab) and every rank declared `vocab` classes and `rows`
@@ -55,13 +51,12 @@ __device__ inline bool shards_tile(const unsigned char* recv, std::size_t block,
 /// (A template, as every kernel in a header: one definition however many units include it.)
 template <int Block>
 XENT_KERNEL void __launch_bounds__(Block)
-    vp_begin_kernel(shard_header header, unsigned char* send, bool empty_shard) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<shard_header*>(send) = header;
+    vp_begin_kernel(shard_header header, record_sink records, bool empty_shard) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<shard_header*>(records.block) = header;
   if (!empty_shard) return;
-  slice_partial* records = reinterpret_cast<slice_partial*>(send + sizeof(shard_header));
   for (std::int64_t n = blockIdx.x * std::int64_t{Block} + threadIdx.x; n < header.rows;
        n += std::int64_t{gridDim.x} * Block)
-    records[n] = slice_partial{};
+    records.put(n, slice_partial{});
 }
 
 /// The gathered blocks, and where the merge leaves what the gradient pass needs.
@@ -69,8 +64,15 @@ struct vp_gathered {
   const unsigned char* recv;
   std::size_t block;
   int ranks;
+  record_layout layout;
   float* lse_rows;   ///< each row's merged LSE
   float* mass_rows;  ///< each row's merged target mass (soft targets)
+
+  /// Rank r's record of row n.
+  __device__ __forceinline__ slice_partial record(int r, std::int64_t n) const {
+    return layout.get(recv + static_cast<std::size_t>(r) * block +
+                      detail::record_offset(n, layout));
+  }
 };
 
 /// Step 4, one thread per row, with the row kernel's arguments of the call (its outputs, targets,
@@ -114,8 +116,8 @@ XENT_KERNEL void __launch_bounds__(Block) vp_merge_kernel(row_args<T, G, Tgt> a,
       loss = lse = invalid ? NAN : 0.0f;
     } else {
       // Rank order, on every rank: the same bits everywhere (parallel/communicator.hpp).
-      slice_partial p = gathered_records(x.recv, x.block, 0)[n];
-      for (int r = 1; r < x.ranks; ++r) p.merge(gathered_records(x.recv, x.block, r)[n]);
+      slice_partial p = x.record(0, n);
+      for (int r = 1; r < x.ranks; ++r) p.merge(x.record(r, n));
       lse = p.stats.lse.lse();
       if constexpr (Tgt::soft) {
         loss = soft_row_loss(p.stats, a.k);
