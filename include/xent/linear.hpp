@@ -215,14 +215,12 @@ void linear_forward(const Exec& exec, matrix_view<H, HE> hidden, matrix_view<WT,
                     const linear_workspace& workspace) {
   constexpr const char* fn = "xent::linear_forward";
   using T = std::remove_const_t<H>;
-  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
   detail::static_call<HE::rows, WE::rows, Tgt, W, OE, dynamic_extent>();
 
-  using Targets = typename detail::target_traits<Tgt>::type;
-  const matrix_view<const T> x(hidden), weight(static_weight);
-  const vector_view<const T> bias(static_bias);
-  const Targets targets = detail::dynamic_targets(static_targets);
-  const linear_options opts(static_opts);
+  const auto in = detail::dynamic_linear_inputs(hidden, static_weight, static_bias, static_targets,
+                                                static_opts);
+  using Targets = decltype(in.targets);
+  const auto& [x, weight, bias, targets, opts] = in;
   const basic_forward_outputs<A> outputs = detail::dynamic_outputs(static_out);
   detail::check_linear_call<Exec>(fn, x, weight, bias, targets, opts);
   detail::require_accumulator<T, A>();
@@ -254,15 +252,13 @@ void linear_forward_backward(const Exec& exec, matrix_view<H, HE> hidden,
                              const linear_workspace& workspace) {
   constexpr const char* fn = "xent::linear_forward_backward";
   using T = std::remove_const_t<H>;
-  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
   detail::static_call<HE::rows, WE::rows, Tgt, W, OE, UE>();
 
   detail::static_linear_grads<HE, WE, GHE, GWE>();
-  using Targets = typename detail::target_traits<Tgt>::type;
-  const matrix_view<const T> x(hidden), weight(static_weight);
-  const vector_view<const T> bias(static_bias);
-  const Targets targets = detail::dynamic_targets(static_targets);
-  const linear_options opts(static_opts);
+  const auto in = detail::dynamic_linear_inputs(hidden, static_weight, static_bias, static_targets,
+                                                static_opts);
+  using Targets = decltype(in.targets);
+  const auto& [x, weight, bias, targets, opts] = in;
   const basic_upstream<A> up = detail::dynamic_upstream(static_up);
   const basic_forward_outputs<B> outputs = detail::dynamic_outputs(static_out);
   const linear_grads<G> grads = detail::dynamic_grads(static_grads);
@@ -297,16 +293,13 @@ void linear_backward(const Exec& exec, matrix_view<H, HE> hidden, matrix_view<WT
                      const linear_workspace& workspace) {
   constexpr const char* fn = "xent::linear_backward";
   using T = std::remove_const_t<H>;
-  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
   detail::static_call<HE::rows, WE::rows, Tgt, W, dynamic_extent, UE>();
 
   detail::static_lse<HE::rows, A, LseT, LseE>();
   detail::static_linear_grads<HE, WE, GHE, GWE>();
-  using Targets = typename detail::target_traits<Tgt>::type;
-  const matrix_view<const T> x(hidden), weight(static_weight);
-  const vector_view<const T> bias(static_bias);
-  const Targets targets = detail::dynamic_targets(static_targets);
-  const linear_options opts(static_opts);
+  const auto in = detail::dynamic_linear_inputs(hidden, static_weight, static_bias, static_targets,
+                                                static_opts);
+  const auto& [x, weight, bias, targets, opts] = in;
   const vector_view<const A> lse(static_lse);
   const basic_upstream<A> up = detail::dynamic_upstream(static_up);
   const linear_grads<G> grads = detail::dynamic_grads(static_grads);

@@ -96,6 +96,26 @@ linear_grads<G> dynamic_grads(const linear_grads<G, HE, WE>& g) {
   return {optional_view(g.d_hidden), optional_view(g.d_weight), optional_view(g.d_bias)};
 }
 
+/// A fused linear call's inputs in the run-time sized forms the backends take, after the static
+/// checks between them.
+template <class T, class Targets>
+struct linear_inputs {
+  matrix_view<const T> x, weight;
+  vector_view<const T> bias;
+  Targets targets;
+  linear_options opts;
+};
+
+template <class H, class HE, class WT, class WE, class BT, class BE, class Tgt, class W>
+linear_inputs<std::remove_const_t<H>, typename target_traits<Tgt>::type> dynamic_linear_inputs(
+    matrix_view<H, HE> hidden, matrix_view<WT, WE> weight, vector_view<BT, BE> bias,
+    const Tgt& targets, const basic_linear_options<W>& opts) {
+  using T = std::remove_const_t<H>;
+  static_linear_inputs<T, HE, WT, WE, BT, BE>();
+  return {matrix_view<const T>(hidden), matrix_view<const T>(weight), vector_view<const T>(bias),
+          dynamic_targets(targets), linear_options(opts)};
+}
+
 /// Whether backend_traits<Exec> takes the logits with their static column count
 /// (`static_columns`: the CPU's whole-row sweeps specialise on it).
 template <class Exec, class = void>

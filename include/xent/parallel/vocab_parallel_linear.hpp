@@ -247,14 +247,12 @@ void vocab_parallel_linear_forward(const Exec& exec, const Group& group, matrix_
                                    const vocab_parallel_linear_workspace& workspace) {
   constexpr const char* fn = "xent::vocab_parallel_linear_forward";
   using T = std::remove_const_t<H>;
-  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
   detail::static_call<HE::rows, WE::rows, Tgt, W, OE, dynamic_extent, false>();
 
-  using Targets = typename detail::target_traits<Tgt>::type;
-  const matrix_view<const T> x(hidden), weight(static_weight);
-  const vector_view<const T> bias(static_bias);
-  const Targets targets = detail::dynamic_targets(static_targets);
-  const linear_options opts(static_opts);
+  const auto in = detail::dynamic_linear_inputs(hidden, static_weight, static_bias, static_targets,
+                                                static_opts);
+  using Targets = decltype(in.targets);
+  const auto& [x, weight, bias, targets, opts] = in;
   const forward_outputs outputs = detail::dynamic_outputs(static_out);
   detail::check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
   detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft, true);
@@ -285,23 +283,20 @@ void vocab_parallel_linear_forward_backward(
     const linear_grads<G, GHE, GWE>& static_grads,
     const vocab_parallel_linear_workspace& workspace) {
   constexpr const char* fn = "xent::vocab_parallel_linear_forward_backward";
-  using T = std::remove_const_t<H>;
-  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
   detail::static_call<HE::rows, WE::rows, Tgt, W, OE, UE, false>();
 
   detail::static_linear_grads<HE, WE, GHE, GWE>();
-  using Targets = typename detail::target_traits<Tgt>::type;
-  const matrix_view<const T> x(hidden), weight(static_weight);
-  const vector_view<const T> bias(static_bias);
-  const Targets targets = detail::dynamic_targets(static_targets);
-  const linear_options opts(static_opts);
+  const auto in = detail::dynamic_linear_inputs(hidden, static_weight, static_bias, static_targets,
+                                                static_opts);
+  using Targets = decltype(in.targets);
+  const auto& [x, weight, bias, targets, opts] = in;
   const upstream up = detail::dynamic_upstream(static_up);
   const forward_outputs outputs = detail::dynamic_outputs(static_out);
   const linear_grads<G> grads = detail::dynamic_grads(static_grads);
   auto a = detail::vp_training_args(
       fn, exec, group, x, weight, bias, shard, targets, opts, up, grads, workspace,
       [&] {
-        detail::check_outputs(fn, outputs, opts, x.rows, detail::target_traits<Targets>::soft,
+        detail::check_outputs(fn, outputs, in.opts, in.x.rows, detail::target_traits<Targets>::soft,
                               false);
       },
       detail::linear_memory(fn, targets, opts).writes_outputs(outputs));
@@ -327,23 +322,19 @@ void vocab_parallel_linear_backward(const Exec& exec, const Group& group, matrix
                                     const linear_grads<G, GHE, GWE>& static_grads,
                                     const vocab_parallel_linear_workspace& workspace) {
   constexpr const char* fn = "xent::vocab_parallel_linear_backward";
-  using T = std::remove_const_t<H>;
-  detail::static_linear_inputs<T, HE, WT, WE, BT, BE>();
   detail::static_call<HE::rows, WE::rows, Tgt, W, dynamic_extent, UE, false>();
 
   detail::static_lse<HE::rows, float, LseT, LseE>();
   detail::static_linear_grads<HE, WE, GHE, GWE>();
-  using Targets = typename detail::target_traits<Tgt>::type;
-  const matrix_view<const T> x(hidden), weight(static_weight);
-  const vector_view<const T> bias(static_bias);
-  const Targets targets = detail::dynamic_targets(static_targets);
-  const linear_options opts(static_opts);
+  const auto in = detail::dynamic_linear_inputs(hidden, static_weight, static_bias, static_targets,
+                                                static_opts);
+  const auto& [x, weight, bias, targets, opts] = in;
   const vector_view<const float> lse(static_lse);
   const upstream up = detail::dynamic_upstream(static_up);
   const linear_grads<G> grads = detail::dynamic_grads(static_grads);
   auto a = detail::vp_training_args(
       fn, exec, group, x, weight, bias, shard, targets, opts, up, grads, workspace,
-      [&] { detail::check_vector(fn, "lse", lse, x.rows, false); },
+      [&] { detail::check_vector(fn, "lse", lse, in.x.rows, false); },
       detail::linear_memory(fn, targets, opts).reads("lse", lse));
   a.lse = lse;
   detail::run_vp_linear<detail::vp_linear_mode::backward>(fn, exec, group, a);
