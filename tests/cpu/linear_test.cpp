@@ -442,9 +442,8 @@ TEST(CpuLinearValidation, BadArgumentsThrowNamingThemBeforeWriting) {
   expect_error("options.order", "automatic, fast, low_memory", [&] {
     xent::linear_workspace_size<float>(exec, {4, 3, 5}, xent::linear_pass::training, bad_order);
   });
-  expect_error("options.order", "automatic, fast, low_memory", [&] {
-    xent::linear_forward(exec, X, W, B, t, bad_order, f.all(s.ce), ws.ws);
-  });
+  expect_error("options.order", "automatic, fast, low_memory",
+               [&] { xent::linear_forward(exec, X, W, B, t, bad_order, f.all(s.ce), ws.ws); });
   auto low = opts;
   low.order = xent::linear_order::low_memory;
   expect_error("options.order", "not on the vocab-parallel calls", [&] {
