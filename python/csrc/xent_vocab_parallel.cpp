@@ -11,9 +11,9 @@ namespace {
 // The single-device ops' CPU backend with the vocab-parallel calls' communicator.
 struct cpu_vp_backend : cpu_backend {
   static call vp_exec(const at::Tensor& x, std::int64_t, int) { return exec(x, false); }
-  static torch_group vp_group(const std::string& name, const at::Device& device,
+  static torch_group vp_group(const std::string& name, const at::Device& device, std::int64_t rows,
                               std::int64_t digest) {
-    return torch_group(name, device, digest);
+    return torch_group(name, device, rows, digest);
   }
 };
 

@@ -4,7 +4,7 @@
 // instantiates them for the CPU); a backend adds to xent_ops.h's interface
 //   B::vp_exec(x, rows, ranks)   the execution object of a vocab-parallel call on tensors like x
 //                                with `ranks` ranks, {exec, hold} as B::exec
-//   B::vp_group(name, device, digest)  the call's communicator over the named process group
+//   B::vp_group(name, device, rows, digest)  the call's communicator over the named process group
 //                                (a torch_group, with whatever more the backend's calls need)
 //
 // Each rank holds logits[:, vocab_start : vocab_start + V_local] of a vocabulary of vocab_size
@@ -54,17 +54,19 @@ class call_digest {
 // stream after the work the current stream holds, and Work::wait makes the current stream wait
 // for it without blocking the host.
 //
-// Each exchange is preceded, on the CPU, by one of 16 bytes per rank, (bytes, digest): ranks that
-// disagree on N (the byte count), the vocabulary, the options or the targets' kind get a
+// Each exchange is preceded, on the CPU, by one of 16 bytes per rank, (rows, digest): ranks that
+// disagree on N, the vocabulary, the options or the targets' kind get a
 // ValueError on every rank instead of a collective of mismatched sizes, which gloo may answer
 // with a hang. On CUDA the host would have to wait for that exchange (a synchronisation per
 // call), so it is made only under XENT_CHECK_RANKS=1, a debugging aid; otherwise the ranks'
 // agreement is the caller's contract there, as it is for torch's own collectives.
 class torch_group {
  public:
-  torch_group(const std::string& group_name, const at::Device& device, std::int64_t digest)
+  torch_group(const std::string& group_name, const at::Device& device, std::int64_t rows,
+              std::int64_t digest)
       : pg_(c10d::resolve_process_group(group_name)),
         device_(device),
+        rows_(rows),
         digest_(digest),
         check_(device.is_cpu() || checks_requested()) {}
 
@@ -72,7 +74,7 @@ class torch_group {
   int size() const { return pg_->getSize(); }
 
   void all_gather(const void* send, void* recv, std::size_t bytes) const {
-    if (check_) check_agreement(bytes);
+    if (check_) check_agreement();
     const auto opts = at::TensorOptions().dtype(at::kByte).device(device_);
     const auto n = static_cast<std::int64_t>(bytes);
     gather(at::from_blob(const_cast<void*>(send), {n}, opts),
@@ -94,26 +96,29 @@ class torch_group {
 #pragma GCC diagnostic pop
   }
 
-  void check_agreement(std::size_t bytes) const {
-    const at::Tensor mine =
-        at::tensor({static_cast<std::int64_t>(bytes), digest_}, at::kLong).to(device_);
+  // Rows first: the options and the kind of targets decide a record's size, so the byte counts of
+  // ranks that disagree on them differ too, and a fused linear call's chunks have the same size on
+  // ranks of different N until the last.
+  void check_agreement() const {
+    const at::Tensor mine = at::tensor({rows_, digest_}, at::kLong).to(device_);
     at::Tensor all = at::empty({2 * size()}, mine.options());
     gather(mine, all);
     const at::Tensor got = all.cpu();  // on CUDA, the host waits here (XENT_CHECK_RANKS=1 only)
     const std::int64_t* h = got.data_ptr<std::int64_t>();
-    for (int r = 0; r < size(); ++r) {
+    for (int r = 0; r < size(); ++r)
       TORCH_CHECK_VALUE(h[2 * r] == h[0],
                         "xent: the ranks of a vocab-parallel call disagree on the number of rows "
                         "(rank ",
-                        r, " exchanges ", h[2 * r], " bytes, rank 0 ", h[0], ")");
+                        r, " has ", h[2 * r], ", rank 0 ", h[0], ")");
+    for (int r = 0; r < size(); ++r)
       TORCH_CHECK_VALUE(h[2 * r + 1] == h[1], "xent: rank ", r,
                         " of a vocab-parallel call disagrees with rank 0 on the vocabulary size, "
                         "the options or the kind of targets");
-    }
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   at::Device device_;
+  std::int64_t rows_;
   std::int64_t digest_;
   bool check_;
 };
@@ -123,12 +128,11 @@ struct vp_shard {
   std::int64_t start, vocab;
 };
 
-// The digest of what every rank's call over `rows` rows must share: the vocabulary, the options,
+// The digest of what every rank's call must share besides its rows: the vocabulary, the options,
 // the kind of targets and whether class weights are given.
-inline call_digest call_digest_of(std::int64_t rows, vp_shard shard, const ce_inputs& in) {
+inline call_digest call_digest_of(vp_shard shard, const ce_inputs& in) {
   const xent::options& o = in.opts;
   return call_digest()
-      .add(rows)
       .add(shard.vocab)
       .add(o.ignore_index)
       .add(o.reduce)
@@ -159,7 +163,7 @@ inline vp_inputs vp_inputs_of(const at::Tensor& input, const at::Tensor& target,
   in.ce.tg = targets_of(target, in.x, in.x.size(1));
   in.ce.weights = weights_of(in.x, weight, shard.vocab);
   in.ce.opts = options_of(in.ce.weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
-  in.digest = call_digest_of(in.x.size(0), shard, in.ce).value();
+  in.digest = call_digest_of(shard, in.ce).value();
   return in;
 }
 
@@ -169,7 +173,7 @@ template <class B, class Run>
 void run_vocab_parallel(const vp_inputs& in, const std::string& group_name, Run&& run) {
   const at::Tensor& x = in.x;
   const vp_shard shard = in.shard;
-  const auto group = B::vp_group(group_name, x.device(), in.digest);
+  const auto group = B::vp_group(group_name, x.device(), x.size(0), in.digest);
   dispatch<B>(x, in.ce.tg, [&](auto tag, auto tv) {
     if constexpr (std::is_same<decltype(tag), double>::value) {
       TORCH_CHECK_TYPE(false,
@@ -282,11 +286,10 @@ inline vp_linear_inputs vp_linear_inputs_of(const at::Tensor& hidden, const at::
   in.lin.class_weights = weights_of(in.lin.hidden, class_weight, shard.vocab);
   static_cast<xent::options&>(in.lin.opts) =
       options_of(in.lin.class_weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
-  in.digest =
-      call_digest_of(in.lin.hidden.size(0), shard, {in.lin.tg, in.lin.class_weights, in.lin.opts})
-          .add(in.lin.hidden.size(1))
-          .add(in.lin.bias.defined())
-          .value();
+  in.digest = call_digest_of(shard, {in.lin.tg, in.lin.class_weights, in.lin.opts})
+                  .add(in.lin.hidden.size(1))
+                  .add(in.lin.bias.defined())
+                  .value();
   return in;
 }
 
@@ -298,7 +301,7 @@ void run_vocab_parallel_linear(const vp_linear_inputs& in, const std::string& gr
                                xent::linear_pass pass, Run&& run) {
   const linear_inputs& lin = in.lin;
   const vp_shard shard = in.shard;
-  const auto group = B::vp_group(group_name, lin.hidden.device(), in.digest);
+  const auto group = B::vp_group(group_name, lin.hidden.device(), lin.hidden.size(0), in.digest);
   dispatch<B>(lin.hidden, lin.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     if constexpr (std::is_same<T, double>::value) {

@@ -14,8 +14,9 @@ namespace {
 // stream, on which torch orders its collective.
 class torch_cuda_group : public torch_group {
  public:
-  torch_cuda_group(const std::string& name, const at::Device& device, std::int64_t digest)
-      : torch_group(name, device, digest),
+  torch_cuda_group(const std::string& name, const at::Device& device, std::int64_t rows,
+                   std::int64_t digest)
+      : torch_group(name, device, rows, digest),
         stream_(c10::cuda::getCurrentCUDAStream(device.index()).stream()) {}
   cudaStream_t stream() const { return stream_; }
 
@@ -36,8 +37,8 @@ struct cuda_vp_backend : cuda_backend {
     return c;
   }
   static torch_cuda_group vp_group(const std::string& name, const at::Device& device,
-                                   std::int64_t digest) {
-    return torch_cuda_group(name, device, digest);
+                                   std::int64_t rows, std::int64_t digest) {
+    return torch_cuda_group(name, device, rows, digest);
   }
 };
 
