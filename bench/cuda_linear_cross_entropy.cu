@@ -7,6 +7,7 @@
 //                               of a training step, nothing else, each over all N rows at once
 //   linear_forward/NxDxV        loss + LSE
 //   linear_forward_backward/NxDxV   loss, d_hidden, d_weight (dw_accumulation::fp32)
+//   linear_forward_backward_low_memory/NxDxV   the same in linear_order::low_memory
 // Counters:
 //   floor_ratio     this line's median time / its floor line's median time (the issue's targets:
 //                   <= 1.03 for forward, <= 1.05 for forward_backward)
@@ -79,7 +80,8 @@ struct problem {
   cublasHandle_t handle{};
 
   problem(const shape& s_, bool training, bool floor,
-          std::size_t budget = xent::linear_default_budget)
+          std::size_t budget = xent::linear_default_budget,
+          xent::linear_order order = xent::linear_order::fast)
       : s(s_) {
     const auto N = static_cast<std::size_t>(s.n), D = static_cast<std::size_t>(s.d),
                V = static_cast<std::size_t>(s.v);
@@ -100,7 +102,9 @@ struct problem {
     } else {
       const xent::cuda exec;
       const auto pass = training ? xent::linear_pass::training : xent::linear_pass::forward;
-      ws_bytes = xent::linear_workspace_size<bf16>(exec, {s.n, s.d, s.v}, pass, {}, budget).bytes;
+      xent::linear_options opts;
+      opts.order = order;
+      ws_bytes = xent::linear_workspace_size<bf16>(exec, {s.n, s.d, s.v}, pass, opts, budget).bytes;
       check(cudaMalloc(&ws, ws_bytes), "malloc workspace");
     }
     check(cublasCreate(&handle), "cublasCreate");
@@ -190,12 +194,14 @@ void floor_line(benchmark::State& state, shape s, bool training) {
       static_cast<double>(sizeof(bf16)) * (N * V + (training ? N * D + V * D : 0)) / (1 << 20);
 }
 
-void xent_line(benchmark::State& state, shape s, bool training, std::size_t budget) {
-  problem p(s, training, false, budget);
+void xent_line(benchmark::State& state, shape s, bool training, std::size_t budget,
+               xent::linear_order order = xent::linear_order::fast) {
+  problem p(s, training, false, budget, order);
   const std::int64_t N = s.n, D = s.d, V = s.v;
   xent::cuda exec;
   exec.cublas = p.handle;
   xent::linear_options opts;
+  opts.order = order;
   xent::forward_outputs out;
   out.loss = p.loss;
   out.lse = {p.lse, N};
@@ -229,8 +235,11 @@ void xent_line(benchmark::State& state, shape s, bool training, std::size_t budg
   const std::size_t room = xent::cuda_detail::linear_logits_room<bf16>(
       pass, opts.accumulate, grads.d_weight.data, V, D, grads.d_weight.ld);
   state.counters["chunk_rows"] = static_cast<double>(
-      xent::cuda_detail::plan_linear<bf16, bf16>({N, D, V}, pass, opts.accumulate, p.ws_bytes, room)
-          .chunk_rows);
+      order == xent::linear_order::low_memory
+          ? xent::cuda_detail::plan_low_memory<bf16, bf16>({N, D, V}, p.ws_bytes).panel.chunk_rows
+          : xent::cuda_detail::plan_linear<bf16, bf16>({N, D, V}, pass, opts.accumulate, p.ws_bytes,
+                                                       room)
+                .chunk_rows);
   state.counters["extra_MiB"] =
       (static_cast<double>(p.ws_bytes) +
        (training ? static_cast<double>(sizeof(bf16)) * (N * D + V * D) : 0.0) + 4.0 * (N + 1)) /
@@ -266,6 +275,17 @@ void register_all() {
             ->Unit(benchmark::kMillisecond)
             ->Iterations(15);
       }
+      // The low-memory order (issue target: extra beyond the gradients at most 256 MiB), at the
+      // default budget; its floor is the same three GEMMs.
+      if (training)
+        benchmark::RegisterBenchmark(("linear_forward_backward_low_memory/" + suffix).c_str(),
+                                     [s](benchmark::State& st) {
+                                       xent_line(st, s, true, xent::linear_default_budget,
+                                                 xent::linear_order::low_memory);
+                                     })
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->Iterations(15);
     }
 }
 
