@@ -176,7 +176,8 @@ bool check_case(const lspec& s, const xt::split& sp, const Run& run) {
   note("ranks", xvl::check_ranks_agree(res));
   note("vs oracle", xvl::check_results(L, sp, res, r, e));
   note("vs unsharded",
-       xvl::check_results(L, sp, res, xvl::from_unsharded(r, run_unsharded<T, G>(L)),
+       xvl::check_results(L, sp, res,
+                          xvl::from_unsharded(r, run_unsharded<T, G>(xvl::in_fast_order(L))),
                           xvl::twice(e)));
   if (!out.empty()) {
     ADD_FAILURE() << "case " << xt::dtype_name<T>() << " -> " << xt::dtype_name<G>() << " grads, "

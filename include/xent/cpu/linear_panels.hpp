@@ -10,7 +10,8 @@
 //      into an N x D float sum (d_hidden itself when float); after the panel's last sub-chunk its
 //      d_weight and d_bias rows are rounded, once.
 // Every sum is in float (double for double inputs) and each output is rounded once, as in the
-// fast order.
+// fast order. Step 3 (run_panels) is also the vocab-parallel calls' over a rank's shard
+// (cpu/vocab_parallel_linear.hpp), from the LSE and mass their exchanges merged.
 #pragma once
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include "../linear/options.hpp"
 #include "../loss_math.hpp"
 #include "../options.hpp"
+#include "../parallel/shard.hpp"
 #include "../targets.hpp"
 #include "../views.hpp"
 #include "backend.hpp"
@@ -31,6 +33,90 @@
 
 namespace xent {
 namespace cpu_detail {
+
+/// Each row's target mass, sum_c w_c t'_c over the whole vocabulary, where every class of it is
+/// at hand: from the target's class weight (class ids, global: `whole` may be a shard's problem),
+/// or summed over the soft targets (`whole` the whole vocabulary's). 0 on ignored rows.
+template <class A, class Tgt>
+void target_masses(const cpu& exec, const problem<A, Tgt>& whole, A* mass) {
+  const std::int64_t N = whole.logits.rows, V = whole.logits.cols;
+  const int threads = std::min(std::max(exec.threads, 1), max_threads);
+  parallel_for(N * V < policy::min_parallel_elements ? 1 : threads, N,
+               [&](std::int64_t a, std::int64_t b, int) {
+                 for (std::int64_t n = a; n < b; ++n)
+                   mass[n] = whole.ignored(n) ? A(0) : row_mass(whole, n);
+               });
+}
+
+/// Step 3 over the weight rows of `weight`, classes [shard.first, shard.first + weight.rows) of
+/// shard.vocab ({0, V} on one device; a rank's shard in the vocab-parallel calls, whose d_hidden
+/// is then its partial): each panel's logits for every row from each row's LSE and mass (N of
+/// each, over the whole vocabulary), its d_weight and d_bias rows written once, d_hidden summed
+/// in `plan.panel`'s N x D float buffer (d_hidden itself when float) and rounded once at the end.
+/// `ws` is the call's workspace, laid out by `plan`; class ids were checked by the caller.
+template <class T, class G, class Tgt, class A>
+void run_panels(const cpu& exec, const low_memory_plan& plan, void* ws, matrix_view<const T> hidden,
+                matrix_view<const T> weight, vector_view<const T> bias, const Tgt& targets,
+                const linear_options& opts, vocab_shard shard, const A* lse, const A* mass,
+                const row_scales<A>& scales, const linear_grads<G>& grads) {
+  const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
+  // The problem of the shard (its loss constants span the whole vocabulary); each panel's is it
+  // shifted to the panel's first class, as a vocab-parallel shard's.
+  const problem<A, Tgt> whole =
+      make_problem(exec, matrix_view<const A>(nullptr, N, V, V), targets, opts, shard);
+
+  // d_hidden's sum over the panels: d_hidden itself when it is the accumulator type.
+  A* dx = nullptr;
+  std::int64_t ldx = D;
+  if (grads.d_hidden.data) {
+    if constexpr (std::is_same<G, A>::value) {
+      dx = grads.d_hidden.data;
+      ldx = grads.d_hidden.ld;
+    } else {
+      dx = make_linear_call(exec, hidden, weight, grads, dw_accumulation::fp32, plan.panel, ws)
+               .buffer(plan.panel.dx);
+    }
+    for (std::int64_t n = 0; n < N; ++n) std::fill_n(dx + n * ldx, D, A(0));
+  }
+
+  for (std::int64_t v0 = 0; v0 < V; v0 += plan.cols) {
+    const std::int64_t nb = std::min(plan.cols, V - v0);
+    const linear_call<T, G> c =
+        make_linear_call(exec, hidden, detail::panel_rows(weight, v0, nb),
+                         detail::panel_grads(grads, v0, nb), dw_accumulation::fp32, plan.panel, ws);
+    const A* bias_f = float_bias(c, detail::panel_slice(bias, v0, nb));
+    start_grads(c);
+    problem<A, Tgt> pb = whole;
+    pb.weights = whole.weights ? whole.weights + v0 : nullptr;
+    pb.first_class = whole.first_class + v0;
+    for (std::int64_t r0 = 0; r0 < N; r0 += plan.panel.chunk_rows) {
+      const std::int64_t n = std::min(plan.panel.chunk_rows, N - r0);
+      const const_acc_rows_map<A> x = float_rows(hidden, r0, n, c.buffer(plan.panel.x));
+      A* tile = c.buffer(plan.panel.logits);
+      acc_rows_map<A> logits(tile, n, nb, Eigen::OuterStride<>(nb));
+      chunk_logits(c, x, logits, bias_f);
+
+      pb.logits = matrix_view<const A>(tile, n, nb, nb);
+      pb.targets = detail::panel_targets(targets, r0, n, v0, nb);
+      row_scales<A> scale = scales;
+      if (scale.rows) scale.rows += r0;
+      write_gradient(
+          make_plan(exec, n, nb), pb, [&](std::int64_t row) { return lse[r0 + row]; },
+          [&](std::int64_t row) { return mass[r0 + row]; }, scale, matrix_view<A>(tile, n, nb, nb));
+
+      chunk_weight_grads(c, x, logits);
+      if (dx)
+        parallel_for(c.threads(n), n, [&](std::int64_t a, std::int64_t b, int worker) {
+          acc_rows_map<A> rows(dx + (r0 + a) * ldx, b - a, D, Eigen::OuterStride<>(ldx));
+          add_grad_times_weight(c, logits, a, b, rows, worker);
+        });
+    }
+    finish_grads(c);
+  }
+  if constexpr (!std::is_same<G, A>::value)
+    if (dx)
+      for (std::int64_t n = 0; n < N; ++n) convert(dx + n * D, D, grads.d_hidden.row(n));
+}
 
 /// A training call in the low-memory order. `saved_lse` is linear_backward's (null:
 /// forward_backward, which computes each row's LSE and writes `out`).
@@ -59,69 +145,12 @@ void run_low_memory(const char* fn, const cpu& exec, matrix_view<const T> hidden
                                          vector_view<const A>{}, o, normalizer);
     if (out.lse.data) std::copy_n(lse, N, out.lse.data);
   }
-
-  // The problem of the whole vocabulary (its loss constants span every class); each panel's is it
-  // shifted to the panel's first class, as a vocab-parallel shard's.
-  const problem<A, Tgt> whole =
-      make_problem(exec, matrix_view<const A>(nullptr, N, V, V), targets, opts, {0, V});
-  const int threads = std::min(std::max(exec.threads, 1), max_threads);
-  parallel_for(N * V < policy::min_parallel_elements ? 1 : threads, N,
-               [&](std::int64_t a, std::int64_t b, int) {
-                 for (std::int64_t n = a; n < b; ++n)
-                   mass[n] = whole.ignored(n) ? A(0) : row_mass(whole, n);
-               });
-  const row_scales<A> scales = make_row_scales(up, opts, normalizer);
-
-  // d_hidden's sum over the panels: d_hidden itself when it is the accumulator type.
-  A* dx = nullptr;
-  std::int64_t ldx = D;
-  if (grads.d_hidden.data) {
-    if constexpr (std::is_same<G, A>::value) {
-      dx = grads.d_hidden.data;
-      ldx = grads.d_hidden.ld;
-    } else {
-      dx = region.buffer(plan.panel.dx);
-    }
-    for (std::int64_t n = 0; n < N; ++n) std::fill_n(dx + n * ldx, D, A(0));
-  }
-
-  for (std::int64_t v0 = 0; v0 < V; v0 += plan.cols) {
-    const std::int64_t nb = std::min(plan.cols, V - v0);
-    const linear_call<T, G> c = make_linear_call(exec, hidden, detail::panel_rows(weight, v0, nb),
-                                                 detail::panel_grads(grads, v0, nb),
-                                                 dw_accumulation::fp32, plan.panel, ws.data);
-    const A* bias_f = float_bias(c, detail::panel_slice(bias, v0, nb));
-    start_grads(c);
-    problem<A, Tgt> pb = whole;
-    pb.weights = whole.weights ? whole.weights + v0 : nullptr;
-    pb.first_class = v0;
-    for (std::int64_t r0 = 0; r0 < N; r0 += plan.panel.chunk_rows) {
-      const std::int64_t n = std::min(plan.panel.chunk_rows, N - r0);
-      const const_acc_rows_map<A> x = float_rows(hidden, r0, n, c.buffer(plan.panel.x));
-      A* tile = c.buffer(plan.panel.logits);
-      acc_rows_map<A> logits(tile, n, nb, Eigen::OuterStride<>(nb));
-      chunk_logits(c, x, logits, bias_f);
-
-      pb.logits = matrix_view<const A>(tile, n, nb, nb);
-      pb.targets = detail::panel_targets(targets, r0, n, v0, nb);
-      row_scales<A> scale = scales;
-      if (scale.rows) scale.rows += r0;
-      write_gradient(
-          make_plan(exec, n, nb), pb, [&](std::int64_t row) { return lse[r0 + row]; },
-          [&](std::int64_t row) { return mass[r0 + row]; }, scale, matrix_view<A>(tile, n, nb, nb));
-
-      chunk_weight_grads(c, x, logits);
-      if (dx)
-        parallel_for(c.threads(n), n, [&](std::int64_t a, std::int64_t b, int worker) {
-          acc_rows_map<A> rows(dx + (r0 + a) * ldx, b - a, D, Eigen::OuterStride<>(ldx));
-          add_grad_times_weight(c, logits, a, b, rows, worker);
-        });
-    }
-    finish_grads(c);
-  }
-  if constexpr (!std::is_same<G, A>::value)
-    if (dx)
-      for (std::int64_t n = 0; n < N; ++n) convert(dx + n * D, D, grads.d_hidden.row(n));
+  target_masses(
+      exec,
+      make_problem(exec, matrix_view<const A>(nullptr, N, V, V), targets, opts, vocab_shard{0, V}),
+      mass);
+  run_panels(exec, plan, ws.data, hidden, weight, bias, targets, opts, vocab_shard{0, V}, lse, mass,
+             make_row_scales(up, opts, normalizer), grads);
 }
 
 }  // namespace cpu_detail

@@ -124,6 +124,7 @@ struct low_memory_plan {
   std::int64_t cols = 1;
   std::size_t lse = linear_absent;   ///< N: each row's LSE
   std::size_t mass = linear_absent;  ///< N: each row's target mass
+  std::size_t end = 0;               ///< the end of the last buffer, from the aligned base
   std::size_t bytes = 0;
 };
 
@@ -142,6 +143,7 @@ low_memory_plan make_low_memory_plan(const cpu& exec, const linear_shape& s, std
   using A = accumulator_t<T>;
   p.lse = stack.take(sizeof(A) * static_cast<std::size_t>(s.rows));
   p.mass = stack.take(sizeof(A) * static_cast<std::size_t>(s.rows));
+  p.end = stack.at;
   p.bytes = stack.bytes();
   return p;
 }
