@@ -2,9 +2,10 @@
 // threads of an in-process group: 1-4 ranks, Megatron's uneven split, an empty shard, shards out
 // of class order, every loss option, bias or not, ignored rows (some, all), per-row upstream
 // gradients, float / bf16 / fp16 and mixed gradient dtypes, workspaces from one-row chunks to one
-// chunk, rows fewer than threads; argument errors. Each case runs forward, forward_backward and
-// backward (from forward's LSE) on every rank and is held to the float64 linear oracle and to the
-// unsharded linear calls (vocab_parallel_linear_harness.hpp says how).
+// chunk, rows fewer than threads, both training orders and the automatic choice between them;
+// argument errors. Each case runs forward, forward_backward and backward (from forward's LSE) on
+// every rank and is held to the float64 linear oracle and to the unsharded linear calls in the
+// fast order (vocab_parallel_linear_harness.hpp says how).
 #include <gtest/gtest.h>
 
 #include <algorithm>
