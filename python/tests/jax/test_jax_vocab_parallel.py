@@ -204,3 +204,123 @@ def test_merge_refuses_shards_that_do_not_tile_the_vocabulary():
         jax.block_until_ready(
             _vp_call("xent_vocab_parallel_merge", results, recv[:-8], y, none, cfg=cfg, vocab=8)
         )
+
+
+# --- the fused linear path ------------------------------------------------------------------------
+
+
+def linear_oracle(h, wt, b, y, **kw):
+    """The loss and the gradients of hidden, weight and bias, in float64, through the oracle."""
+    h64, w64 = np.asarray(h, np.float64), np.asarray(wt, np.float64)
+    logits = h64 @ w64.T + (0.0 if b is None else np.asarray(b, np.float64))
+    loss, _, dz = oracle(logits, y, **kw)
+    if kw.get("reduction") == "none":
+        loss = loss.sum()
+    return loss, (dz @ w64, dz.T @ h64, dz.sum(axis=0))
+
+
+def sharded_linear(devices, classes, bias, **kw):
+    class_weight = kw.pop("weight", None)
+
+    def body(h, wt, b, y, cw):
+        return xj.vocab_parallel_linear_cross_entropy(
+            h, wt, y, b, axis_name="model", vocab_size=classes, class_weight=cw, **kw
+        )
+
+    def run(h, wt, b, y):
+        pad = -(-classes // devices) * devices - classes
+        wt = jnp.concatenate([wt, jnp.full((pad, wt.shape[1]), 0.5, wt.dtype)])
+        b = None if b is None else jnp.concatenate([b, jnp.full((pad,), 9.0, b.dtype)])
+        f = jax.shard_map(
+            body,
+            mesh=mesh_of(devices),
+            in_specs=(P(), P("model", None), None if b is None else P("model"), P(), P()),
+            out_specs=P(),
+        )
+        return f(h, wt, b, y, class_weight).sum()
+
+    return run
+
+
+LINEAR_OPTIONS = [
+    {},
+    {"reduction": "sum", "label_smoothing": 0.1},
+    {"reduction": "none", "ignore_index": 2, "z_loss": 1e-3},
+    {"weight": "random", "label_smoothing": 0.3, "softcap": 4.0, "chunk_rows": 3},
+]
+
+
+@pytest.mark.parametrize("kw", LINEAR_OPTIONS, ids=lambda kw: ",".join(kw) or "defaults")
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("devices,classes", SIZES, ids=lambda s: str(s))
+def test_linear_matches_unsharded_and_float64_oracle(devices, classes, bias, kw):
+    rows, dim = 7, 6
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    h = jax.random.normal(keys[0], (rows, dim))
+    wt = jax.random.normal(keys[1], (classes, dim))
+    b = jax.random.normal(keys[2], (classes,)) if bias else None
+    y = jax.random.randint(keys[3], (rows,), 0, classes)
+    kw = resolve(kw, classes)
+    f = sharded_linear(devices, classes, bias, **kw)
+    loss, padded_grads = jax.value_and_grad(f, argnums=(0, 1, 2) if bias else (0, 1))(h, wt, b, y)
+    grads = padded_grads
+    kw.pop("chunk_rows", None)
+    cw = kw.pop("weight", None)
+
+    def unsharded(h, wt, b):
+        return xj.linear_cross_entropy(h, wt, y, b, class_weight=cw, **kw).sum()
+
+    want, want_grads = jax.value_and_grad(unsharded, argnums=(0, 1, 2) if bias else (0, 1))(
+        h, wt, b
+    )
+    # d_hidden whole; d_weight and d_bias without their padding rows.
+    grads = (grads[0], *(g[:classes] for g in grads[1:]))
+    check(loss, want, 1e-6)
+    for got, expected in zip(grads, want_grads):
+        check(got, expected, 1e-6)
+
+    ref, ref_grads = linear_oracle(h, wt, b, y, weight=cw, **kw)
+    check(loss, ref, 1e-6)
+    for got, expected in zip(grads, ref_grads):
+        check(got, expected, 1e-6)
+    assert np.all(np.asarray(padded_grads[1])[classes:] == 0)  # padding rows: no gradient
+
+
+def test_linear_bf16_matches_unsharded():
+    classes, devices = 301, 4
+    keys = jax.random.split(jax.random.PRNGKey(2), 3)
+    h = jax.random.normal(keys[0], (9, 16), jnp.bfloat16)
+    wt = jax.random.normal(keys[1], (classes, 16), jnp.bfloat16)
+    y = jax.random.randint(keys[2], (9,), 0, classes)
+    f = sharded_linear(devices, classes, False)
+    loss, (dh, dw) = jax.value_and_grad(f, argnums=(0, 1))(h, wt, None, y)
+    want, (wh, ww) = jax.value_and_grad(
+        lambda h, wt: xj.linear_cross_entropy(h, wt, y), argnums=(0, 1)
+    )(h, wt)
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+    check(loss, want, 2e-2)
+    check(dh, wh, 2e-2)
+    check(dw[:classes], ww, 2e-2)
+
+
+def test_linear_errors_name_the_argument():
+    h = jnp.ones((3, 4))
+    y = jnp.zeros((3,), jnp.int32)
+
+    def call(wt, b=None, **kw):
+        def body(h, wt, y):
+            return xj.vocab_parallel_linear_cross_entropy(h, wt, y, b, **kw)
+
+        f = jax.shard_map(
+            body, mesh=mesh_of(2), in_specs=(P(), P("model", None), P()), out_specs=P()
+        )
+        return f(h, wt, y)
+
+    with pytest.raises(ValueError, match="weight must be \\(C, D\\) with D = 4"):
+        call(jnp.ones((8, 5)), axis_name="model")
+    with pytest.raises(ValueError, match="bias must have shape \\(C,\\) = \\(4,\\)"):
+        call(jnp.ones((8, 4)), jnp.ones(8), axis_name="model")
+    with pytest.raises(ValueError, match="axis_name 'vocab'"):
+        call(jnp.ones((8, 4)), axis_name="vocab")
+    with pytest.raises(ValueError, match="chunk_rows must be >= 1"):
+        call(jnp.ones((8, 4)), axis_name="model", chunk_rows=0)

@@ -12,7 +12,7 @@ registered with XLA here, on the CPU and, where the package was built with nvcc,
 
 from . import _ffi
 from .ops import cross_entropy, linear_cross_entropy
-from .vocab_parallel import vocab_parallel_cross_entropy
+from .vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 
 with_cuda: bool = _ffi.with_cuda
 """Whether the CUDA handlers were built (nvcc found when the package was installed)."""
@@ -21,5 +21,6 @@ __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
     "with_cuda",
 ]

@@ -325,3 +325,201 @@ def vocab_parallel_cross_entropy(
         logits.reshape(rows, shard.width), labels.reshape(rows), w, cfg, shard
     )
     return _public_results(shard, loss, lse, labels.shape, logits.dtype, cfg, return_lse)
+
+
+# --- fused linear cross-entropy -------------------------------------------------------------------
+#
+# Rows are taken `chunk` at a time (lax.scan): a chunk's logits, hidden_c · W_shardᵀ + b_shard
+# (chunk x C, float32), are the one buffer of the vocabulary's width that exists, and per chunk
+# the devices exchange that chunk's records (one all_gather), as xent's C++ vocab-parallel linear
+# calls do (parallel/vocab_parallel_linear.hpp). The chunk's merge gives its rows' losses and
+# LSEs; the reduction over rows is taken here, the mean's normaliser (the sum of w[y] over rows
+# not ignored) from the labels. hidden's gradient is a sum over the vocabulary: each device's
+# partial, G_shard · W_shard, is summed over the axis (a psum, Megatron's all-reduce).
+
+# The logits a chunk may hold: xent's default linear workspace budget (linear/options.hpp).
+_CHUNK_BYTES = 256 << 20
+
+
+class _Linear(NamedTuple):
+    shard: _Shard
+    chunk: int  # rows a chunk
+
+
+def _mean_normaliser(cfg: _Config, y, w):
+    keep = y != cfg.ignore_index
+    if w.shape[0] == 0:
+        return keep.sum().astype(jnp.float32)
+    return jnp.where(keep, w[jnp.clip(y, 0, w.shape[0] - 1)], 0.0).sum()
+
+
+def _chunks(lin: _Linear, cfg: _Config, h, y):
+    """hidden and labels as (chunks, chunk, ...): the last chunk filled with ignored rows."""
+    rows = h.shape[0]
+    count = max(1, -(-rows // lin.chunk))
+    pad = count * lin.chunk - rows
+    h = jnp.pad(h, ((0, pad), (0, 0)))
+    y = jnp.pad(y, (0, pad), constant_values=cfg.ignore_index)
+    return h.reshape(count, lin.chunk, h.shape[1]), y.reshape(count, lin.chunk)
+
+
+def _chunk_logits(h, wt, b):
+    z = jnp.dot(h, wt.T, preferred_element_type=jnp.float32)
+    return z + b.astype(jnp.float32) if b.shape[0] else z
+
+
+def _chunk_grads(h, wt, gz):
+    """A chunk's partial d_hidden, and its d_weight and d_bias terms, from its logits' gradient."""
+    g = gz.astype(h.dtype)
+    dh = jnp.dot(g, wt, preferred_element_type=jnp.float32)
+    return dh, jnp.dot(g.T, h, preferred_element_type=jnp.float32), gz.sum(axis=0)
+
+
+def _linear_pass(lin: _Linear, cfg: _Config, h, wt, b, y, w, upstream=None, lse=None):
+    """One scan over the row chunks. Forward (lse None): each chunk's row losses and LSEs, and
+    with `upstream` (the rows' upstream gradient, or a scalar for every row) the gradients too.
+    Backward (lse given): the gradients from the saved LSE, no collective."""
+    shard = lin.shard
+    rows = h.shape[0]
+    none = cfg._replace(reduction=0)
+    hc, yc = _chunks(lin, cfg, h, y)
+    count = hc.shape[0]
+    per_row = jnp.broadcast_to(
+        jnp.zeros((), jnp.float32) if upstream is None else upstream, (rows,)
+    ).astype(jnp.float32)
+    up = jnp.pad(per_row, (0, count * lin.chunk - rows)).reshape(count, lin.chunk)
+    saved = None if lse is None else jnp.pad(lse, (0, count * lin.chunk - rows))
+    saved = None if saved is None else saved.reshape(count, lin.chunk)
+    grads = upstream is not None
+
+    def step(acc, chunk):
+        h_c, y_c, up_c, lse_c = chunk
+        z = _chunk_logits(h_c, wt, b)
+        if lse_c is None:
+            loss_c, lse_c, yr, wr = _merged(shard, none, z, y_c, w)
+        else:
+            loss_c = jnp.zeros((lin.chunk,), jnp.float32)
+            yr, wr = _rotate(shard, none, y_c, w)
+        if not grads:
+            return acc, (loss_c, lse_c, None)
+        gz = _local_grad(shard, none, z, yr, wr, lse_c, up_c)
+        dh, dw, db = _chunk_grads(h_c, wt, gz)
+        return (acc[0] + dw, acc[1] + db), (loss_c, lse_c, dh)
+
+    acc0 = (jnp.zeros(wt.shape, jnp.float32), jnp.zeros((wt.shape[0],), jnp.float32))
+    acc0 = tuple(_varying(shard, a) for a in acc0) if grads else ()
+    (acc, (loss, lse_out, dh)) = lax.scan(step, acc0, (hc, yc, up, saved))
+    loss, lse_out = loss.reshape(-1)[:rows], lse_out.reshape(-1)[:rows]
+    if not grads:
+        return loss, lse_out, None
+    dh = lax.psum(dh.reshape(-1, h.shape[1])[:rows], shard.axis_name)
+    db = acc[1].astype(b.dtype) if b.shape[0] else b
+    return loss, lse_out, (dh.astype(h.dtype), acc[0].astype(wt.dtype), db)
+
+
+def _reduce(cfg: _Config, row_loss, y, w):
+    if cfg.reduction == 0:
+        return row_loss
+    total = row_loss.sum()
+    return total / _mean_normaliser(cfg, y, w) if cfg.reduction == 1 else total
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _vp_linear(h, wt, b, y, w, cfg, lin):
+    row_loss, lse, _ = _linear_pass(lin, cfg, h, wt, b, y, w)
+    return _replicated(lin.shard, _reduce(cfg, row_loss, y, w)), lse
+
+
+# As the unsharded linear path: with mean or sum the forward also computes the gradients (each
+# chunk's logits once) for an upstream gradient of 1, and backward scales them; with none the
+# forward keeps the LSE and backward computes every chunk's logits again.
+def _vp_linear_fwd(h, wt, b, y, w, cfg, lin):
+    if cfg.reduction == 0:
+        row_loss, lse, _ = _linear_pass(lin, cfg, h, wt, b, y, w)
+        return (_replicated(lin.shard, row_loss), lse), (h, wt, b, y, w, lse)
+    scale = 1.0 / _mean_normaliser(cfg, y, w) if cfg.reduction == 1 else jnp.ones((), jnp.float32)
+    row_loss, lse, grads = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=scale)
+    return (_replicated(lin.shard, _reduce(cfg, row_loss, y, w)), lse), grads
+
+
+def _vp_linear_bwd(cfg, lin, saved, cotangents):
+    g = cotangents[0].astype(jnp.float32)
+    if cfg.reduction == 0:
+        h, wt, b, y, w, lse = saved
+        _, _, (dh, dw, db) = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=g, lse=lse)
+    else:
+        dh, dw, db = ((d.astype(jnp.float32) * g).astype(d.dtype) for d in saved)
+    return dh, dw, db, None, None
+
+
+_vp_linear.defvjp(_vp_linear_fwd, _vp_linear_bwd)
+
+
+def vocab_parallel_linear_cross_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    axis_name: Hashable,
+    vocab_size: int | None = None,
+    class_weight: jax.Array | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    chunk_rows: int | None = None,
+):
+    """linear_cross_entropy with the LM head's weight sharded by vocabulary along `axis_name`;
+    call it inside jax.shard_map.
+
+    hidden (..., D) and labels (...): the same on every device of the axis; weight (C, D) and
+    bias (C,) or None: this device's rows, classes [i C, (i + 1) C) for the device at index i
+    (in_specs P(axis_name, None)); vocab_size, class_weight and the options as
+    vocab_parallel_cross_entropy's (rows of weight at or past vocab_size are padding: no
+    classes, zero gradient). The loss (and LSE) are the unsharded call's, replicated along the
+    axis; hidden's gradient is complete on every device (the devices' partials summed with a
+    psum), weight's and bias's are this device's rows.
+
+    No (..., V) logits: a chunk of chunk_rows rows (by default as many as keep its chunk x C
+    float32 logits within xent's default linear workspace budget, 256 MiB) at a time, with one
+    all_gather of its rows' records.
+    """
+    hidden = jnp.asarray(hidden)
+    weight = jnp.asarray(weight)
+    labels = jnp.asarray(labels)
+    cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
+    _check_shard_dtype("hidden", hidden)
+    if hidden.ndim < 1:
+        raise ValueError("xent: hidden must be (..., D), got a scalar")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"xent: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"xent: weight must be (C, D) with D = {hidden.shape[-1]}, got {weight.shape}"
+        )
+    _check_labels(labels, hidden.shape[:-1], "hidden.shape[:-1]")
+    shard = _make_shard(axis_name, weight.shape[0], vocab_size, "weight")
+    w = _class_weights(class_weight, shard.vocab)
+    if bias is None:
+        b = jnp.zeros((0,), hidden.dtype)
+    else:
+        b = jnp.asarray(bias)
+        if b.dtype != hidden.dtype:
+            raise TypeError(f"xent: bias must have hidden's dtype {hidden.dtype}, got {b.dtype}")
+        if b.shape != (shard.width,):
+            raise ValueError(f"xent: bias must have shape (C,) = ({shard.width},), got {b.shape}")
+    if chunk_rows is None:
+        chunk_rows = max(1, _CHUNK_BYTES // (4 * max(1, shard.width)))
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)):
+        raise TypeError(f"xent: chunk_rows must be an int, got {type(chunk_rows).__name__}")
+    if chunk_rows < 1:
+        raise ValueError(f"xent: chunk_rows must be >= 1, got {chunk_rows}")
+    rows = math.prod(labels.shape)
+    lin = _Linear(shard, int(min(chunk_rows, max(rows, 1))))
+    loss, lse = _vp_linear(
+        hidden.reshape(rows, hidden.shape[-1]), weight, b, labels.reshape(rows), w, cfg, lin
+    )
+    return _public_results(shard, loss, lse, labels.shape, hidden.dtype, cfg, return_lse)
