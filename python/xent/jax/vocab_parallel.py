@@ -37,7 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .ops import _call, _check_labels, _check_options, _class_weights, _Config, _results
+from .ops import (
+    _call,
+    _check_labels,
+    _check_options,
+    _class_weights,
+    _Config,
+    _linear_operands,
+    _results,
+)
 
 _SHARD_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -487,30 +495,12 @@ def vocab_parallel_linear_cross_entropy(
     float32 logits within xent's default linear workspace budget, 256 MiB) at a time, with one
     all_gather of its rows' records.
     """
-    hidden = jnp.asarray(hidden)
-    weight = jnp.asarray(weight)
-    labels = jnp.asarray(labels)
     cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
-    _check_shard_dtype("hidden", hidden)
-    if hidden.ndim < 1:
-        raise ValueError("xent: hidden must be (..., D), got a scalar")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"xent: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"xent: weight must be (C, D) with D = {hidden.shape[-1]}, got {weight.shape}"
-        )
-    _check_labels(labels, hidden.shape[:-1], "hidden.shape[:-1]")
+    hidden, weight, b, labels = _linear_operands(
+        hidden, weight, bias, labels, _check_shard_dtype, "C"
+    )
     shard = _make_shard(axis_name, weight.shape[0], vocab_size, "weight")
     w = _class_weights(class_weight, shard.vocab)
-    if bias is None:
-        b = jnp.zeros((0,), hidden.dtype)
-    else:
-        b = jnp.asarray(bias)
-        if b.dtype != hidden.dtype:
-            raise TypeError(f"xent: bias must have hidden's dtype {hidden.dtype}, got {b.dtype}")
-        if b.shape != (shard.width,):
-            raise ValueError(f"xent: bias must have shape (C,) = ({shard.width},), got {b.shape}")
     if chunk_rows is None:
         chunk_rows = max(1, _CHUNK_BYTES // (4 * max(1, shard.width)))
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer)):
