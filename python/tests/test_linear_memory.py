@@ -314,6 +314,9 @@ def test_low_memory_workspace_holds_no_vocab_by_hidden_float_sum():
     # whole workspace is smaller than that sum alone.
     assert sizes["fast", "output"] < vd_sum
     assert sizes["low_memory", "fp32"] == sizes["low_memory", "output"] < vd_sum
+    # hidden (..., D) counts its rows, as linear_cross_entropy does.
+    batched = hidden.reshape(2, WN // 2, WD)
+    assert xent.torch.linear_workspace_bytes(batched, weight) == sizes["automatic", "fp32"]
     # A frozen LM head needs no float sum of d_weight in any order.
     frozen = xent.torch.linear_workspace_bytes(hidden, weight, d_weight=False)
     assert frozen == sizes["fast", "output"]
@@ -384,7 +387,7 @@ def test_cuda_peak_is_the_gradients_and_the_workspace(order, accumulate):
     step()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
-    workspace = xent.torch.linear_workspace_bytes(h, w, **kw)
+    workspace = xent.torch.linear_workspace_bytes(hidden, weight, **kw)
     grads = 2 * (n * d + v * d)
     # Each allocation is rounded up to the caching allocator's 512-byte blocks.
     assert extra <= grads + workspace + 16 * n + 8 * 512
