@@ -55,6 +55,7 @@ linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shap
   detail::check_linear_shape("xent::linear_workspace_size", "shape", shape);
   detail::check_accumulation("xent::linear_workspace_size", opts);
   detail::check_order("xent::linear_workspace_size", opts);
+  detail::check_sparse("xent::linear_workspace_size", opts);
   detail::check_pass("xent::linear_workspace_size", pass);
   auto of = [&](linear_order order) {
     return linear_traits<Exec>::template workspace_size<T, G>(exec, shape, pass, opts.accumulate,
@@ -65,7 +66,7 @@ linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shap
   if (pass == linear_pass::forward || opts.order == linear_order::fast) return fast;
   linear_workspace_sizes low = of(linear_order::low_memory);
   low.fast_minimal = fast.minimal;
-  if (opts.order == linear_order::low_memory) return low;
+  if (opts.order == linear_order::low_memory || opts.sparse_threshold > 0.0f) return low;
   fast.minimal = std::min(fast.minimal, low.minimal);
   return fast;
 }
@@ -152,12 +153,17 @@ std::size_t linear_minimal(const Exec& exec, const matrix_view<const T>& hidden,
 }
 
 /// `opts` with linear_order::automatic resolved for a training workspace of `bytes`: fast when it
-/// holds fast's minimal (or fast needs no more than low_memory), else low_memory.
+/// holds fast's minimal (or fast needs no more than low_memory), else low_memory; low_memory
+/// whatever the bytes with a sparse threshold (only that order skips tiles).
 template <class T, class G, class Exec>
 linear_options resolved_order(const Exec& exec, const matrix_view<const T>& hidden,
                               const matrix_view<const T>& weight, linear_options opts,
                               std::size_t bytes) {
   if (opts.order != linear_order::automatic) return opts;
+  if (opts.sparse_threshold > 0.0f) {
+    opts.order = linear_order::low_memory;
+    return opts;
+  }
   const std::size_t fast =
       linear_workspace_size<T, G>(exec, {hidden.rows, hidden.cols, weight.rows},
                                   linear_pass::training, opts, 0)

@@ -10,10 +10,11 @@
 //      into an N x D float sum (d_hidden itself when float); after the panel's last sub-chunk its
 //      d_weight and d_bias rows are rounded, once.
 // Every sum is in float (double for double inputs) and each output is rounded once, as in the
-// fast order.
+// fast order. With linear_options::sparse_threshold, step 3 skips cold tiles (linear_sparse.hpp).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -26,6 +27,7 @@
 #include "cpu.hpp"
 #include "linear_plan.hpp"
 #include "linear_rows.hpp"
+#include "linear_sparse.hpp"
 #include "linear_steps.hpp"
 #include "parallel.hpp"
 
@@ -71,6 +73,14 @@ void run_low_memory(const char* fn, const cpu& exec, matrix_view<const T> hidden
                    mass[n] = whole.ignored(n) ? A(0) : row_mass(whole, n);
                });
   const row_scales<A> scales = make_row_scales(up, opts, normalizer);
+  // The sparse backward (linear_sparse.hpp): tiles' gradients without smoothing's rank-1 term,
+  // which is added whole.
+  const bool sparse = opts.sparse_threshold > 0.0f;
+  const A log_tau = std::log(static_cast<A>(opts.sparse_threshold));
+  const smoothing_term<A> smoothing =
+      sparse ? make_smoothing_term(hidden, weight, whole, scales, region.buffer(plan.smooth))
+             : smoothing_term<A>{};
+  linear_sparse_counts counts;
 
   // d_hidden's sum over the panels: d_hidden itself when it is the accumulator type.
   A* dx = nullptr;
@@ -95,6 +105,7 @@ void run_low_memory(const char* fn, const cpu& exec, matrix_view<const T> hidden
     problem<A, Tgt> pb = whole;
     pb.weights = whole.weights ? whole.weights + v0 : nullptr;
     pb.first_class = v0;
+    if (smoothing.s) pb.k.smooth = A(0);
     for (std::int64_t r0 = 0; r0 < N; r0 += plan.panel.chunk_rows) {
       const std::int64_t n = std::min(plan.panel.chunk_rows, N - r0);
       const const_acc_rows_map<A> x = float_rows(hidden, r0, n, c.buffer(plan.panel.x));
@@ -106,9 +117,21 @@ void run_low_memory(const char* fn, const cpu& exec, matrix_view<const T> hidden
       pb.targets = detail::panel_targets(targets, r0, n, v0, nb);
       row_scales<A> scale = scales;
       if (scale.rows) scale.rows += r0;
-      write_gradient(
-          make_plan(exec, n, nb), pb, [&](std::int64_t row) { return lse[r0 + row]; },
-          [&](std::int64_t row) { return mass[r0 + row]; }, scale, matrix_view<A>(tile, n, nb, nb));
+      const auto lse_of = [&](std::int64_t row) { return lse[r0 + row]; };
+      const auto mass_of = [&](std::int64_t row) { return mass[r0 + row]; };
+      if (sparse) {
+        const std::int64_t blocks = c.blocks();
+        const sparse_tiles t{reinterpret_cast<unsigned char*>(c.base + plan.hot), n,
+                             (n + sparse_tile_rows - 1) / sparse_tile_rows, blocks};
+        counts.tiles += t.row_tiles * blocks;
+        counts.skipped += write_sparse_gradient(c, pb, lse_of, mass_of, scale, log_tau, t,
+                                                matrix_view<A>(tile, n, nb, nb));
+        sparse_weight_grads(c, x, logits, t);
+        if (dx) sparse_hidden_grads(c, logits, t, dx, ldx, r0);
+        continue;
+      }
+      write_gradient(make_plan(exec, n, nb), pb, lse_of, mass_of, scale,
+                     matrix_view<A>(tile, n, nb, nb));
 
       chunk_weight_grads(c, x, logits);
       if (dx)
@@ -117,8 +140,11 @@ void run_low_memory(const char* fn, const cpu& exec, matrix_view<const T> hidden
           add_grad_times_weight(c, logits, a, b, rows, worker);
         });
     }
+    add_smoothing_to_panel(c, smoothing, whole, v0);
     finish_grads(c);
   }
+  add_smoothing_to_hidden(smoothing, whole, scales, dx, ldx);
+  if (sparse && opts.sparse_counts) *opts.sparse_counts = counts;
   if constexpr (!std::is_same<G, A>::value)
     if (dx)
       for (std::int64_t n = 0; n < N; ++n) convert(dx + n * D, D, grads.d_hidden.row(n));

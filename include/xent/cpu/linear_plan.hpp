@@ -115,15 +115,24 @@ inline std::int64_t panel_cols(const cpu& exec, std::int64_t vocab) {
       1, std::min(vocab, linear_block_rows * std::max<std::int64_t>(threads, 4)));
 }
 
+/// Rows of a tile of the sparse backward (linear_options::sparse_threshold): a tile is this many
+/// rows of a panel sub-chunk by one weight block. Its d_weight GEMM has K = 64 (runs of hot tiles
+/// merge into one GEMM); smaller tiles skip more but multiply less efficiently. Not tuned by
+/// measurement yet.
+constexpr std::int64_t sparse_tile_rows = 64;
+
 /// The low-memory order's workspace (linear_order::low_memory): one region holds first the
 /// statistics' row chunks over the whole vocabulary, then a panel's row sub-chunks (d_hidden's
-/// N x D float sum in the panel plan's dx); each row's LSE and target mass follow it.
+/// N x D float sum in the panel plan's dx); each row's LSE and target mass follow it, then what
+/// the sparse backward needs (a byte per tile of a sub-chunk, two D-vectors).
 struct low_memory_plan {
   linear_plan stats;  ///< the forward over row chunks that saves each row's LSE
   linear_plan panel;  ///< one panel of `cols` weight rows, chunk_rows rows at a time
   std::int64_t cols = 1;
-  std::size_t lse = linear_absent;   ///< N: each row's LSE
-  std::size_t mass = linear_absent;  ///< N: each row's target mass
+  std::size_t lse = linear_absent;     ///< N: each row's LSE
+  std::size_t mass = linear_absent;    ///< N: each row's target mass
+  std::size_t hot = linear_absent;     ///< a byte per tile of a panel sub-chunk: whether it is kept
+  std::size_t smooth = linear_absent;  ///< 2 x D: label smoothing's kept sums (linear_sparse.hpp)
   std::size_t bytes = 0;
 };
 
@@ -142,6 +151,10 @@ low_memory_plan make_low_memory_plan(const cpu& exec, const linear_shape& s, std
   using A = accumulator_t<T>;
   p.lse = stack.take(sizeof(A) * static_cast<std::size_t>(s.rows));
   p.mass = stack.take(sizeof(A) * static_cast<std::size_t>(s.rows));
+  const std::int64_t tiles = (rows + sparse_tile_rows - 1) / sparse_tile_rows *
+                             ((p.cols + p.panel.block - 1) / p.panel.block);
+  p.hot = stack.take(static_cast<std::size_t>(tiles));
+  p.smooth = stack.take(sizeof(A) * 2 * static_cast<std::size_t>(s.hidden));
   p.bytes = stack.bytes();
   return p;
 }
