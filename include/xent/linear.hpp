@@ -10,7 +10,9 @@
 //
 // Training runs in one of two orders (linear_order): rows outer (fast, 3 GEMMs, a V x D float
 // d_weight sum for 16-bit gradients) or the vocabulary outer (low_memory, 4 GEMMs in
-// forward_backward, no V x D buffer); by default the workspace's size chooses.
+// forward_backward, no V x D buffer); by default the workspace's size chooses. The low-memory
+// order can skip the gradient work of tiles whose probabilities are all below
+// linear_options::sparse_threshold (off by default; linear/options.hpp states what it drops).
 //
 // Every loss option of xent::options applies, with the semantics of loss.hpp; the mean's
 // normaliser W is the whole call's, not a chunk's. Arguments are checked here for every backend
@@ -39,7 +41,9 @@ namespace xent {
 /// (the largest row chunk that fits, at most every row; those fixed buffers, such as the float
 /// d_weight accumulator, are counted outside the budget). A call plans its chunks from the
 /// workspace it is given, all of it counted; a training call without d_weight accepts `minimal`
-/// of either accumulation mode. The CPU's
+/// of either accumulation mode. A training query with a sparse threshold and
+/// linear_order::automatic answers the low-memory order's sizes (the order such a call runs). The
+/// CPU's
 /// figure is (floats being doubles for double T: the accumulator), per chunk row, V floats of
 /// logits and one float of row loss, plus D floats of converted hidden row (T not float) and of
 /// d_hidden row (training, G not float); and once a converted weight block per thread (T not

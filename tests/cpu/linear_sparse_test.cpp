@@ -229,15 +229,15 @@ TEST(CpuLinearSparse, GradientsStayWithinTheSkippedProbabilitiesBoundWithEveryOp
   EXPECT_EQ(b.cases(), 216);
 }
 
-TEST(CpuLinearSparse, NarrowDtypesStayWithinTheBound) {
-  // bf16 / fp16 inputs and gradients (the sums in float, each output rounded once), and float
-  // inputs with bf16 gradients: every eighth case.
+TEST(CpuLinearSparse, OtherDtypesStayWithinTheBound) {
+  // bf16 / fp16 inputs and gradients (the sums in float, each output rounded once), float inputs
+  // with bf16 gradients, and float64 (every sum in double): every eighth case.
   xt::case_budget b;
   int i = 0;
   for (const lspec& s : sparse_cases()) {
     if (i++ % 8 != 0) continue;
     if (!b.record(run_sparse_case<bf16>(s) && run_sparse_case<half>(s) &&
-                  run_sparse_case<float, bf16>(s)))
+                  run_sparse_case<float, bf16>(s) && run_sparse_case<double>(s)))
       return;
   }
   EXPECT_EQ(b.cases(), 27);
