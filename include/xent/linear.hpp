@@ -62,8 +62,8 @@ linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shap
   detail::check_sparse("xent::linear_workspace_size", opts);
   detail::check_pass("xent::linear_workspace_size", pass);
   auto of = [&](linear_order order) {
-    return linear_traits<Exec>::template workspace_size<T, G>(exec, shape, pass, opts.accumulate,
-                                                              order, budget);
+    return linear_traits<Exec>::template workspace_size<T, G>(
+        exec, shape, pass, opts.accumulate, order, budget, opts.sparse_threshold > 0.0f);
   };
   linear_workspace_sizes fast = of(linear_order::fast);
   fast.fast_minimal = fast.minimal;

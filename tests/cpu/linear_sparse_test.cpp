@@ -2,8 +2,10 @@
 // threshold 0 is the exact path bit for bit; a threshold leaves every forward output as it was
 // and moves each gradient by at most what the skipped tiles' probability terms can (the bound of
 // linear/options.hpp), judged against the float64 linear oracle on inputs shaped so that tiles
-// are skipped; the tile counts it reports match the tiles the oracle finds cold; bad thresholds
-// and the calls without a sparse backward throw xent::error naming the option.
+// are skipped (forward_backward, whose statistics pass marks the cold tiles, and linear_backward,
+// which marks them from the panel's logits); the tile counts it reports match the tiles the oracle
+// finds cold; bad thresholds and the calls without a sparse backward throw xent::error naming the
+// option.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -171,24 +173,27 @@ bool run_sparse_case(lspec s) {
   using A = xent::accumulator_t<T>;
   s.order = xent::linear_order::low_memory;
   const xent::cpu exec(s.ce.threads);
-  ldata<T> plain = make_data<T>(s);
-  const std::size_t bytes = workspace_bytes<T, G>(exec, plain, xent::linear_pass::training);
+  const ldata<T> plain = make_data<T>(s);
+  const std::size_t exact_bytes = workspace_bytes<T, G>(exec, plain, xent::linear_pass::training);
+  s.sparse_threshold = tau;
+  const ldata<T> sized = make_data<T>(s);
+  const std::size_t bytes = workspace_bytes<T, G>(exec, sized, xent::linear_pass::training);
   const std::int64_t chunk_rows =
-      xent::cpu_detail::plan_low_memory<T, G>(exec, {s.ce.rows, s.hidden, s.ce.cols}, bytes)
+      xent::cpu_detail::plan_low_memory<T, G>(exec, {s.ce.rows, s.hidden, s.ce.cols}, bytes, true)
           .panel.chunk_rows;
   const sparse_judged<T> J(s, chunk_rows);
   const ldata<T>& L = J.L;
-  xent::linear_options exact = L.options(), sparse = exact;
+  xent::linear_options sparse = L.options(), exact = sparse;
+  exact.sparse_threshold = 0.0f;
   xent::linear_sparse_counts fb_counts{-1, -1}, b_counts{-1, -1};
-  sparse.sparse_threshold = tau;
   std::string errs;
 
   basic_outputs<A> dense_out(L.N()), out(L.N());
   gradients<G> dense_g(s), g(s), gb(s);
-  workspace_buffer ws(bytes, s.ce.seed);
+  workspace_buffer dense_ws(exact_bytes, s.ce.seed), ws(bytes, s.ce.seed);
   L.d.with_targets([&](auto t) {
     xent::linear_forward_backward(exec, L.hidden(), L.weight(), L.bias(), t, exact, L.d.upstream(),
-                                  dense_out.all(s.ce), dense_g.views(), ws.ws);
+                                  dense_out.all(s.ce), dense_g.views(), dense_ws.ws);
     sparse.sparse_counts = &fb_counts;
     xent::linear_forward_backward(exec, L.hidden(), L.weight(), L.bias(), t, sparse, L.d.upstream(),
                                   out.all(s.ce), g.views(), ws.ws);
@@ -280,19 +285,16 @@ TEST(CpuLinearSparse, ZeroThresholdIsTheExactPathBitForBit) {
     const xent::cpu exec(s.ce.threads);
     const ldata<float> L = make_data<float>(s);
     const xent::linear_shape shape{L.N(), L.D(), L.V()};
-    xent::linear_options opts = L.options();
-    opts.order = xent::linear_order::fast;
-    const std::size_t fast_bytes =
-        xent::linear_workspace_size<float>(exec, shape, training, opts).bytes;
-    opts.order = xent::linear_order::low_memory;
-    const auto low = xent::linear_workspace_size<float>(exec, shape, training, opts);
-    const std::size_t low_bytes = low.bytes, both = std::max(fast_bytes, low.minimal);
-
-    xent::linear_sparse_counts counts{-1, -1};
-    xent::linear_options automatic = L.options(), low_memory = L.options(), fast = L.options();
+    xent::linear_options automatic = L.options(), low_memory = automatic, fast = automatic;
     automatic.order = xent::linear_order::automatic;
     low_memory.order = xent::linear_order::low_memory;
     fast.order = xent::linear_order::fast;
+    const std::size_t fast_bytes =
+        xent::linear_workspace_size<float>(exec, shape, training, fast).bytes;
+    const std::size_t low_bytes =
+        xent::linear_workspace_size<float>(exec, shape, training, low_memory).bytes;
+
+    xent::linear_sparse_counts counts{-1, -1};
     xent::linear_options zero_low = low_memory;
     automatic.sparse_counts = zero_low.sparse_counts = &counts;
     EXPECT_EQ(training_bits<float>(s, automatic, fast_bytes),
@@ -305,6 +307,8 @@ TEST(CpuLinearSparse, ZeroThresholdIsTheExactPathBitForBit) {
 
     // With a threshold, automatic in a workspace the fast order would take runs low_memory.
     automatic.sparse_threshold = low_memory.sparse_threshold = tau;
+    const std::size_t both = std::max(
+        fast_bytes, xent::linear_workspace_size<float>(exec, shape, training, low_memory).minimal);
     const auto sparse_bits = training_bits<float>(s, automatic, both);
     EXPECT_EQ(sparse_bits, training_bits<float>(s, low_memory, both)) << s.describe();
     EXPECT_NE(sparse_bits, training_bits<float>(s, fast, both)) << s.describe();

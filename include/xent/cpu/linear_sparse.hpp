@@ -7,6 +7,11 @@
 // of a block as one GEMM). What a cold tile drops is g_n alpha_n p_nj s_nj on each of its elements
 // (linear/options.hpp states the bound).
 //
+// Which tiles are cold: linear_forward_backward marks each row's cold weight blocks while its
+// statistics pass has the logits (mark_cold_rows), so a panel computes only its hot tiles' logits
+// (sparse_logits); linear_backward has no such pass and tests the panel's logits
+// (mark_tiles_from_logits).
+//
 // Label smoothing's term of the logit gradient, -g_n w_j eps / V on every row not ignored and
 // every class, is rank 1 (softcap, whose slope would make it full rank, is refused with a
 // threshold): the tiles are written without it and it is added once, exactly:
@@ -42,6 +47,11 @@ struct sparse_tiles {
   std::int64_t first_row(std::int64_t rt) const { return rt * sparse_tile_rows; }
   std::int64_t end_row(std::int64_t rt) const {
     return std::min(rows, (rt + 1) * sparse_tile_rows);
+  }
+  std::int64_t cold() const {
+    std::int64_t n = 0;
+    for (std::int64_t i = 0; i < row_tiles * blocks; ++i) n += !hot[i];
+    return n;
   }
 };
 
@@ -86,25 +96,83 @@ bool tile_is_hot(const problem<T, Tgt>& pb, std::int64_t r0, std::int64_t r1, st
   return false;
 }
 
-/// The gradient of the hot tiles of a sub-chunk into `grad` (its logits' memory: written in place,
-/// by slice_gradient as write_gradient does; ignored rows zero), and their flags into `t`.
-/// Returns the cold tiles' count.
-template <class T, class G, class Tgt, class Lse, class Mass, class A>
-std::int64_t write_sparse_gradient(const linear_call<T, G>& c, const problem<A, Tgt>& pb,
-                                   const Lse& lse_of, const Mass& mass_of,
-                                   const row_scales<A>& scale, A log_tau, const sparse_tiles& t,
-                                   matrix_view<A> grad) {
+/// Row i's cold weight blocks of a statistics chunk (`pb`: its logits over the whole vocabulary
+/// and its rows' targets): cold[i * blocks + b] = 1 when the row alone would make block b's tile
+/// cold (an ignored row always does).
+template <class T, class G, class Tgt, class Lse, class A>
+void mark_cold_rows(const linear_call<T, G>& c, const problem<A, Tgt>& pb, const Lse& lse_of,
+                    A log_tau, unsigned char* cold) {
+  const std::int64_t rows = pb.logits.rows, cols = pb.logits.cols, block = linear_block_rows;
+  const std::int64_t blocks = (cols + block - 1) / block;
+  parallel_for(c.threads(rows), rows, [&](std::int64_t a, std::int64_t e, int) {
+    for (std::int64_t i = a; i < e; ++i)
+      for (std::int64_t b = 0; b < blocks; ++b)
+        cold[i * blocks + b] =
+            !tile_is_hot(pb, i, i + 1, b * block, std::min(cols, (b + 1) * block), lse_of, log_tau);
+  });
+}
+
+/// A sub-chunk's tile flags from its rows' cold blocks (`cold`: the sub-chunk's first row's, rows
+/// `blocks` apart; the panel's first block is b0): a tile is hot when one of its rows is.
+inline void mark_tiles_from_rows(const sparse_tiles& t, const unsigned char* cold,
+                                 std::int64_t blocks, std::int64_t b0) {
+  for (std::int64_t rt = 0; rt < t.row_tiles; ++rt)
+    for (std::int64_t b = 0; b < t.blocks; ++b) {
+      bool hot = false;
+      for (std::int64_t n = t.first_row(rt); n < t.end_row(rt) && !hot; ++n)
+        hot = !cold[n * blocks + b0 + b];
+      t.hot[rt * t.blocks + b] = hot;
+    }
+}
+
+/// A sub-chunk's tile flags from its logits (`pb`, the panel's problem; tile_is_hot).
+template <class T, class G, class Tgt, class Lse, class A>
+void mark_tiles_from_logits(const linear_call<T, G>& c, const problem<A, Tgt>& pb,
+                            const Lse& lse_of, A log_tau, const sparse_tiles& t) {
   const std::int64_t cols = pb.logits.cols, block = c.plan.block;
   parallel_for(c.threads(t.rows), t.row_tiles * t.blocks,
                [&](std::int64_t begin, std::int64_t end, int) {
                  for (std::int64_t i = begin; i < end; ++i) {
-                   const std::int64_t rt = i / t.blocks, b = i % t.blocks;
-                   const std::int64_t r0 = t.first_row(rt), r1 = t.end_row(rt);
-                   const std::int64_t v0 = b * block, v1 = std::min(cols, v0 + block);
-                   const bool hot = tile_is_hot(pb, r0, r1, v0, v1, lse_of, log_tau);
-                   t.hot[i] = hot;
-                   if (!hot) continue;
-                   for (std::int64_t n = r0; n < r1; ++n) {
+                   const std::int64_t rt = i / t.blocks, v0 = i % t.blocks * block;
+                   t.hot[i] = tile_is_hot(pb, t.first_row(rt), t.end_row(rt), v0,
+                                          std::min(cols, v0 + block), lse_of, log_tau);
+                 }
+               });
+}
+
+/// The logits of the hot tiles, L = X · Wᵀ (+ b), as chunk_logits computes all of them: by weight
+/// block, a GEMM per run of consecutive hot row tiles.
+template <class T, class G, class A>
+void sparse_logits(const linear_call<T, G>& c, const const_acc_rows_map<A>& x,
+                   acc_rows_map<A>& logits, const A* bias, const sparse_tiles& t) {
+  for_each_block(c, x.rows(), [&](std::int64_t v0, std::int64_t nb, int worker) {
+    const std::int64_t b = v0 / c.plan.block;
+    bool any = false;
+    for (std::int64_t rt = 0; rt < t.row_tiles && !any; ++rt) any = t.is_hot(rt, b);
+    if (!any) return;  // the block is converted only when a tile uses it
+    const auto w = weight_block(c, worker, v0, nb);
+    for_each_hot_run(t, b, 0, t.row_tiles, [&](std::int64_t r, std::int64_t n) {
+      auto tile = logits.block(r, v0, n, nb);
+      tile.noalias() = x.middleRows(r, n) * w.transpose();
+      if (bias) tile.rowwise() += const_acc_row_vector_map<A>(bias + v0, nb);
+    });
+  });
+}
+
+/// The gradient of the hot tiles of a sub-chunk into `grad` (its logits' memory: written in place,
+/// by slice_gradient as write_gradient does; ignored rows zero).
+template <class T, class G, class Tgt, class Lse, class Mass, class A>
+void write_hot_gradients(const linear_call<T, G>& c, const problem<A, Tgt>& pb, const Lse& lse_of,
+                         const Mass& mass_of, const row_scales<A>& scale, const sparse_tiles& t,
+                         matrix_view<A> grad) {
+  const std::int64_t cols = pb.logits.cols, block = c.plan.block;
+  parallel_for(c.threads(t.rows), t.row_tiles * t.blocks,
+               [&](std::int64_t begin, std::int64_t end, int) {
+                 for (std::int64_t i = begin; i < end; ++i) {
+                   if (!t.hot[i]) continue;
+                   const std::int64_t rt = i / t.blocks, v0 = i % t.blocks * block;
+                   const std::int64_t v1 = std::min(cols, v0 + block);
+                   for (std::int64_t n = t.first_row(rt); n < t.end_row(rt); ++n) {
                      if (pb.ignored(n))
                        zero_slice(grad.row(n), v0, v1);
                      else
@@ -112,9 +180,6 @@ std::int64_t write_sparse_gradient(const linear_call<T, G>& c, const problem<A, 
                    }
                  }
                });
-  std::int64_t cold = 0;
-  for (std::int64_t i = 0; i < t.row_tiles * t.blocks; ++i) cold += !t.hot[i];
-  return cold;
 }
 
 /// d_weight += Gᵀ · X and d_bias += column sums of G over the hot tiles, by weight block (as

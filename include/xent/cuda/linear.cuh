@@ -43,10 +43,13 @@ struct linear_traits<cuda> {
   /// elements of T of logits, with G not float and fewer chunk rows than N a float panel of
   /// d_weight, 8192 x D), then per row 8 bytes of LSE and mass and, G not float, D floats of
   /// d_hidden's sum.
+  ///
+  /// A sparse threshold adds nothing: the calls refuse it.
   template <class T, class G>
   static linear_workspace_sizes workspace_size(const cuda&, const linear_shape& shape,
                                                linear_pass pass, dw_accumulation accumulate,
-                                               linear_order order, std::size_t budget) {
+                                               linear_order order, std::size_t budget,
+                                               bool /*sparse*/) {
     if (pass == linear_pass::training && order == linear_order::low_memory) {
       const auto least = cuda_detail::make_low_memory_plan<T, G>(shape, 1);
       const auto fixed = cuda_detail::make_low_memory_plan<T, G>(shape, 0);

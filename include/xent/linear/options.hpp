@@ -65,8 +65,9 @@ struct basic_linear_options : basic_options<W> {
   dw_accumulation accumulate = dw_accumulation::fp32;
   linear_order order = linear_order::automatic;
   /// The sparse backward (Cut Cross-Entropy's gradient filtering), off at 0 (exact). tau in
-  /// [0, 1]: a training call skips the gradient GEMM work of each tile (a block of rows x a block
-  /// of classes) in which every row's softmax probability p_nj is below tau, no row's class-id
+  /// [0, 1]: a training call skips the gradient GEMM work (in linear_forward_backward the panel's
+  /// logits too) of each tile (a block of rows x a block of classes) in which every row's softmax
+  /// probability p_nj is below tau, no row's class-id
   /// target lies, and (soft targets) every target probability is 0. A row's logit gradient is
   /// g_n (alpha_n p_nj - w_j t'_nj) s_nj (loss_math.hpp; s the softcap slope, at most 1), and
   /// only its first term is dropped in a skipped tile; targets' terms are never dropped, and label
