@@ -26,6 +26,11 @@ What a row reports:
   max |d|       the largest absolute difference of the loss and of the gradient from torch eager's
                 on the same tensors (a check that each implementation computed the same thing).
 Implementations that cannot run say why in their row ("n/a: ...") instead of a figure.
+The linear table has a row for each of xent's training memory choices (XENT_LINEAR_VARIANTS):
+"xent (low memory)" (order="low_memory": the vocabulary outer, no V x D float sum; it computes the
+logits twice, so its own floor is four GEMMs, 4/3 of the three-GEMM time its % GEMMs is taken
+against) and "xent (accumulate=output)" (the fast order rounding each row chunk's d_weight sum into
+bf16 d_weight: no V x D float sum). bench/linear_accuracy.py gives their errors.
 """
 
 import argparse
@@ -218,18 +223,23 @@ def lce_impls(libs):
         ("Liger", (lambda x, w, t: liger[1](x, w, t)) if liger else None, liger_why),
         ("CCE", (lambda x, w, t: cce(x, w, t)) if cce else None, cce_why),
     ]
-    if xent:
-        why = xent_linear_unavailable(xent)
-        impls.append(
-            (
-                "xent",
-                None if why else (lambda x, w, t: xent.linear_cross_entropy(x, w, t)),
-                why,
-            )
-        )
-    else:
-        impls.append(("xent", None, xent_why))
+    why = xent_linear_unavailable(xent) if xent else xent_why
+    for name, memory in XENT_LINEAR_VARIANTS:
+        impls.append((name, None if why else xent_linear(xent, **memory), why))
     return impls
+
+
+# xent's fused linear rows: the default, then its training memory choices
+# (xent.torch.linear_cross_entropy's order and accumulate).
+XENT_LINEAR_VARIANTS = [
+    ("xent", {}),
+    ("xent (low memory)", {"order": "low_memory"}),
+    ("xent (accumulate=output)", {"accumulate": "output"}),
+]
+
+
+def xent_linear(xent, **memory):
+    return lambda x, w, t: xent.linear_cross_entropy(x, w, t, **memory)
 
 
 def xent_linear_unavailable(xent):
@@ -445,6 +455,8 @@ COLORS = {
     "CCE": "#9467bd",
     "xent": "#d62728",
     "xent in-place": "#8c564b",
+    "xent (low memory)": "#e377c2",
+    "xent (accumulate=output)": "#bcbd22",
 }  # one colour per implementation
 
 

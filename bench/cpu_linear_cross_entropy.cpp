@@ -12,12 +12,18 @@
 //   linear_forward/DTYPE/NxDxV/threads:T           class ids, mean; outputs loss + LSE
 //   linear_forward_backward/DTYPE/NxDxV/threads:T  the same plus d_hidden and d_weight
 //   linear_forward_backward_low_memory/DTYPE/NxDxV/threads:T   in linear_order::low_memory
+//   linear_forward_backward_trained/DTYPE/NxDxV/threads:T      low_memory on trained-like inputs
+//                                         (trained_inputs: Zipf targets, hidden = a W[y] + noise,
+//                                         a set for a mean loss of 2.5 nats), exact
+//   linear_forward_backward_sparse/DTYPE/NxDxV/threads:T       the same with sparse_threshold
+//                                         linear_sparse_threshold_bf16 (2^-12)
 //   vocab_parallel_linear_forward_backward[_low_memory]/DTYPE/NxDxV/ranks:R   the vocab-parallel
 //                      call over R ranks of an inprocess_group (Megatron's split of V, one thread
 //                      per rank, R = each --xent_threads count above 1), in the fast / low-memory
 //                      order: the time of the group's call, every rank's shard
 // Counters:
-//   items_per_second   multiply-adds x 2 (FLOP/s): 2 N V D forward, 6 N V D training
+//   items_per_second   multiply-adds x 2 (FLOP/s): 2 N V D forward, 6 N V D training, 8 N V D
+//                      on the trained and sparse lines (the low-memory order's four GEMMs)
 //   floor_pct          the floor line's time / this line's time * 100 (the floor's float GEMMs on
 //                      the same shapes; bf16 lines also convert, so their floor is the same)
 //   fast_ratio         (low-memory lines) this line's time / the fast order's line of the same
@@ -25,6 +31,11 @@
 //   chunk_rows, workspace_MiB   the plan the default 256 MiB budget gives (for the line's order;
 //                      vocab-parallel lines: rank 0's)
 //   loss               the last call's loss (checked finite, else the line is an error)
+//   exact_ratio        (sparse lines) this line's time / the trained line's of the same dtype,
+//                      shape and threads in this run
+//   skipped_pct        (sparse lines) the gradient tiles skipped, % of all (sparse_counts)
+//   dh_err, dw_err     (sparse lines) max |sparse - exact| / max |exact| of d_hidden, d_weight
+//   load1              (trained and sparse lines) the machine's 1-minute load average at the end
 #include <benchmark/benchmark.h>
 
 #include <Eigen/Core>
@@ -32,6 +43,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <map>
 #include <random>
 #include <set>
@@ -278,6 +290,153 @@ void bm_vocab_parallel(benchmark::State& state, shape s, xent::linear_order orde
              order, best);
 }
 
+/// Inputs shaped like a trained model's last layer: weight rows ~ N(0, I / D) (norm about 1),
+/// targets drawn from a Zipf distribution over the class ids (p(k) ~ 1 / (k + 1): text's token
+/// frequencies, in a vocabulary numbered by frequency as BPE's roughly is), and
+/// hidden_n = a * weight[y_n] + sigma * N(0, I), so the target's logit is about a and the others
+/// about N(0, sigma^2 + a^2 / D); a is bisected so the mean loss (of the first 256 rows, float) is
+/// 2.5 nats. sigma = 0.3 keeps the others' tail below the threshold's cut for V = 32000.
+template <class T>
+struct trained_inputs {
+  std::vector<T> x, w;
+  std::vector<std::int64_t> targets;
+  double a = 0.0;
+};
+
+template <class T>
+const trained_inputs<T>& trained(const shape& s) {
+  static std::map<std::string, trained_inputs<T>> cache;
+  auto found = cache.find(s.name());
+  if (found != cache.end()) return found->second;
+  trained_inputs<T>& in = cache[s.name()];
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> w(s.v * s.d), noise(s.n * s.d), cdf(s.v);
+  for (auto& e : w) e = normal(rng) / std::sqrt(static_cast<double>(s.d));
+  for (auto& e : noise) e = 0.3 * normal(rng);
+  double total = 0.0;
+  for (std::int64_t k = 0; k < s.v; ++k) cdf[k] = total += 1.0 / static_cast<double>(k + 1);
+  std::uniform_real_distribution<double> uniform(0.0, total);
+  in.targets.resize(s.n);
+  for (auto& t : in.targets)
+    t = std::min<std::int64_t>(std::lower_bound(cdf.begin(), cdf.end(), uniform(rng)) - cdf.begin(),
+                               s.v - 1);
+  in.w.resize(w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) in.w[i] = T(static_cast<float>(w[i]));
+  auto make_hidden = [&](double a) {
+    in.x.resize(s.n * s.d);
+    for (std::int64_t n = 0; n < s.n; ++n)
+      for (std::int64_t k = 0; k < s.d; ++k)
+        in.x[n * s.d + k] =
+            T(static_cast<float>(a * w[in.targets[n] * s.d + k] + noise[n * s.d + k]));
+  };
+  auto mean_loss = [&](double a) {
+    make_hidden(a);
+    const std::int64_t rows = std::min<std::int64_t>(s.n, 256);
+    const xent::cpu exec(2);
+    const auto size =
+        xent::linear_workspace_size<T>(exec, {rows, s.d, s.v}, xent::linear_pass::forward);
+    std::vector<unsigned char> ws(size.bytes);
+    float loss = 0.0f;
+    xent::forward_outputs out;
+    out.loss = &loss;
+    xent::linear_forward(exec, xent::matrix_view<const T>(in.x.data(), rows, s.d),
+                         xent::matrix_view<const T>(in.w.data(), s.v, s.d),
+                         xent::vector_view<const T>{},
+                         xent::vector_view<const std::int64_t>(in.targets.data(), rows),
+                         xent::linear_options{}, out, {ws.data(), ws.size()});
+    return static_cast<double>(loss);
+  };
+  double lo = 0.0, hi = 64.0;  // the loss falls as a grows
+  for (int i = 0; i < 16; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    (mean_loss(mid) > 2.5 ? lo : hi) = mid;
+  }
+  in.a = 0.5 * (lo + hi);
+  make_hidden(in.a);
+  return in;
+}
+
+double load_average() {
+  std::ifstream f("/proc/loadavg");
+  double load = -1.0;
+  f >> load;
+  return load;
+}
+
+/// Best seconds per call of each exact trained-input line (by dtype, shape, threads).
+std::map<std::string, double>& trained_lines() {
+  static std::map<std::string, double> table;
+  return table;
+}
+
+/// max |a - b| / max |b|.
+template <class T>
+double relative_error(const std::vector<T>& a, const std::vector<T>& b) {
+  double diff = 0.0, scale = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
+    diff = std::max(diff, std::fabs(x - y));
+    scale = std::max(scale, std::fabs(y));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+/// Training in the low-memory order on trained_inputs, exact (`tau` = 0) or sparse.
+template <class T>
+void bm_trained(benchmark::State& state, shape s, float tau) {
+  const int threads = static_cast<int>(state.range(0));
+  const trained_inputs<T>& in = trained<T>(s);
+  const xent::cpu exec(threads);
+  std::vector<T> dx(s.n * s.d), dw(s.v * s.d), dx0(s.n * s.d), dw0(s.v * s.d);
+  xent::linear_options exact;
+  exact.order = xent::linear_order::low_memory;
+  xent::linear_options opts = exact;
+  opts.sparse_threshold = tau;
+  xent::linear_sparse_counts counts;
+  opts.sparse_counts = &counts;
+  const auto size =
+      xent::linear_workspace_size<T>(exec, {s.n, s.d, s.v}, xent::linear_pass::training, opts);
+  std::vector<unsigned char> workspace(size.bytes);
+  float loss = 0.0f, exact_loss = 0.0f;
+  xent::forward_outputs out, exact_out;
+  out.loss = &loss;
+  exact_out.loss = &exact_loss;
+  const xent::matrix_view<const T> hidden(in.x.data(), s.n, s.d), weight(in.w.data(), s.v, s.d);
+  const xent::vector_view<const std::int64_t> ids(in.targets.data(), s.n);
+  const xent::linear_workspace ws{workspace.data(), workspace.size()};
+  auto train = [&](const xent::linear_options& o, const xent::forward_outputs& f,
+                   std::vector<T>& gx, std::vector<T>& gw) {
+    const xent::linear_grads<T> grads{{gx.data(), s.n, s.d}, {gw.data(), s.v, s.d}, {}};
+    xent::linear_forward_backward(exec, hidden, weight, {}, ids, o, xent::upstream{}, f, grads, ws);
+  };
+  train(exact, exact_out, dx0, dw0);  // the reference, and the warm-up
+  double best = 1e30;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    train(opts, out, dx, dw);
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  if (!std::isfinite(loss)) state.SkipWithError("non-finite loss");
+  if (loss != exact_loss) state.SkipWithError("the threshold changed the loss");
+  state.SetItemsProcessed(state.iterations() * 8 * s.n * s.v * s.d);
+  state.counters["loss"] = loss;
+  state.counters["a"] = in.a;
+  state.counters["load1"] = load_average();
+  const std::string key = std::string(dtype_name<T>()) + "/" + floor_key(true, s, threads);
+  if (tau == 0.0f) {
+    auto& t = trained_lines()[key];
+    t = t > 0 ? std::min(t, best) : best;
+    return;
+  }
+  if (trained_lines().count(key)) state.counters["exact_ratio"] = best / trained_lines()[key];
+  state.counters["skipped_pct"] =
+      counts.tiles > 0 ? 100.0 * static_cast<double>(counts.skipped) / counts.tiles : 0.0;
+  state.counters["dh_err"] = relative_error(dx, dx0);
+  state.counters["dw_err"] = relative_error(dw, dw0);
+}
+
 std::vector<int> thread_counts(int* argc, char** argv) {
   std::set<int> t{1, static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))};
   for (int i = 1; i < *argc; ++i) {
@@ -348,6 +507,25 @@ int main(int argc, char** argv) {
               ->UseRealTime()
               ->Unit(benchmark::kMillisecond);
         }
+      }
+    }
+  // Trained-like inputs, exact before sparse for exact_ratio.
+  for (const shape& s : shapes)
+    for (float tau : {0.0f, xent::linear_sparse_threshold_bf16}) {
+      const std::string name =
+          tau == 0.0f ? "linear_forward_backward_trained/" : "linear_forward_backward_sparse/";
+      for (int t : threads) {
+        benchmark::RegisterBenchmark((name + "f32/" + s.name()).c_str(), bm_trained<float>, s, tau)
+            ->Arg(t)
+            ->ArgName("threads")
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
+        benchmark::RegisterBenchmark((name + "bf16/" + s.name()).c_str(),
+                                     bm_trained<Eigen::bfloat16>, s, tau)
+            ->Arg(t)
+            ->ArgName("threads")
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond);
       }
     }
   benchmark::RunSpecifiedBenchmarks();

@@ -10,7 +10,9 @@
 //
 // Training runs in one of two orders (linear_order): rows outer (fast, 3 GEMMs, a V x D float
 // d_weight sum for 16-bit gradients) or the vocabulary outer (low_memory, 4 GEMMs in
-// forward_backward, no V x D buffer); by default the workspace's size chooses.
+// forward_backward, no V x D buffer); by default the workspace's size chooses. The low-memory
+// order can skip the gradient work of tiles whose probabilities are all below
+// linear_options::sparse_threshold (off by default; linear/options.hpp states what it drops).
 //
 // Every loss option of xent::options applies, with the semantics of loss.hpp; the mean's
 // normaliser W is the whole call's, not a chunk's. Arguments are checked here for every backend
@@ -59,7 +61,9 @@ linear_workspace_sizes sizes_of_order(linear_pass pass, linear_order order, Of&&
 /// (the largest row chunk that fits, at most every row; those fixed buffers, such as the float
 /// d_weight accumulator, are counted outside the budget). A call plans its chunks from the
 /// workspace it is given, all of it counted; a training call without d_weight accepts `minimal`
-/// of either accumulation mode. The CPU's
+/// of either accumulation mode. A training query with a sparse threshold and
+/// linear_order::automatic answers the low-memory order's sizes (the order such a call runs). The
+/// CPU's
 /// figure is (floats being doubles for double T: the accumulator), per chunk row, V floats of
 /// logits and one float of row loss, plus D floats of converted hidden row (T not float) and of
 /// d_hidden row (training, G not float); and once a converted weight block per thread (T not
@@ -75,10 +79,15 @@ linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shap
   detail::check_linear_shape("xent::linear_workspace_size", "shape", shape);
   detail::check_accumulation("xent::linear_workspace_size", opts);
   detail::check_order("xent::linear_workspace_size", opts);
+  detail::check_sparse("xent::linear_workspace_size", opts);
   detail::check_pass("xent::linear_workspace_size", pass);
-  return detail::sizes_of_order(pass, opts.order, [&](linear_order order) {
-    return linear_traits<Exec>::template workspace_size<T, G>(exec, shape, pass, opts.accumulate,
-                                                              order, budget);
+  // The sparse backward runs in the low-memory order only: its sizes are that order's.
+  const linear_order order = opts.sparse_threshold > 0.0f && pass == linear_pass::training
+                                 ? linear_order::low_memory
+                                 : opts.order;
+  return detail::sizes_of_order(pass, order, [&](linear_order o) {
+    return linear_traits<Exec>::template workspace_size<T, G>(exec, shape, pass, opts.accumulate, o,
+                                                              budget, opts.sparse_threshold > 0.0f);
   });
 }
 
@@ -164,12 +173,17 @@ std::size_t linear_minimal(const Exec& exec, const matrix_view<const T>& hidden,
 }
 
 /// `opts` with linear_order::automatic resolved for a training workspace of `bytes`: fast when it
-/// holds fast's minimal (or fast needs no more than low_memory), else low_memory.
+/// holds fast's minimal (or fast needs no more than low_memory), else low_memory; low_memory
+/// whatever the bytes with a sparse threshold (only that order skips tiles).
 template <class T, class G, class Exec>
 linear_options resolved_order(const Exec& exec, const matrix_view<const T>& hidden,
                               const matrix_view<const T>& weight, linear_options opts,
                               std::size_t bytes) {
   if (opts.order != linear_order::automatic) return opts;
+  if (opts.sparse_threshold > 0.0f) {
+    opts.order = linear_order::low_memory;
+    return opts;
+  }
   const std::size_t fast =
       linear_workspace_size<T, G>(exec, {hidden.rows, hidden.cols, weight.rows},
                                   linear_pass::training, opts, 0)

@@ -63,11 +63,12 @@ using ce_bwd_inplace_t = void(const at::Tensor&, const at::Tensor&, const at::Te
 using lce_fwd_t = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                      const opt_tensor&, const at::Tensor&,
                                                      const opt_tensor&, std::int64_t, std::int64_t,
-                                                     double, double, double);
+                                                     double, double, double, std::int64_t,
+                                                     std::int64_t);
 using lce_bwd_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&,
     const opt_tensor&, const at::Tensor&, std::int64_t, std::int64_t, double, double, double,
-    std::array<bool, 3>);
+    std::array<bool, 3>, std::int64_t, std::int64_t);
 using ce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const opt_tensor&, std::int64_t, std::int64_t, double,
     double, double, bool, bool);
@@ -76,7 +77,8 @@ using ce_fused_inplace_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     double, double, bool, bool);
 using lce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&, const opt_tensor&,
-    std::int64_t, std::int64_t, double, double, double, std::array<bool, 3>);
+    std::int64_t, std::int64_t, double, double, double, std::array<bool, 3>, std::int64_t,
+    std::int64_t);
 using scale_grad_t = void(const at::Tensor&, const at::Tensor&);
 
 template <class Signature>
@@ -313,15 +315,18 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
 };
 
 // linear_cross_entropy_fwd(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-// label_smoothing, z_loss, softcap) -> (loss, lse): gradients for hidden, weight and bias (when
-// given). Fused, xent::linear_forward_backward computes them in forward (each chunk's logits
-// once); split, xent::linear_backward recomputes each chunk's logits from the saved LSE.
+// label_smoothing, z_loss, softcap, order, accumulate) -> (loss, lse): gradients for hidden,
+// weight and bias (when given). Fused, xent::linear_forward_backward computes them in forward
+// (each chunk's logits once); split, xent::linear_backward recomputes each chunk's logits from
+// the saved LSE. Either call trains in the order and accumulation given (the split path's
+// backward gets them from the node).
 struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_entropy_function> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden,
                                const at::Tensor& weight, const opt_tensor& bias,
                                const at::Tensor& target, const opt_tensor& class_weight,
                                std::int64_t ignore_index, std::int64_t reduction,
-                               double label_smoothing, double z_loss, double softcap) {
+                               double label_smoothing, double z_loss, double softcap,
+                               std::int64_t order, std::int64_t accumulate) {
     ctx->set_materialize_grads(false);
     at::Tensor loss, lse;
     // The logits' gradient flows to hidden, weight and bias: any of them may be the one that
@@ -334,7 +339,7 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
         const at::AutoDispatchBelowADInplaceOrView below_autograd;
         std::tie(loss, lse, d_hidden, d_weight, d_bias) =
             lce_fused().call(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                             label_smoothing, z_loss, softcap, mask);
+                             label_smoothing, z_loss, softcap, mask, order, accumulate);
       }
       save_fused(ctx, {mask[0] ? d_hidden : at::Tensor(), mask[1] ? d_weight : at::Tensor(),
                        mask[2] ? d_bias : at::Tensor()});
@@ -342,17 +347,20 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
     }
     {
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(loss, lse) = lce_fwd().call(hidden, weight, bias, target, class_weight, ignore_index,
-                                           reduction, label_smoothing, z_loss, softcap);
+      std::tie(loss, lse) =
+          lce_fwd().call(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                         label_smoothing, z_loss, softcap, order, accumulate);
     }
     ctx->save_for_backward({hidden, weight, bias.value_or(at::Tensor()), target,
                             class_weight.value_or(at::Tensor()), lse});
     save_options(ctx, {ignore_index, reduction, label_smoothing, z_loss, softcap});
+    ctx->saved_data["order"] = order;
+    ctx->saved_data["accumulate"] = accumulate;
     return {loss, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(10);
+    variable_list result(12);
     const at::Tensor& grad_loss = grads[0];
     if (!grad_loss.defined()) return result;
     const variable_list saved = ctx->get_saved_variables();
@@ -370,7 +378,8 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
     auto [d_hidden, d_weight, d_bias] = call_bwd([&] {
       return lce_bwd().call(grad_loss, saved[0], saved[1], bias, saved[3], present(saved[4]),
                             saved[5], o.ignore_index, o.reduction, o.label_smoothing, o.z_loss,
-                            o.softcap, mask);
+                            o.softcap, mask, ctx->saved_data["order"].toInt(),
+                            ctx->saved_data["accumulate"].toInt());
     });
     if (mask[0]) result[0] = std::move(d_hidden);
     if (mask[1]) result[1] = std::move(d_weight);
@@ -399,15 +408,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_autograd(
 std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
     const at::Tensor& hidden, const at::Tensor& weight, const opt_tensor& bias,
     const at::Tensor& target, const opt_tensor& class_weight, std::int64_t ignore_index,
-    std::int64_t reduction, double label_smoothing, double z_loss, double softcap) {
+    std::int64_t reduction, double label_smoothing, double z_loss, double softcap,
+    std::int64_t order, std::int64_t accumulate) {
   if (!records(hidden, weight, bias, target, class_weight)) {
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return lce_fwd().call(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                          label_smoothing, z_loss, softcap);
+                          label_smoothing, z_loss, softcap, order, accumulate);
   }
-  variable_list out =
-      linear_cross_entropy_function::apply(hidden, weight, bias, target, class_weight, ignore_index,
-                                           reduction, label_smoothing, z_loss, softcap);
+  variable_list out = linear_cross_entropy_function::apply(
+      hidden, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing, z_loss,
+      softcap, order, accumulate);
   return {std::move(out[0]), std::move(out[1])};
 }
 

@@ -218,12 +218,37 @@ inline void check_fused_reduction(const xent::options& opts) {
                     "row's upstream gradient is known only in backward)");
 }
 
+// Calls f(element tag) with xent's element type for the input's dtype: float32, bfloat16,
+// float16, and float64 where backend B runs it.
+template <class B, class F>
+void dispatch_dtype(const at::Tensor& input, F&& f) {
+  switch (input.scalar_type()) {
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(Eigen::bfloat16{});
+      break;
+    case at::kHalf:
+      f(Eigen::half{});
+      break;
+    case at::kDouble:
+      if constexpr (runs_float64<B>) {
+        f(double{});
+        break;
+      }
+      [[fallthrough]];
+    default:
+      check_input_dtype(input);
+  }
+}
+
 // Calls f(element tag, targets view) with xent's element type for the input's dtype and xent's
 // view of the targets (vector_view<const int64/int32> or soft_targets<element>): nine
 // instantiations per op (3 dtypes x 3 kinds of target), twelve where backend B runs float64.
 template <class B, class F>
 void dispatch(const at::Tensor& input, const targets& tg, F&& f) {
-  auto with_targets = [&](auto tag) {
+  dispatch_dtype<B>(input, [&](auto tag) {
     using T = decltype(tag);
     const std::int64_t n = input.size(0);
     if (tg.soft)
@@ -232,26 +257,7 @@ void dispatch(const at::Tensor& input, const targets& tg, F&& f) {
       f(tag, xent::vector_view<const std::int64_t>(tg.t.data_ptr<std::int64_t>(), n));
     else
       f(tag, xent::vector_view<const std::int32_t>(tg.t.data_ptr<std::int32_t>(), n));
-  };
-  switch (input.scalar_type()) {
-    case at::kFloat:
-      with_targets(float{});
-      break;
-    case at::kBFloat16:
-      with_targets(Eigen::bfloat16{});
-      break;
-    case at::kHalf:
-      with_targets(Eigen::half{});
-      break;
-    case at::kDouble:
-      if constexpr (runs_float64<B>) {
-        with_targets(double{});
-        break;
-      }
-      [[fallthrough]];
-    default:
-      check_input_dtype(input);
-  }
+  });
 }
 
 // xent::error names the argument; an out-of-range class id becomes torch's IndexError, anything
@@ -463,12 +469,38 @@ struct linear_inputs {
   xent::linear_options opts;
 };
 
+// A training call's memory choices, which the Python side passes as ints, as it does the
+// reduction: order 0 automatic, 1 fast, 2 low_memory (xent::linear_order); accumulate 0 fp32,
+// 1 output (xent::dw_accumulation). The schemas take them after every other argument, with
+// defaults, so a later option (a sparse-backward threshold) can follow them the same way.
+struct linear_choices {
+  std::int64_t order = 0, accumulate = 0;
+};
+
+inline void set_linear_choices(xent::linear_options& opts, linear_choices c) {
+  TORCH_CHECK_VALUE(c.order >= 0 && c.order <= 2,
+                    "xent: order must be 0 (automatic), 1 (fast) or 2 (low_memory), got ", c.order);
+  TORCH_CHECK_VALUE(c.accumulate == 0 || c.accumulate == 1,
+                    "xent: accumulate must be 0 (fp32) or 1 (output), got ", c.accumulate);
+  opts.order = c.order == 0   ? xent::linear_order::automatic
+               : c.order == 1 ? xent::linear_order::fast
+                              : xent::linear_order::low_memory;
+  opts.accumulate = c.accumulate == 0 ? xent::dw_accumulation::fp32 : xent::dw_accumulation::output;
+}
+
+// A training call without d_weight: its float accumulator would have nothing to sum, so neither
+// the workspace nor the call plans those V x D floats (a frozen LM head).
+inline void plan_without_unused_accumulator(xent::linear_options& opts, bool d_weight) {
+  if (!d_weight) opts.accumulate = xent::dw_accumulation::output;
+}
+
 inline linear_inputs linear_inputs_of(const at::Tensor& hidden, const at::Tensor& weight,
                                       const std::optional<at::Tensor>& bias,
                                       const at::Tensor& target,
                                       const std::optional<at::Tensor>& class_weight,
                                       std::int64_t ignore_index, std::int64_t reduction,
-                                      double label_smoothing, double z_loss, double softcap) {
+                                      double label_smoothing, double z_loss, double softcap,
+                                      linear_choices choices = {}) {
   check_input_dtype(hidden);
   TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(),
                    "xent: weight must have hidden's dtype ", hidden.scalar_type(), ", got ",
@@ -492,16 +524,29 @@ inline linear_inputs linear_inputs_of(const at::Tensor& hidden, const at::Tensor
   in.class_weights = weights_of(in.hidden, class_weight, vocab);
   static_cast<xent::options&>(in.opts) =
       options_of(in.class_weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
+  set_linear_choices(in.opts, choices);
   return in;
 }
 
-// A workspace of the size xent asks for with its default budget (256 MiB at most beyond the
-// minimum), allocated through torch's allocator for this call.
+// The workspace bytes of a call on hidden (N x D) and weight (V x D) in dtype T: what xent's size
+// query answers for the options' order at its default budget (256 MiB of row chunks beyond the
+// buffers every chunk needs). linear_order::automatic is answered with the fast order's bytes,
+// so such a call runs the fast order; low_memory with that order's, the V x D float sum absent.
+template <class T, class Exec>
+std::size_t linear_workspace_bytes_of(const Exec& exec, const at::Tensor& hidden,
+                                      const at::Tensor& weight, xent::linear_pass pass,
+                                      const xent::linear_options& opts) {
+  return xent::linear_workspace_size<T>(exec, {hidden.size(0), hidden.size(1), weight.size(0)},
+                                        pass, opts)
+      .bytes;
+}
+
+// A workspace of linear_workspace_bytes_of's size, allocated through torch's allocator for this
+// call.
 template <class T, class Exec>
 at::Tensor linear_workspace_for(const Exec& exec, const linear_inputs& in, xent::linear_pass pass) {
-  const auto size = xent::linear_workspace_size<T>(
-      exec, {in.hidden.size(0), in.hidden.size(1), in.weight.size(0)}, pass, in.opts);
-  return at::empty({static_cast<std::int64_t>(size.bytes)}, in.hidden.options().dtype(at::kByte));
+  const std::size_t bytes = linear_workspace_bytes_of<T>(exec, in.hidden, in.weight, pass, in.opts);
+  return at::empty({static_cast<std::int64_t>(bytes)}, in.hidden.options().dtype(at::kByte));
 }
 
 // xent's view of a workspace tensor from linear_workspace_for.
@@ -526,11 +571,12 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
-    double softcap) {
+    double softcap, std::int64_t order, std::int64_t accumulate) {
   const typename B::guard device_guard(hidden.device());
+  // A forward has one order: the training choices are only checked.
   const linear_inputs in =
       linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                       label_smoothing, z_loss, softcap);
+                       label_smoothing, z_loss, softcap, {order, accumulate});
   const loss_outputs out(in.hidden, in.opts.reduce);
   run_linear<B>(in, xent::linear_pass::forward, [&](const auto& exec, auto tag, auto tv, auto ws) {
     using T = decltype(tag);
@@ -564,12 +610,6 @@ struct linear_grad_tensors {
   }
 };
 
-// A training call without d_weight: its float accumulator would have nothing to sum, so neither
-// the workspace nor the call plans those V x D floats (a frozen LM head).
-inline void plan_without_unused_accumulator(linear_inputs& in, const linear_grad_tensors& grads) {
-  if (!grads.mask[1]) in.opts.accumulate = xent::dw_accumulation::output;
-}
-
 // The gradients from the LSE the forward saved; each chunk's logits are recomputed.
 template <class B>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
@@ -577,15 +617,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
     const std::optional<at::Tensor>& bias, const at::Tensor& target,
     const std::optional<at::Tensor>& class_weight, const at::Tensor& lse, std::int64_t ignore_index,
     std::int64_t reduction, double label_smoothing, double z_loss, double softcap,
-    std::array<bool, 3> output_mask) {
+    std::array<bool, 3> output_mask, std::int64_t order, std::int64_t accumulate) {
   const typename B::guard device_guard(hidden.device());
-  linear_inputs in = linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index,
-                                      reduction, label_smoothing, z_loss, softcap);
+  linear_inputs in =
+      linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                       label_smoothing, z_loss, softcap, {order, accumulate});
   const std::int64_t n = in.hidden.size(0);
   const at::Tensor g_out = upstream_tensor(in.hidden, grad_output);
   const at::Tensor saved = saved_lse(in.hidden, lse, n);
   const linear_grad_tensors grads(in, output_mask);
-  plan_without_unused_accumulator(in, grads);
+  plan_without_unused_accumulator(in.opts, grads.mask[1]);
   run_linear<B>(in, xent::linear_pass::training, [&](const auto& exec, auto tag, auto tv, auto ws) {
     using T = decltype(tag);
     using A = xent::accumulator_t<T>;
@@ -604,14 +645,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
-    double softcap, std::array<bool, 3> output_mask) {
+    double softcap, std::array<bool, 3> output_mask, std::int64_t order, std::int64_t accumulate) {
   const typename B::guard device_guard(hidden.device());
-  linear_inputs in = linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index,
-                                      reduction, label_smoothing, z_loss, softcap);
+  linear_inputs in =
+      linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                       label_smoothing, z_loss, softcap, {order, accumulate});
   check_fused_reduction(in.opts);
   const loss_outputs out(in.hidden, in.opts.reduce);
   const linear_grad_tensors grads(in, output_mask);
-  plan_without_unused_accumulator(in, grads);
+  plan_without_unused_accumulator(in.opts, grads.mask[1]);
   run_linear<B>(in, xent::linear_pass::training, [&](const auto& exec, auto tag, auto tv, auto ws) {
     using T = decltype(tag);
     using A = xent::accumulator_t<T>;
@@ -621,6 +663,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
                                   grads.view<T>(), ws);
   });
   return {out.loss, out.lse, grads.d_hidden, grads.d_weight, grads.d_bias};
+}
+
+// linear_workspace_bytes: the workspace bytes the linear ops allocate for their one xent call on
+// hidden (N x D) and weight (V x D): training (linear_cross_entropy_bwd and _fwd_bwd) or forward,
+// with or without d_weight, for the given choices (see linear_choices). Reads no values.
+template <class B>
+std::int64_t linear_workspace_bytes(const at::Tensor& hidden, const at::Tensor& weight,
+                                    bool training, bool d_weight, std::int64_t order,
+                                    std::int64_t accumulate) {
+  check_input_dtype(hidden);
+  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(),
+                   "xent: weight must have hidden's dtype ", hidden.scalar_type(), ", got ",
+                   weight.scalar_type());
+  check_same_device(hidden, weight, "weight");
+  TORCH_CHECK_VALUE(hidden.dim() == 2 && weight.dim() == 2 && weight.size(1) == hidden.size(1),
+                    "xent: hidden (N, D) and weight (V, D) must be 2-D with one D, got ",
+                    hidden.sizes(), " and ", weight.sizes());
+  const typename B::guard device_guard(hidden.device());
+  xent::linear_options opts;
+  set_linear_choices(opts, {order, accumulate});
+  plan_without_unused_accumulator(opts, d_weight);
+  const auto pass = training ? xent::linear_pass::training : xent::linear_pass::forward;
+  std::size_t bytes = 0;
+  dispatch_dtype<B>(hidden, [&](auto tag) {
+    using T = decltype(tag);
+    const auto call = B::exec(hidden, false, true);
+    call_xent([&] { bytes = linear_workspace_bytes_of<T>(call.exec, hidden, weight, pass, opts); });
+  });
+  return static_cast<std::int64_t>(bytes);
 }
 
 }  // namespace xent_torch

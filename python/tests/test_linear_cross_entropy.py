@@ -174,14 +174,20 @@ def test_torch_compile_fullgraph_forward_and_backward():
     def reference(x, w, b):
         return torch_linear_ce(torch.relu(x), w, target, b, z_loss=1e-3) * 3.0
 
+    for got, want in zip(*compiled_and_reference(step, reference, hidden, weight, bias)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def compiled_and_reference(step, reference, *inputs):
+    """The loss and the inputs' gradients of torch.compile(step, fullgraph=True) and of
+    reference, each on fresh copies of the inputs."""
     results = []
     for fn in (torch.compile(step, fullgraph=True), reference):
-        leaves = [a.clone().requires_grad_() for a in (hidden, weight, bias)]
+        leaves = [a.clone().requires_grad_() for a in inputs]
         loss = fn(*leaves)
         loss.backward()
         results.append((loss.detach(), *(a.grad for a in leaves)))
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    return results
 
 
 def test_module_wrapper():

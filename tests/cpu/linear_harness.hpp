@@ -61,6 +61,7 @@ struct lspec {
   xent::dw_accumulation accumulate = xent::dw_accumulation::fp32;
   /// The training order: fast unless a test names another (the workspace is sized for it).
   xent::linear_order order = xent::linear_order::fast;
+  float sparse_threshold = 0.0f;  ///< linear_options::sparse_threshold (the workspace sized for it)
 
   std::int64_t ld() const { return hidden + pad; }
   std::string describe() const {
@@ -107,6 +108,7 @@ struct ldata {
     static_cast<xent::options&>(o) = d.options();
     o.accumulate = s.accumulate;
     o.order = s.order;
+    o.sparse_threshold = s.sparse_threshold;
     return o;
   }
   oracle::linear_problem problem() const {

@@ -395,6 +395,33 @@ TEST_F(CudaLinearTest, MissingCublasHandleThrowsNamingIt) {
   EXPECT_TRUE(xt::same_bits(g.fetch().dw[0], xt::sentinel<float>()));
 }
 
+TEST_F(CudaLinearTest, SparseThresholdIsRefusedNamingIt) {
+  // The CUDA backend has no sparse backward yet (docs/design.md has its design).
+  lspec s = make_spec(4, 3, 5);
+  s.order = xent::linear_order::low_memory;
+  const ldata<float> L = make_data<float>(s);
+  const device_inputs<float> in(L);
+  const xent::cuda gpu = exec();
+  device_workspace ws(workspace_bytes<float>(gpu, L, xent::linear_pass::training), 0);
+  device_outputs f(4);
+  device_gradients<float> g(s);
+  xent::linear_options opts = in.options();
+  opts.sparse_threshold = xent::linear_sparse_threshold_bf16;
+  in.with_targets([&](auto t) {
+    expect_error("options.sparse_threshold", "CUDA backend", [&] {
+      xent::linear_forward_backward(gpu, in.hidden(), in.weight(), in.bias(), t, opts,
+                                    in.upstream(), f.all(s.ce), g.views(), ws.ws);
+    });
+    expect_error("options.sparse_threshold", "CUDA backend", [&] {
+      xent::linear_backward(gpu, in.hidden(), in.weight(), in.bias(), t, opts, f.lse_view(),
+                            in.upstream(), g.views(), ws.ws);
+    });
+  });
+  ok(cudaDeviceSynchronize());
+  EXPECT_EQ(f.fetch().loss, 12345.0f);
+  EXPECT_TRUE(xt::same_bits(g.fetch().dw[0], xt::sentinel<float>()));
+}
+
 /// Runs linear_forward_backward on one bf16 case into fresh buffers; returns loss, d_hidden and
 /// d_weight as bytes. With `graph`, the call is captured on a stream and replayed twice.
 std::vector<unsigned char> fused_bytes(cublasHandle_t handle, const lspec& s, bool graph) {

@@ -22,15 +22,17 @@ namespace xent {
 
 template <>
 struct linear_traits<cpu> {
+  /// `sparse`: for calls with a sparse threshold (the low-memory order's extra buffers).
   template <class T, class G>
   static linear_workspace_sizes workspace_size(const cpu& exec, const linear_shape& shape,
                                                linear_pass pass, dw_accumulation accumulate,
-                                               linear_order order, std::size_t budget) {
+                                               linear_order order, std::size_t budget,
+                                               bool sparse) {
     if (pass == linear_pass::training && order == linear_order::low_memory) {
-      const auto least = cpu_detail::make_low_memory_plan<T, G>(exec, shape, 1);
-      const auto fixed = cpu_detail::make_low_memory_plan<T, G>(exec, shape, 0);
-      const auto plan =
-          cpu_detail::plan_low_memory<T, G>(exec, shape, detail::chunk_budget(fixed.bytes, budget));
+      const auto least = cpu_detail::make_low_memory_plan<T, G>(exec, shape, 1, 1, sparse);
+      const auto fixed = cpu_detail::make_low_memory_plan<T, G>(exec, shape, 0, 1, sparse);
+      const auto plan = cpu_detail::plan_low_memory<T, G>(
+          exec, shape, detail::chunk_budget(fixed.bytes, budget), sparse);
       return {least.bytes, plan.bytes, std::min(plan.panel.chunk_rows, shape.rows)};
     }
     const auto least = cpu_detail::make_linear_plan<T, G>(exec, shape, pass, accumulate, 1);

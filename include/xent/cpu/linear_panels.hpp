@@ -10,11 +10,14 @@
 //      into an N x D float sum (d_hidden itself when float); after the panel's last sub-chunk its
 //      d_weight and d_bias rows are rounded, once.
 // Every sum is in float (double for double inputs) and each output is rounded once, as in the
-// fast order. Step 3 (run_panels) is also the vocab-parallel calls' over a rank's shard
+// fast order. With linear_options::sparse_threshold, step 3 skips cold tiles (linear_sparse.hpp),
+// in forward_backward their logits too (step 1 marks each row's cold weight blocks). Step 3
+// (run_panels) is also the vocab-parallel calls' over a rank's shard
 // (cpu/vocab_parallel_linear.hpp), from the LSE and mass their exchanges merged.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -28,6 +31,7 @@
 #include "cpu.hpp"
 #include "linear_plan.hpp"
 #include "linear_rows.hpp"
+#include "linear_sparse.hpp"
 #include "linear_steps.hpp"
 #include "parallel.hpp"
 
@@ -53,17 +57,30 @@ void target_masses(const cpu& exec, const problem<A, Tgt>& whole, A* mass) {
 /// is then its partial): each panel's logits for every row from each row's LSE and mass (N of
 /// each, over the whole vocabulary), its d_weight and d_bias rows written once, d_hidden summed
 /// in `plan.panel`'s N x D float buffer (d_hidden itself when float) and rounded once at the end.
-/// `ws` is the call's workspace, laid out by `plan`; class ids were checked by the caller.
+/// `ws` is the call's workspace, laid out by `plan`; class ids were checked by the caller. With a
+/// sparse threshold (one device only), `cold_rows` holds the rows' cold weight blocks that the
+/// statistics pass marked (null: tiles are marked from the panels' logits).
 template <class T, class G, class Tgt, class A>
 void run_panels(const cpu& exec, const low_memory_plan& plan, void* ws, matrix_view<const T> hidden,
                 matrix_view<const T> weight, vector_view<const T> bias, const Tgt& targets,
                 const linear_options& opts, vocab_shard shard, const A* lse, const A* mass,
-                const row_scales<A>& scales, const linear_grads<G>& grads) {
+                const row_scales<A>& scales, const linear_grads<G>& grads,
+                const unsigned char* cold_rows = nullptr) {
   const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
+  const bool sparse = opts.sparse_threshold > 0.0f;
+  const linear_call<T, G> region =
+      make_linear_call(exec, hidden, weight, grads, dw_accumulation::fp32, plan.panel, ws);
   // The problem of the shard (its loss constants span the whole vocabulary); each panel's is it
   // shifted to the panel's first class, as a vocab-parallel shard's.
   const problem<A, Tgt> whole =
       make_problem(exec, matrix_view<const A>(nullptr, N, V, V), targets, opts, shard);
+  const A log_tau = std::log(static_cast<A>(opts.sparse_threshold));
+  const std::int64_t all_blocks = (V + linear_block_rows - 1) / linear_block_rows;
+  // Tiles' gradients are written without smoothing's rank-1 term, which is added whole.
+  const smoothing_term<A> smoothing =
+      sparse ? make_smoothing_term(hidden, weight, whole, scales, region.buffer(plan.smooth))
+             : smoothing_term<A>{};
+  linear_sparse_counts counts;
 
   // d_hidden's sum over the panels: d_hidden itself when it is the accumulator type.
   A* dx = nullptr;
@@ -73,8 +90,7 @@ void run_panels(const cpu& exec, const low_memory_plan& plan, void* ws, matrix_v
       dx = grads.d_hidden.data;
       ldx = grads.d_hidden.ld;
     } else {
-      dx = make_linear_call(exec, hidden, weight, grads, dw_accumulation::fp32, plan.panel, ws)
-               .buffer(plan.panel.dx);
+      dx = region.buffer(plan.panel.dx);
     }
     for (std::int64_t n = 0; n < N; ++n) std::fill_n(dx + n * ldx, D, A(0));
   }
@@ -89,20 +105,38 @@ void run_panels(const cpu& exec, const low_memory_plan& plan, void* ws, matrix_v
     problem<A, Tgt> pb = whole;
     pb.weights = whole.weights ? whole.weights + v0 : nullptr;
     pb.first_class = whole.first_class + v0;
+    if (smoothing.s) pb.k.smooth = A(0);
     for (std::int64_t r0 = 0; r0 < N; r0 += plan.panel.chunk_rows) {
       const std::int64_t n = std::min(plan.panel.chunk_rows, N - r0);
       const const_acc_rows_map<A> x = float_rows(hidden, r0, n, c.buffer(plan.panel.x));
       A* tile = c.buffer(plan.panel.logits);
       acc_rows_map<A> logits(tile, n, nb, Eigen::OuterStride<>(nb));
-      chunk_logits(c, x, logits, bias_f);
-
       pb.logits = matrix_view<const A>(tile, n, nb, nb);
       pb.targets = detail::panel_targets(targets, r0, n, v0, nb);
       row_scales<A> scale = scales;
       if (scale.rows) scale.rows += r0;
-      write_gradient(
-          make_plan(exec, n, nb), pb, [&](std::int64_t row) { return lse[r0 + row]; },
-          [&](std::int64_t row) { return mass[r0 + row]; }, scale, matrix_view<A>(tile, n, nb, nb));
+      const auto lse_of = [&](std::int64_t row) { return lse[r0 + row]; };
+      const auto mass_of = [&](std::int64_t row) { return mass[r0 + row]; };
+      if (sparse) {
+        const sparse_tiles t{reinterpret_cast<unsigned char*>(c.base + plan.hot), n,
+                             (n + sparse_tile_rows - 1) / sparse_tile_rows, c.blocks()};
+        if (cold_rows) {
+          mark_tiles_from_rows(t, cold_rows + r0 * all_blocks, all_blocks, v0 / linear_block_rows);
+          sparse_logits(c, x, logits, bias_f, t);
+        } else {
+          chunk_logits(c, x, logits, bias_f);
+          mark_tiles_from_logits(c, pb, lse_of, log_tau, t);
+        }
+        counts.tiles += t.row_tiles * t.blocks;
+        counts.skipped += t.cold();
+        write_hot_gradients(c, pb, lse_of, mass_of, scale, t, matrix_view<A>(tile, n, nb, nb));
+        sparse_weight_grads(c, x, logits, t);
+        if (dx) sparse_hidden_grads(c, logits, t, dx, ldx, r0);
+        continue;
+      }
+      chunk_logits(c, x, logits, bias_f);
+      write_gradient(make_plan(exec, n, nb), pb, lse_of, mass_of, scale,
+                     matrix_view<A>(tile, n, nb, nb));
 
       chunk_weight_grads(c, x, logits);
       if (dx)
@@ -111,8 +145,11 @@ void run_panels(const cpu& exec, const low_memory_plan& plan, void* ws, matrix_v
           add_grad_times_weight(c, logits, a, b, rows, worker);
         });
     }
+    add_smoothing_to_panel(c, smoothing, whole, v0);
     finish_grads(c);
   }
+  add_smoothing_to_hidden(smoothing, whole, scales, dx, ldx);
+  if (sparse && opts.sparse_counts) *opts.sparse_counts = counts;
   if constexpr (!std::is_same<G, A>::value)
     if (dx)
       for (std::int64_t n = 0; n < N; ++n) convert(dx + n * D, D, grads.d_hidden.row(n));
@@ -129,28 +166,44 @@ void run_low_memory(const char* fn, const cpu& exec, matrix_view<const T> hidden
   const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
   // Class ids are checked, and the mean's W summed over every row, before anything is written.
   const double normalizer = check_targets_and_weigh(fn, targets, V, opts);
-  const low_memory_plan plan = plan_low_memory<T, G>(exec, {N, D, V}, ws.bytes);
+  const bool sparse = opts.sparse_threshold > 0.0f;
+  const low_memory_plan plan = plan_low_memory<T, G>(exec, {N, D, V}, ws.bytes, sparse);
   // The panel plan's call lays out the region from the aligned base; its base locates the rest.
   const linear_call<T, G> region =
       make_linear_call(exec, hidden, weight, grads, dw_accumulation::fp32, plan.panel, ws.data);
   A* mass = region.buffer(plan.mass);
   const A* lse = saved_lse ? saved_lse->data : region.buffer(plan.lse);
+  const problem<A, Tgt> whole =
+      make_problem(exec, matrix_view<const A>(nullptr, N, V, V), targets, opts, {0, V});
+  // The sparse backward (linear_sparse.hpp). forward_backward marks each row's cold weight blocks
+  // from the statistics pass's logits, so a panel computes only its hot tiles' logits;
+  // linear_backward marks tiles from the panel's logits.
+  const A log_tau = std::log(static_cast<A>(opts.sparse_threshold));
+  const std::int64_t all_blocks = (V + linear_block_rows - 1) / linear_block_rows;
+  unsigned char* const cold_rows =
+      sparse && !saved_lse ? reinterpret_cast<unsigned char*>(region.base + plan.cold) : nullptr;
   if (!saved_lse) {
     basic_forward_outputs<A> o = out;
     o.lse = vector_view<A>(region.buffer(plan.lse), N);
     const linear_call<T, G> stats = make_linear_call(exec, hidden, weight, linear_grads<G>{},
                                                      dw_accumulation::fp32, plan.stats, ws.data);
+    const auto mark = [&](std::int64_t r0, const matrix_view<A>& chunk) {
+      if (!cold_rows) return;
+      problem<A, Tgt> pb = whole;
+      pb.logits = matrix_view<const A>(chunk);
+      pb.targets = detail::target_rows(targets, r0, chunk.rows);
+      mark_cold_rows(
+          stats, pb, [&](std::int64_t row) { return lse[r0 + row]; }, log_tau,
+          cold_rows + r0 * all_blocks);
+    };
     run_row_chunks<linear_mode::forward>(stats, bias, targets, opts,
                                          static_cast<const basic_upstream<A>*>(nullptr),
-                                         vector_view<const A>{}, o, normalizer);
+                                         vector_view<const A>{}, o, normalizer, mark);
     if (out.lse.data) std::copy_n(lse, N, out.lse.data);
   }
-  target_masses(
-      exec,
-      make_problem(exec, matrix_view<const A>(nullptr, N, V, V), targets, opts, vocab_shard{0, V}),
-      mass);
+  target_masses(exec, whole, mass);
   run_panels(exec, plan, ws.data, hidden, weight, bias, targets, opts, vocab_shard{0, V}, lse, mass,
-             make_row_scales(up, opts, normalizer), grads);
+             make_row_scales(up, opts, normalizer), grads, cold_rows);
 }
 
 }  // namespace cpu_detail

@@ -115,24 +115,35 @@ inline std::int64_t panel_cols(const cpu& exec, std::int64_t vocab) {
       1, std::min(vocab, linear_block_rows * std::max<std::int64_t>(threads, 4)));
 }
 
+/// Rows of a tile of the sparse backward (linear_options::sparse_threshold): a tile is this many
+/// rows of a panel sub-chunk by one weight block. Its d_weight GEMM has K = 64 (runs of hot tiles
+/// merge into one GEMM); smaller tiles skip more but multiply less efficiently. Not tuned by
+/// measurement yet.
+constexpr std::int64_t sparse_tile_rows = 64;
+
 /// The low-memory order's workspace (linear_order::low_memory): one region holds first the
 /// statistics' row chunks over the whole vocabulary, then a panel's row sub-chunks (d_hidden's
-/// N x D float sum in the panel plan's dx); each row's LSE and target mass follow it.
+/// N x D float sum in the panel plan's dx); each row's LSE and target mass follow it, and with a
+/// sparse threshold what the sparse backward needs (linear_sparse.hpp).
 struct low_memory_plan {
   linear_plan stats;  ///< the forward over row chunks that saves each row's LSE
   linear_plan panel;  ///< one panel of `cols` weight rows, chunk_rows rows at a time
   std::int64_t cols = 1;
-  std::size_t lse = linear_absent;   ///< N: each row's LSE
-  std::size_t mass = linear_absent;  ///< N: each row's target mass
-  std::size_t end = 0;               ///< the end of the last buffer, from the aligned base
+  std::size_t lse = linear_absent;     ///< N: each row's LSE
+  std::size_t mass = linear_absent;    ///< N: each row's target mass
+  std::size_t hot = linear_absent;     ///< a byte per tile of a panel sub-chunk: whether it is kept
+  std::size_t cold = linear_absent;    ///< a byte per row and weight block: cold in the forward
+  std::size_t smooth = linear_absent;  ///< 2 x D: label smoothing's kept sums
+  std::size_t end = 0;                 ///< the end of the last buffer, from the aligned base
   std::size_t bytes = 0;
 };
 
 /// Panel sub-chunks of `rows` rows, statistics chunks of `stats_rows` rows over the whole
-/// vocabulary.
+/// vocabulary; `sparse`: with the sparse backward's buffers (N x ceil(V / 256) bytes, 4 MiB at
+/// 8192 x 128256, plus a byte per tile and 2 D floats).
 template <class T, class G>
 low_memory_plan make_low_memory_plan(const cpu& exec, const linear_shape& s, std::int64_t rows,
-                                     std::int64_t stats_rows = 1) {
+                                     std::int64_t stats_rows = 1, bool sparse = false) {
   low_memory_plan p;
   p.cols = panel_cols(exec, s.vocab);
   p.panel = make_linear_plan<T, G>(exec, {s.rows, s.hidden, p.cols}, linear_pass::training,
@@ -143,6 +154,14 @@ low_memory_plan make_low_memory_plan(const cpu& exec, const linear_shape& s, std
   using A = accumulator_t<T>;
   p.lse = stack.take(sizeof(A) * static_cast<std::size_t>(s.rows));
   p.mass = stack.take(sizeof(A) * static_cast<std::size_t>(s.rows));
+  if (sparse) {
+    const std::int64_t blocks = (s.vocab + linear_block_rows - 1) / linear_block_rows;
+    const std::int64_t tiles = (rows + sparse_tile_rows - 1) / sparse_tile_rows *
+                               ((p.cols + p.panel.block - 1) / p.panel.block);
+    p.hot = stack.take(static_cast<std::size_t>(tiles));
+    p.cold = stack.take(static_cast<std::size_t>(s.rows * blocks));
+    p.smooth = stack.take(sizeof(A) * 2 * static_cast<std::size_t>(s.hidden));
+  }
   p.end = stack.at;
   p.bytes = stack.bytes();
   return p;
@@ -152,12 +171,13 @@ low_memory_plan make_low_memory_plan(const cpu& exec, const linear_shape& s, std
 /// statistics chunks that fit it beside them: sized to the panel's logits bytes instead, they were
 /// 32 rows at 1024 x 512 x 32000, GEMMs of a fraction of the fast order's rows.
 template <class T, class G>
-low_memory_plan plan_low_memory(const cpu& exec, const linear_shape& s, std::size_t budget) {
+low_memory_plan plan_low_memory(const cpu& exec, const linear_shape& s, std::size_t budget,
+                                bool sparse = false) {
   const std::int64_t rows = detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t r) {
-                              return make_low_memory_plan<T, G>(exec, s, r);
+                              return make_low_memory_plan<T, G>(exec, s, r, 1, sparse);
                             }).panel.chunk_rows;
   return detail::largest_chunk_plan(s.rows, budget, [&](std::int64_t stats_rows) {
-    return make_low_memory_plan<T, G>(exec, s, rows, stats_rows);
+    return make_low_memory_plan<T, G>(exec, s, rows, stats_rows, sparse);
   });
 }
 

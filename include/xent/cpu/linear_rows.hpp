@@ -33,14 +33,22 @@ namespace cpu_detail {
 
 enum class linear_mode { forward, fused, backward };
 
+/// What run_row_chunks calls after a forward chunk's core, for nobody.
+struct no_chunk_hook {
+  template <class A>
+  void operator()(std::int64_t, const matrix_view<A>&) const {}
+};
+
 /// The row chunks of call `c` (planned in its workspace): per chunk its logits over every weight
 /// row, the core on them in place, and (training) their gradient folded into the gradients.
-/// `normalizer` is the mean's W over every row of the call (check_targets_and_weigh).
-template <linear_mode Mode, class T, class G, class Tgt, class A>
+/// `normalizer` is the mean's W over every row of the call (check_targets_and_weigh). A forward
+/// calls after_chunk(r0, logits) once each chunk's outputs are written (the sparse backward reads
+/// the logits there).
+template <linear_mode Mode, class T, class G, class Tgt, class A, class Hook = no_chunk_hook>
 void run_row_chunks(const linear_call<T, G>& c, vector_view<const T> bias, const Tgt& targets,
                     const linear_options& opts, const basic_upstream<A>* up,
                     vector_view<const A> lse, const basic_forward_outputs<A>& out,
-                    double normalizer) {
+                    double normalizer, const Hook& after_chunk = {}) {
   const cpu& exec = c.exec;
   const matrix_view<const T> hidden = c.hidden;
   const std::int64_t N = c.rows(), V = c.vocab();
@@ -87,6 +95,7 @@ void run_row_chunks(const linear_call<T, G>& c, vector_view<const T> bias, const
                                               core, chunk_up, o, chunk);
       else
         backend_traits<cpu>::forward(exec, matrix_view<const A>(chunk), chunk_targets, core, o);
+      if constexpr (Mode == linear_mode::forward) after_chunk(r0, chunk);
       for (std::int64_t i = 0; i < n; ++i) loss += static_cast<double>(o.row_loss[i]);
       correct += chunk_correct;
     }

@@ -1,6 +1,8 @@
 // linear_traits<cuda>: fused linear cross-entropy on the GPU, with the caller's cuBLAS handle.
 // The chunked call (the fast order), its GEMMs and the Hopper paths are dispatch/linear.cuh's; the
-// low-memory order is dispatch/linear_panels.cuh's; cublas_error is dispatch/cublas.cuh's.
+// low-memory order is dispatch/linear_panels.cuh's; cublas_error is dispatch/cublas.cuh's. The
+// sparse backward (linear_options::sparse_threshold) is refused here for now: docs/design.md
+// has its design for the GPU.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 #include "../backend.hpp"
 #include "../linear/options.hpp"
 #include "../linear/plan.hpp"
+#include "../linear/validate.hpp"
 #include "../options.hpp"
 #include "../views.hpp"
 #include "cuda.cuh"
@@ -40,10 +43,13 @@ struct linear_traits<cuda> {
   /// elements of T of logits, with G not float and fewer chunk rows than N a float panel of
   /// d_weight, 8192 x D), then per row 8 bytes of LSE and mass and, G not float, D floats of
   /// d_hidden's sum.
+  ///
+  /// A sparse threshold adds nothing: the calls refuse it.
   template <class T, class G>
   static linear_workspace_sizes workspace_size(const cuda&, const linear_shape& shape,
                                                linear_pass pass, dw_accumulation accumulate,
-                                               linear_order order, std::size_t budget) {
+                                               linear_order order, std::size_t budget,
+                                               bool /*sparse*/) {
     if (pass == linear_pass::training && order == linear_order::low_memory) {
       const auto least = cuda_detail::make_low_memory_plan<T, G>(shape, 1);
       const auto fixed = cuda_detail::make_low_memory_plan<T, G>(shape, 0);
@@ -77,6 +83,7 @@ struct linear_traits<cuda> {
                                const forward_outputs& out, const linear_grads<G>& grads,
                                const linear_workspace& ws) {
     constexpr const char* fn = "xent::linear_forward_backward";
+    detail::require_dense_backward(fn, opts, "the CUDA backend's fused linear calls");
     if (opts.order == linear_order::low_memory)
       cuda_detail::run_low_memory(fn, exec, hidden, weight, bias, targets, opts, up,
                                   static_cast<const vector_view<const float>*>(nullptr), out, grads,
@@ -92,6 +99,7 @@ struct linear_traits<cuda> {
                        vector_view<const float> lse, const upstream& up,
                        const linear_grads<G>& grads, const linear_workspace& ws) {
     constexpr const char* fn = "xent::linear_backward";
+    detail::require_dense_backward(fn, opts, "the CUDA backend's fused linear calls");
     if (opts.order == linear_order::low_memory)
       cuda_detail::run_low_memory(fn, exec, hidden, weight, bias, targets, opts, up, &lse,
                                   forward_outputs{}, grads, ws);

@@ -45,20 +45,59 @@ enum class linear_order {
   low_memory,
 };
 
+/// What a training call with a sparse backward did (linear_options::sparse_counts): its gradient
+/// tiles (a block of rows x a block of classes, backend-defined) and how many it skipped.
+struct linear_sparse_counts {
+  std::int64_t tiles = 0;
+  std::int64_t skipped = 0;
+};
+
+/// A threshold to start from for linear_options::sparse_threshold with bf16 gradients: 2^-12,
+/// Cut Cross-Entropy's. Each dropped term is below 2^-12 |g alpha|, a sixteenth of bf16's unit
+/// roundoff (2^-8) of an element of the row's scale |g alpha|.
+constexpr float linear_sparse_threshold_bf16 = 0x1p-12f;
+
 /// The loss options of xent::options (every one applies to the logits hidden · weightᵀ + bias),
-/// how d_weight is accumulated and the training order. W: the extent of class_weights, as in
-/// basic_options.
+/// how d_weight is accumulated, the training order and the sparse backward. W: the extent of
+/// class_weights, as in basic_options.
 template <class W = dynamic_extent>
 struct basic_linear_options : basic_options<W> {
   dw_accumulation accumulate = dw_accumulation::fp32;
   linear_order order = linear_order::automatic;
+  /// The sparse backward (Cut Cross-Entropy's gradient filtering), off at 0 (exact). tau in
+  /// [0, 1]: a training call skips the gradient GEMM work (in linear_forward_backward the panel's
+  /// logits too) of each tile (a block of rows x a block of classes) in which every row's softmax
+  /// probability p_nj is below tau, no row's class-id
+  /// target lies, and (soft targets) every target probability is 0. A row's logit gradient is
+  /// g_n (alpha_n p_nj - w_j t'_nj) s_nj (loss_math.hpp; s the softcap slope, at most 1), and
+  /// only its first term is dropped in a skipped tile; targets' terms are never dropped, and label
+  /// smoothing's term -g_n w_j eps / V is kept for every class as a rank-1 correction (the reason
+  /// softcap with label smoothing is refused: the slope makes that term full rank). So each
+  /// gradient moves by at most what dropping every g_n alpha_n p_nj with p_nj < tau would move it:
+  ///   |d d_hidden[n,k]| <= |g_n alpha_n| sum_{j: p_nj < tau} p_nj |weight[j,k]|,
+  ///   |d d_weight[j,k]| <= sum_{n: p_nj < tau} |g_n alpha_n| p_nj |hidden[n,k]|,
+  ///   |d d_bias[j]|     <= sum_{n: p_nj < tau} |g_n alpha_n| p_nj,
+  /// each at most tau |g_n alpha_n| times the sum of the |weight| (|hidden|, 1) terms. The loss
+  /// and every forward output are unchanged. Only the low-memory order takes it (a training call
+  /// with linear_order::automatic and tau > 0 runs low_memory; fast refuses tau > 0), in
+  /// linear_forward_backward and linear_backward; the vocab-parallel calls refuse it, and so
+  /// does the CUDA backend for now (docs/design.md has its design). linear_sparse_threshold_bf16
+  /// is a threshold to start from.
+  float sparse_threshold = 0.0f;
+  /// Where a training call with sparse_threshold > 0 writes its tile counts (host memory for
+  /// xent::cpu), or null: a measurement, not needed for the gradients.
+  linear_sparse_counts* sparse_counts = nullptr;
 
   basic_linear_options() = default;
   /// Run-time sized options from static ones.
   template <class W2, class = std::enable_if_t<std::is_convertible<basic_options<W2>,
                                                                    basic_options<W>>::value>>
   basic_linear_options(const basic_linear_options<W2>& o)  // NOLINT(google-explicit-constructor)
-      : basic_options<W>(o), accumulate(o.accumulate), order(o.order) {}
+      : basic_options<W>(o),
+        accumulate(o.accumulate),
+        order(o.order),
+        sparse_threshold(o.sparse_threshold),
+        sparse_counts(o.sparse_counts) {}
 };
 using linear_options = basic_linear_options<>;
 

@@ -41,6 +41,27 @@ inline void check_order(const char* fn, const linear_options& opts) {
           fn, "options.order", "not one of automatic, fast, low_memory");
 }
 
+/// The sparse backward's threshold: a number in [0, 1] (NaN is refused), and not with softcap and
+/// label smoothing together (the kept smoothing term would be full rank). With linear_order::fast
+/// a threshold is refused: only the low-memory order skips tiles.
+inline void check_sparse(const char* fn, const linear_options& opts) {
+  const float t = opts.sparse_threshold;
+  require(t >= 0.0f && t <= 1.0f, fn, "options.sparse_threshold",
+          [&] { return "must be in [0, 1] (0: exact), got " + std::to_string(t); });
+  require(
+      t == 0.0f || opts.softcap == 0.0f || opts.label_smoothing == 0.0f, fn,
+      "options.sparse_threshold",
+      "not with softcap and label_smoothing together (smoothing's term cannot be kept exactly)");
+  require(t == 0.0f || opts.order != linear_order::fast, fn, "options.sparse_threshold",
+          "runs in the low-memory order only: linear_order::fast refuses a threshold");
+}
+
+/// Calls that have no sparse backward refuse a threshold (`where` names them).
+inline void require_dense_backward(const char* fn, const linear_options& opts, const char* where) {
+  require(opts.sparse_threshold == 0.0f, fn, "options.sparse_threshold",
+          [&] { return std::string("must be 0: ") + where + " have no sparse backward yet"; });
+}
+
 inline void check_pass(const char* fn, linear_pass pass) {
   require(pass == linear_pass::forward || pass == linear_pass::training, fn, "pass",
           "not one of forward, training");
@@ -71,6 +92,7 @@ void check_linear_inputs(const char* fn, const matrix_view<const T>& hidden,
   check_options(fn, opts, vocab);
   check_accumulation(fn, opts);
   check_order(fn, opts);
+  check_sparse(fn, opts);
 }
 
 /// An optional gradient matrix: absent when null and 0 x 0, else exactly rows x cols.

@@ -168,6 +168,7 @@ void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<
   check_linear_inputs(fn, hidden, weight, bias, dynamic_targets(targets), opts, shard.vocab,
                       "shard.vocab");
   check_shard(fn, shard, weight.rows, hidden.rows);
+  require_dense_backward(fn, opts, "the vocab-parallel calls");
   check_exchange_rows(fn, "hidden", hidden.rows, group.size());
   require(
       ws.chunk_rows >= 1 || (hidden.rows == 0 && ws.chunk_rows == 0), fn, "workspace.chunk_rows",
@@ -247,6 +248,7 @@ linear_workspace_sizes vocab_parallel_linear_workspace_size(
   detail::check_linear_shape(fn, "shape", shape);
   detail::check_accumulation(fn, opts);
   detail::check_order(fn, opts);
+  detail::require_dense_backward(fn, opts, "the vocab-parallel calls");
   detail::check_pass(fn, pass);
   detail::require(ranks >= 1, fn, "ranks",
                   [&] { return "must be >= 1, got " + std::to_string(ranks); });

@@ -8,6 +8,7 @@
 
 #include "ffi_linear.h"
 #include "ffi_ops.h"
+#include "ffi_vocab_parallel.h"
 
 namespace xent_jax {
 namespace {
@@ -30,6 +31,7 @@ struct host_workspace {
 
 // No workspace on the CPU.
 cpu_exec make_cpu_exec(bool /*reduced*/, std::int64_t /*rows*/) { return {}; }
+cpu_exec make_vp_exec(vp_phase /*phase*/, std::int64_t /*rows*/) { return {}; }
 
 ffi::Error fwd(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer weight,
                ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
@@ -72,6 +74,23 @@ ffi::Error lin_fwd_bwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuf
                        ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
   return linear_fwd_bwd<true>(cpu_exec{}.exec, host_workspace{}, hidden, weight, bias, labels,
                               class_weight, loss, lse, dh, dw, db, attrs);
+}
+
+ffi::Error vp_rec(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer weight,
+                  ffi::Result<ffi::AnyBuffer> send, vp_attrs attrs) {
+  return vp_records(make_vp_exec, logits, labels, weight, send, attrs);
+}
+
+ffi::Error vp_mrg(ffi::AnyBuffer recv, ffi::AnyBuffer labels, ffi::AnyBuffer weight,
+                  ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
+                  vp_attrs attrs) {
+  return vp_merge(make_vp_exec, recv, labels, weight, loss, lse, attrs);
+}
+
+ffi::Error vp_bwd(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer weight,
+                  ffi::AnyBuffer lse, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> grad,
+                  vp_attrs attrs) {
+  return vp_backward(make_vp_exec, logits, labels, weight, lse, g, grad, attrs);
 }
 
 // One batch element's gradient times its scale, in the accumulator type and rounded once to the
@@ -119,3 +138,9 @@ XENT_JAX_HANDLER(xent_linear_cross_entropy_bwd_cpu, xent_jax::lin_bwd,
                  xent_jax::linear_backward_binding(xla::ffi::Ffi::Bind()));
 XENT_JAX_HANDLER(xent_linear_cross_entropy_fwd_bwd_cpu, xent_jax::lin_fwd_bwd,
                  xent_jax::linear_fused_binding(xla::ffi::Ffi::Bind()));
+XENT_JAX_HANDLER(xent_vocab_parallel_records_cpu, xent_jax::vp_rec,
+                 xent_jax::vp_records_binding(xla::ffi::Ffi::Bind()));
+XENT_JAX_HANDLER(xent_vocab_parallel_merge_cpu, xent_jax::vp_mrg,
+                 xent_jax::vp_merge_binding(xla::ffi::Ffi::Bind()));
+XENT_JAX_HANDLER(xent_vocab_parallel_backward_cpu, xent_jax::vp_bwd,
+                 xent_jax::vp_backward_binding(xla::ffi::Ffi::Bind()));

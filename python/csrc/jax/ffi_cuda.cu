@@ -30,6 +30,7 @@
 
 #include "ffi_linear.h"
 #include "ffi_ops.h"
+#include "ffi_vocab_parallel.h"
 
 namespace xent_jax {
 namespace {
@@ -45,24 +46,38 @@ struct cuda_exec {
   const xent::cuda& get() const { return exec; }
 };
 
-// The execution object on XLA's stream; for calls with a reduced loss, a zero-filled workspace
+// The execution object on XLA's stream with, when `bytes` is not 0, a zero-filled workspace
 // from XLA's scratch allocator (freed when the handler returns, after its work is enqueued: XLA
 // orders the reuse on the same stream).
+cuda_exec exec_with_workspace(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                              std::size_t bytes) {
+  cuda_exec c;
+  c.exec.stream = stream;
+  if (bytes != 0) {
+    const auto ws = scratch.Allocate(bytes, 256);
+    if (!ws.has_value())
+      fail("workspace", "of " + std::to_string(bytes) + " bytes could not be allocated",
+           ffi::ErrorCode::kResourceExhausted);
+    check_cuda(cudaMemsetAsync(*ws, 0, bytes, stream), "cudaMemsetAsync (workspace)");
+    c.exec.workspace = *ws;
+    c.exec.workspace_bytes = bytes;
+  }
+  return c;
+}
+
+// Calls with a reduced loss need xent::cuda's workspace.
 auto cuda_exec_maker(cudaStream_t stream, ffi::ScratchAllocator& scratch) {
   return [stream, &scratch](bool reduced, std::int64_t rows) {
-    cuda_exec c;
-    c.exec.stream = stream;
-    if (reduced) {
-      const std::size_t bytes = xent::cuda_workspace_size(rows);
-      const auto ws = scratch.Allocate(bytes, 256);
-      if (!ws.has_value())
-        fail("workspace", "of " + std::to_string(bytes) + " bytes could not be allocated",
-             ffi::ErrorCode::kResourceExhausted);
-      check_cuda(cudaMemsetAsync(*ws, 0, bytes, stream), "cudaMemsetAsync (workspace)");
-      c.exec.workspace = *ws;
-      c.exec.workspace_bytes = bytes;
-    }
-    return c;
+    return exec_with_workspace(stream, scratch, reduced ? xent::cuda_workspace_size(rows) : 0);
+  };
+}
+
+// The vocab-parallel merge needs the finish phase's workspace; records and class-id backward none.
+auto vp_exec_maker(cudaStream_t stream, ffi::ScratchAllocator& scratch) {
+  return [stream, &scratch](vp_phase phase, std::int64_t rows) {
+    return exec_with_workspace(
+        stream, scratch,
+        phase == vp_phase::merge ? xent::cuda_vocab_parallel_finish_workspace_size(rows) : 0);
   };
 }
 
@@ -86,6 +101,31 @@ ffi::Error fwd_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
                    loss_attrs attrs) {
   return cross_entropy_fwd_bwd<false>(cuda_exec_maker(stream, scratch), logits, labels, weight,
                                       loss, lse, grad, attrs);
+}
+
+// --- vocab-parallel phases
+// ------------------------------------------------------------------------
+//
+// A bad tiling of the gathered headers cannot throw here (the host does not read them): every
+// device's merge writes NaN (cuda/vocab_parallel.cuh), with no counter kept, as for a class id out
+// of range.
+
+ffi::Error vp_rec(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer logits,
+                  ffi::AnyBuffer labels, ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> send,
+                  vp_attrs attrs) {
+  return vp_records(vp_exec_maker(stream, scratch), logits, labels, weight, send, attrs);
+}
+
+ffi::Error vp_mrg(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer recv,
+                  ffi::AnyBuffer labels, ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> loss,
+                  ffi::Result<ffi::AnyBuffer> lse, vp_attrs attrs) {
+  return vp_merge(vp_exec_maker(stream, scratch), recv, labels, weight, loss, lse, attrs);
+}
+
+ffi::Error vp_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer logits,
+                  ffi::AnyBuffer labels, ffi::AnyBuffer weight, ffi::AnyBuffer lse,
+                  ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> grad, vp_attrs attrs) {
+  return vp_backward(vp_exec_maker(stream, scratch), logits, labels, weight, lse, g, grad, attrs);
 }
 
 // --- fused linear cross-entropy -----------------------------------------------------------------
@@ -248,3 +288,9 @@ XENT_JAX_HANDLER(xent_linear_cross_entropy_bwd_cuda, xent_jax::lin_bwd,
                  xent_jax::linear_backward_binding(xent_jax::linear_context_binding()));
 XENT_JAX_HANDLER(xent_linear_cross_entropy_fwd_bwd_cuda, xent_jax::lin_fwd_bwd,
                  xent_jax::linear_fused_binding(xent_jax::linear_context_binding()));
+XENT_JAX_HANDLER(xent_vocab_parallel_records_cuda, xent_jax::vp_rec,
+                 xent_jax::vp_records_binding(xent_jax::stream_scratch_binding()));
+XENT_JAX_HANDLER(xent_vocab_parallel_merge_cuda, xent_jax::vp_mrg,
+                 xent_jax::vp_merge_binding(xent_jax::stream_scratch_binding()));
+XENT_JAX_HANDLER(xent_vocab_parallel_backward_cuda, xent_jax::vp_bwd,
+                 xent_jax::vp_backward_binding(xent_jax::stream_scratch_binding()));

@@ -33,6 +33,9 @@ TARGETS = (
     "xent_linear_cross_entropy_fwd",
     "xent_linear_cross_entropy_bwd",
     "xent_linear_cross_entropy_fwd_bwd",
+    "xent_vocab_parallel_records",
+    "xent_vocab_parallel_merge",
+    "xent_vocab_parallel_backward",
 )
 
 with_cuda: bool = _build_info.cuda

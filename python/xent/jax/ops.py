@@ -327,6 +327,35 @@ def _linear_cross_entropy_bwd(cfg, saved, cotangents):
 _linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)
 
 
+def _linear_operands(hidden, weight, bias, labels, check_dtype, rows_name):
+    """The fused linear calls' operands, checked: hidden (..., D) of a dtype check_dtype takes,
+    weight (`rows_name`, D) and bias (`rows_name`,) or None (then (0,)) of hidden's dtype, labels
+    hidden.shape[:-1]. Returns them as arrays."""
+    hidden = jnp.asarray(hidden)
+    weight = jnp.asarray(weight)
+    labels = jnp.asarray(labels)
+    check_dtype("hidden", hidden)
+    if hidden.ndim < 1:
+        raise ValueError("xent: hidden must be (..., D), got a scalar")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"xent: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"xent: weight must be ({rows_name}, D) with D = {hidden.shape[-1]}, got {weight.shape}"
+        )
+    _check_labels(labels, hidden.shape[:-1], "hidden.shape[:-1]")
+    if bias is None:
+        return hidden, weight, jnp.zeros((0,), hidden.dtype), labels
+    b = jnp.asarray(bias)
+    if b.dtype != hidden.dtype:
+        raise TypeError(f"xent: bias must have hidden's dtype {hidden.dtype}, got {b.dtype}")
+    if b.shape != (weight.shape[0],):
+        raise ValueError(
+            f"xent: bias must have shape ({rows_name},) = ({weight.shape[0]},), got {b.shape}"
+        )
+    return hidden, weight, b, labels
+
+
 def linear_cross_entropy(
     hidden: jax.Array,
     weight: jax.Array,
@@ -349,30 +378,9 @@ def linear_cross_entropy(
     the logits are computed a chunk of rows at a time in a workspace and never kept. Under
     jax.vmap the call runs once per batch element.
     """
-    hidden = jnp.asarray(hidden)
-    weight = jnp.asarray(weight)
-    labels = jnp.asarray(labels)
     cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
-    _check_float("hidden", hidden)
-    if hidden.ndim < 1:
-        raise ValueError("xent: hidden must be (..., D), got a scalar")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"xent: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"xent: weight must be (V, D) with D = {hidden.shape[-1]}, got {weight.shape}"
-        )
-    _check_labels(labels, hidden.shape[:-1], "hidden.shape[:-1]")
-    classes = weight.shape[0]
-    w = _class_weights(class_weight, classes)
-    if bias is None:
-        b = jnp.zeros((0,), hidden.dtype)
-    else:
-        b = jnp.asarray(bias)
-        if b.dtype != hidden.dtype:
-            raise TypeError(f"xent: bias must have hidden's dtype {hidden.dtype}, got {b.dtype}")
-        if b.shape != (classes,):
-            raise ValueError(f"xent: bias must have shape (V,) = ({classes},), got {b.shape}")
+    hidden, weight, b, labels = _linear_operands(hidden, weight, bias, labels, _check_float, "V")
+    w = _class_weights(class_weight, weight.shape[0])
     rows = math.prod(labels.shape)
     loss, lse = _linear_cross_entropy(
         hidden.reshape(rows, hidden.shape[-1]), weight, b, labels.reshape(rows), w, cfg

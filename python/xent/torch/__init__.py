@@ -17,11 +17,13 @@ from .ops import (
     cuda_built,
     cuda_target_errors,
     linear_cross_entropy,
+    linear_workspace_bytes,
 )
 
 __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
+    "linear_workspace_bytes",
     "CrossEntropyLoss",
     "CrossEntropyOutput",
     "LinearCrossEntropyLoss",

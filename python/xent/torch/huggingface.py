@@ -22,13 +22,14 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .ops import _linear_loss
+from .ops import _ACCUMULATIONS, _ORDERS, _linear_choice, _linear_loss
 
 
 def _causal_lm_loss(
     hidden,
     head,
     softcap,
+    memory,
     labels,
     num_items_in_batch=None,
     ignore_index=-100,
@@ -57,6 +58,7 @@ def _causal_lm_loss(
         0.0,
         0.0,
         softcap,
+        **memory,
     )
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
@@ -65,7 +67,7 @@ def _causal_lm_loss(
     return loss
 
 
-def patch(model):
+def patch(model, *, order="automatic", accumulate="fp32"):
     """Makes `model` (a transformers causal LM: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
     Phi-3, GPT-2 and others whose forward is `loss_function(lm_head(hidden), labels, ...)`)
     compute its training loss by fused linear cross-entropy, in place; returns the model.
@@ -76,8 +78,11 @@ def patch(model):
     logits_to_keep and the config's final_logit_softcapping behave as in the unpatched model.
     Without labels (evaluation, generation) the call is the unpatched forward. The output
     embedding must be a linear layer (a `weight` of (vocab, hidden), optionally a `bias`);
-    patching twice changes nothing.
+    patching twice changes nothing (the first patch's options stay). order and accumulate are linear_cross_entropy's training
+    memory choices (order="low_memory": no V x D float buffer), checked here.
     """
+    _linear_choice("order", order, _ORDERS)
+    _linear_choice("accumulate", accumulate, _ACCUMULATIONS)
     if getattr(model, "_xent_patched", False):
         return model
     head = model.get_output_embeddings()
@@ -91,6 +96,7 @@ def patch(model):
     if "labels" not in signature.parameters:
         raise TypeError(f"xent.torch.patch: {type(model).__name__}.forward takes no labels")
     softcap = getattr(model.config, "final_logit_softcapping", None)
+    memory = dict(order=order, accumulate=accumulate)
 
     @functools.wraps(forward)
     def fused_forward(*args, **kwargs):
@@ -110,7 +116,7 @@ def patch(model):
                 for k in ("num_items_in_batch", "ignore_index", "shift_labels")
                 if k in loss_kwargs
             }
-            return _causal_lm_loss(hidden, head, softcap, labels, **loss_kwargs)
+            return _causal_lm_loss(hidden, head, softcap, memory, labels, **loss_kwargs)
 
         # Instance attributes, restored afterwards: the module's own forward (or one a hook
         # library installed) and the model's loss function come back unchanged.

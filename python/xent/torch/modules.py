@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from .ops import cross_entropy, linear_cross_entropy
+from .ops import _ACCUMULATIONS, _ORDERS, _linear_choice, cross_entropy, linear_cross_entropy
 
 
 class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
@@ -66,7 +66,8 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
 class LinearCrossEntropyLoss(torch.nn.Module):
     """Fused LM head + cross-entropy: forward(hidden, weight, target, bias=None) is
     cross_entropy(hidden @ weight.T + bias, target) without the logits
-    (xent.torch.linear_cross_entropy). class_weight is torch.nn.CrossEntropyLoss's weight."""
+    (xent.torch.linear_cross_entropy). class_weight is torch.nn.CrossEntropyLoss's weight;
+    order and accumulate are linear_cross_entropy's training memory choices (checked here)."""
 
     def __init__(
         self,
@@ -76,8 +77,13 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
         softcap: Optional[float] = None,
+        *,
+        order: str = "automatic",
+        accumulate: str = "fp32",
     ) -> None:
         super().__init__()
+        _linear_choice("order", order, _ORDERS)
+        _linear_choice("accumulate", accumulate, _ACCUMULATIONS)
         self.register_buffer("class_weight", class_weight)
         self.options = dict(
             ignore_index=ignore_index,
@@ -85,6 +91,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             label_smoothing=label_smoothing,
             z_loss=z_loss,
             softcap=softcap,
+            order=order,
+            accumulate=accumulate,
         )
 
     def forward(self, hidden, weight, target, bias=None):

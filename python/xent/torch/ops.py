@@ -17,6 +17,9 @@ from torch.nn import _reduction as _Reduction
 from . import _library
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+# The linear ops' training choices as their schemas take them (csrc/xent_ops.h, linear_choices).
+_ORDERS = {"automatic": 0, "fast": 1, "low_memory": 2}
+_ACCUMULATIONS = {"fp32": 0, "output": 1}
 # The overloads themselves: a call skips the packet's overload lookup.
 _cross_entropy_fwd = torch.ops.xent.cross_entropy_fwd.default
 _linear_cross_entropy_fwd = torch.ops.xent.linear_cross_entropy_fwd.default
@@ -383,13 +386,35 @@ def cross_entropy(
 # --- fused linear cross-entropy -------------------------------------------------------------------
 
 
+def _check_linear_choices(choices):
+    """The linear ops' refusal of order and accumulate codes outside _ORDERS and _ACCUMULATIONS
+    (csrc/xent_ops.h); `choices` are the ops' trailing arguments, which default to 0."""
+    order, accumulate = (*choices, 0, 0)[:2]
+    if order not in (0, 1, 2):
+        raise ValueError(
+            f"xent: order must be 0 (automatic), 1 (fast) or 2 (low_memory), got {order}"
+        )
+    if accumulate not in (0, 1):
+        raise ValueError(f"xent: accumulate must be 0 (fp32) or 1 (output), got {accumulate}")
+
+
+# The linear ops' arguments after reduction: the loss options (label_smoothing, z_loss, softcap),
+# then (linear_cross_entropy_bwd and _fwd_bwd) output_mask, then the training choices.
+_LOSS_OPTIONS = 3
+
+
 @torch.library.register_fake("xent::linear_cross_entropy_fwd")
-def _linear_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction, *options):
+def _linear_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction, *rest):
+    _check_linear_choices(rest[_LOSS_OPTIONS:])
     return _loss_and_lse_fake(hidden, reduction)
 
 
-def _linear_grads_fake(hidden, weight, bias, output_mask):
-    # A gradient not asked for (output_mask) is returned empty, (0,), as the kernels do.
+def _linear_grads_fake(hidden, weight, bias, rest):
+    """The gradients of linear_cross_entropy_bwd and _fwd_bwd, whose arguments after reduction
+    are `rest`: the loss options, output_mask, the training choices. A gradient not asked for
+    (output_mask) is returned empty, (0,), as the kernels do."""
+    _check_linear_choices(rest[_LOSS_OPTIONS + 1 :])
+    output_mask = rest[_LOSS_OPTIONS]
     want_bias = output_mask[2] and bias is not None
     return (
         hidden.new_empty(hidden.shape if output_mask[0] else (0,)),
@@ -399,8 +424,8 @@ def _linear_grads_fake(hidden, weight, bias, output_mask):
 
 
 @torch.library.register_fake("xent::linear_cross_entropy_bwd")
-def _linear_bwd_fake(grad_output, hidden, weight, bias, *rest):
-    return _linear_grads_fake(hidden, weight, bias, rest[-1])  # output_mask comes last
+def _linear_bwd_fake(grad_output, hidden, weight, bias, target, class_weight, lse, *rest):
+    return _linear_grads_fake(hidden, weight, bias, rest[2:])  # after ignore_index, reduction
 
 
 @torch.library.register_fake("xent::linear_cross_entropy_fwd_bwd")
@@ -408,8 +433,18 @@ def _linear_fwd_bwd_fake(
     hidden, weight, bias, target, class_weight, ignore_index, reduction, *rest
 ):
     _check_fused(reduction)
-    grads = _linear_grads_fake(hidden, weight, bias, rest[-1])  # output_mask comes last
+    grads = _linear_grads_fake(hidden, weight, bias, rest)
     return (*_loss_and_lse_fake(hidden, reduction), *grads)
+
+
+def _linear_choice(name, value, codes):
+    """The code of a training choice (order, accumulate), or ValueError naming the argument."""
+    code = codes.get(value) if isinstance(value, str) else None
+    if code is None:
+        raise ValueError(
+            f"xent.torch: {name} must be one of {', '.join(repr(k) for k in codes)}, got {value!r}"
+        )
+    return code
 
 
 def linear_cross_entropy(
@@ -423,6 +458,9 @@ def linear_cross_entropy(
     label_smoothing=0.0,
     z_loss=0.0,
     softcap=None,
+    *,
+    order="automatic",
+    accumulate="fp32",
 ):
     """cross_entropy(hidden @ weight.T + bias, target, ...) without materialising the logits.
 
@@ -440,6 +478,31 @@ def linear_cross_entropy(
     gradient on the device. Reduction none: the forward computes the loss
     (xent::linear_forward) and backward recomputes each chunk's logits from the saved per-row
     log-sum-exp (xent::linear_backward).
+
+    The training call's memory (keyword-only; both apply to either training path, and a call
+    that computes no gradient has one order). The call allocates, beyond its inputs, outputs and
+    gradients, one workspace, whose size linear_workspace_bytes gives:
+      order="automatic"  (default) the fast order: the workspace is sized for it
+                         (xent::linear_order::automatic given the fast order's bytes).
+      order="fast"       rows outer: each chunk's logits over the whole vocabulary, three GEMMs
+                         (logits, G W, G^T X). Workspace: at most 256 MiB of row chunks, O(V),
+                         and with accumulate="fp32" and 16-bit d_weight the V x D float sum of
+                         d_weight (4 V D bytes).
+      order="low_memory" the vocabulary outer, in panels: a forward pass for each row's LSE
+                         (reduction none's backward has it), then per panel its logits for every
+                         row and d_weight[panel] summed over all rows in float, written once.
+                         Four GEMMs with reduction mean or sum, three with none. Exact, as fast
+                         is; no V x D buffer. Workspace: at most 256 MiB of logit tiles, O(N),
+                         a panel's buffers (up to P x D floats for P weight rows: 8192 on CUDA,
+                         256 per CPU thread and at least 1024 on the CPU) and with 16-bit
+                         d_hidden its N x D float sum (4 N D bytes).
+      accumulate="fp32"  (default) the fast order sums d_weight across its row chunks in float
+                         and rounds once.
+      accumulate="output"  each chunk's float sum is added into d_weight and rounded, once per
+                         chunk: no V x D float buffer, at up to half an ulp of d_weight's dtype
+                         per chunk (how much that costs a training run is not measured yet).
+                         The same as fp32 for float32 weights and in the low-memory order.
+    A value outside these raises ValueError naming the argument.
     """
     loss = _linear_loss(
         hidden,
@@ -452,8 +515,36 @@ def linear_cross_entropy(
         label_smoothing,
         z_loss,
         softcap,
+        order=order,
+        accumulate=accumulate,
     )
     return _result(loss, hidden)
+
+
+def linear_workspace_bytes(
+    hidden,
+    weight,
+    *,
+    training=True,
+    d_weight=True,
+    order="automatic",
+    accumulate="fp32",
+):
+    """The bytes of the workspace linear_cross_entropy allocates for its call on hidden (..., D)
+    and weight (V, D) (their shapes, dtype and device; no values are read): a training call
+    (training=True: the fused forward+backward, or reduction none's backward) computing d_weight
+    or not (a frozen LM head needs no float sum of it), or a forward alone (training=False),
+    with the given order and accumulate (linear_cross_entropy's). The workspace is all the
+    call allocates beyond its inputs, outputs and gradients."""
+    h = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() != 2 else hidden
+    return torch.ops.xent.linear_workspace_bytes(
+        h,
+        weight,
+        bool(training),
+        bool(d_weight),
+        _linear_choice("order", order, _ORDERS),
+        _linear_choice("accumulate", accumulate, _ACCUMULATIONS),
+    )
 
 
 def _linear_loss(
@@ -467,6 +558,9 @@ def _linear_loss(
     label_smoothing,
     z_loss,
     softcap,
+    *,
+    order="automatic",
+    accumulate="fp32",
 ):
     """linear_cross_entropy's loss as the op computes it: float32 (float64 for float64 hidden)."""
     code = _REDUCTIONS.get(reduction)
@@ -474,6 +568,8 @@ def _linear_loss(
         raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    order_code = _linear_choice("order", order, _ORDERS)
+    accumulate_code = _linear_choice("accumulate", accumulate, _ACCUMULATIONS)
     shape = hidden.shape
     _check_devices(
         "linear_cross_entropy",
@@ -505,6 +601,8 @@ def _linear_loss(
         float(label_smoothing),
         float(z_loss),
         0.0 if softcap is None else float(softcap),
+        order_code,
+        accumulate_code,
     )[0]
     if code == 0 and len(shape) != 2:
         loss = loss.reshape(shape[:-1])
