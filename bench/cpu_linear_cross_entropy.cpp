@@ -455,6 +455,16 @@ std::vector<int> thread_counts(int* argc, char** argv) {
   return {t.begin(), t.end()};
 }
 
+/// Registers a line at one thread (or rank) count `t`, timed in real milliseconds.
+template <class F, class... Args>
+void add_line(const std::string& name, const char* arg, int t, F f, Args... args) {
+  benchmark::RegisterBenchmark(name.c_str(), f, args...)
+      ->Arg(t)
+      ->ArgName(arg)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -465,47 +475,24 @@ int main(int argc, char** argv) {
     for (bool training : {false, true}) {
       const std::string op = training ? "training" : "forward";
       for (int t : threads)
-        benchmark::RegisterBenchmark(("gemm_floor_" + op + "/" + s.name()).c_str(), bm_floor,
-                                     training, s)
-            ->Arg(t)
-            ->ArgName("threads")
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
+        add_line("gemm_floor_" + op + "/" + s.name(), "threads", t, bm_floor, training, s);
       // The fast order's lines come before the low-memory order's, for fast_ratio.
       for (auto order : {xent::linear_order::fast, xent::linear_order::low_memory}) {
         const std::string low = order == xent::linear_order::low_memory ? "_low_memory/" : "/";
         for (int t : threads) {
           if (!training || t < 2) continue;
           const std::string vp = "vocab_parallel_linear_forward_backward" + low;
-          benchmark::RegisterBenchmark((vp + "f32/" + s.name()).c_str(), bm_vocab_parallel<float>,
-                                       s, order)
-              ->Arg(t)
-              ->ArgName("ranks")
-              ->UseRealTime()
-              ->Unit(benchmark::kMillisecond);
-          benchmark::RegisterBenchmark((vp + "bf16/" + s.name()).c_str(),
-                                       bm_vocab_parallel<Eigen::bfloat16>, s, order)
-              ->Arg(t)
-              ->ArgName("ranks")
-              ->UseRealTime()
-              ->Unit(benchmark::kMillisecond);
+          add_line(vp + "f32/" + s.name(), "ranks", t, bm_vocab_parallel<float>, s, order);
+          add_line(vp + "bf16/" + s.name(), "ranks", t, bm_vocab_parallel<Eigen::bfloat16>, s,
+                   order);
         }
         if (!training && order == xent::linear_order::low_memory) continue;
         const std::string name =
             std::string(training ? "linear_forward_backward" : "linear_forward") + low;
         for (int t : threads) {
-          benchmark::RegisterBenchmark((name + "f32/" + s.name()).c_str(), bm_linear<float>,
-                                       training, s, order)
-              ->Arg(t)
-              ->ArgName("threads")
-              ->UseRealTime()
-              ->Unit(benchmark::kMillisecond);
-          benchmark::RegisterBenchmark((name + "bf16/" + s.name()).c_str(),
-                                       bm_linear<Eigen::bfloat16>, training, s, order)
-              ->Arg(t)
-              ->ArgName("threads")
-              ->UseRealTime()
-              ->Unit(benchmark::kMillisecond);
+          add_line(name + "f32/" + s.name(), "threads", t, bm_linear<float>, training, s, order);
+          add_line(name + "bf16/" + s.name(), "threads", t, bm_linear<Eigen::bfloat16>, training, s,
+                   order);
         }
       }
     }
@@ -515,17 +502,8 @@ int main(int argc, char** argv) {
       const std::string name =
           tau == 0.0f ? "linear_forward_backward_trained/" : "linear_forward_backward_sparse/";
       for (int t : threads) {
-        benchmark::RegisterBenchmark((name + "f32/" + s.name()).c_str(), bm_trained<float>, s, tau)
-            ->Arg(t)
-            ->ArgName("threads")
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
-        benchmark::RegisterBenchmark((name + "bf16/" + s.name()).c_str(),
-                                     bm_trained<Eigen::bfloat16>, s, tau)
-            ->Arg(t)
-            ->ArgName("threads")
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
+        add_line(name + "f32/" + s.name(), "threads", t, bm_trained<float>, s, tau);
+        add_line(name + "bf16/" + s.name(), "threads", t, bm_trained<Eigen::bfloat16>, s, tau);
       }
     }
   benchmark::RunSpecifiedBenchmarks();
