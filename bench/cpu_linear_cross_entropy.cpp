@@ -17,14 +17,19 @@
 //                                         a set for a mean loss of 2.5 nats), exact
 //   linear_forward_backward_sparse/DTYPE/NxDxV/threads:T       the same with sparse_threshold
 //                                         linear_sparse_threshold_bf16 (2^-12)
+//   vocab_parallel_linear_forward_backward[_low_memory]/DTYPE/NxDxV/ranks:R   the vocab-parallel
+//                      call over R ranks of an inprocess_group (Megatron's split of V, one thread
+//                      per rank, R = each --xent_threads count above 1), in the fast / low-memory
+//                      order: the time of the group's call, every rank's shard
 // Counters:
 //   items_per_second   multiply-adds x 2 (FLOP/s): 2 N V D forward, 6 N V D training, 8 N V D
 //                      on the trained and sparse lines (the low-memory order's four GEMMs)
 //   floor_pct          the floor line's time / this line's time * 100 (the floor's float GEMMs on
 //                      the same shapes; bf16 lines also convert, so their floor is the same)
 //   fast_ratio         (low-memory lines) this line's time / the fast order's line of the same
-//                      dtype, shape and threads in this run
-//   chunk_rows, workspace_MiB   the plan the default 256 MiB budget gives (for the line's order)
+//                      dtype, shape and threads (ranks) in this run
+//   chunk_rows, workspace_MiB   the plan the default 256 MiB budget gives (for the line's order;
+//                      vocab-parallel lines: rank 0's)
 //   loss               the last call's loss (checked finite, else the line is an error)
 //   exact_ratio        (sparse lines) this line's time / the trained line's of the same dtype,
 //                      shape and threads in this run
@@ -143,16 +148,53 @@ std::map<std::string, double>& fast_lines() {
   return table;
 }
 
+/// A line's inputs: hidden (normal), weight (normal / sqrt(D)), class ids uniform over V.
+template <class T>
+struct inputs {
+  std::vector<T> x, w;
+  std::vector<std::int64_t> targets;
+  explicit inputs(const shape& s) : x(s.n * s.d), w(s.v * s.d), targets(s.n) {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (auto& e : x) e = T(normal(rng));
+    for (auto& e : w) e = T(normal(rng) / std::sqrt(static_cast<float>(s.d)));
+    for (auto& t : targets) t = static_cast<std::int64_t>(rng() % static_cast<unsigned>(s.v));
+  }
+};
+
+/// Seconds of the fastest of the state's calls of `call` (after one warm-up call).
+template <class F>
+double best_seconds(benchmark::State& state, F&& call) {
+  call();
+  double best = 1e30;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    best = std::min(best,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+/// Records a training line's best time under `key`: a fast-order line's for the low-memory
+/// line of the same key, which gets fast_ratio.
+void note_order(benchmark::State& state, const std::string& key, xent::linear_order order,
+                double best) {
+  if (order == xent::linear_order::fast) {
+    auto& fast = fast_lines()[key];
+    fast = fast > 0 ? std::min(fast, best) : best;
+  } else if (fast_lines().count(key)) {
+    state.counters["fast_ratio"] = best / fast_lines()[key];
+  }
+}
+
 template <class T>
 void bm_linear(benchmark::State& state, bool training, shape s, xent::linear_order order) {
   const int threads = static_cast<int>(state.range(0));
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<T> x(s.n * s.d), w(s.v * s.d), dx(s.n * s.d), dw(s.v * s.d);
-  for (auto& e : x) e = T(normal(rng));
-  for (auto& e : w) e = T(normal(rng) / std::sqrt(static_cast<float>(s.d)));
-  std::vector<std::int64_t> targets(s.n);
-  for (auto& t : targets) t = static_cast<std::int64_t>(rng() % static_cast<unsigned>(s.v));
+  const inputs<T> in(s);
+  const std::vector<T>&x = in.x, &w = in.w;
+  const std::vector<std::int64_t>& targets = in.targets;
+  std::vector<T> dx(s.n * s.d), dw(s.v * s.d);
   std::vector<float> lse(s.n);
   const xent::cpu exec(threads);
   const auto pass = training ? xent::linear_pass::training : xent::linear_pass::forward;
@@ -175,14 +217,7 @@ void bm_linear(benchmark::State& state, bool training, shape s, xent::linear_ord
     else
       xent::linear_forward(exec, hidden, weight, {}, ids, opts, out, ws);
   };
-  call();  // warm-up
-  double best = 1e30;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    call();
-    best = std::min(best,
-                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
+  const double best = best_seconds(state, call);
   if (!std::isfinite(loss)) state.SkipWithError("non-finite loss");
   state.SetItemsProcessed(state.iterations() * (training ? 6 : 2) * s.n * s.v * s.d);
   state.counters["chunk_rows"] = static_cast<double>(size.chunk_rows);
@@ -191,13 +226,68 @@ void bm_linear(benchmark::State& state, bool training, shape s, xent::linear_ord
   const auto f = floors().find(floor_key(training, s, threads));
   if (f != floors().end()) state.counters["floor_pct"] = 100.0 * f->second / best;
   if (!training) return;
-  const std::string key = std::string(dtype_name<T>()) + "/" + floor_key(true, s, threads);
-  if (order == xent::linear_order::fast) {
-    auto& fast = fast_lines()[key];
-    fast = fast > 0 ? std::min(fast, best) : best;
-  } else if (fast_lines().count(key)) {
-    state.counters["fast_ratio"] = best / fast_lines()[key];
+  note_order(state, std::string(dtype_name<T>()) + "/" + floor_key(true, s, threads), order, best);
+}
+
+/// vocab_parallel_linear_forward_backward on `ranks` ranks of an inprocess_group, rank r holding
+/// Megatron's [r V / R, (r + 1) V / R): class ids, mean, loss + LSE, the partial d_hidden and the
+/// shard's d_weight.
+template <class T>
+void bm_vocab_parallel(benchmark::State& state, shape s, xent::linear_order order) {
+  const int ranks = static_cast<int>(state.range(0));
+  const inputs<T> in(s);
+  const xent::cpu exec(1);
+  xent::linear_options opts;
+  opts.order = order;
+  struct rank {
+    std::int64_t first, cols;
+    std::vector<T> dx, dw;
+    std::vector<float> lse;
+    std::vector<unsigned char> workspace;
+    xent::linear_workspace_sizes size;
+    float loss = 0.0f;
+  };
+  std::vector<rank> rs(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    rank& k = rs[r];
+    k.first = s.v * r / ranks;
+    k.cols = s.v * (r + 1) / ranks - k.first;
+    k.dx.resize(s.n * s.d);
+    k.dw.resize(k.cols * s.d);
+    k.lse.resize(s.n);
+    k.size = xent::vocab_parallel_linear_workspace_size<T>(exec, {s.n, s.d, k.cols}, s.v, ranks,
+                                                           xent::linear_pass::training, opts);
+    k.workspace.resize(k.size.bytes);
   }
+  xent::inprocess_group group(ranks);
+  auto call = [&] {
+    group.run([&](xent::inprocess_group::communicator comm) {
+      rank& k = rs[comm.rank()];
+      xent::forward_outputs out;
+      out.loss = &k.loss;
+      out.lse = {k.lse.data(), s.n};
+      const xent::linear_grads<T> grads{{k.dx.data(), s.n, s.d}, {k.dw.data(), k.cols, s.d}, {}};
+      xent::vocab_parallel_linear_workspace ws;
+      ws.data = k.workspace.data();
+      ws.bytes = k.workspace.size();
+      ws.chunk_rows = k.size.chunk_rows;
+      xent::vocab_parallel_linear_forward_backward(
+          exec, comm, xent::matrix_view<const T>(in.x.data(), s.n, s.d),
+          xent::matrix_view<const T>(in.w.data() + k.first * s.d, k.cols, s.d), {},
+          xent::vocab_shard{k.first, s.v},
+          xent::vector_view<const std::int64_t>(in.targets.data(), s.n), opts, xent::upstream{},
+          out, grads, ws);
+    });
+  };
+  const double best = best_seconds(state, call);
+  if (!std::isfinite(rs[0].loss)) state.SkipWithError("non-finite loss");
+  state.SetItemsProcessed(state.iterations() * 6 * s.n * s.v * s.d);
+  state.counters["chunk_rows"] = static_cast<double>(rs[0].size.chunk_rows);
+  state.counters["workspace_MiB"] = static_cast<double>(rs[0].size.bytes) / (1 << 20);
+  state.counters["loss"] = rs[0].loss;
+  note_order(state,
+             std::string("vp/") + dtype_name<T>() + "/" + s.name() + "/" + std::to_string(ranks),
+             order, best);
 }
 
 /// Inputs shaped like a trained model's last layer: weight rows ~ N(0, I / D) (norm about 1),
@@ -365,6 +455,16 @@ std::vector<int> thread_counts(int* argc, char** argv) {
   return {t.begin(), t.end()};
 }
 
+/// Registers a line at one thread (or rank) count `t`, timed in real milliseconds.
+template <class F, class... Args>
+void add_line(const std::string& name, const char* arg, int t, F f, Args... args) {
+  benchmark::RegisterBenchmark(name.c_str(), f, args...)
+      ->Arg(t)
+      ->ArgName(arg)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -375,31 +475,24 @@ int main(int argc, char** argv) {
     for (bool training : {false, true}) {
       const std::string op = training ? "training" : "forward";
       for (int t : threads)
-        benchmark::RegisterBenchmark(("gemm_floor_" + op + "/" + s.name()).c_str(), bm_floor,
-                                     training, s)
-            ->Arg(t)
-            ->ArgName("threads")
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
+        add_line("gemm_floor_" + op + "/" + s.name(), "threads", t, bm_floor, training, s);
       // The fast order's lines come before the low-memory order's, for fast_ratio.
       for (auto order : {xent::linear_order::fast, xent::linear_order::low_memory}) {
+        const std::string low = order == xent::linear_order::low_memory ? "_low_memory/" : "/";
+        for (int t : threads) {
+          if (!training || t < 2) continue;
+          const std::string vp = "vocab_parallel_linear_forward_backward" + low;
+          add_line(vp + "f32/" + s.name(), "ranks", t, bm_vocab_parallel<float>, s, order);
+          add_line(vp + "bf16/" + s.name(), "ranks", t, bm_vocab_parallel<Eigen::bfloat16>, s,
+                   order);
+        }
         if (!training && order == xent::linear_order::low_memory) continue;
         const std::string name =
-            std::string(training ? "linear_forward_backward" : "linear_forward") +
-            (order == xent::linear_order::low_memory ? "_low_memory/" : "/");
+            std::string(training ? "linear_forward_backward" : "linear_forward") + low;
         for (int t : threads) {
-          benchmark::RegisterBenchmark((name + "f32/" + s.name()).c_str(), bm_linear<float>,
-                                       training, s, order)
-              ->Arg(t)
-              ->ArgName("threads")
-              ->UseRealTime()
-              ->Unit(benchmark::kMillisecond);
-          benchmark::RegisterBenchmark((name + "bf16/" + s.name()).c_str(),
-                                       bm_linear<Eigen::bfloat16>, training, s, order)
-              ->Arg(t)
-              ->ArgName("threads")
-              ->UseRealTime()
-              ->Unit(benchmark::kMillisecond);
+          add_line(name + "f32/" + s.name(), "threads", t, bm_linear<float>, training, s, order);
+          add_line(name + "bf16/" + s.name(), "threads", t, bm_linear<Eigen::bfloat16>, training, s,
+                   order);
         }
       }
     }
@@ -409,17 +502,8 @@ int main(int argc, char** argv) {
       const std::string name =
           tau == 0.0f ? "linear_forward_backward_trained/" : "linear_forward_backward_sparse/";
       for (int t : threads) {
-        benchmark::RegisterBenchmark((name + "f32/" + s.name()).c_str(), bm_trained<float>, s, tau)
-            ->Arg(t)
-            ->ArgName("threads")
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
-        benchmark::RegisterBenchmark((name + "bf16/" + s.name()).c_str(),
-                                     bm_trained<Eigen::bfloat16>, s, tau)
-            ->Arg(t)
-            ->ArgName("threads")
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
+        add_line(name + "f32/" + s.name(), "threads", t, bm_trained<float>, s, tau);
+        add_line(name + "bf16/" + s.name(), "threads", t, bm_trained<Eigen::bfloat16>, s, tau);
       }
     }
   benchmark::RunSpecifiedBenchmarks();

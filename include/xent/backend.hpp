@@ -50,7 +50,8 @@ struct linear_traits;
 /// Vocab-parallel fused linear cross-entropy. Specialised by each backend that runs it
 /// (cpu/vocab_parallel_linear.hpp, cuda/vocab_parallel_linear.cuh) with
 ///   template <class T, class G> static std::size_t
-///       workspace_bytes(exec, linear_shape, ranks, linear_pass, dw_accumulation, chunk_rows);
+///       workspace_bytes(exec, linear_shape, ranks, linear_pass, dw_accumulation, linear_order,
+///                       chunk_rows);
 ///   template <class T, class G, class Tgt> using call = ...;
 /// where `call` holds one call's state and runs the steps of a chunk that the shared chunk loop
 /// (parallel/linear_chunks.hpp, which lists them) asks for; the loop makes the collective.

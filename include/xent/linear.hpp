@@ -35,6 +35,26 @@
 
 namespace xent {
 
+namespace detail {
+
+/// What a size query answers for `order` (linear_workspace_sizes says what) from `of(o)`, the
+/// sizes of order o: forward calls and linear_order::fast the fast order's; low_memory its own;
+/// automatic the fast order's with the smaller minimal of the two. fast_minimal is the fast
+/// order's minimal in each.
+template <class Of>
+linear_workspace_sizes sizes_of_order(linear_pass pass, linear_order order, Of&& of) {
+  linear_workspace_sizes fast = of(linear_order::fast);
+  fast.fast_minimal = fast.minimal;
+  if (pass == linear_pass::forward || order == linear_order::fast) return fast;
+  linear_workspace_sizes low = of(linear_order::low_memory);
+  low.fast_minimal = fast.minimal;
+  if (order == linear_order::low_memory) return low;
+  fast.minimal = std::min(fast.minimal, low.minimal);
+  return fast;
+}
+
+}  // namespace detail
+
 /// Workspace bytes for calls of `shape` on `exec`, with hidden / weight / bias of dtype T and
 /// gradients of dtype G: the least any call accepts (one row per chunk), and what a call uses
 /// when its row chunks are given `budget` bytes on top of the buffers every chunk size needs
@@ -61,18 +81,14 @@ linear_workspace_sizes linear_workspace_size(const Exec& exec, const linear_shap
   detail::check_order("xent::linear_workspace_size", opts);
   detail::check_sparse("xent::linear_workspace_size", opts);
   detail::check_pass("xent::linear_workspace_size", pass);
-  auto of = [&](linear_order order) {
-    return linear_traits<Exec>::template workspace_size<T, G>(
-        exec, shape, pass, opts.accumulate, order, budget, opts.sparse_threshold > 0.0f);
-  };
-  linear_workspace_sizes fast = of(linear_order::fast);
-  fast.fast_minimal = fast.minimal;
-  if (pass == linear_pass::forward || opts.order == linear_order::fast) return fast;
-  linear_workspace_sizes low = of(linear_order::low_memory);
-  low.fast_minimal = fast.minimal;
-  if (opts.order == linear_order::low_memory || opts.sparse_threshold > 0.0f) return low;
-  fast.minimal = std::min(fast.minimal, low.minimal);
-  return fast;
+  // The sparse backward runs in the low-memory order only: its sizes are that order's.
+  const linear_order order = opts.sparse_threshold > 0.0f && pass == linear_pass::training
+                                 ? linear_order::low_memory
+                                 : opts.order;
+  return detail::sizes_of_order(pass, order, [&](linear_order o) {
+    return linear_traits<Exec>::template workspace_size<T, G>(exec, shape, pass, opts.accumulate, o,
+                                                              budget, opts.sparse_threshold > 0.0f);
+  });
 }
 
 namespace detail {

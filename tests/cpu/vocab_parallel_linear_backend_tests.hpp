@@ -10,7 +10,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "cpu/backend_fixture.hpp"
 #include "cpu/linear_harness.hpp"
@@ -24,22 +26,62 @@ class VocabParallelLinearBackend : public backend_test<B> {};
 
 TYPED_TEST_SUITE_P(VocabParallelLinearBackend);
 
-TYPED_TEST_P(VocabParallelLinearBackend, Float32MatchesOracleAndUnshardedWithEveryOption) {
-  // Every option of the single-device linear sweep; case i on 1 + i % 4 ranks, cycling through
-  // Megatron's split, an empty rank 0 and reversed shards.
+/// Every option of the single-device linear sweep in float32, the training calls in `order`; case
+/// i on 1 + i % 4 ranks, cycling through Megatron's split, an empty rank 0 and reversed shards.
+template <class B>
+void float32_sweep(const B& backend, xent::linear_order order) {
   xt::case_budget b;
   int i = 0;
-  for (const lspec& s : every_option(19, 13, 37))
-    if (!b.record(this->backend.template run<float>(s, xvl::split_for(37, i++)))) return;
+  for (lspec s : every_option(19, 13, 37)) {
+    s.order = order;
+    if (!b.record(backend.template run<float>(s, xvl::split_for(37, i++)))) return;
+  }
   EXPECT_EQ(b.cases(), 288);
 }
 
-TYPED_TEST_P(VocabParallelLinearBackend, Bfloat16AndHalfMatchOracleAndUnshardedWithEveryOption) {
-  // Ranks cycling as in the float32 sweep.
-  narrow_every_option(TypeParam::narrow_stride, [&](const lspec& s, int i, auto* dtype) {
+/// The bf16 / fp16 share of the sweep (B::narrow_stride), ranks cycling as in float32_sweep.
+template <class B>
+void narrow_sweep(const B& backend, xent::linear_order order) {
+  narrow_every_option(B::narrow_stride, [&](lspec s, int i, auto* dtype) {
     using T = std::remove_pointer_t<decltype(dtype)>;
-    return this->backend.template run<T>(s, xvl::split_for(37, i));
+    s.order = order;
+    return backend.template run<T>(s, xvl::split_for(37, i));
   });
+}
+
+TYPED_TEST_P(VocabParallelLinearBackend, Float32MatchesOracleAndUnshardedWithEveryOption) {
+  float32_sweep(this->backend, xent::linear_order::fast);
+}
+
+TYPED_TEST_P(VocabParallelLinearBackend, Bfloat16AndHalfMatchOracleAndUnshardedWithEveryOption) {
+  narrow_sweep(this->backend, xent::linear_order::fast);
+}
+
+// The low-memory order: held to the oracle and to the unsharded calls in the fast order.
+TYPED_TEST_P(VocabParallelLinearBackend, LowMemoryOrderMatchesOracleAndFastOrderWithEveryOption) {
+  float32_sweep(this->backend, xent::linear_order::low_memory);
+}
+
+TYPED_TEST_P(VocabParallelLinearBackend, LowMemoryOrderInBfloat16AndHalfMatchesOracleAndFastOrder) {
+  narrow_sweep(this->backend, xent::linear_order::low_memory);
+}
+
+TYPED_TEST_P(VocabParallelLinearBackend, LowMemoryOrderOverSeveralPanelsOfUnevenShards) {
+  // V = 20000 and D = 29, multiples of no tile, block or panel: shards of up to 13334 classes span
+  // several panels (the CPU's are 1024 rows or more, CUDA's 8192), the last one partial, on 2 and
+  // 3 ranks of uneven, empty and reordered shards. Every seventh case, float32 and bf16 -> float.
+  xt::case_budget b;
+  int i = 0;
+  for (lspec s : every_option(9, 29, 20000)) {
+    if (i++ % 7 != 0) continue;
+    s.order = xent::linear_order::low_memory;
+    const std::vector<xt::split> all = xt::splits(20000, 2 + i / 14 % 2);
+    const xt::split& sp = all[static_cast<std::size_t>(i / 28) % all.size()];
+    const bool passed = i % 2 ? this->backend.template run<float>(s, sp)
+                              : this->backend.template run<bf16, float>(s, sp);
+    if (!b.record(passed)) return;
+  }
+  EXPECT_EQ(b.cases(), 42);
 }
 
 TYPED_TEST_P(VocabParallelLinearBackend, EveryRowIgnoredAndNoRows) {
@@ -59,6 +101,9 @@ TYPED_TEST_P(VocabParallelLinearBackend, EveryRowIgnoredAndNoRows) {
 REGISTER_TYPED_TEST_SUITE_P(VocabParallelLinearBackend,
                             Float32MatchesOracleAndUnshardedWithEveryOption,
                             Bfloat16AndHalfMatchOracleAndUnshardedWithEveryOption,
+                            LowMemoryOrderMatchesOracleAndFastOrderWithEveryOption,
+                            LowMemoryOrderInBfloat16AndHalfMatchesOracleAndFastOrder,
+                            LowMemoryOrderOverSeveralPanelsOfUnevenShards,
                             EveryRowIgnoredAndNoRows);
 
 }  // namespace xtl

@@ -2,14 +2,16 @@
 // threads of an in-process group: 1-4 ranks, Megatron's uneven split, an empty shard, shards out
 // of class order, every loss option, bias or not, ignored rows (some, all), per-row upstream
 // gradients, float / bf16 / fp16 and mixed gradient dtypes, workspaces from one-row chunks to one
-// chunk, rows fewer than threads; argument errors. Each case runs forward, forward_backward and
-// backward (from forward's LSE) on every rank and is held to the float64 linear oracle and to the
-// unsharded linear calls (vocab_parallel_linear_harness.hpp says how).
+// chunk, rows fewer than threads, both training orders and the automatic choice between them;
+// argument errors. Each case runs forward, forward_backward and backward (from forward's LSE) on
+// every rank and is held to the float64 linear oracle and to the unsharded linear calls in the
+// fast order (vocab_parallel_linear_harness.hpp says how).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <type_traits>
@@ -116,7 +118,8 @@ bool run_case(const lspec& s, const xt::split& sp) {
   note("ranks", xvl::check_ranks_agree(res));
   note("vs oracle", xvl::check_results(L, sp, res, r, e));
   note("vs unsharded",
-       xvl::check_results(L, sp, res, xvl::from_unsharded(r, run_unsharded<T, G>(L)),
+       xvl::check_results(L, sp, res,
+                          xvl::from_unsharded(r, run_unsharded<T, G>(xvl::in_fast_order(L))),
                           xvl::twice(e)));
   if (!errors.empty()) {
     ADD_FAILURE() << "case " << xt::dtype_name<T>() << " -> " << xt::dtype_name<G>() << " grads, "
@@ -274,6 +277,145 @@ TEST(CpuVocabParallelLinearWorkspace, ChunkRowsAreTheSameOnEveryRankAndBytesFoll
                xent::error);
 }
 
+/// forward_backward on every rank of `sp` in bf16 with bf16 gradients, rank r with options `o[r]`
+/// and bytes[r] of workspace at one-row chunks; each rank's outputs and gradients.
+std::vector<xvl::rank_result<bf16>> train_ranks(const ldata<bf16>& L, const xt::split& sp,
+                                                const std::vector<xent::linear_options>& o,
+                                                const std::vector<std::size_t>& bytes) {
+  const std::vector<ldata<bf16>> shards = xvl::shards_of(L, sp);
+  std::vector<xvl::rank_result<bf16>> res;
+  for (const ldata<bf16>& in : shards) res.emplace_back(in.s);
+  std::vector<workspace_buffer> buffers;
+  for (int r = 0; r < sp.ranks(); ++r) buffers.emplace_back(bytes[r], 8 + r);
+  xent::inprocess_group group(sp.ranks());
+  group.run([&](xent::inprocess_group::communicator comm) {
+    const int r = comm.rank();
+    const ldata<bf16>& in = shards[r];
+    xent::vocab_parallel_linear_workspace ws;
+    ws.data = buffers[r].ws.data;
+    ws.bytes = bytes[r];
+    ws.chunk_rows = 1;
+    in.d.with_targets([&](auto t) {
+      xent::vocab_parallel_linear_forward_backward(
+          xent::cpu(2), comm, in.hidden(), in.weight(), in.bias(), {sp.first(r), L.V()}, t, o[r],
+          in.d.upstream(), res[r].fb.all(L.s.ce), res[r].gfb.views(), ws);
+    });
+  });
+  return res;
+}
+
+/// The gradients of two runs of the ranks, bit for bit.
+bool same_gradients(const std::vector<xvl::rank_result<bf16>>& a,
+                    const std::vector<xvl::rank_result<bf16>>& b) {
+  auto bits = [](const std::vector<bf16>& x, const std::vector<bf16>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16)) == 0;
+  };
+  for (std::size_t r = 0; r < a.size(); ++r)
+    if (!bits(a[r].gfb.dx, b[r].gfb.dx) || !bits(a[r].gfb.dw, b[r].gfb.dw) ||
+        !bits(a[r].gfb.db, b[r].gfb.db))
+      return false;
+  return true;
+}
+
+// linear_order::automatic runs, on each rank, the fast order in a training workspace of the fast
+// order's bytes for its chunk_rows (fast_minimal at one-row chunks) and the low-memory order in
+// one byte less, down to the low-memory minimal; one byte less than that throws naming it. The
+// ranks decide each from its own bytes (one rank in each order, or an empty shard, where the fast
+// order needs less), and the results are those of the order each chose, bit for bit.
+TEST(CpuVocabParallelLinearWorkspace, AutomaticOrderSwitchesAtTheFastOrdersBytesOnEachRank) {
+  // Shards past the CPU's 1024-row panels: the V x D float accumulator outgrows a panel's sums.
+  lspec s = make_spec(9, 6, 20000);
+  s.ce.ignore = ignore_mode::some;
+  s.ce.label_smoothing = 0.1f;
+  const ldata<bf16> L = make_data<bf16>(s);
+  const xent::cpu exec(2);
+  xent::linear_options automatic = L.options(), fast = automatic, low = automatic;
+  automatic.order = xent::linear_order::automatic;
+  fast.order = xent::linear_order::fast;
+  low.order = xent::linear_order::low_memory;
+  const oracle::linear_problem pb = L.problem();
+  const oracle::upstream up = L.d.oracle_upstream();
+  const oracle::linear_result r = oracle::evaluate_linear(pb, &up);
+  auto judge = [&](const xt::split& sp, const std::vector<xvl::rank_result<bf16>>& res) {
+    std::vector<const gradients<bf16>*> grads;
+    for (const auto& x : res) grads.push_back(&x.gfb);
+    return xvl::check_gradients(L, sp, grads, r, error_bounds(L, pb, r, 0.0));
+  };
+  auto less = [](std::vector<std::size_t> v) {
+    for (std::size_t& b : v) --b;
+    return v;
+  };
+  // Each rank's minimal in each order at one-row chunks.
+  auto minimal = [&](const xt::split& sp, std::vector<std::size_t>& fast_min,
+                     std::vector<std::size_t>& low_min, std::vector<std::size_t>& auto_min) {
+    for (int k = 0; k < sp.ranks(); ++k) {
+      auto query = [&](const xent::linear_options& o) {
+        return xent::vocab_parallel_linear_workspace_size<bf16>(
+            exec, {L.N(), L.D(), sp.cols(k)}, L.V(), sp.ranks(), linear_pass::training, o, 0);
+      };
+      const auto sizes = query(automatic);
+      fast_min.push_back(query(fast).minimal);
+      low_min.push_back(query(low).minimal);
+      auto_min.push_back(sizes.minimal);
+      EXPECT_EQ(sizes.chunk_rows, 1);
+      EXPECT_EQ(query(low).chunk_rows, 1);
+      EXPECT_EQ(sizes.fast_minimal, fast_min.back());
+      EXPECT_EQ(query(low).fast_minimal, fast_min.back());
+      EXPECT_EQ(sizes.minimal, std::min(fast_min.back(), low_min.back()));
+    }
+  };
+
+  const xt::split sp = xt::splits(20000, 3)[2];  // uneven shards, out of class order
+  const int R = sp.ranks();
+  std::vector<std::size_t> fast_min, low_min, auto_min;
+  minimal(sp, fast_min, low_min, auto_min);
+  for (int k = 0; k < R; ++k) EXPECT_LT(low_min[k], fast_min[k]) << "rank " << k;
+  const std::vector<xent::linear_options> autos(R, automatic), fasts(R, fast), lows(R, low);
+  EXPECT_TRUE(
+      same_gradients(train_ranks(L, sp, autos, fast_min), train_ranks(L, sp, fasts, fast_min)));
+  EXPECT_TRUE(same_gradients(train_ranks(L, sp, autos, less(fast_min)),
+                             train_ranks(L, sp, lows, less(fast_min))));
+  EXPECT_TRUE(
+      same_gradients(train_ranks(L, sp, autos, low_min), train_ranks(L, sp, lows, low_min)));
+  EXPECT_EQ(judge(sp, train_ranks(L, sp, autos, low_min)), "");
+  // Rank 1 in the low-memory order, the others in the fast order: the same exchanges, and the
+  // ranks' gradients together are the whole call's.
+  std::vector<std::size_t> mixed = fast_min;
+  mixed[1] = fast_min[1] - 1;
+  const auto res = train_ranks(L, sp, autos, mixed);
+  std::vector<xent::linear_options> chosen = fasts;
+  chosen[1] = low;
+  EXPECT_TRUE(same_gradients(res, train_ranks(L, sp, chosen, mixed)));
+  EXPECT_EQ(judge(sp, res), "");
+
+  // An empty shard's fast order needs less (no panels, no N x D sum): at each rank's automatic
+  // minimal the empty rank 0 runs the fast order, the others the low-memory order.
+  const xt::split holes = xt::splits(20000, 3)[1];
+  std::vector<std::size_t> hole_fast, hole_low, hole_auto;
+  minimal(holes, hole_fast, hole_low, hole_auto);
+  EXPECT_LT(hole_fast[0], hole_low[0]);
+  std::vector<xent::linear_options> hole_chosen(3, low);
+  hole_chosen[0] = fast;
+  const auto hole_res = train_ranks(L, holes, autos, hole_auto);
+  EXPECT_TRUE(same_gradients(hole_res, train_ranks(L, holes, hole_chosen, hole_auto)));
+  EXPECT_EQ(judge(holes, hole_res), "");
+
+  // One byte short of the least in each order: the call throws naming the workspace and the bytes
+  // it needs (rank 0's error, inprocess_group's rethrow).
+  for (const auto& [o, need] :
+       {std::pair{automatic, low_min}, std::pair{fast, fast_min}, std::pair{low, low_min}}) {
+    std::string named;
+    const std::vector<xent::linear_options> opts(R, o);
+    try {
+      train_ranks(L, sp, opts, less(need));
+    } catch (const xent::error& e) {
+      named = e.argument();
+      EXPECT_NE(std::string(e.what()).find(std::to_string(need[0])), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(named, "workspace");
+  }
+}
+
 // Rows that hold no element (an empty shard, D = 0) are bounded by the exchange alone: at 2^57
 // rows or so the workspace sizes wrapped to a few bytes, which passed the call's workspace check
 // before it wrote its exchange header 2^60 bytes into the buffer.
@@ -425,6 +567,8 @@ TEST(CpuVocabParallelLinearValidation, BadArgumentsThrowNamingThemBeforeAnything
          a.opts.class_weights = {weights.data(), r == 0 ? 5 : 7};
        }},
       {"options.label_smoothing", [](int, bad_call::args& a) { a.opts.label_smoothing = -1.0f; }},
+      {"options.order",
+       [](int, bad_call::args& a) { a.opts.order = static_cast<xent::linear_order>(7); }},
       {"upstream.rows",
        [&](int, bad_call::args& a) {
          a.up.rows = {weights.data(), 4};

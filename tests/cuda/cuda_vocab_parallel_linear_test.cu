@@ -2,10 +2,11 @@
 // test's cases and checks (tests/cpu/vocab_parallel_linear_harness.hpp): forward, forward_backward
 // and backward from forward's LSE on every rank, every rank's forward outputs bitwise equal, the
 // d_weight / d_bias shards and the sum of the partial d_hidden held to the float64 linear oracle
-// and to the unsharded CUDA linear calls. Ranks run as threads on one GPU through the host-staged
-// group (tests/cuda/groups.cuh), and over NCCL: one rank (also under stream capture) and every
-// visible GPU when there are two or more. Device errors (a bad tiling), the workspace, handle and
-// stream errors. Without a GPU every test skips with the reason.
+// and to the unsharded CUDA linear calls in the fast order (the training calls run either order).
+// Ranks run as threads on one GPU through the host-staged group (tests/cuda/groups.cuh), and over
+// NCCL: one rank (also under stream capture) and every visible GPU when there are two or more.
+// Device errors (a bad tiling), the workspace, handle and stream errors. Without a GPU every test
+// skips with the reason.
 //
 // The CUDA backend keeps a chunk's logits and their gradient in the inputs' dtype, so its bounds
 // add one rounding of each to the CPU's (xtl::stored_in<T>), as the CUDA linear tests do.
@@ -176,7 +177,8 @@ bool check_case(const lspec& s, const xt::split& sp, const Run& run) {
   note("ranks", xvl::check_ranks_agree(res));
   note("vs oracle", xvl::check_results(L, sp, res, r, e));
   note("vs unsharded",
-       xvl::check_results(L, sp, res, xvl::from_unsharded(r, run_unsharded<T, G>(L)),
+       xvl::check_results(L, sp, res,
+                          xvl::from_unsharded(r, run_unsharded<T, G>(xvl::in_fast_order(L))),
                           xvl::twice(e)));
   if (!out.empty()) {
     ADD_FAILURE() << "case " << xt::dtype_name<T>() << " -> " << xt::dtype_name<G>() << " grads, "

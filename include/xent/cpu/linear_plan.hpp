@@ -134,6 +134,7 @@ struct low_memory_plan {
   std::size_t hot = linear_absent;     ///< a byte per tile of a panel sub-chunk: whether it is kept
   std::size_t cold = linear_absent;    ///< a byte per row and weight block: cold in the forward
   std::size_t smooth = linear_absent;  ///< 2 x D: label smoothing's kept sums
+  std::size_t end = 0;                 ///< the end of the last buffer, from the aligned base
   std::size_t bytes = 0;
 };
 
@@ -161,6 +162,7 @@ low_memory_plan make_low_memory_plan(const cpu& exec, const linear_shape& s, std
     p.cold = stack.take(static_cast<std::size_t>(s.rows * blocks));
     p.smooth = stack.take(sizeof(A) * 2 * static_cast<std::size_t>(s.hidden));
   }
+  p.end = stack.at;
   p.bytes = stack.bytes();
   return p;
 }

@@ -34,6 +34,7 @@
 #include "backend.hpp"
 #include "cpu.hpp"
 #include "linear.hpp"
+#include "linear_panels.hpp"
 #include "linear_plan.hpp"
 #include "parallel.hpp"
 #include "vocab_parallel.hpp"
@@ -42,31 +43,48 @@ namespace xent {
 namespace cpu_detail {
 
 /// A rank's workspace: the single-device call's buffers, then its chunk's exchange (offsets from
-/// the same aligned base).
+/// the same aligned base). In the low-memory order the single-device buffers are that order's
+/// (cpu/linear_plan.hpp's low_memory_plan over this rank's shard: the statistics chunks, then the
+/// panels, in one region), its statistics chunks are the exchange's, and each row's merged LSE and
+/// target mass are kept for all N rows (the panels read them after the last exchange).
 struct vp_linear_plan {
-  linear_plan chunk;
+  linear_plan chunk;      ///< the exchange chunks' (the low-memory order's statistics chunks)
+  low_memory_plan low;    ///< the low-memory order's buffers (when `panels`)
+  bool panels = false;    ///< the low-memory order
   std::size_t send = 0;   ///< a block of chunk_rows records (record_layout::largest): this rank's
   std::size_t recv = 0;   ///< ranks blocks
   std::size_t parts = 0;  ///< chunk_rows records: this shard's statistics of each row
-  std::size_t lse = 0;    ///< chunk_rows floats: each row's merged LSE
-  std::size_t mass = 0;   ///< chunk_rows floats: each row's target mass
+  std::size_t lse = 0;    ///< chunk_rows floats (N in the low-memory order): each row's merged LSE
+  std::size_t mass = 0;   ///< as lse: each row's target mass
   std::size_t bytes = 0;
 };
 
 template <class T, class G>
 vp_linear_plan make_vp_linear_plan(const cpu& exec, const linear_shape& s, int ranks,
-                                   linear_pass pass, dw_accumulation accumulate,
+                                   linear_pass pass, dw_accumulation accumulate, linear_order order,
                                    std::int64_t chunk_rows) {
   vp_linear_plan p;
-  p.chunk = make_linear_plan<T, G>(exec, s, pass, accumulate, chunk_rows);
-  buffer_stack stack{p.chunk.end};
+  p.panels = pass == linear_pass::training && order == linear_order::low_memory;
+  if (p.panels) {
+    const std::int64_t rows =
+        detail::panel_chunk_rows(chunk_rows, s.rows, s.vocab, panel_cols(exec, s.vocab));
+    p.low = make_low_memory_plan<T, G>(exec, s, rows, chunk_rows);
+    p.chunk = p.low.stats;
+    p.lse = p.low.lse;
+    p.mass = p.low.mass;
+  } else {
+    p.chunk = make_linear_plan<T, G>(exec, s, pass, accumulate, chunk_rows);
+  }
+  buffer_stack stack{p.panels ? p.low.end : p.chunk.end};
   const auto rows = static_cast<std::size_t>(chunk_rows);
   const std::size_t block = detail::exchange_block_bytes(chunk_rows, record_layout::largest());
   p.send = stack.take(block);
   p.recv = stack.take(block * static_cast<std::size_t>(ranks));
   p.parts = stack.take(sizeof(slice_partial) * rows);
-  p.lse = stack.take(sizeof(float) * rows);
-  p.mass = stack.take(sizeof(float) * rows);
+  if (!p.panels) {
+    p.lse = stack.take(sizeof(float) * rows);
+    p.mass = stack.take(sizeof(float) * rows);
+  }
   p.bytes = stack.bytes();
   return p;
 }
@@ -91,9 +109,11 @@ class vp_linear_call {
         plan_(make_vp_linear_plan<T, G>(
             exec, {a.hidden.rows, a.hidden.cols, a.weight.rows}, a.ranks,
             m == mode::forward ? linear_pass::forward : linear_pass::training, a.opts.accumulate,
-            detail::planned_chunk_rows(a.ws.chunk_rows, a.hidden.rows))),
-        c_(make_linear_call(exec, a.hidden, a.weight, a.grads, a.opts.accumulate, plan_.chunk,
-                            a.ws.data)),
+            a.opts.order, detail::planned_chunk_rows(a.ws.chunk_rows, a.hidden.rows))),
+        // The low-memory order's chunks compute statistics only; its panels have calls of their
+        // own.
+        c_(make_linear_call(exec, a.hidden, a.weight, plan_.panels ? linear_grads<G>{} : a.grads,
+                            a.opts.accumulate, plan_.chunk, a.ws.data)),
         bias_(float_bias(c_, a.bias)),
         call_(make_problem(exec, matrix_view<const float>{}, a.targets, a.opts, a.shard)),
         chunk_(call_),
@@ -148,13 +168,15 @@ class vp_linear_call {
     check_tiling(fn_, x, linear_headers);
     check_rows(fn_, x, a_.hidden.rows, linear_headers);
     auto piece = [&](std::int64_t row, std::int64_t r) { return x.get(static_cast<int>(r), row); };
-    float* mass = buffer<float>(plan_.mass);
+    // The low-memory order keeps every row's (its panels come after the last chunk).
+    const std::int64_t at = plan_.panels ? r0 : 0;
+    float* mass = buffer<float>(plan_.mass) + at;
     if (what == detail::vp_records::statistics) {
       forward_outputs o;
       o.row_loss = detail::rows_slice(a_.out.row_loss, r0, n);
       o.lse = detail::rows_slice(a_.out.lse, r0, n);
       o.argmax = detail::rows_slice(a_.out.argmax, r0, n);
-      finish_rows(chunk_, a_.ranks, piece, o, sums_, buffer<float>(plan_.lse), mass);
+      finish_rows(chunk_, a_.ranks, piece, o, sums_, buffer<float>(plan_.lse) + at, mass);
     } else {
       for (std::int64_t row = 0; row < n; ++row) mass[row] = merged_mass(x, row);
     }
@@ -193,8 +215,27 @@ class vp_linear_call {
     chunk_hidden_grads(c_, g, r0);
   }
 
+  /// The low-memory order's panels over this rank's shard (cpu/linear_panels.hpp's run_panels)
+  /// from every row's LSE and target mass: merged by the chunks' exchanges, or the saved LSE and,
+  /// for class ids, each row's mass from its target's weight (soft targets exchanged it).
+  void panels() {
+    float* mass = buffer<float>(plan_.mass);
+    const float* lse = buffer<float>(plan_.lse);
+    if (mode_ == mode::backward) {
+      lse = a_.lse.data;
+      if constexpr (!problem<float, Tgt>::soft)
+        target_masses(
+            exec_,
+            make_problem(exec_, matrix_view<const float>(nullptr, a_.hidden.rows, vocab(), vocab()),
+                         a_.targets, a_.opts, a_.shard),
+            mass);
+    }
+    run_panels(exec_, plan_.low, a_.ws.data, a_.hidden, a_.weight, a_.bias, a_.targets, a_.opts,
+               a_.shard, lse, mass, scales_, a_.grads);
+  }
+
   void finish() {
-    if (mode_ != mode::forward) {
+    if (mode_ != mode::forward && !plan_.panels) {
       start();  // no rows: zero gradients
       finish_grads(c_);
     }
@@ -256,8 +297,9 @@ struct vocab_parallel_linear_traits<cpu> {
   template <class T, class G>
   static std::size_t workspace_bytes(const cpu& exec, const linear_shape& shape, int ranks,
                                      linear_pass pass, dw_accumulation accumulate,
-                                     std::int64_t chunk_rows) {
-    return cpu_detail::make_vp_linear_plan<T, G>(exec, shape, ranks, pass, accumulate, chunk_rows)
+                                     linear_order order, std::int64_t chunk_rows) {
+    return cpu_detail::make_vp_linear_plan<T, G>(exec, shape, ranks, pass, accumulate, order,
+                                                 chunk_rows)
         .bytes;
   }
 

@@ -20,18 +20,18 @@ namespace xent {
 
 template <>
 struct vocab_parallel_linear_traits<cuda> {
-  /// The single-device call's bytes (dispatch/linear_plan.cuh) for this rank's shard, plus the
-  /// chunk's exchange (dispatch/vocab_parallel.cuh's vp_layout of chunk_rows rows without the
-  /// reduction's head): (R + 1) blocks of a 32-byte header and at most 32 bytes per row
-  /// (record_layout::largest: the options and outputs are not known here), and the rows' merged
-  /// LSE and target mass, each 256-byte aligned.
+  /// The single-device call's bytes for this rank's shard (dispatch/linear_plan.cuh, or in the
+  /// low-memory order dispatch/linear_panels.cuh's), plus the chunk's exchange
+  /// (dispatch/vocab_parallel.cuh's vp_layout of chunk_rows rows without the reduction's head):
+  /// (R + 1) blocks of a 32-byte header and at most 32 bytes per row (record_layout::largest:
+  /// the options and outputs are not known here), and the rows' merged LSE and target mass, each
+  /// 256-byte aligned.
   template <class T, class G>
   static std::size_t workspace_bytes(const cuda&, const linear_shape& shape, int ranks,
                                      linear_pass pass, dw_accumulation accumulate,
-                                     std::int64_t chunk_rows) {
-    return cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, chunk_rows, false, false)
-               .bytes +
-           cuda_detail::vp_layout(chunk_rows, ranks, record_layout::largest(), false).total;
+                                     linear_order order, std::int64_t chunk_rows) {
+    return cuda_detail::make_vp_linear_plan<T, G>(shape, ranks, pass, accumulate, order, chunk_rows)
+        .bytes;
   }
 
   template <class T, class G, class Tgt>

@@ -38,6 +38,20 @@ inline std::size_t chunk_budget(std::size_t fixed, std::size_t budget) {
   return budget > SIZE_MAX - fixed ? SIZE_MAX : fixed + budget;
 }
 
+/// Rows per panel sub-chunk of a vocab-parallel call in the low-memory order, whose exchange
+/// chunks have `chunk_rows` rows (the same on every rank) over a shard of `vocab` classes taken in
+/// panels of `cols`: a panel sub-chunk's logits take what a chunk's over the shard take
+/// (chunk_rows x vocab / cols rows, whole multiples of chunk_rows), at most the call's `rows`, at
+/// least one; none for chunk_rows 0 (a size query's fixed buffers). Derived from chunk_rows
+/// alone, so a rank's bytes follow from its shard and chunk_rows as in the fast order.
+inline std::int64_t panel_chunk_rows(std::int64_t chunk_rows, std::int64_t rows, std::int64_t vocab,
+                                     std::int64_t cols) {
+  if (chunk_rows < 1) return 0;
+  const std::int64_t per = std::max<std::int64_t>(1, vocab / std::max<std::int64_t>(cols, 1));
+  const std::int64_t r = chunk_rows > rows / per ? rows : chunk_rows * per;
+  return std::max<std::int64_t>(1, std::min(r, rows));
+}
+
 /// Entries [r0, r0 + n) of an optional per-row vector (absent stays absent).
 template <class U>
 vector_view<U> rows_slice(const vector_view<U>& v, std::int64_t r0, std::int64_t n) {

@@ -19,6 +19,14 @@
 // first four steps; backward from a saved LSE runs logits, gradient and accumulate, and with soft
 // targets also the exchange, of the shards' target mass only (class ids need no collective).
 // Nothing N x V_local is materialised: L is chunk_rows x V_local.
+//
+// The low-memory order (linear_order::low_memory, training calls) runs the same chunks and
+// exchanges without gradient and accumulate, keeping every row's merged LSE and target mass, then
+//   panels()           this rank's shard in panels of weight rows as the outer loop, as the
+//                      single-device low-memory order does (its step 3, the same code), with
+//                      class ids global and the loss constants of the whole vocabulary;
+// backward with class ids runs the panels alone. The collectives of a call are the fast order's,
+// chunk for chunk: ranks that chose different orders still exchange the same blocks.
 #pragma once
 
 #include <algorithm>
@@ -77,21 +85,25 @@ void run_vp_linear(const char* fn, const Exec& exec, const Group& group,
   using call_t = typename vocab_parallel_linear_traits<Exec>::template call<T, G, Tgt>;
   call_t call(fn, exec, group, a, Mode);
   constexpr bool exchange_mass = Mode == vp_linear_mode::backward && target_traits<Tgt>::soft;
+  constexpr bool exchange = Mode != vp_linear_mode::backward || exchange_mass;
+  // The low-memory order: the chunks' exchanges alone, then the panels (no collective).
+  const bool panels = Mode != vp_linear_mode::forward && a.opts.order == linear_order::low_memory;
   const std::int64_t rows = a.hidden.rows;
-  for (std::int64_t r0 = 0; r0 < rows; r0 += a.ws.chunk_rows) {
+  for (std::int64_t r0 = 0; r0 < rows && (exchange || !panels); r0 += a.ws.chunk_rows) {
     const std::int64_t n = std::min(a.ws.chunk_rows, rows - r0);
     call.logits(r0, n);
-    if (Mode != vp_linear_mode::backward || exchange_mass) {
+    if (exchange) {
       const vp_records what = exchange_mass ? vp_records::mass : vp_records::statistics;
       const vp_block block = call.records(r0, n, what);
       group.all_gather(block.send, block.recv, block.bytes);  // the chunk's one collective
       call.merge(r0, n, what);
     }
-    if (Mode != vp_linear_mode::forward) {
+    if (Mode != vp_linear_mode::forward && !panels) {
       call.gradient(r0, n);
       call.accumulate(r0, n);
     }
   }
+  if (panels) call.panels();
   call.finish();
 }
 

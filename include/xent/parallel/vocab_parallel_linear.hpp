@@ -35,6 +35,18 @@
 // A bf16 / fp16 partial is rounded once per rank before the sum; ask for float gradients (G =
 // float) to round the sum once instead. d_weight and d_bias are this rank's rows, complete.
 //
+// Training orders (linear_order, as linear.hpp's calls). fast: the chunks above. low_memory: the
+// same chunks and exchanges without their gradient steps, keeping every row's merged LSE and
+// target mass, then this rank's shard in panels of weight rows as the outer loop, with no
+// collective (the single-device order's panels over the shard: d_weight[panel] summed over every
+// row in float and written once, the partial d_hidden in an N x D float sum); no V_local x D
+// float accumulator, one GEMM more in forward_backward (and in soft-target backward). Both orders
+// make the same collectives, chunk for chunk. linear_order::automatic decides on each rank from
+// its workspace: the fast order when workspace.bytes holds the fast order's bytes for
+// workspace.chunk_rows (linear_workspace_sizes::fast_minimal at one-row chunks), else the
+// low-memory order when its bytes for them are fewer, else the error naming those; ranks that
+// decide differently still exchange the same blocks. Forward calls have one order.
+//
 // Row chunks. Every chunk's all-gather must hold the same rows from every rank, so
 // workspace.chunk_rows must be the same on every rank (a rank cannot plan its chunks from its own
 // bytes: ranks with different shards would plan different chunks, and the host of a CUDA rank
@@ -82,10 +94,11 @@ namespace detail {
 template <class T, class G, class Exec>
 linear_workspace_sizes vp_linear_sizes(const char* fn, const Exec& exec, const linear_shape& shape,
                                        std::int64_t vocab, int ranks, linear_pass pass,
-                                       dw_accumulation accumulate, std::size_t budget) {
+                                       dw_accumulation accumulate, linear_order order,
+                                       std::size_t budget) {
   auto bytes_at = [&](const linear_shape& s, std::int64_t rows) {
-    return vocab_parallel_linear_traits<Exec>::template workspace_bytes<T, G>(exec, s, ranks, pass,
-                                                                              accumulate, rows);
+    return vocab_parallel_linear_traits<Exec>::template workspace_bytes<T, G>(
+        exec, s, ranks, pass, accumulate, order, rows);
   };
   const linear_shape reference{shape.rows, shape.hidden, (vocab + ranks - 1) / ranks};
   // The reference shard may be wider than this rank's (an empty one, say): its sizes too must fit.
@@ -108,24 +121,38 @@ linear_workspace_sizes vp_linear_sizes(const char* fn, const Exec& exec, const l
   return {bytes_at(shape, 1), bytes_at(shape, planned_chunk_rows(chunk, shape.rows)), chunk};
 }
 
-/// The bytes this rank's call needs with the workspace's chunk_rows.
+/// The bytes this rank's call needs with the workspace's chunk_rows, in the order of `opts`
+/// (resolved: fast or low_memory; forward calls have one order).
 template <class T, class G, class Exec>
 std::size_t vp_linear_need(const Exec& exec, int ranks, const matrix_view<const T>& hidden,
                            const matrix_view<const T>& weight, linear_pass pass,
                            const linear_options& opts, const vocab_parallel_linear_workspace& ws) {
   return vocab_parallel_linear_traits<Exec>::template workspace_bytes<T, G>(
-      exec, {hidden.rows, hidden.cols, weight.rows}, ranks, pass, opts.accumulate,
+      exec, {hidden.rows, hidden.cols, weight.rows}, ranks, pass, opts.accumulate, opts.order,
       planned_chunk_rows(ws.chunk_rows, hidden.rows));
 }
 
-constexpr const char* vp_linear_query = "xent::vocab_parallel_linear_workspace_size";
-
-/// The vocab-parallel calls run the fast order (row chunks, each chunk's records exchanged):
-/// linear_order::automatic is that order here, and low_memory is refused.
-inline void require_rows_order(const char* fn, const linear_options& opts) {
-  require(opts.order != linear_order::low_memory, fn, "options.order",
-          "low_memory is not on the vocab-parallel calls yet (automatic runs the fast order)");
+/// `opts` with linear_order::automatic resolved for a training workspace: the fast order when
+/// its bytes hold the fast order's need at ws.chunk_rows (or the low-memory order needs no less),
+/// else the low-memory order. Each rank decides from its own bytes; the orders make the same
+/// collectives, chunk for chunk, so ranks that decide differently still agree on the exchanges.
+template <class T, class G, class Exec>
+linear_options vp_resolved_order(const Exec& exec, int ranks, const matrix_view<const T>& hidden,
+                                 const matrix_view<const T>& weight, linear_options opts,
+                                 const vocab_parallel_linear_workspace& ws) {
+  if (opts.order != linear_order::automatic) return opts;
+  auto need = [&](linear_order order) {
+    opts.order = order;
+    return vp_linear_need<T, G>(exec, ranks, hidden, weight, linear_pass::training, opts, ws);
+  };
+  const std::size_t fast = need(linear_order::fast);
+  opts.order = ws.bytes >= fast || need(linear_order::low_memory) >= fast
+                   ? linear_order::fast
+                   : linear_order::low_memory;
+  return opts;
 }
+
+constexpr const char* vp_linear_query = "xent::vocab_parallel_linear_workspace_size";
 
 template <class Exec, class Group, class T, class Targets>
 void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<const T>& hidden,
@@ -141,7 +168,6 @@ void check_vp_linear_call(const char* fn, const Group& group, const matrix_view<
   check_linear_inputs(fn, hidden, weight, bias, dynamic_targets(targets), opts, shard.vocab,
                       "shard.vocab");
   check_shard(fn, shard, weight.rows, hidden.rows);
-  require_rows_order(fn, opts);
   require_dense_backward(fn, opts, "the vocab-parallel calls");
   check_exchange_rows(fn, "hidden", hidden.rows, group.size());
   require(
@@ -182,11 +208,13 @@ vp_linear_args<T, G, typename target_traits<Targets>::type> vp_training_args(
     OutputsCheck&& outputs_check, call_memory mem) {
   check_vp_linear_call<Exec>(fn, group, x, weight, bias, shard, targets, opts, workspace);
   outputs_check();
-  check_linear_training<Exec>(
-      fn, x, weight, bias, opts, up, grads, workspace,
-      vp_linear_need<T, G>(exec, group.size(), x, weight, linear_pass::training, opts, workspace),
-      vp_linear_query, mem);
-  auto a = vp_args<T, G>(x, weight, bias, shard, targets, opts, workspace, group.size());
+  const linear_options planned =
+      vp_resolved_order<T, G>(exec, group.size(), x, weight, opts, workspace);
+  check_linear_training<Exec>(fn, x, weight, bias, opts, up, grads, workspace,
+                              vp_linear_need<T, G>(exec, group.size(), x, weight,
+                                                   linear_pass::training, planned, workspace),
+                              vp_linear_query, mem);
+  auto a = vp_args<T, G>(x, weight, bias, shard, targets, planned, workspace, group.size());
   a.up = &up;
   a.grads = grads;
   return a;
@@ -204,7 +232,12 @@ vp_linear_args<T, G, typename target_traits<Targets>::type> vp_training_args(
 /// buffers (linear.hpp) a rank holds its chunk's exchange: per chunk row (R + 1) records sent and
 /// received, room for the widest (32 bytes, record_layout::largest: the options and outputs are
 /// not known here), and up to 48 more bytes (the merged LSE and target mass; on the CPU this
-/// shard's slice_partial too), and (R + 1) 32-byte headers.
+/// shard's slice_partial too), and (R + 1) 32-byte headers. The order of `opts` picks the sizes
+/// as linear_workspace_size's does (linear_workspace_sizes): training with low_memory answers that
+/// order's, whose chunk_rows are its exchange chunks' (the statistics pass; a panel's sub-chunks
+/// follow from them, detail::panel_chunk_rows) and whose fixed buffers are the N x D float sum, a
+/// panel's d_weight sum and each row's LSE and mass; automatic answers the fast order's with the
+/// smaller minimal of the two. fast_minimal: the fast order's minimal.
 template <class T, class G = T, class Exec>
 linear_workspace_sizes vocab_parallel_linear_workspace_size(
     const Exec& exec, const linear_shape& shape, std::int64_t vocab, int ranks, linear_pass pass,
@@ -215,7 +248,6 @@ linear_workspace_sizes vocab_parallel_linear_workspace_size(
   detail::check_linear_shape(fn, "shape", shape);
   detail::check_accumulation(fn, opts);
   detail::check_order(fn, opts);
-  detail::require_rows_order(fn, opts);
   detail::require_dense_backward(fn, opts, "the vocab-parallel calls");
   detail::check_pass(fn, pass);
   detail::require(ranks >= 1, fn, "ranks",
@@ -228,8 +260,10 @@ linear_workspace_sizes vocab_parallel_linear_workspace_size(
            ")";
   });
   detail::check_exchange_rows(fn, "shape", shape.rows, ranks);
-  return detail::vp_linear_sizes<T, G>(fn, exec, shape, vocab, ranks, pass, opts.accumulate,
-                                       budget);
+  return detail::sizes_of_order(pass, opts.order, [&](linear_order order) {
+    return detail::vp_linear_sizes<T, G>(fn, exec, shape, vocab, ranks, pass, opts.accumulate,
+                                         order, budget);
+  });
 }
 
 /// Evaluation: the loss of every row and the reduced loss on every rank. hidden: N x D (the

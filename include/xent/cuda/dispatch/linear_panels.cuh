@@ -13,7 +13,9 @@
 //      float accumulator and rounded once); d_hidden += G · W_panel with a float C, the N x D float
 //      sum (d_hidden itself when float), rounded once into d_hidden after the last panel.
 // The statistics and panel buffers share one region of the workspace (one runs after the other on
-// the stream); the rows' LSE, mass and d_hidden sum follow it.
+// the stream); the rows' LSE, mass and d_hidden sum follow it. Step 3 (run_panels) is also the
+// vocab-parallel calls' over a rank's shard (dispatch/vocab_parallel_linear.cuh), from the LSE
+// and mass their exchanges merged.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -50,6 +52,11 @@ namespace cuda_detail {
 /// measurement yet.
 constexpr std::int64_t linear_panel_cols = 8192;
 
+/// Weight rows per panel of a vocabulary of `vocab` classes (at least one).
+inline std::int64_t panel_cols(std::int64_t vocab) {
+  return std::max<std::int64_t>(1, std::min(vocab, linear_panel_cols));
+}
+
 /// The low-memory order's workspace: the statistics' plan and a panel's plan from the same aligned
 /// base, then each row's LSE and target mass and d_hidden's float sum.
 struct low_memory_plan {
@@ -59,24 +66,28 @@ struct low_memory_plan {
   std::size_t lse = linear_absent;
   std::size_t mass = linear_absent;
   std::size_t dx = linear_absent;  ///< N x D floats (G not float)
+  std::size_t end = 0;             ///< the end of the last buffer, from the aligned base
   std::size_t bytes = 0;
 };
 
 /// Panel sub-chunks of `rows` rows. One sub-chunk of every row writes d_weight[panel] from its
 /// GEMM's float sum (dw_accumulation::output's buffers: none for G = T); fewer rows sum the panel
-/// in float (dw_accumulation::fp32's, P x D floats). The statistics take as many rows as the same
-/// logits bytes hold over the whole vocabulary.
+/// in float (dw_accumulation::fp32's, P x D floats). The statistics take `stats_rows` rows (the
+/// vocab-parallel calls' exchange chunks), or by default as many as the same logits bytes hold
+/// over the whole vocabulary.
 template <class T, class G>
-low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows) {
+low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows,
+                                     std::int64_t stats_rows = -1) {
   constexpr bool narrow_grads = !std::is_same<device_t<G>, float>::value;
   low_memory_plan p;
-  p.cols = std::max<std::int64_t>(1, std::min(s.vocab, linear_panel_cols));
+  p.cols = panel_cols(s.vocab);
   const bool every_row = rows >= s.rows;
   p.panel = make_linear_plan<T, G>({s.rows, s.hidden, p.cols}, linear_pass::training,
                                    every_row ? dw_accumulation::output : dw_accumulation::fp32,
                                    rows, false, false);
-  const std::int64_t stats_rows = std::max<std::int64_t>(
-      1, std::min(s.rows, rows * p.cols / std::max<std::int64_t>(s.vocab, 1)));
+  if (stats_rows < 0)
+    stats_rows = std::max<std::int64_t>(
+        1, std::min(s.rows, rows * p.cols / std::max<std::int64_t>(s.vocab, 1)));
   p.stats = make_linear_plan<T, G>(s, linear_pass::forward, dw_accumulation::fp32, stats_rows,
                                    false, false);
   aligned_layout at{std::max(p.panel.end, p.stats.end)};
@@ -84,6 +95,7 @@ low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows) {
   p.lse = at.take(sizeof(float) * N);
   p.mass = at.take(sizeof(float) * N);
   p.dx = at.take(sizeof(float) * N * D, narrow_grads);
+  p.end = at.end;
   p.bytes = at.end + linear_alignment;
   return p;
 }
@@ -108,6 +120,72 @@ auto panel_device_targets(const Tgt& targets, std::int64_t r0, std::int64_t n, s
   return device_targets(detail::panel_targets(targets, r0, n, v0, nb));
 }
 
+/// Step 3 over the weight rows of `weight`, classes [shard.first, shard.first + weight.rows) of
+/// shard.vocab ({0, V} on one device; a rank's shard in the vocab-parallel calls, whose d_hidden
+/// is then its partial), in the workspace `ws` laid out by `plan`: the call's prologue (the mean's
+/// W over the whole vocabulary's targets, each row's upstream gradient), then each panel from
+/// every row's LSE and, for soft targets, mass (device arrays of N floats). `error_count` counts
+/// rows of out-of-range class ids in the first panel (null: counted before).
+template <class T, class G, class Tgt>
+void run_panels(const char* fn, const cuda& exec, const cublas_scope& blas,
+                const low_memory_plan& plan, void* ws, matrix_view<const T> hidden,
+                matrix_view<const T> weight, vector_view<const T> bias, const Tgt& targets,
+                const linear_options& opts, vocab_shard shard, const float* lse, const float* mass,
+                const upstream* up, const linear_grads<G>& grads, int* error_count) {
+  using DG = device_t<G>;
+  const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
+  const cudaStream_t s = exec.stream;
+  // Every panel's call sees d_weight and d_bias rows of its own and no d_hidden (summed here).
+  linear_grads<G> weight_grads = grads;
+  weight_grads.d_hidden = {};
+  const linear_call<T, G> whole =
+      make_linear_call(exec, blas, hidden, weight, bias, weight_grads, plan.panel, ws);
+  const linear_totals totals =
+      start_totals(fn, whole, device_targets(targets), N, shard.vocab, opts, up, nullptr);
+
+  // d_hidden's float sum over the panels: d_hidden itself when it is float.
+  float* dx = nullptr;
+  std::int64_t ldx = D;
+  if (grads.d_hidden.data) {
+    if constexpr (std::is_same<DG, float>::value) {
+      dx = reinterpret_cast<float*>(grads.d_hidden.data);
+      ldx = grads.d_hidden.ld;
+    } else {
+      dx = whole.template buffer<float>(plan.dx);
+    }
+    if (V == 0) zero_matrix(fn, grads.d_hidden.data, N, D, grads.d_hidden.ld, s);
+  }
+
+  options core = opts;
+  core.reduce = reduction::none;  // each sub-chunk's rows; W and the reduction are the call's
+  for (std::int64_t v0 = 0; v0 < V; v0 += plan.cols) {
+    const std::int64_t nb = std::min(plan.cols, V - v0);
+    const linear_call<T, G> c = make_linear_call(
+        exec, blas, hidden, detail::panel_rows(weight, v0, nb), detail::panel_slice(bias, v0, nb),
+        detail::panel_grads(grads, v0, nb), plan.panel, ws);
+    for (std::int64_t r0 = 0; r0 < N; r0 += plan.panel.chunk_rows) {
+      const std::int64_t n = std::min(plan.panel.chunk_rows, N - r0);
+      chunk_logits(c, r0, n);
+      const matrix_view<T> tile(reinterpret_cast<T*>(c.logits()), n, nb, plan.panel.ld);
+      vp_gradient(fn, exec, matrix_view<const T>(tile), vocab_shard{shard.first + v0, shard.vocab},
+                  panel_device_targets(targets, r0, n, v0, nb), core, lse + r0,
+                  mass ? mass + r0 : nullptr, chunk_upstream(up, opts, totals, r0, n), tile,
+                  v0 == 0 ? error_count : nullptr);
+      chunk_grads(c, r0, n, r0 == 0, c.hidden_row(r0), c.hidden.ld);
+      if (dx)
+        gemm(blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, nb, c.weight.data, c.weight.ld, c.logits(),
+             plan.panel.ld, v0 == 0 ? 0.0f : 1.0f, dx + r0 * ldx, CUDA_R_32F, sizeof(float), ldx);
+    }
+    finish_grads(c);
+  }
+  if constexpr (!std::is_same<DG, float>::value)
+    if (dx && V > 0)
+      launch_round(
+          round_op<DG>{dx, D, reinterpret_cast<DG*>(grads.d_hidden.data), grads.d_hidden.ld}, N, D,
+          s);
+  check_cuda(fn, cudaGetLastError());
+}
+
 /// A training call in the low-memory order. `saved_lse` is linear_backward's (null:
 /// forward_backward, which computes each row's LSE and writes `out`).
 template <class T, class G, class Tgt>
@@ -116,13 +194,9 @@ void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidde
                     const linear_options& opts, const upstream& up,
                     const vector_view<const float>* saved_lse, const forward_outputs& out,
                     const linear_grads<G>& grads, const linear_workspace& ws) {
-  using DG = device_t<G>;
   constexpr bool soft = detail::target_traits<Tgt>::soft;
   const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
   const low_memory_plan plan = plan_low_memory<T, G>({N, D, V}, ws.bytes);
-  // Every panel's call sees d_weight and d_bias rows of its own and no d_hidden (summed here).
-  linear_grads<G> weight_grads = grads;
-  weight_grads.d_hidden = {};
   check_linear_call(fn, exec, hidden, weight, grads, plan.panel);
   const cudaStream_t s = exec.stream;
 
@@ -145,12 +219,7 @@ void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidde
                                      cudaMemcpyDeviceToDevice, s));
   }
 
-  const cublas_scope blas(fn, exec);
-  const linear_call<T, G> whole =
-      make_linear_call(exec, blas, hidden, weight, bias, weight_grads, plan.panel, ws.data);
-  const float* lse = saved_lse ? saved_lse->data : row_lse;
   const auto dt = device_targets(targets);
-  const linear_totals totals = start_totals(fn, whole, dt, N, V, opts, &up, nullptr);
   if constexpr (soft) {
     if (N > 0) {
       const auto k = make_loss_constants(opts, V, static_cast<float>(V));
@@ -160,49 +229,11 @@ void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidde
       check_cuda(fn, cudaGetLastError());
     }
   }
-
-  // d_hidden's float sum over the panels: d_hidden itself when it is float.
-  float* dx = nullptr;
-  std::int64_t ldx = D;
-  if (grads.d_hidden.data) {
-    if constexpr (std::is_same<DG, float>::value) {
-      dx = reinterpret_cast<float*>(grads.d_hidden.data);
-      ldx = grads.d_hidden.ld;
-    } else {
-      dx = reinterpret_cast<float*>(base + plan.dx);
-    }
-    if (V == 0) zero_matrix(fn, grads.d_hidden.data, N, D, grads.d_hidden.ld, s);
-  }
-
-  options core = opts;
-  core.reduce = reduction::none;  // each sub-chunk's rows; W and the reduction are the call's
-  for (std::int64_t v0 = 0; v0 < V; v0 += plan.cols) {
-    const std::int64_t nb = std::min(plan.cols, V - v0);
-    const linear_call<T, G> c = make_linear_call(
-        exec, blas, hidden, detail::panel_rows(weight, v0, nb), detail::panel_slice(bias, v0, nb),
-        detail::panel_grads(grads, v0, nb), plan.panel, ws.data);
-    for (std::int64_t r0 = 0; r0 < N; r0 += plan.panel.chunk_rows) {
-      const std::int64_t n = std::min(plan.panel.chunk_rows, N - r0);
-      chunk_logits(c, r0, n);
-      const matrix_view<T> tile(reinterpret_cast<T*>(c.logits()), n, nb, plan.panel.ld);
-      // Out-of-range class ids are counted once: by the forward, or by backward's first panel.
-      vp_gradient(fn, exec, matrix_view<const T>(tile), vocab_shard{v0, V},
-                  panel_device_targets(targets, r0, n, v0, nb), core, lse + r0,
-                  soft ? mass + r0 : nullptr, chunk_upstream(&up, opts, totals, r0, n), tile,
-                  saved_lse && v0 == 0 && !soft ? exec.error_count : nullptr);
-      chunk_grads(c, r0, n, r0 == 0, c.hidden_row(r0), c.hidden.ld);
-      if (dx)
-        gemm(blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, nb, c.weight.data, c.weight.ld, c.logits(),
-             plan.panel.ld, v0 == 0 ? 0.0f : 1.0f, dx + r0 * ldx, CUDA_R_32F, sizeof(float), ldx);
-    }
-    finish_grads(c);
-  }
-  if constexpr (!std::is_same<DG, float>::value)
-    if (dx && V > 0)
-      launch_round(
-          round_op<DG>{dx, D, reinterpret_cast<DG*>(grads.d_hidden.data), grads.d_hidden.ld}, N, D,
-          s);
-  check_cuda(fn, cudaGetLastError());
+  // Out-of-range class ids are counted once: by the forward, or by backward's first panel.
+  const cublas_scope blas(fn, exec);
+  run_panels(fn, exec, blas, plan, ws.data, hidden, weight, bias, targets, opts, vocab_shard{0, V},
+             saved_lse ? saved_lse->data : row_lse, soft ? mass : nullptr, &up, grads,
+             saved_lse && !soft ? exec.error_count : nullptr);
 }
 
 }  // namespace cuda_detail

@@ -153,13 +153,14 @@ void vp_send(const char* fn, const cuda& exec, unsigned char* send, record_layou
 }
 
 /// Step 4 on the gathered blocks at `recv`: `out` (null: soft-target backward, only the rows'
-/// mass is wanted) is written for every row, and each row's LSE and target mass at ws + lay.lse
-/// and at `mass` (null: ws + lay.mass). A reduced loss or num_correct is summed in
+/// mass is wanted) is written for every row, and each row's LSE and target mass at `lse` (null:
+/// ws + lay.lse) and at `mass` (null: ws + lay.mass). A reduced loss or num_correct is summed in
 /// exec.workspace.
 template <class T, class Tgt>
 void vp_merge(const char* fn, const cuda& exec, unsigned char* ws, const vp_layout& lay,
               const unsigned char* recv, int ranks, matrix_view<const T> logits, vocab_shard shard,
-              Tgt targets, const options& opts, const forward_outputs* out, float* mass) {
+              Tgt targets, const options& opts, const forward_outputs* out, float* mass,
+              float* lse = nullptr) {
   const std::int64_t rows = logits.rows;
   // The row kernel's arguments of the call, for the merge to write its outputs.
   auto a = shard_args<T, float>(exec, logits, shard, targets, opts);
@@ -170,7 +171,7 @@ void vp_merge(const char* fn, const cuda& exec, unsigned char* ws, const vp_layo
                       lay.block,
                       ranks,
                       lay.record,
-                      reinterpret_cast<float*>(ws + lay.lse),
+                      lse ? lse : reinterpret_cast<float*>(ws + lay.lse),
                       mass ? mass : reinterpret_cast<float*>(ws + lay.mass)};
   constexpr int block = 256;
   // At most 64 CTAs: each sums the mean's normaliser over every row's target (as the row
