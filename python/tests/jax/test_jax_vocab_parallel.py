@@ -186,7 +186,7 @@ def test_errors_name_the_argument():
 
 def test_merge_refuses_shards_that_do_not_tile_the_vocabulary():
     # Two devices' records that both claim classes [0, 4) of 8: the merge's header check.
-    from xent.jax.ops import _check_options
+    from xent.jax._core import _check_options
     from xent.jax.vocab_parallel import _block_bytes, _vp_call
 
     x, y = make((3,), 4)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .ops import (
+from ._core import (
     _call,
     _check_labels,
     _check_options,
@@ -123,10 +123,15 @@ def _rotate(shard: _Shard, cfg: _Config, y, w):
 
 
 def _vp_call(target, results, *args, cfg, vocab, aliases=None):
-    attrs = dict(cfg.attrs(), vocab=np.int64(vocab))
-    return jax.ffi.ffi_call(
-        target, results, vmap_method="sequential", input_output_aliases=aliases
-    )(*args, **attrs)
+    return _call(
+        target,
+        results,
+        *args,
+        cfg=cfg,
+        attrs={"vocab": np.int64(vocab)},
+        aliases=aliases,
+        method="sequential",
+    )
 
 
 def _block_bytes(rows: int, cfg: _Config) -> int:
@@ -206,8 +211,12 @@ def _replicated(shard: _Shard, x):
 
 def _varying(shard: _Shard, x):
     """x typed as varying along the axis, as a shard's gradient is: jax types an ffi_call's
-    results as replicated whatever its operands."""
+    results as replicated whatever its operands. Under shard_map only: where the axis is not a
+    manual one (a custom_partitioning's per-device function, _sharding.py) jax types no value as
+    varying."""
     if shard.axis_name in _varying_axes(x):
+        return x
+    if shard.axis_name not in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
         return x
     return lax.pcast(x, shard.axis_name, to="varying")
 
