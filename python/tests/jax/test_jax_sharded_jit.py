@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_jax_cross_entropy import make, resolve
+from test_jax_vocab_parallel import linear_inputs
 
 import xent.jax as xj
 
@@ -178,12 +179,8 @@ LINEAR_OPTIONS = [
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("shape,hspec,wspec", LINEAR_LAYOUTS, ids=lambda v: str(v).replace(" ", ""))
 def test_linear_matches_unsharded_without_gathering_the_weight(shape, hspec, wspec, bias, kw):
-    rows, dim, classes = 8, 6, 16
-    keys = jax.random.split(jax.random.PRNGKey(5), 4)
-    h = jax.random.normal(keys[0], (rows, dim))
-    wt = jax.random.normal(keys[1], (classes, dim))
-    b = jax.random.normal(keys[2], (classes,)) if bias else None
-    y = jax.random.randint(keys[3], (rows,), 0, classes)
+    classes = 16
+    h, wt, b, y = linear_inputs(8, 6, classes, bias)
     kw = resolve(kw, classes)
     cw = kw.pop("weight", None)
     mesh = mesh_of(*shape)

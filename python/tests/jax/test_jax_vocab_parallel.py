@@ -241,6 +241,16 @@ def linear_oracle(h, wt, b, y, **kw):
     return loss, (dz @ w64, dz.T @ h64, dz.sum(axis=0))
 
 
+def linear_inputs(rows, dim, classes, bias):
+    """hidden (rows, dim), an LM head's weight (classes, dim), its bias (classes,) or None (bias
+    False) and labels (rows,), float32."""
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    h = jax.random.normal(keys[0], (rows, dim))
+    wt = jax.random.normal(keys[1], (classes, dim))
+    b = jax.random.normal(keys[2], (classes,)) if bias else None
+    return h, wt, b, jax.random.randint(keys[3], (rows,), 0, classes)
+
+
 def sharded_linear(devices, classes, bias, **kw):
     class_weight = kw.pop("weight", None)
 
@@ -274,12 +284,7 @@ LINEAR_OPTIONS = [
 
 @pytest.mark.parametrize("devices,classes,bias,kw", cases(LINEAR_OPTIONS, bias=True))
 def test_linear_matches_unsharded_and_float64_oracle(devices, classes, bias, kw):
-    rows, dim = 7, 6
-    keys = jax.random.split(jax.random.PRNGKey(5), 4)
-    h = jax.random.normal(keys[0], (rows, dim))
-    wt = jax.random.normal(keys[1], (classes, dim))
-    b = jax.random.normal(keys[2], (classes,)) if bias else None
-    y = jax.random.randint(keys[3], (rows,), 0, classes)
+    h, wt, b, y = linear_inputs(7, 6, classes, bias)
     kw = resolve(kw, classes)
     argnums = (0, 1, 2) if bias else (0, 1)
     f = sharded_linear(devices, classes, bias, **kw)

@@ -13,11 +13,15 @@ over it in C++, with no Python loop.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+from . import _ffi
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # torch's enum order, as the handlers read it
 _LOGIT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
@@ -47,16 +51,34 @@ def _accumulator(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if dtype == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-def _call(target, results, *args, cfg=None, attrs=None, aliases=None, method=None):
-    """ffi_call of `target` with the options of `cfg` (and `attrs`) as attributes."""
+def _call(target, results, *args, cfg=None, attrs=None, aliases=None, method=None, workspace=None):
+    """ffi_call of `target` with the options of `cfg` (and `attrs`) as attributes. workspace: the
+    bytes of device workspace its CUDA handler takes as one more result (_ffi.workspace_bytes),
+    allocated by XLA with the call's other buffers and dropped here; None for none."""
     # A call writing over an input (aliases) needs that input of the result's shape under vmap:
     # broadcast_all copies an unbatched one to the batch, which is the result's memory anyway.
     if method is None:
         method = "broadcast_all" if aliases else "expand_dims"
     kwargs = dict(cfg.attrs() if cfg is not None else {}, **(attrs or {}))
-    return jax.ffi.ffi_call(target, results, vmap_method=method, input_output_aliases=aliases)(
-        *args, **kwargs
-    )
+
+    def ffi(*operands, ws=None):
+        shapes = results
+        if ws is not None:
+            shapes = (*_tuple(results), jax.ShapeDtypeStruct((ws,), jnp.uint8))
+        out = jax.ffi.ffi_call(target, shapes, vmap_method=method, input_output_aliases=aliases)(
+            *operands, **kwargs
+        )
+        if ws is None:
+            return out
+        return tuple(out[:-1]) if isinstance(results, (tuple, list)) else out[0]
+
+    if workspace is None:
+        return ffi(*args)
+    return lax.platform_dependent(*args, cuda=partial(ffi, ws=workspace), default=ffi)
+
+
+def _tuple(results):
+    return tuple(results) if isinstance(results, (tuple, list)) else (results,)
 
 
 # --- the FFI calls of one device ------------------------------------------------------------------
@@ -74,6 +96,7 @@ def _forward(x, y, w, cfg):
         y,
         w,
         cfg=cfg,
+        workspace=_ffi.workspace_bytes("cross_entropy", x.dtype, n, reduced=cfg.reduction != 0),
     )
 
 
@@ -94,6 +117,7 @@ def _fused(x, y, w, cfg):
         w,
         cfg=cfg,
         aliases={0: 2},
+        workspace=_ffi.workspace_bytes("cross_entropy", x.dtype, x.shape[0]),
     )
 
 
@@ -208,7 +232,12 @@ def _linear_forward(h, wt, b, y, w, cfg):
         w,
         cfg=cfg,
         method="sequential",
+        workspace=_linear_workspace("linear_forward", h, wt),
     )
+
+
+def _linear_workspace(kind, h, wt):
+    return _ffi.workspace_bytes(kind, h.dtype, h.shape[0], h.shape[1], wt.shape[0])
 
 
 def _linear_grads(h, wt, b):
@@ -234,6 +263,7 @@ def _linear_fused(h, wt, b, y, w, cfg):
         w,
         cfg=cfg,
         method="sequential",
+        workspace=_linear_workspace("linear_training", h, wt),
     )
 
 
@@ -252,6 +282,7 @@ def _linear_backward(h, wt, b, y, w, lse, g, cfg):
         g.astype(lse.dtype),
         cfg=cfg,
         method="sequential",
+        workspace=_linear_workspace("linear_training", h, wt),
     )
 
 

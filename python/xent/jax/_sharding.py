@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -285,13 +286,24 @@ def scale(grad, g):
 # hidden (N, D) split by rows, weight (V, D) and bias (V,) by vocabulary; D stays whole.
 
 
-def _linear_dims(b):
+_BIAS = "bias"  # a result of the bias's dims: "v", or "b" for an absent bias
+
+
+def _linear_partitioned(plain, local, results, *operands):
+    """_partitioned for a fused linear call of operands (h, wt, b, y, w, ...): those five split as
+    the section says, any after them per row; results: the results' dims (_BIAS: the bias's)."""
+    h, _, b = operands[:3]
     bias = "v" if b.shape[0] else "b"
-    return ("nd", "vd", bias, "n", "c"), bias
-
-
-def _linear_layout(h):
-    return {"rows_at": (0, 0), "vocab_at": (1, 0), "float64": h.dtype == jnp.float64}
+    args = ("nd", "vd", bias, "n", "c") + ("n",) * (len(operands) - 5)
+    return _partitioned(
+        lambda *a: tuple(plain(*a)),
+        local,
+        args,
+        tuple(bias if d == _BIAS else d for d in results),
+        rows_at=(0, 0),
+        vocab_at=(1, 0),
+        float64=h.dtype == jnp.float64,
+    )(*operands)
 
 
 def _linear_shard(layout: _Layout, wt, vocab: int, rows: int) -> _Linear:
@@ -322,14 +334,8 @@ def linear_forward(h, wt, b, y, w, cfg: _Config):
         return _total(layout, cfg, loss, y, w), lse
 
     vocab = wt.shape[0]
-    args, _ = _linear_dims(b)
-    return _partitioned(
-        lambda *a: tuple(_linear_forward(*a, cfg)),
-        local,
-        args,
-        (_loss_dims(cfg), "n"),
-        **_linear_layout(h),
-    )(h, wt, b, y, w)
+    results = (_loss_dims(cfg), "n")
+    return _linear_partitioned(partial(_linear_forward, cfg=cfg), local, results, h, wt, b, y, w)
 
 
 def linear_fused(h, wt, b, y, w, cfg: _Config):
@@ -354,14 +360,8 @@ def linear_fused(h, wt, b, y, w, cfg: _Config):
         return loss, lse, dh, _sum_rows(layout, dw), _sum_rows(layout, db)
 
     vocab = wt.shape[0]
-    args, bias = _linear_dims(b)
-    return _partitioned(
-        lambda *a: tuple(_linear_fused(*a, cfg)),
-        local,
-        args,
-        ("", "n", "nd", "vd", bias),
-        **_linear_layout(h),
-    )(h, wt, b, y, w)
+    results = ("", "n", "nd", "vd", _BIAS)
+    return _linear_partitioned(partial(_linear_fused, cfg=cfg), local, results, h, wt, b, y, w)
 
 
 def linear_backward(h, wt, b, y, w, lse, g, cfg: _Config):
@@ -376,11 +376,6 @@ def linear_backward(h, wt, b, y, w, lse, g, cfg: _Config):
         return dh, _sum_rows(layout, dw), _sum_rows(layout, db)
 
     vocab = wt.shape[0]
-    args, bias = _linear_dims(b)
-    return _partitioned(
-        lambda *a: tuple(_linear_backward(*a, cfg)),
-        local,
-        (*args, "n", "n"),
-        ("nd", "vd", bias),
-        **_linear_layout(h),
-    )(h, wt, b, y, w, lse, g)
+    results = ("nd", "vd", _BIAS)
+    operands = (h, wt, b, y, w, lse, g)
+    return _linear_partitioned(partial(_linear_backward, cfg=cfg), local, results, *operands)

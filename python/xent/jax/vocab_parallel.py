@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _ffi
 from ._core import (
     _call,
     _check_labels,
@@ -122,7 +123,7 @@ def _rotate(shard: _Shard, cfg: _Config, y, w):
 # --- the handlers ---------------------------------------------------------------------------------
 
 
-def _vp_call(target, results, *args, cfg, vocab, aliases=None):
+def _vp_call(target, results, *args, cfg, vocab, aliases=None, workspace=None):
     return _call(
         target,
         results,
@@ -131,6 +132,7 @@ def _vp_call(target, results, *args, cfg, vocab, aliases=None):
         attrs={"vocab": np.int64(vocab)},
         aliases=aliases,
         method="sequential",
+        workspace=workspace,
     )
 
 
@@ -190,6 +192,7 @@ def _merged(shard: _Shard, cfg: _Config, x, y, w):
         w,
         cfg=cfg,
         vocab=shard.vocab,
+        workspace=_ffi.workspace_bytes("vocab_parallel_merge", x.dtype, rows),
     )
     return loss, lse, yr, wr
 
