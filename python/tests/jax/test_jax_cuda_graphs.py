@@ -52,6 +52,8 @@ _CHILD = textwrap.dedent(
             jax.tree.map(lambda a, b: close(a, b, tol), got, want)
         compiled = g.lower(*jax.device_put(make(0), gpu)).compile()
         missing = [t for t in targets if not in_command_buffer(compiled, t)]
+        if missing:  # the computations XLA made, to see where the calls went
+            print("\\n".join(l for l in compiled.as_text().splitlines() if l.endswith("{")))
         assert not missing, f"{name}: not in a command buffer: {missing}"
         print("captured", name)
 
@@ -80,7 +82,9 @@ _CHILD = textwrap.dedent(
             argnums=(0, 1, 2))(h, w, b)
         targets = (["xent_linear_cross_entropy_fwd_bwd"] if red != "none" else
                    ["xent_linear_cross_entropy_fwd", "xent_linear_cross_entropy_bwd"])
-        run("linear_cross_entropy " + red, f, lin, targets, tol=2e-4)
+        # cuBLAS's float32 GEMMs may round differently from the CPU's: a looser tolerance, far
+        # below what a workspace that a replay did not find again would give.
+        run("linear_cross_entropy " + red, f, lin, targets, tol=1e-3)
 
     # The vocab-parallel handlers, one device (a mesh of one: the all-gather is the identity).
     from jax.sharding import Mesh, PartitionSpec as P
