@@ -146,6 +146,17 @@ def _scale(grad, g):
     )
 
 
+def _keep(x):
+    """x as a custom_vjp residual: None for an empty vector (absent class weights or bias), which
+    would cross a shard_map from forward to backward as an empty operand, and XLA's SPMD
+    partitioner crashed on one (jaxlib 0.11.2); _kept rebuilds it."""
+    return None if x.shape == (0,) else x
+
+
+def _kept(x, dtype):
+    return jnp.zeros((0,), dtype) if x is None else x
+
+
 # --- argument checks ------------------------------------------------------------------------------
 
 

@@ -19,6 +19,8 @@ from ._core import (
     _check_labels,
     _check_options,
     _class_weights,
+    _keep,
+    _kept,
     _linear_operands,
     _results,
 )
@@ -39,7 +41,7 @@ def _cross_entropy(x, y, w, cfg):
 def _cross_entropy_fwd(x, y, w, cfg):
     if cfg.reduction == 0:
         loss, lse = _sharding.forward(x, y, w, cfg)
-        return (loss, lse), (x, y, w, lse)
+        return (loss, lse), (x, y, _keep(w), lse)
     loss, lse, grad = _sharding.fused(x, y, w, cfg)
     return (loss, lse), (grad,)
 
@@ -48,7 +50,7 @@ def _cross_entropy_bwd(cfg, saved, cotangents):
     g = cotangents[0]  # the LSE leaves the custom VJP through stop_gradient: its cotangent is 0
     if cfg.reduction == 0:
         x, y, w, lse = saved
-        grad = _sharding.backward(x, y, w, lse, g, cfg)
+        grad = _sharding.backward(x, y, _kept(w, jnp.float32), lse, g, cfg)
     else:
         (grad,) = saved
         grad = _sharding.scale(grad, g)
@@ -118,19 +120,22 @@ def _linear_cross_entropy(h, wt, b, y, w, cfg):
 def _linear_cross_entropy_fwd(h, wt, b, y, w, cfg):
     if cfg.reduction == 0:
         loss, lse = _sharding.linear_forward(h, wt, b, y, w, cfg)
-        return (loss, lse), (h, wt, b, y, w, lse)
+        return (loss, lse), (h, wt, _keep(b), y, _keep(w), lse)
     loss, lse, dh, dw, db = _sharding.linear_fused(h, wt, b, y, w, cfg)
-    return (loss, lse), (dh, dw, db)
+    return (loss, lse), (dh, dw, _keep(db))
 
 
 def _linear_cross_entropy_bwd(cfg, saved, cotangents):
     g = cotangents[0]
     if cfg.reduction == 0:
         h, wt, b, y, w, lse = saved
+        b, w = _kept(b, h.dtype), _kept(w, jnp.float32)
         dh, dw, db = _sharding.linear_backward(h, wt, b, y, w, lse, g, cfg)
     else:
         # A pass over d_hidden (N x D) and d_weight (V x D), small beside the call's GEMMs.
-        dh, dw, db = ((d.astype(g.dtype) * g).astype(d.dtype) if d.size else d for d in saved)
+        dh, dw, db = saved
+        grads = (dh, dw, _kept(db, dh.dtype))
+        dh, dw, db = ((d.astype(g.dtype) * g).astype(d.dtype) if d.size else d for d in grads)
     return dh, dw, db, None, None
 
 

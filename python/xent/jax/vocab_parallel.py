@@ -44,6 +44,8 @@ from ._core import (
     _check_options,
     _class_weights,
     _Config,
+    _keep,
+    _kept,
     _linear_operands,
     _results,
 )
@@ -264,7 +266,7 @@ def _vp_cross_entropy_fwd(x, y, w, cfg, shard):
     loss, lse, yr, wr = _merged(shard, cfg, x, y, w)
     out = (_replicated(shard, loss), lse)
     if cfg.reduction == 0:
-        return out, (x, yr, wr, lse)
+        return out, (x, yr, _keep(wr), lse)
     grad = _local_grad(shard, cfg, x, yr, wr, lse, jnp.ones((), jnp.float32), in_place=True)
     return out, (grad,)
 
@@ -273,7 +275,7 @@ def _vp_cross_entropy_bwd(cfg, shard, saved, cotangents):
     g = cotangents[0].astype(jnp.float32)
     if cfg.reduction == 0:
         x, yr, wr, lse = saved
-        grad = _local_grad(shard, cfg, x, yr, wr, lse, g)
+        grad = _local_grad(shard, cfg, x, yr, _kept(wr, jnp.float32), lse, g)
     else:
         (grad,) = saved
         grad = _call(
@@ -456,19 +458,24 @@ def _vp_linear(h, wt, b, y, w, cfg, lin):
 def _vp_linear_fwd(h, wt, b, y, w, cfg, lin):
     if cfg.reduction == 0:
         row_loss, lse, _ = _linear_pass(lin, cfg, h, wt, b, y, w)
-        return (_replicated(lin.shard, row_loss), lse), (h, wt, b, y, w, lse)
+        return (_replicated(lin.shard, row_loss), lse), (h, wt, _keep(b), y, _keep(w), lse)
     scale = 1.0 / _mean_normaliser(cfg, y, w) if cfg.reduction == 1 else jnp.ones((), jnp.float32)
     row_loss, lse, grads = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=scale)
-    return (_replicated(lin.shard, _reduce(cfg, row_loss, y, w)), lse), grads
+    dh, dw, db = grads
+    return (_replicated(lin.shard, _reduce(cfg, row_loss, y, w)), lse), (dh, dw, _keep(db))
 
 
 def _vp_linear_bwd(cfg, lin, saved, cotangents):
     g = cotangents[0].astype(jnp.float32)
     if cfg.reduction == 0:
         h, wt, b, y, w, lse = saved
+        b, w = _kept(b, h.dtype), _kept(w, jnp.float32)
         _, _, (dh, dw, db) = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=g, lse=lse)
     else:
-        dh, dw, db = ((d.astype(jnp.float32) * g).astype(d.dtype) for d in saved)
+        dh, dw, db = saved
+        dh, dw, db = (
+            (d.astype(jnp.float32) * g).astype(d.dtype) for d in (dh, dw, _kept(db, dh.dtype))
+        )
     return dh, dw, db, None, None
 
 
