@@ -2,18 +2,23 @@
 // registered by xent/jax/_ffi.py with jax.ffi.register_ffi_target(platform="CUDA"). Built by
 // CMakeLists.txt when nvcc is found.
 //
-// Every handler runs on the stream XLA gives it and only enqueues work: no host synchronisation,
-// no allocation outside XLA's. xent's reduced-loss workspace (xent::cuda::workspace) is an FFI
-// scratch allocation from XLA's allocator, zero-filled on the stream by each call
-// (cudaMemsetAsync), since XLA's memory holds whatever it last held; the calls of one handler's
-// batch share it in stream order (each leaves it zeroed for the next).
+// Every handler runs on the stream XLA gives it and only enqueues work: no host synchronisation
+// and no allocation, so each declares XLA's command-buffer trait and XLA may capture it into a
+// CUDA graph (--xla_gpu_enable_command_buffer). Device workspace is a result buffer of the call
+// (ffi_ops.h's bindings), which XLA allocates with the executable's other buffers, at an address
+// a replayed graph finds again, sized by the caller with xent_jax_cuda_workspace_bytes below.
+// xent's reduced-loss workspace (xent::cuda::workspace) is zero-filled on the stream by each call
+// (cudaMemsetAsync, a graph node like the kernels), since XLA's memory holds whatever it last
+// held; the calls of one handler's batch share it in stream order (each leaves it zeroed for the
+// next).
 //
 // The fused linear handlers need a cuBLAS handle, which XLA does not give an FFI call: each thread
-// keeps one per device, created on its first call and kept for the process (cublasCreate
-// allocates, and a handle must not serve two threads at once). A call binds it to XLA's stream
-// and gives it a workspace from XLA's scratch allocator (cublasSetStream resets the handle's
-// workspace to cuBLAS's own pool, which would allocate behind XLA's back); the linear workspace
-// comes from the same allocator.
+// keeps one per device, created on its first call and kept for the process (a handle must not
+// serve two threads at once). cublasCreate allocates, which stream capture forbids, so a first
+// call under capture creates it in relaxed capture mode (nothing of it goes on the captured
+// stream). A call binds the handle to XLA's stream and to the first 32 MiB of its workspace
+// (cublasSetStream resets the handle's workspace to cuBLAS's own pool, which would allocate
+// behind XLA's back and cannot be captured); the linear workspace follows in the same buffer.
 //
 // Out-of-range class ids (not ignore_index, outside [0, V)) cannot be reported without a
 // synchronisation: such a row gets a NaN loss and LSE and a zero gradient row (xent::cuda's
@@ -46,61 +51,64 @@ struct cuda_exec {
   const xent::cuda& get() const { return exec; }
 };
 
-// The execution object on XLA's stream with, when `bytes` is not 0, a zero-filled workspace
-// from XLA's scratch allocator (freed when the handler returns, after its work is enqueued: XLA
-// orders the reuse on the same stream).
-cuda_exec exec_with_workspace(cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                              std::size_t bytes) {
+// Bytes of a workspace buffer (a result of the call).
+std::size_t buffer_bytes(const ffi::AnyBuffer& b) {
+  return b.element_count() * ffi::ByteWidth(b.element_type());
+}
+
+// The execution object on XLA's stream with, when `bytes` is not 0, the call's workspace result
+// `ws` zero-filled as its workspace.
+cuda_exec exec_with_workspace(cudaStream_t stream, ffi::AnyBuffer& ws, std::size_t bytes) {
   cuda_exec c;
   c.exec.stream = stream;
   if (bytes != 0) {
-    const auto ws = scratch.Allocate(bytes, 256);
-    if (!ws.has_value())
-      fail("workspace", "of " + std::to_string(bytes) + " bytes could not be allocated",
-           ffi::ErrorCode::kResourceExhausted);
-    check_cuda(cudaMemsetAsync(*ws, 0, bytes, stream), "cudaMemsetAsync (workspace)");
-    c.exec.workspace = *ws;
+    if (buffer_bytes(ws) < bytes)
+      fail("workspace", "must hold " + std::to_string(bytes) + " bytes, got " +
+                            std::to_string(buffer_bytes(ws)) +
+                            " (size it with xent_jax_cuda_workspace_bytes)");
+    check_cuda(cudaMemsetAsync(ws.untyped_data(), 0, bytes, stream), "cudaMemsetAsync (workspace)");
+    c.exec.workspace = ws.untyped_data();
     c.exec.workspace_bytes = bytes;
   }
   return c;
 }
 
-// Calls with a reduced loss need xent::cuda's workspace.
-auto cuda_exec_maker(cudaStream_t stream, ffi::ScratchAllocator& scratch) {
-  return [stream, &scratch](bool reduced, std::int64_t rows) {
-    return exec_with_workspace(stream, scratch, reduced ? xent::cuda_workspace_size(rows) : 0);
+// Calls with a reduced loss need xent::cuda's workspace; the others none (ws: null).
+auto cuda_exec_maker(cudaStream_t stream, ffi::AnyBuffer* ws) {
+  return [stream, ws](bool reduced, std::int64_t rows) {
+    if (!reduced || ws == nullptr) return cuda_exec{xent::cuda{stream}};
+    return exec_with_workspace(stream, *ws, xent::cuda_workspace_size(rows));
   };
 }
 
-// The vocab-parallel merge needs the finish phase's workspace; records and class-id backward none.
-auto vp_exec_maker(cudaStream_t stream, ffi::ScratchAllocator& scratch) {
-  return [stream, &scratch](vp_phase phase, std::int64_t rows) {
-    return exec_with_workspace(
-        stream, scratch,
-        phase == vp_phase::merge ? xent::cuda_vocab_parallel_finish_workspace_size(rows) : 0);
+// The vocab-parallel merge needs the finish phase's workspace; records and backward none.
+auto vp_exec_maker(cudaStream_t stream, ffi::AnyBuffer* ws) {
+  return [stream, ws](vp_phase phase, std::int64_t rows) {
+    if (phase != vp_phase::merge || ws == nullptr) return cuda_exec{xent::cuda{stream}};
+    return exec_with_workspace(stream, *ws, xent::cuda_vocab_parallel_finish_workspace_size(rows));
   };
 }
 
-ffi::Error fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer logits,
-               ffi::AnyBuffer labels, ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> loss,
-               ffi::Result<ffi::AnyBuffer> lse, loss_attrs attrs) {
-  return cross_entropy_fwd<false>(cuda_exec_maker(stream, scratch), logits, labels, weight, loss,
-                                  lse, attrs);
+ffi::Error fwd(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
+               ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> loss,
+               ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
+  return cross_entropy_fwd<false>(cuda_exec_maker(stream, &*ws), logits, labels, weight, loss, lse,
+                                  attrs);
 }
 
-ffi::Error bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer logits,
-               ffi::AnyBuffer labels, ffi::AnyBuffer weight, ffi::AnyBuffer lse, ffi::AnyBuffer g,
+ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
+               ffi::AnyBuffer weight, ffi::AnyBuffer lse, ffi::AnyBuffer g,
                ffi::Result<ffi::AnyBuffer> grad, loss_attrs attrs) {
-  return cross_entropy_bwd<false>(cuda_exec_maker(stream, scratch), logits, labels, weight, lse, g,
+  return cross_entropy_bwd<false>(cuda_exec_maker(stream, nullptr), logits, labels, weight, lse, g,
                                   grad, attrs);
 }
 
-ffi::Error fwd_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer logits,
-                   ffi::AnyBuffer labels, ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> loss,
+ffi::Error fwd_bwd(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
+                   ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> loss,
                    ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> grad,
-                   loss_attrs attrs) {
-  return cross_entropy_fwd_bwd<false>(cuda_exec_maker(stream, scratch), logits, labels, weight,
-                                      loss, lse, grad, attrs);
+                   ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
+  return cross_entropy_fwd_bwd<false>(cuda_exec_maker(stream, &*ws), logits, labels, weight, loss,
+                                      lse, grad, attrs);
 }
 
 // --- vocab-parallel phases
@@ -110,22 +118,21 @@ ffi::Error fwd_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
 // device's merge writes NaN (cuda/vocab_parallel.cuh), with no counter kept, as for a class id out
 // of range.
 
-ffi::Error vp_rec(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer logits,
-                  ffi::AnyBuffer labels, ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> send,
-                  vp_attrs attrs) {
-  return vp_records(vp_exec_maker(stream, scratch), logits, labels, weight, send, attrs);
+ffi::Error vp_rec(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
+                  ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> send, vp_attrs attrs) {
+  return vp_records(vp_exec_maker(stream, nullptr), logits, labels, weight, send, attrs);
 }
 
-ffi::Error vp_mrg(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer recv,
-                  ffi::AnyBuffer labels, ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> loss,
-                  ffi::Result<ffi::AnyBuffer> lse, vp_attrs attrs) {
-  return vp_merge(vp_exec_maker(stream, scratch), recv, labels, weight, loss, lse, attrs);
+ffi::Error vp_mrg(cudaStream_t stream, ffi::AnyBuffer recv, ffi::AnyBuffer labels,
+                  ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> loss,
+                  ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> ws, vp_attrs attrs) {
+  return vp_merge(vp_exec_maker(stream, &*ws), recv, labels, weight, loss, lse, attrs);
 }
 
-ffi::Error vp_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer logits,
-                  ffi::AnyBuffer labels, ffi::AnyBuffer weight, ffi::AnyBuffer lse,
-                  ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> grad, vp_attrs attrs) {
-  return vp_backward(vp_exec_maker(stream, scratch), logits, labels, weight, lse, g, grad, attrs);
+ffi::Error vp_bwd(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
+                  ffi::AnyBuffer weight, ffi::AnyBuffer lse, ffi::AnyBuffer g,
+                  ffi::Result<ffi::AnyBuffer> grad, vp_attrs attrs) {
+  return vp_backward(vp_exec_maker(stream, nullptr), logits, labels, weight, lse, g, grad, attrs);
 }
 
 // --- fused linear cross-entropy -----------------------------------------------------------------
@@ -136,86 +143,94 @@ void check_blas(cublasStatus_t status, const char* what) {
 }
 
 // cuBLAS's workspace for its GEMMs: what NVIDIA's cuBLAS guide recommends on Hopper, 32 MiB (it
-// also covers the smaller recommendations for older GPUs).
+// also covers the smaller recommendations for older GPUs). It leads the linear calls' workspace.
 constexpr std::size_t blas_workspace_bytes = std::size_t{32} << 20;
 
-void* scratch_bytes(ffi::ScratchAllocator& scratch, std::size_t bytes, const char* what) {
-  if (bytes == 0) return nullptr;
-  const auto p = scratch.Allocate(bytes, 256);
-  if (!p.has_value())
-    fail(what, "of " + std::to_string(bytes) + " bytes could not be allocated",
-         ffi::ErrorCode::kResourceExhausted);
-  return *p;
+// cublasCreate under stream capture: in relaxed mode, which lets this thread allocate while its
+// stream is captured (cublasCreate enqueues nothing on it).
+cublasStatus_t create_handle(cublasHandle_t* h, cudaStream_t stream) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
+  if (capturing == cudaStreamCaptureStatusNone) return cublasCreate(h);
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  check_cuda(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+  const cublasStatus_t created = cublasCreate(h);
+  check_cuda(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+  return created;
 }
 
-// This thread's handle for `device`, bound to `stream` with a workspace from `scratch`.
-cublasHandle_t blas_handle(int device, cudaStream_t stream, ffi::ScratchAllocator& scratch) {
+// This thread's handle for `device`, bound to `stream` with `workspace` (blas_workspace_bytes).
+cublasHandle_t blas_handle(int device, cudaStream_t stream, void* workspace) {
   thread_local std::unordered_map<int, cublasHandle_t> handles;
   cublasHandle_t& h = handles[device];
   if (h == nullptr) {
     int current = 0;
     check_cuda(cudaGetDevice(&current), "cudaGetDevice");
     if (current != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    const cublasStatus_t created = cublasCreate(&h);
+    const cublasStatus_t created = create_handle(&h, stream);
     if (current != device) cudaSetDevice(current);
     if (created != CUBLAS_STATUS_SUCCESS) h = nullptr;
     check_blas(created, "cublasCreate");
   }
   check_blas(cublasSetStream(h, stream), "cublasSetStream");
-  check_blas(cublasSetWorkspace(h, scratch_bytes(scratch, blas_workspace_bytes, "cuBLAS workspace"),
-                                blas_workspace_bytes),
-             "cublasSetWorkspace");
+  check_blas(cublasSetWorkspace(h, workspace, blas_workspace_bytes), "cublasSetWorkspace");
   return h;
 }
 
-// The execution object of a fused linear call and its workspace's allocator; the exec's own
-// reduced-loss workspace stays empty (the linear calls keep their sums in the linear workspace).
-struct linear_exec {
-  xent::cuda exec;
-  ffi::ScratchAllocator* scratch;
-  void* operator()(std::size_t bytes) { return scratch_bytes(*scratch, bytes, "workspace"); }
+// The linear workspace's allocator: the bytes of the call's workspace result past cuBLAS's.
+struct linear_alloc {
+  ffi::AnyBuffer* ws;
+  void* operator()(std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    if (buffer_bytes(*ws) < blas_workspace_bytes + bytes)
+      fail("workspace", "must hold " + std::to_string(blas_workspace_bytes + bytes) +
+                            " bytes, got " + std::to_string(buffer_bytes(*ws)) +
+                            " (size it with xent_jax_cuda_workspace_bytes)");
+    return static_cast<unsigned char*>(ws->untyped_data()) + blas_workspace_bytes;
+  }
 };
 
 template <class F>
-ffi::Error with_linear_exec(cudaStream_t stream, ffi::ScratchAllocator& scratch, int device,
-                            F&& f) {
-  linear_exec le{};
-  le.exec.stream = stream;
-  le.scratch = &scratch;
-  ffi::Error bound = run_checked([&] { le.exec.cublas = blas_handle(device, stream, scratch); });
+ffi::Error with_linear_exec(cudaStream_t stream, int device, ffi::AnyBuffer& ws, F&& f) {
+  xent::cuda exec{stream};
+  ffi::Error bound = run_checked([&] {
+    if (buffer_bytes(ws) < blas_workspace_bytes)
+      fail("workspace", "must hold at least the " + std::to_string(blas_workspace_bytes) +
+                            " bytes of cuBLAS's, got " + std::to_string(buffer_bytes(ws)));
+    exec.cublas = blas_handle(device, stream, ws.untyped_data());
+  });
   if (!bound.success()) return bound;
-  return f(le.exec, le);
+  return f(exec, linear_alloc{&ws});
 }
 
-ffi::Error lin_fwd(cudaStream_t stream, ffi::ScratchAllocator scratch, int device,
-                   ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                   ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
+ffi::Error lin_fwd(cudaStream_t stream, int device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
+                   ffi::AnyBuffer bias, ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                    ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
-                   loss_attrs attrs) {
-  return with_linear_exec(stream, scratch, device, [&](const xent::cuda& exec, auto& alloc) {
+                   ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
+  return with_linear_exec(stream, device, *ws, [&](const xent::cuda& exec, auto alloc) {
     return linear_fwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, loss, lse,
                              attrs);
   });
 }
 
-ffi::Error lin_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, int device,
-                   ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                   ffi::AnyBuffer labels, ffi::AnyBuffer class_weight, ffi::AnyBuffer lse,
-                   ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
-                   ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
-  return with_linear_exec(stream, scratch, device, [&](const xent::cuda& exec, auto& alloc) {
+ffi::Error lin_bwd(cudaStream_t stream, int device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
+                   ffi::AnyBuffer bias, ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
+                   ffi::AnyBuffer lse, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dh,
+                   ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db,
+                   ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
+  return with_linear_exec(stream, device, *ws, [&](const xent::cuda& exec, auto alloc) {
     return linear_bwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, lse, g, dh,
                              dw, db, attrs);
   });
 }
 
-ffi::Error lin_fwd_bwd(cudaStream_t stream, ffi::ScratchAllocator scratch, int device,
-                       ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                       ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
-                       ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
-                       ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
-                       ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
-  return with_linear_exec(stream, scratch, device, [&](const xent::cuda& exec, auto& alloc) {
+ffi::Error lin_fwd_bwd(cudaStream_t stream, int device, ffi::AnyBuffer hidden,
+                       ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer labels,
+                       ffi::AnyBuffer class_weight, ffi::Result<ffi::AnyBuffer> loss,
+                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> dh,
+                       ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db,
+                       ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
+  return with_linear_exec(stream, device, *ws, [&](const xent::cuda& exec, auto alloc) {
     return linear_fwd_bwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, loss, lse,
                                  dh, dw, db, attrs);
   });
@@ -264,33 +279,77 @@ ffi::Error scale(cudaStream_t stream, ffi::AnyBuffer grad_in, ffi::AnyBuffer s,
       });
 }
 
-// The CUDA handlers' context: XLA's stream, then (cross-entropy, fused linear) its scratch
-// allocator.
+// The CUDA handlers' context: XLA's stream; the fused linear handlers' also the device (for this
+// thread's cuBLAS handle).
 auto stream_binding() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
-auto stream_scratch_binding() { return stream_binding().Ctx<ffi::ScratchAllocator>(); }
-// The fused linear handlers': also the device (for this thread's cuBLAS handle).
-auto linear_context_binding() { return stream_scratch_binding().Ctx<ffi::DeviceOrdinal>(); }
+auto linear_context_binding() { return stream_binding().Ctx<ffi::DeviceOrdinal>(); }
+
+// The workspace query of the calls that take one, for the CUDA handlers (see the file comment).
+enum class workspace_kind : int {
+  cross_entropy = 0,         // cross_entropy fwd and fwd_bwd with a reduced loss: `rows` rows
+  vocab_parallel_merge = 1,  // vocab-parallel merge of `rows` rows
+  linear_forward = 2,        // fused linear forward of (rows, dim, vocab), dtype as below
+  linear_training = 3,       // fused linear fwd_bwd and bwd
+};
+
+template <class T>
+std::size_t linear_bytes(xent::linear_pass pass, std::int64_t rows, std::int64_t dim,
+                         std::int64_t vocab) {
+  return blas_workspace_bytes +
+         xent::linear_workspace_size<T>(xent::cuda{}, {rows, dim, vocab}, pass).bytes;
+}
 
 }  // namespace
 }  // namespace xent_jax
 
-XENT_JAX_HANDLER(xent_cross_entropy_fwd_cuda, xent_jax::fwd,
-                 xent_jax::loss_binding(xent_jax::stream_scratch_binding()));
-XENT_JAX_HANDLER(xent_cross_entropy_bwd_cuda, xent_jax::bwd,
-                 xent_jax::backward_binding(xent_jax::stream_scratch_binding()));
-XENT_JAX_HANDLER(xent_cross_entropy_fwd_bwd_cuda, xent_jax::fwd_bwd,
-                 xent_jax::fused_binding(xent_jax::stream_scratch_binding()));
-XENT_JAX_HANDLER(xent_scale_grad_cuda, xent_jax::scale,
-                 xent_jax::scale_binding(xent_jax::stream_binding()));
-XENT_JAX_HANDLER(xent_linear_cross_entropy_fwd_cuda, xent_jax::lin_fwd,
-                 xent_jax::linear_loss_binding(xent_jax::linear_context_binding()));
-XENT_JAX_HANDLER(xent_linear_cross_entropy_bwd_cuda, xent_jax::lin_bwd,
-                 xent_jax::linear_backward_binding(xent_jax::linear_context_binding()));
-XENT_JAX_HANDLER(xent_linear_cross_entropy_fwd_bwd_cuda, xent_jax::lin_fwd_bwd,
-                 xent_jax::linear_fused_binding(xent_jax::linear_context_binding()));
-XENT_JAX_HANDLER(xent_vocab_parallel_records_cuda, xent_jax::vp_rec,
-                 xent_jax::vp_records_binding(xent_jax::stream_scratch_binding()));
-XENT_JAX_HANDLER(xent_vocab_parallel_merge_cuda, xent_jax::vp_mrg,
-                 xent_jax::vp_merge_binding(xent_jax::stream_scratch_binding()));
-XENT_JAX_HANDLER(xent_vocab_parallel_backward_cuda, xent_jax::vp_bwd,
-                 xent_jax::vp_backward_binding(xent_jax::stream_scratch_binding()));
+// Bytes of the workspace result a call of `kind` takes (host code: no GPU needed), or -1 for a
+// kind, dtype (0 float32, 1 bfloat16, 2 float16) or shape that no call takes.
+extern "C" __attribute__((visibility("default"))) std::int64_t xent_jax_cuda_workspace_bytes(
+    int kind, int dtype, std::int64_t rows, std::int64_t dim, std::int64_t vocab) {
+  using xent_jax::workspace_kind;
+  try {
+    switch (static_cast<workspace_kind>(kind)) {
+      case workspace_kind::cross_entropy:
+        return static_cast<std::int64_t>(xent::cuda_workspace_size(rows));
+      case workspace_kind::vocab_parallel_merge:
+        return static_cast<std::int64_t>(xent::cuda_vocab_parallel_finish_workspace_size(rows));
+      case workspace_kind::linear_forward:
+      case workspace_kind::linear_training: {
+        const auto pass = static_cast<workspace_kind>(kind) == workspace_kind::linear_forward
+                              ? xent::linear_pass::forward
+                              : xent::linear_pass::training;
+        if (dtype == 0) return xent_jax::linear_bytes<float>(pass, rows, dim, vocab);
+        if (dtype == 1) return xent_jax::linear_bytes<Eigen::bfloat16>(pass, rows, dim, vocab);
+        if (dtype == 2) return xent_jax::linear_bytes<Eigen::half>(pass, rows, dim, vocab);
+        return -1;
+      }
+    }
+  } catch (const std::exception&) {
+  }
+  return -1;
+}
+
+// Every CUDA handler is capturable into XLA's command buffers (see the file comment).
+#define XENT_JAX_CUDA_HANDLER(name, impl, binding) \
+  XENT_JAX_HANDLER(name, impl, binding, {xla::ffi::Traits::kCmdBufferCompatible})
+
+XENT_JAX_CUDA_HANDLER(xent_cross_entropy_fwd_cuda, xent_jax::fwd,
+                      xent_jax::loss_binding<1>(xent_jax::stream_binding()));
+XENT_JAX_CUDA_HANDLER(xent_cross_entropy_bwd_cuda, xent_jax::bwd,
+                      xent_jax::backward_binding(xent_jax::stream_binding()));
+XENT_JAX_CUDA_HANDLER(xent_cross_entropy_fwd_bwd_cuda, xent_jax::fwd_bwd,
+                      xent_jax::fused_binding<1>(xent_jax::stream_binding()));
+XENT_JAX_CUDA_HANDLER(xent_scale_grad_cuda, xent_jax::scale,
+                      xent_jax::scale_binding(xent_jax::stream_binding()));
+XENT_JAX_CUDA_HANDLER(xent_linear_cross_entropy_fwd_cuda, xent_jax::lin_fwd,
+                      xent_jax::linear_loss_binding<1>(xent_jax::linear_context_binding()));
+XENT_JAX_CUDA_HANDLER(xent_linear_cross_entropy_bwd_cuda, xent_jax::lin_bwd,
+                      xent_jax::linear_backward_binding<1>(xent_jax::linear_context_binding()));
+XENT_JAX_CUDA_HANDLER(xent_linear_cross_entropy_fwd_bwd_cuda, xent_jax::lin_fwd_bwd,
+                      xent_jax::linear_fused_binding<1>(xent_jax::linear_context_binding()));
+XENT_JAX_CUDA_HANDLER(xent_vocab_parallel_records_cuda, xent_jax::vp_rec,
+                      xent_jax::vp_records_binding(xent_jax::stream_binding()));
+XENT_JAX_CUDA_HANDLER(xent_vocab_parallel_merge_cuda, xent_jax::vp_mrg,
+                      xent_jax::vp_merge_binding<1>(xent_jax::stream_binding()));
+XENT_JAX_CUDA_HANDLER(xent_vocab_parallel_backward_cuda, xent_jax::vp_bwd,
+                      xent_jax::vp_backward_binding(xent_jax::stream_binding()));

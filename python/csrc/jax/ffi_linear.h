@@ -188,19 +188,20 @@ ffi::Error linear_fwd_bwd(const Exec& exec, Alloc&& alloc, ffi::AnyBuffer hidden
   });
 }
 
-template <class B>
+// As ffi_ops.h's bindings (ws: a workspace result after the others).
+template <int ws = 0, class B>
 auto linear_loss_binding(B&& ctx) {  // hidden, weight, bias, labels, class weights -> loss, lse
-  return buffers<5, 2>(std::move(ctx)).template Attrs<loss_attrs>();
+  return buffers<5, 2 + ws>(std::move(ctx)).template Attrs<loss_attrs>();
 }
 
-template <class B>
+template <int ws = 0, class B>
 auto linear_backward_binding(B&& ctx) {  // ..., lse, g -> d_hidden, d_weight, d_bias
-  return buffers<7, 3>(std::move(ctx)).template Attrs<loss_attrs>();
+  return buffers<7, 3 + ws>(std::move(ctx)).template Attrs<loss_attrs>();
 }
 
-template <class B>
+template <int ws = 0, class B>
 auto linear_fused_binding(B&& ctx) {  // ... -> loss, lse, d_hidden, d_weight, d_bias
-  return buffers<5, 5>(std::move(ctx)).template Attrs<loss_attrs>();
+  return buffers<5, 5 + ws>(std::move(ctx)).template Attrs<loss_attrs>();
 }
 
 }  // namespace xent_jax

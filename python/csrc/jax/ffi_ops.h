@@ -452,8 +452,10 @@ ffi::Error scale_grad(ffi::AnyBuffer grad_in, ffi::AnyBuffer scale,
 
 // --- bindings ------------------------------------------------------------------------------------
 // The handlers' operands after a backend's context arguments (`ctx`: none on the CPU; the stream
-// and the scratch allocator on CUDA), in the order xent/jax/_ffi.py passes them: `args` buffers
-// in, `rets` buffers out.
+// on CUDA), in the order xent/jax/_ffi.py passes them: `args` buffers in, `rets` buffers out. A
+// handler that needs device workspace takes it as one more result (`ws` = 1, CUDA), a uint8
+// buffer that XLA allocates with the call's others and the caller sizes from
+// xent_jax_cuda_workspace_bytes (ffi_cuda.cu), so that nothing is allocated while the call runs.
 
 template <int args, int rets, class B>
 auto buffers(B&& ctx) {
@@ -466,9 +468,9 @@ auto buffers(B&& ctx) {
     return std::move(ctx).template Ret<ffi::AnyBuffer>();
 }
 
-template <class B>
+template <int ws = 0, class B>
 auto loss_binding(B&& ctx) {  // logits, labels, weight -> loss, lse
-  return buffers<3, 2>(std::move(ctx)).template Attrs<loss_attrs>();
+  return buffers<3, 2 + ws>(std::move(ctx)).template Attrs<loss_attrs>();
 }
 
 template <class B>
@@ -476,9 +478,9 @@ auto backward_binding(B&& ctx) {  // logits, labels, weight, lse, g -> grad
   return buffers<5, 1>(std::move(ctx)).template Attrs<loss_attrs>();
 }
 
-template <class B>
+template <int ws = 0, class B>
 auto fused_binding(B&& ctx) {  // logits, labels, weight -> loss, lse, grad
-  return buffers<3, 3>(std::move(ctx)).template Attrs<loss_attrs>();
+  return buffers<3, 3 + ws>(std::move(ctx)).template Attrs<loss_attrs>();
 }
 
 template <class B>
@@ -497,8 +499,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(xent_jax::loss_attrs,
                                       xla::ffi::StructMember<float>("softcap"));
 
 // A handler exported as the C symbol `name` (the library is built with hidden visibility; only
-// the handlers are its interface).
-#define XENT_JAX_HANDLER(name, impl, binding)                            \
+// the handlers are its interface), with XLA's handler traits where given (...).
+#define XENT_JAX_HANDLER(name, impl, ...)                                \
   extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* name( \
       XLA_FFI_CallFrame* call_frame);                                    \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding)
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, __VA_ARGS__)

@@ -214,9 +214,9 @@ auto vp_records_binding(B&& ctx) {  // logits, labels, weight -> send
   return buffers<3, 1>(std::move(ctx)).template Attrs<vp_attrs>();
 }
 
-template <class B>
-auto vp_merge_binding(B&& ctx) {  // recv, labels, weight -> loss, lse
-  return buffers<3, 2>(std::move(ctx)).template Attrs<vp_attrs>();
+template <int ws = 0, class B>
+auto vp_merge_binding(B&& ctx) {  // recv, labels, weight -> loss, lse (ws: as ffi_ops.h's)
+  return buffers<3, 2 + ws>(std::move(ctx)).template Attrs<vp_attrs>();
 }
 
 template <class B>

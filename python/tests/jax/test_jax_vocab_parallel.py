@@ -67,9 +67,31 @@ def cotangent_for(loss):
 
 SIZES = [(2, 16), (2, 13), (4, 16), (4, 13), (4, 5)]  # (devices, V): even, uneven, an empty shard
 
+# The three kinds of shards a size gives the handlers: every device full (one plain call), a
+# last shard partly padding (a lax.switch over the widths), a shard of padding only; each on 2
+# and 4 devices where it can be.
+KINDS = [[(2, 16), (4, 16)], [(4, 13), (2, 13)], [(4, 5)]]
 
-@pytest.mark.parametrize("kw", OPTIONS, ids=lambda kw: ",".join(kw) or "defaults")
-@pytest.mark.parametrize("devices,classes", SIZES, ids=lambda s: str(s))
+
+def cases(options, bias=False):
+    """Every option on every kind of shard, the kind's sizes taken in turn (each size runs about
+    half the options; a full cross covers no more and compiles twice as much). bias: alternate a
+    bias too, so that every option and every size runs with and without one."""
+    out = []
+    for j, kw in enumerate(options):
+        for k, sizes in enumerate(KINDS):
+            devices, classes = sizes[j % len(sizes)]
+            name = f"{devices}-{classes}-{','.join(kw) or 'defaults'}"
+            if not bias:
+                out.append(pytest.param(devices, classes, kw, id=name))
+                continue
+            with_bias = (j // 2 + k) % 2 == 1
+            name = f"{'bias' if with_bias else 'no-bias'}-{name}"
+            out.append(pytest.param(devices, classes, with_bias, kw, id=name))
+    return out
+
+
+@pytest.mark.parametrize("devices,classes,kw", cases(OPTIONS))
 def test_matches_unsharded_and_float64_oracle(devices, classes, kw):
     x, y = make((3, 7), classes)
     kw = resolve(kw, classes)
@@ -186,7 +208,7 @@ def test_errors_name_the_argument():
 
 def test_merge_refuses_shards_that_do_not_tile_the_vocabulary():
     # Two devices' records that both claim classes [0, 4) of 8: the merge's header check.
-    from xent.jax.ops import _check_options
+    from xent.jax._core import _check_options
     from xent.jax.vocab_parallel import _block_bytes, _vp_call
 
     x, y = make((3,), 4)
@@ -217,6 +239,16 @@ def linear_oracle(h, wt, b, y, **kw):
     if kw.get("reduction") == "none":
         loss = loss.sum()
     return loss, (dz @ w64, dz.T @ h64, dz.sum(axis=0))
+
+
+def linear_inputs(rows, dim, classes, bias):
+    """hidden (rows, dim), an LM head's weight (classes, dim), its bias (classes,) or None (bias
+    False) and labels (rows,), float32."""
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    h = jax.random.normal(keys[0], (rows, dim))
+    wt = jax.random.normal(keys[1], (classes, dim))
+    b = jax.random.normal(keys[2], (classes,)) if bias else None
+    return h, wt, b, jax.random.randint(keys[3], (rows,), 0, classes)
 
 
 def sharded_linear(devices, classes, bias, **kw):
@@ -250,19 +282,13 @@ LINEAR_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("kw", LINEAR_OPTIONS, ids=lambda kw: ",".join(kw) or "defaults")
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("devices,classes", SIZES, ids=lambda s: str(s))
+@pytest.mark.parametrize("devices,classes,bias,kw", cases(LINEAR_OPTIONS, bias=True))
 def test_linear_matches_unsharded_and_float64_oracle(devices, classes, bias, kw):
-    rows, dim = 7, 6
-    keys = jax.random.split(jax.random.PRNGKey(5), 4)
-    h = jax.random.normal(keys[0], (rows, dim))
-    wt = jax.random.normal(keys[1], (classes, dim))
-    b = jax.random.normal(keys[2], (classes,)) if bias else None
-    y = jax.random.randint(keys[3], (rows,), 0, classes)
+    h, wt, b, y = linear_inputs(7, 6, classes, bias)
     kw = resolve(kw, classes)
+    argnums = (0, 1, 2) if bias else (0, 1)
     f = sharded_linear(devices, classes, bias, **kw)
-    loss, padded_grads = jax.value_and_grad(f, argnums=(0, 1, 2) if bias else (0, 1))(h, wt, b, y)
+    loss, padded_grads = jax.jit(jax.value_and_grad(f, argnums=argnums))(h, wt, b, y)
     grads = padded_grads
     kw.pop("chunk_rows", None)
     cw = kw.pop("weight", None)
@@ -270,9 +296,7 @@ def test_linear_matches_unsharded_and_float64_oracle(devices, classes, bias, kw)
     def unsharded(h, wt, b):
         return xj.linear_cross_entropy(h, wt, y, b, class_weight=cw, **kw).sum()
 
-    want, want_grads = jax.value_and_grad(unsharded, argnums=(0, 1, 2) if bias else (0, 1))(
-        h, wt, b
-    )
+    want, want_grads = jax.jit(jax.value_and_grad(unsharded, argnums=argnums))(h, wt, b)
     # d_hidden whole; d_weight and d_bias without their padding rows.
     grads = (grads[0], *(g[:classes] for g in grads[1:]))
     check(loss, want, 1e-6)
@@ -293,7 +317,7 @@ def test_linear_bf16_matches_unsharded():
     wt = jax.random.normal(keys[1], (classes, 16), jnp.bfloat16)
     y = jax.random.randint(keys[2], (9,), 0, classes)
     f = sharded_linear(devices, classes, False)
-    loss, (dh, dw) = jax.value_and_grad(f, argnums=(0, 1))(h, wt, None, y)
+    loss, (dh, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, wt, None, y)
     want, (wh, ww) = jax.value_and_grad(
         lambda h, wt: xj.linear_cross_entropy(h, wt, y), argnums=(0, 1)
     )(h, wt)

@@ -6,6 +6,9 @@ jax.checkpoint.
     loss = xj.linear_cross_entropy(hidden, lm_head, labels)   # no (..., V) logits
     loss = xj.vocab_parallel_cross_entropy(shard, labels, axis_name="model")  # in shard_map
 
+Under jax.jit, logits (or an LM head's weight) with a NamedSharding on the vocabulary or the rows
+are partitioned without being gathered (_sharding.py).
+
 Importing compiles nothing: the handlers were built with the package (python/csrc/jax/) and are
 registered with XLA here, on the CPU and, where the package was built with nvcc, on CUDA.
 """

@@ -7,6 +7,8 @@ FFI, api_version 1). Nothing in it links jax, and XLA's FFI C API is versioned, 
 built against one jaxlib serves another.
 """
 
+from __future__ import annotations
+
 import ctypes
 from pathlib import Path
 
@@ -40,6 +42,35 @@ TARGETS = (
 
 with_cuda: bool = _build_info.cuda
 """Whether the library has the CUDA handlers (built where nvcc was found)."""
+
+# The CUDA handlers' workspace query (ffi_cuda.cu): the bytes of the uint8 result a call takes.
+WORKSPACE_KINDS = {
+    "cross_entropy": 0,
+    "vocab_parallel_merge": 1,
+    "linear_forward": 2,
+    "linear_training": 3,
+}
+_WORKSPACE_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}
+if with_cuda:
+    _query = _lib.xent_jax_cuda_workspace_bytes
+    _query.restype = ctypes.c_int64
+    _query.argtypes = (ctypes.c_int, ctypes.c_int) + (ctypes.c_int64,) * 3
+
+
+def workspace_bytes(
+    kind: str, dtype, rows: int, dim: int = 0, vocab: int = 0, *, reduced: bool = True
+) -> int | None:
+    """The bytes of device workspace a CUDA call of `kind` takes as one more result (0 for a
+    cross-entropy call whose loss is not reduced), None where the library has no CUDA handlers.
+    0 for what no CUDA call runs (float64, a shape the call refuses): the handler checks its
+    workspace, and reports that itself."""
+    if not with_cuda:
+        return None
+    if not reduced:
+        return 0
+    code = _WORKSPACE_DTYPES.get(str(dtype), -1)
+    return max(0, int(_query(WORKSPACE_KINDS[kind], code, rows, dim, vocab)))
+
 
 for _name in TARGETS:
     jax.ffi.register_ffi_target(

@@ -1,79 +1,34 @@
 """Cross-entropy over xent's FFI handlers, with a custom VJP.
 
-The handlers (csrc/jax/ffi_ops.h) take logits as N x V rows; this module flattens the leading
-dimensions, checks every argument before XLA sees it (TypeError / ValueError naming it), and
-passes the options as FFI attributes. Under jax.vmap each ffi_call is batched with
-vmap_method="expand_dims" (or "broadcast_all", see _call): the handler gets the batch as leading
-dimensions (size 1 for an operand that is not batched, read for every batch element) and loops
-over it in C++, with no Python loop.
+The FFI calls and the argument checks are _core.py's; each call that the forward and backward
+below make goes through _sharding.py, which under jax.jit partitions it over the mesh of sharded
+operands (rows, vocabulary) instead of letting XLA gather them.
 """
 
 from __future__ import annotations
 
 import math
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # torch's enum order, as the handlers read it
-_LOGIT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
-
-
-class _Config(NamedTuple):
-    """The static options of one call (hashable: a nondiff argument of the custom VJP)."""
-
-    ignore_index: int
-    reduction: int
-    label_smoothing: float
-    z_loss: float
-    softcap: float
-
-    def attrs(self):
-        return {
-            "ignore_index": np.int64(self.ignore_index),
-            "reduction": np.int32(self.reduction),
-            "label_smoothing": np.float32(self.label_smoothing),
-            "z_loss": np.float32(self.z_loss),
-            "softcap": np.float32(self.softcap),
-        }
-
-
-def _accumulator(dtype) -> jnp.dtype:
-    """xent's accumulator for logits of `dtype`: float64 for float64, float32 otherwise."""
-    return jnp.dtype(jnp.float64) if dtype == jnp.float64 else jnp.dtype(jnp.float32)
-
-
-def _call(target, results, *args, cfg=None, aliases=None, method=None):
-    # A call writing over an input (aliases) needs that input of the result's shape under vmap:
-    # broadcast_all copies an unbatched one to the batch, which is the result's memory anyway.
-    if method is None:
-        method = "broadcast_all" if aliases else "expand_dims"
-    kwargs = cfg.attrs() if cfg is not None else {}
-    return jax.ffi.ffi_call(target, results, vmap_method=method, input_output_aliases=aliases)(
-        *args, **kwargs
-    )
-
-
-def _forward(x, y, w, cfg):
-    n = x.shape[0]
-    acc = _accumulator(x.dtype)
-    loss_shape = (n,) if cfg.reduction == 0 else ()
-    return _call(
-        "xent_cross_entropy_fwd",
-        (jax.ShapeDtypeStruct(loss_shape, acc), jax.ShapeDtypeStruct((n,), acc)),
-        x,
-        y,
-        w,
-        cfg=cfg,
-    )
+from . import _sharding
+from ._core import (
+    _check_float,
+    _check_labels,
+    _check_options,
+    _class_weights,
+    _keep,
+    _kept,
+    _linear_operands,
+    _results,
+)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _cross_entropy(x, y, w, cfg):
-    return _forward(x, y, w, cfg)
+    return _sharding.forward(x, y, w, cfg)
 
 
 # What the forward saves. With mean or sum the loss's gradient is a scalar, so the forward runs
@@ -85,22 +40,9 @@ def _cross_entropy(x, y, w, cfg):
 # backward: the forward saves the LSE and backward reads the logits again.
 def _cross_entropy_fwd(x, y, w, cfg):
     if cfg.reduction == 0:
-        loss, lse = _forward(x, y, w, cfg)
-        return (loss, lse), (x, y, w, lse)
-    acc = _accumulator(x.dtype)
-    loss, lse, grad = _call(
-        "xent_cross_entropy_fwd_bwd",
-        (
-            jax.ShapeDtypeStruct((), acc),
-            jax.ShapeDtypeStruct((x.shape[0],), acc),
-            jax.ShapeDtypeStruct(x.shape, x.dtype),
-        ),
-        x,
-        y,
-        w,
-        cfg=cfg,
-        aliases={0: 2},
-    )
+        loss, lse = _sharding.forward(x, y, w, cfg)
+        return (loss, lse), (x, y, _keep(w), lse)
+    loss, lse, grad = _sharding.fused(x, y, w, cfg)
     return (loss, lse), (grad,)
 
 
@@ -108,96 +50,14 @@ def _cross_entropy_bwd(cfg, saved, cotangents):
     g = cotangents[0]  # the LSE leaves the custom VJP through stop_gradient: its cotangent is 0
     if cfg.reduction == 0:
         x, y, w, lse = saved
-        grad = _call(
-            "xent_cross_entropy_bwd",
-            jax.ShapeDtypeStruct(x.shape, x.dtype),
-            x,
-            y,
-            w,
-            lse,
-            g.astype(lse.dtype),
-            cfg=cfg,
-        )
+        grad = _sharding.backward(x, y, _kept(w, jnp.float32), lse, g, cfg)
     else:
         (grad,) = saved
-        grad = _call(
-            "xent_scale_grad",
-            jax.ShapeDtypeStruct(grad.shape, grad.dtype),
-            grad,
-            g.astype(_accumulator(grad.dtype)),
-            aliases={0: 0},
-        )
+        grad = _sharding.scale(grad, g)
     return grad, None, None  # labels and class weights are not differentiated
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
-
-
-def _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap) -> _Config:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"xent: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
-        raise TypeError(f"xent: ignore_index must be an int, got {type(ignore_index).__name__}")
-    values = {}
-    for name, value in (
-        ("label_smoothing", label_smoothing),
-        ("z_loss", z_loss),
-        ("softcap", softcap),
-    ):
-        try:
-            values[name] = float(value)
-        except (TypeError, jax.errors.ConcretizationTypeError):
-            raise TypeError(
-                f"xent: {name} must be a Python float (a static option), got {type(value).__name__}"
-            ) from None
-        if math.isnan(values[name]):
-            raise ValueError(f"xent: {name} is NaN")
-    if not 0.0 <= values["label_smoothing"] <= 1.0:
-        raise ValueError(f"xent: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if values["z_loss"] < 0.0:
-        raise ValueError(f"xent: z_loss must be >= 0, got {z_loss}")
-    if values["softcap"] < 0.0:
-        raise ValueError(f"xent: softcap must be >= 0 (0 is off), got {softcap}")
-    return _Config(int(ignore_index), _REDUCTIONS[reduction], **values)
-
-
-def _check_float(name, x):
-    if x.dtype not in _LOGIT_DTYPES:
-        raise TypeError(
-            f"xent: {name} must be float32, bfloat16, float16 or float64, got {x.dtype}"
-        )
-
-
-def _check_labels(labels, shape, what):
-    if labels.dtype not in (jnp.int32, jnp.int64):
-        raise TypeError(f"xent: labels must be int32 or int64 class ids, got {labels.dtype}")
-    if labels.shape != shape:
-        raise ValueError(f"xent: labels must have shape {what} = {shape}, got {labels.shape}")
-
-
-def _class_weights(weight, classes):
-    """The class weights as the handlers take them: (V,) float32, or (0,) for none."""
-    if classes == 0:
-        raise ValueError("xent: the class dimension is empty (V = 0)")
-    if weight is None:
-        return jnp.zeros((0,), jnp.float32)
-    w = jnp.asarray(weight)
-    if not jnp.issubdtype(w.dtype, jnp.floating):
-        raise TypeError(f"xent: weight must be floating point, got {w.dtype}")
-    if w.shape != (classes,):
-        raise ValueError(f"xent: weight must have shape (V,) = ({classes},), got {w.shape}")
-    return w.astype(jnp.float32)
-
-
-def _results(loss, lse, shape, dtype, cfg, return_lse):
-    """What the public calls return: the loss in the inputs' dtype (labels' shape for none) and,
-    on request, the per-row LSE outside the gradient."""
-    if cfg.reduction == 0:
-        loss = loss.reshape(shape)
-    loss = loss.astype(dtype)
-    if not return_lse:
-        return loss
-    return loss, jax.lax.stop_gradient(lse).reshape(shape)
 
 
 def cross_entropy(
@@ -249,33 +109,9 @@ def cross_entropy(
 # --- fused linear cross-entropy ------------------------------------------------------------------
 
 
-def _linear_forward(h, wt, b, y, w, cfg):
-    acc = _accumulator(h.dtype)
-    loss_shape = (h.shape[0],) if cfg.reduction == 0 else ()
-    return _call(
-        "xent_linear_cross_entropy_fwd",
-        (jax.ShapeDtypeStruct(loss_shape, acc), jax.ShapeDtypeStruct((h.shape[0],), acc)),
-        h,
-        wt,
-        b,
-        y,
-        w,
-        cfg=cfg,
-        method="sequential",
-    )
-
-
-def _linear_grads(h, wt, b):
-    return (
-        jax.ShapeDtypeStruct(h.shape, h.dtype),
-        jax.ShapeDtypeStruct(wt.shape, h.dtype),
-        jax.ShapeDtypeStruct(b.shape, h.dtype),
-    )
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _linear_cross_entropy(h, wt, b, y, w, cfg):
-    return _linear_forward(h, wt, b, y, w, cfg)
+    return _sharding.linear_forward(h, wt, b, y, w, cfg)
 
 
 # As for _cross_entropy: with mean or sum the forward computes the three gradients in the same
@@ -283,77 +119,27 @@ def _linear_cross_entropy(h, wt, b, y, w, cfg):
 # backward scales them; with none the forward saves the LSE and backward recomputes the logits.
 def _linear_cross_entropy_fwd(h, wt, b, y, w, cfg):
     if cfg.reduction == 0:
-        loss, lse = _linear_forward(h, wt, b, y, w, cfg)
-        return (loss, lse), (h, wt, b, y, w, lse)
-    acc = _accumulator(h.dtype)
-    loss, lse, dh, dw, db = _call(
-        "xent_linear_cross_entropy_fwd_bwd",
-        (jax.ShapeDtypeStruct((), acc), jax.ShapeDtypeStruct((h.shape[0],), acc))
-        + _linear_grads(h, wt, b),
-        h,
-        wt,
-        b,
-        y,
-        w,
-        cfg=cfg,
-        method="sequential",
-    )
-    return (loss, lse), (dh, dw, db)
+        loss, lse = _sharding.linear_forward(h, wt, b, y, w, cfg)
+        return (loss, lse), (h, wt, _keep(b), y, _keep(w), lse)
+    loss, lse, dh, dw, db = _sharding.linear_fused(h, wt, b, y, w, cfg)
+    return (loss, lse), (dh, dw, _keep(db))
 
 
 def _linear_cross_entropy_bwd(cfg, saved, cotangents):
     g = cotangents[0]
     if cfg.reduction == 0:
         h, wt, b, y, w, lse = saved
-        dh, dw, db = _call(
-            "xent_linear_cross_entropy_bwd",
-            _linear_grads(h, wt, b),
-            h,
-            wt,
-            b,
-            y,
-            w,
-            lse,
-            g.astype(lse.dtype),
-            cfg=cfg,
-            method="sequential",
-        )
+        b, w = _kept(b, h.dtype), _kept(w, jnp.float32)
+        dh, dw, db = _sharding.linear_backward(h, wt, b, y, w, lse, g, cfg)
     else:
         # A pass over d_hidden (N x D) and d_weight (V x D), small beside the call's GEMMs.
-        dh, dw, db = ((d.astype(g.dtype) * g).astype(d.dtype) if d.size else d for d in saved)
+        dh, dw, db = saved
+        grads = (dh, dw, _kept(db, dh.dtype))
+        dh, dw, db = ((d.astype(g.dtype) * g).astype(d.dtype) if d.size else d for d in grads)
     return dh, dw, db, None, None
 
 
 _linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)
-
-
-def _linear_operands(hidden, weight, bias, labels, check_dtype, rows_name):
-    """The fused linear calls' operands, checked: hidden (..., D) of a dtype check_dtype takes,
-    weight (`rows_name`, D) and bias (`rows_name`,) or None (then (0,)) of hidden's dtype, labels
-    hidden.shape[:-1]. Returns them as arrays."""
-    hidden = jnp.asarray(hidden)
-    weight = jnp.asarray(weight)
-    labels = jnp.asarray(labels)
-    check_dtype("hidden", hidden)
-    if hidden.ndim < 1:
-        raise ValueError("xent: hidden must be (..., D), got a scalar")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"xent: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"xent: weight must be ({rows_name}, D) with D = {hidden.shape[-1]}, got {weight.shape}"
-        )
-    _check_labels(labels, hidden.shape[:-1], "hidden.shape[:-1]")
-    if bias is None:
-        return hidden, weight, jnp.zeros((0,), hidden.dtype), labels
-    b = jnp.asarray(bias)
-    if b.dtype != hidden.dtype:
-        raise TypeError(f"xent: bias must have hidden's dtype {hidden.dtype}, got {b.dtype}")
-    if b.shape != (weight.shape[0],):
-        raise ValueError(
-            f"xent: bias must have shape ({rows_name},) = ({weight.shape[0]},), got {b.shape}"
-        )
-    return hidden, weight, b, labels
 
 
 def linear_cross_entropy(

@@ -37,12 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .ops import (
+from . import _ffi
+from ._core import (
     _call,
     _check_labels,
     _check_options,
     _class_weights,
     _Config,
+    _keep,
+    _kept,
     _linear_operands,
     _results,
 )
@@ -122,11 +125,17 @@ def _rotate(shard: _Shard, cfg: _Config, y, w):
 # --- the handlers ---------------------------------------------------------------------------------
 
 
-def _vp_call(target, results, *args, cfg, vocab, aliases=None):
-    attrs = dict(cfg.attrs(), vocab=np.int64(vocab))
-    return jax.ffi.ffi_call(
-        target, results, vmap_method="sequential", input_output_aliases=aliases
-    )(*args, **attrs)
+def _vp_call(target, results, *args, cfg, vocab, aliases=None, workspace=None):
+    return _call(
+        target,
+        results,
+        *args,
+        cfg=cfg,
+        attrs={"vocab": np.int64(vocab)},
+        aliases=aliases,
+        method="sequential",
+        workspace=workspace,
+    )
 
 
 def _block_bytes(rows: int, cfg: _Config) -> int:
@@ -185,6 +194,7 @@ def _merged(shard: _Shard, cfg: _Config, x, y, w):
         w,
         cfg=cfg,
         vocab=shard.vocab,
+        workspace=_ffi.workspace_bytes("vocab_parallel_merge", x.dtype, rows),
     )
     return loss, lse, yr, wr
 
@@ -206,8 +216,12 @@ def _replicated(shard: _Shard, x):
 
 def _varying(shard: _Shard, x):
     """x typed as varying along the axis, as a shard's gradient is: jax types an ffi_call's
-    results as replicated whatever its operands."""
+    results as replicated whatever its operands. Under shard_map only: where the axis is not a
+    manual one (a custom_partitioning's per-device function, _sharding.py) jax types no value as
+    varying."""
     if shard.axis_name in _varying_axes(x):
+        return x
+    if shard.axis_name not in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
         return x
     return lax.pcast(x, shard.axis_name, to="varying")
 
@@ -252,7 +266,7 @@ def _vp_cross_entropy_fwd(x, y, w, cfg, shard):
     loss, lse, yr, wr = _merged(shard, cfg, x, y, w)
     out = (_replicated(shard, loss), lse)
     if cfg.reduction == 0:
-        return out, (x, yr, wr, lse)
+        return out, (x, yr, _keep(wr), lse)
     grad = _local_grad(shard, cfg, x, yr, wr, lse, jnp.ones((), jnp.float32), in_place=True)
     return out, (grad,)
 
@@ -261,7 +275,7 @@ def _vp_cross_entropy_bwd(cfg, shard, saved, cotangents):
     g = cotangents[0].astype(jnp.float32)
     if cfg.reduction == 0:
         x, yr, wr, lse = saved
-        grad = _local_grad(shard, cfg, x, yr, wr, lse, g)
+        grad = _local_grad(shard, cfg, x, yr, _kept(wr, jnp.float32), lse, g)
     else:
         (grad,) = saved
         grad = _call(
@@ -444,19 +458,24 @@ def _vp_linear(h, wt, b, y, w, cfg, lin):
 def _vp_linear_fwd(h, wt, b, y, w, cfg, lin):
     if cfg.reduction == 0:
         row_loss, lse, _ = _linear_pass(lin, cfg, h, wt, b, y, w)
-        return (_replicated(lin.shard, row_loss), lse), (h, wt, b, y, w, lse)
+        return (_replicated(lin.shard, row_loss), lse), (h, wt, _keep(b), y, _keep(w), lse)
     scale = 1.0 / _mean_normaliser(cfg, y, w) if cfg.reduction == 1 else jnp.ones((), jnp.float32)
     row_loss, lse, grads = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=scale)
-    return (_replicated(lin.shard, _reduce(cfg, row_loss, y, w)), lse), grads
+    dh, dw, db = grads
+    return (_replicated(lin.shard, _reduce(cfg, row_loss, y, w)), lse), (dh, dw, _keep(db))
 
 
 def _vp_linear_bwd(cfg, lin, saved, cotangents):
     g = cotangents[0].astype(jnp.float32)
     if cfg.reduction == 0:
         h, wt, b, y, w, lse = saved
+        b, w = _kept(b, h.dtype), _kept(w, jnp.float32)
         _, _, (dh, dw, db) = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=g, lse=lse)
     else:
-        dh, dw, db = ((d.astype(jnp.float32) * g).astype(d.dtype) for d in saved)
+        dh, dw, db = saved
+        dh, dw, db = (
+            (d.astype(jnp.float32) * g).astype(d.dtype) for d in (dh, dw, _kept(db, dh.dtype))
+        )
     return dh, dw, db, None, None
 
 

@@ -1,0 +1,326 @@
+"""What every xent.jax call shares: the static options, the argument checks and the FFI calls
+of one device (ops.py differentiates them, _sharding.py partitions them over a mesh under jit,
+vocab_parallel.py runs them on one shard inside shard_map).
+
+The handlers (csrc/jax/ffi_ops.h) take logits as N x V rows; the public calls flatten the leading
+dimensions, check every argument here before XLA sees it (TypeError / ValueError naming it), and
+pass the options as FFI attributes. Under jax.vmap each ffi_call is batched with
+vmap_method="expand_dims" (or "broadcast_all", see _call): the handler gets the batch as leading
+dimensions (size 1 for an operand that is not batched, read for every batch element) and loops
+over it in C++, with no Python loop.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _ffi
+
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # torch's enum order, as the handlers read it
+_LOGIT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+class _Config(NamedTuple):
+    """The static options of one call (hashable: a nondiff argument of the custom VJP)."""
+
+    ignore_index: int
+    reduction: int
+    label_smoothing: float
+    z_loss: float
+    softcap: float
+
+    def attrs(self):
+        return {
+            "ignore_index": np.int64(self.ignore_index),
+            "reduction": np.int32(self.reduction),
+            "label_smoothing": np.float32(self.label_smoothing),
+            "z_loss": np.float32(self.z_loss),
+            "softcap": np.float32(self.softcap),
+        }
+
+
+def _accumulator(dtype) -> jnp.dtype:
+    """xent's accumulator for logits of `dtype`: float64 for float64, float32 otherwise."""
+    return jnp.dtype(jnp.float64) if dtype == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def _call(target, results, *args, cfg=None, attrs=None, aliases=None, method=None, workspace=None):
+    """ffi_call of `target` with the options of `cfg` (and `attrs`) as attributes. workspace: the
+    bytes of device workspace its CUDA handler takes as one more result (_ffi.workspace_bytes),
+    allocated by XLA with the call's other buffers and dropped here; None for none."""
+    # A call writing over an input (aliases) needs that input of the result's shape under vmap:
+    # broadcast_all copies an unbatched one to the batch, which is the result's memory anyway.
+    if method is None:
+        method = "broadcast_all" if aliases else "expand_dims"
+    kwargs = dict(cfg.attrs() if cfg is not None else {}, **(attrs or {}))
+
+    def ffi(*operands, ws=None):
+        shapes = results
+        if ws is not None:
+            shapes = (*_tuple(results), jax.ShapeDtypeStruct((ws,), jnp.uint8))
+        out = jax.ffi.ffi_call(target, shapes, vmap_method=method, input_output_aliases=aliases)(
+            *operands, **kwargs
+        )
+        if ws is None:
+            return out
+        return tuple(out[:-1]) if isinstance(results, (tuple, list)) else out[0]
+
+    if workspace is None:
+        return ffi(*args)
+    return lax.platform_dependent(*args, cuda=partial(ffi, ws=workspace), default=ffi)
+
+
+def _tuple(results):
+    return tuple(results) if isinstance(results, (tuple, list)) else (results,)
+
+
+# --- the FFI calls of one device ------------------------------------------------------------------
+
+
+def _forward(x, y, w, cfg):
+    """Loss (() for mean and sum, (N,) for none) and the per-row LSE."""
+    n = x.shape[0]
+    acc = _accumulator(x.dtype)
+    loss_shape = (n,) if cfg.reduction == 0 else ()
+    return _call(
+        "xent_cross_entropy_fwd",
+        (jax.ShapeDtypeStruct(loss_shape, acc), jax.ShapeDtypeStruct((n,), acc)),
+        x,
+        y,
+        w,
+        cfg=cfg,
+        workspace=_ffi.workspace_bytes("cross_entropy", x.dtype, n, reduced=cfg.reduction != 0),
+    )
+
+
+def _fused(x, y, w, cfg):
+    """Loss, LSE and d loss / d logits for an upstream gradient of 1 (mean and sum), in one pass;
+    the gradient is written over the logits' buffer (XLA copies first only where they are still
+    needed)."""
+    acc = _accumulator(x.dtype)
+    return _call(
+        "xent_cross_entropy_fwd_bwd",
+        (
+            jax.ShapeDtypeStruct((), acc),
+            jax.ShapeDtypeStruct((x.shape[0],), acc),
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+        ),
+        x,
+        y,
+        w,
+        cfg=cfg,
+        aliases={0: 2},
+        workspace=_ffi.workspace_bytes("cross_entropy", x.dtype, x.shape[0]),
+    )
+
+
+def _backward(x, y, w, lse, g, cfg):
+    """d loss / d logits times the upstream gradient g, from the LSE a forward saved."""
+    return _call(
+        "xent_cross_entropy_bwd",
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        x,
+        y,
+        w,
+        lse,
+        g.astype(lse.dtype),
+        cfg=cfg,
+    )
+
+
+def _scale(grad, g):
+    """grad times the scalar g, in place."""
+    return _call(
+        "xent_scale_grad",
+        jax.ShapeDtypeStruct(grad.shape, grad.dtype),
+        grad,
+        g.astype(_accumulator(grad.dtype)),
+        aliases={0: 0},
+    )
+
+
+def _keep(x):
+    """x as a custom_vjp residual: None for an empty vector (absent class weights or bias), which
+    would cross a shard_map from forward to backward as an empty operand, and XLA's SPMD
+    partitioner crashed on one (jaxlib 0.11.2); _kept rebuilds it."""
+    return None if x.shape == (0,) else x
+
+
+def _kept(x, dtype):
+    return jnp.zeros((0,), dtype) if x is None else x
+
+
+# --- argument checks ------------------------------------------------------------------------------
+
+
+def _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap) -> _Config:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"xent: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
+        raise TypeError(f"xent: ignore_index must be an int, got {type(ignore_index).__name__}")
+    values = {}
+    for name, value in (
+        ("label_smoothing", label_smoothing),
+        ("z_loss", z_loss),
+        ("softcap", softcap),
+    ):
+        try:
+            values[name] = float(value)
+        except (TypeError, jax.errors.ConcretizationTypeError):
+            raise TypeError(
+                f"xent: {name} must be a Python float (a static option), got {type(value).__name__}"
+            ) from None
+        if math.isnan(values[name]):
+            raise ValueError(f"xent: {name} is NaN")
+    if not 0.0 <= values["label_smoothing"] <= 1.0:
+        raise ValueError(f"xent: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if values["z_loss"] < 0.0:
+        raise ValueError(f"xent: z_loss must be >= 0, got {z_loss}")
+    if values["softcap"] < 0.0:
+        raise ValueError(f"xent: softcap must be >= 0 (0 is off), got {softcap}")
+    return _Config(int(ignore_index), _REDUCTIONS[reduction], **values)
+
+
+def _check_float(name, x):
+    if x.dtype not in _LOGIT_DTYPES:
+        raise TypeError(
+            f"xent: {name} must be float32, bfloat16, float16 or float64, got {x.dtype}"
+        )
+
+
+def _check_labels(labels, shape, what):
+    if labels.dtype not in (jnp.int32, jnp.int64):
+        raise TypeError(f"xent: labels must be int32 or int64 class ids, got {labels.dtype}")
+    if labels.shape != shape:
+        raise ValueError(f"xent: labels must have shape {what} = {shape}, got {labels.shape}")
+
+
+def _class_weights(weight, classes):
+    """The class weights as the handlers take them: (V,) float32, or (0,) for none."""
+    if classes == 0:
+        raise ValueError("xent: the class dimension is empty (V = 0)")
+    if weight is None:
+        return jnp.zeros((0,), jnp.float32)
+    w = jnp.asarray(weight)
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(f"xent: weight must be floating point, got {w.dtype}")
+    if w.shape != (classes,):
+        raise ValueError(f"xent: weight must have shape (V,) = ({classes},), got {w.shape}")
+    return w.astype(jnp.float32)
+
+
+def _results(loss, lse, shape, dtype, cfg, return_lse):
+    """What the public calls return: the loss in the inputs' dtype (labels' shape for none) and,
+    on request, the per-row LSE outside the gradient."""
+    if cfg.reduction == 0:
+        loss = loss.reshape(shape)
+    loss = loss.astype(dtype)
+    if not return_lse:
+        return loss
+    return loss, jax.lax.stop_gradient(lse).reshape(shape)
+
+
+# --- fused linear cross-entropy ------------------------------------------------------------------
+
+
+def _linear_forward(h, wt, b, y, w, cfg):
+    acc = _accumulator(h.dtype)
+    loss_shape = (h.shape[0],) if cfg.reduction == 0 else ()
+    return _call(
+        "xent_linear_cross_entropy_fwd",
+        (jax.ShapeDtypeStruct(loss_shape, acc), jax.ShapeDtypeStruct((h.shape[0],), acc)),
+        h,
+        wt,
+        b,
+        y,
+        w,
+        cfg=cfg,
+        method="sequential",
+        workspace=_linear_workspace("linear_forward", h, wt),
+    )
+
+
+def _linear_workspace(kind, h, wt):
+    return _ffi.workspace_bytes(kind, h.dtype, h.shape[0], h.shape[1], wt.shape[0])
+
+
+def _linear_grads(h, wt, b):
+    return (
+        jax.ShapeDtypeStruct(h.shape, h.dtype),
+        jax.ShapeDtypeStruct(wt.shape, h.dtype),
+        jax.ShapeDtypeStruct(b.shape, h.dtype),
+    )
+
+
+def _linear_fused(h, wt, b, y, w, cfg):
+    """Loss, LSE and the gradients of hidden, weight and bias for an upstream gradient of 1 (mean
+    and sum), each chunk's logits computed once."""
+    acc = _accumulator(h.dtype)
+    return _call(
+        "xent_linear_cross_entropy_fwd_bwd",
+        (jax.ShapeDtypeStruct((), acc), jax.ShapeDtypeStruct((h.shape[0],), acc))
+        + _linear_grads(h, wt, b),
+        h,
+        wt,
+        b,
+        y,
+        w,
+        cfg=cfg,
+        method="sequential",
+        workspace=_linear_workspace("linear_training", h, wt),
+    )
+
+
+def _linear_backward(h, wt, b, y, w, lse, g, cfg):
+    """The gradients of hidden, weight and bias times g, from the LSE; each chunk's logits are
+    computed again."""
+    return _call(
+        "xent_linear_cross_entropy_bwd",
+        _linear_grads(h, wt, b),
+        h,
+        wt,
+        b,
+        y,
+        w,
+        lse,
+        g.astype(lse.dtype),
+        cfg=cfg,
+        method="sequential",
+        workspace=_linear_workspace("linear_training", h, wt),
+    )
+
+
+def _linear_operands(hidden, weight, bias, labels, check_dtype, rows_name):
+    """The fused linear calls' operands, checked: hidden (..., D) of a dtype check_dtype takes,
+    weight (`rows_name`, D) and bias (`rows_name`,) or None (then (0,)) of hidden's dtype, labels
+    hidden.shape[:-1]. Returns them as arrays."""
+    hidden = jnp.asarray(hidden)
+    weight = jnp.asarray(weight)
+    labels = jnp.asarray(labels)
+    check_dtype("hidden", hidden)
+    if hidden.ndim < 1:
+        raise ValueError("xent: hidden must be (..., D), got a scalar")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"xent: weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"xent: weight must be ({rows_name}, D) with D = {hidden.shape[-1]}, got {weight.shape}"
+        )
+    _check_labels(labels, hidden.shape[:-1], "hidden.shape[:-1]")
+    if bias is None:
+        return hidden, weight, jnp.zeros((0,), hidden.dtype), labels
+    b = jnp.asarray(bias)
+    if b.dtype != hidden.dtype:
+        raise TypeError(f"xent: bias must have hidden's dtype {hidden.dtype}, got {b.dtype}")
+    if b.shape != (weight.shape[0],):
+        raise ValueError(
+            f"xent: bias must have shape ({rows_name},) = ({weight.shape[0]},), got {b.shape}"
+        )
+    return hidden, weight, b, labels
