@@ -101,6 +101,33 @@ TEST(CudaLinearPlan, NoClassesAndMoreRowsThanCublasTakes) {
   EXPECT_GE(big.chunk_rows, rows / 2);  // two chunks, not more
 }
 
+// Host-only (runs without a GPU): a low-memory call given the bytes its size query answered plans
+// the chunk the query planned. One sub-chunk of every row needs no float panel of d_weight, so it
+// can take fewer bytes than a split just below it: a search over rows alone missed it.
+TEST(CudaLinearPlan, LowMemoryCallsPlanWhatTheQueryAnswered) {
+  using xent::cuda_detail::plan_low_memory;
+  const xent::cuda exec;
+  xent::linear_options opts;
+  opts.order = xent::linear_order::low_memory;
+  for (const xent::linear_shape& s :
+       {xent::linear_shape{8192, 4096, 128256}, xent::linear_shape{16384, 2304, 256000},
+        xent::linear_shape{1000, 512, 32000}, xent::linear_shape{4096, 64, 8192}})
+    for (std::size_t budget :
+         {std::size_t{64} << 20, xent::linear_default_budget, std::size_t{1} << 30}) {
+      const auto sizes =
+          xent::linear_workspace_size<bf16>(exec, s, xent::linear_pass::training, opts, budget);
+      const auto plan = plan_low_memory<bf16, bf16>(s, sizes.bytes);
+      EXPECT_EQ(std::min(plan.panel.chunk_rows, s.rows), sizes.chunk_rows)
+          << s.rows << " x " << s.hidden << " x " << s.vocab << ", budget " << budget;
+      EXPECT_LE(plan.bytes, sizes.bytes);
+    }
+  // Every row in one sub-chunk at the default budget, 8192 x 4096 x 128256 bf16.
+  EXPECT_EQ(xent::linear_workspace_size<bf16>(exec, {8192, 4096, 128256},
+                                              xent::linear_pass::training, opts)
+                .chunk_rows,
+            8192);
+}
+
 TEST_F(CudaLinearTest, GradientDtypeMayDifferFromTheInputs) {
   // Float gradients of bf16 / fp16 inputs (d_weight its own accumulator), bf16 gradients of float
   // inputs, and fp16 gradients of bf16 inputs (dw_accumulation::output stages weight blocks).
