@@ -101,6 +101,14 @@ bool same_bits(const T& a, const T& b) {
   return std::memcmp(&a, &b, sizeof(T)) == 0;
 }
 
+/// Two vectors bit for bit; memcmp is not called on an empty one, whose null data would be
+/// undefined behaviour even for zero bytes.
+template <class T>
+bool same_vector_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
 template <class T>
 T sentinel() {
   return static_cast<T>(12345.0f);

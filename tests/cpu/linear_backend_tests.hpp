@@ -302,10 +302,8 @@ TYPED_TEST_P(LinearBackend, AutomaticOrderSwitchesAtTheFastOrdersMinimal) {
     return g.fetch();
   };
   auto same = [](const gradients<bf16>& a, const gradients<bf16>& b) {
-    auto bits = [](const std::vector<bf16>& x, const std::vector<bf16>& y) {
-      return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16)) == 0;
-    };
-    return bits(a.dx, b.dx) && bits(a.dw, b.dw) && bits(a.db, b.db);
+    return xt::same_vector_bits(a.dx, b.dx) && xt::same_vector_bits(a.dw, b.dw) &&
+           xt::same_vector_bits(a.db, b.db);
   };
   EXPECT_TRUE(same(train_with(automatic, fast_min), train_with(fast, fast_min)));
   EXPECT_TRUE(same(train_with(automatic, fast_min - 1), train_with(low, fast_min - 1)));

@@ -307,12 +307,10 @@ std::vector<xvl::rank_result<bf16>> train_ranks(const ldata<bf16>& L, const xt::
 /// The gradients of two runs of the ranks, bit for bit.
 bool same_gradients(const std::vector<xvl::rank_result<bf16>>& a,
                     const std::vector<xvl::rank_result<bf16>>& b) {
-  auto bits = [](const std::vector<bf16>& x, const std::vector<bf16>& y) {
-    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16)) == 0;
-  };
   for (std::size_t r = 0; r < a.size(); ++r)
-    if (!bits(a[r].gfb.dx, b[r].gfb.dx) || !bits(a[r].gfb.dw, b[r].gfb.dw) ||
-        !bits(a[r].gfb.db, b[r].gfb.db))
+    if (!xt::same_vector_bits(a[r].gfb.dx, b[r].gfb.dx) ||
+        !xt::same_vector_bits(a[r].gfb.dw, b[r].gfb.dw) ||
+        !xt::same_vector_bits(a[r].gfb.db, b[r].gfb.db))
       return false;
   return true;
 }

@@ -125,9 +125,7 @@ struct cpu_split_ranks : cpu_backend<cpu_split_ranks> {
         res.errors += "  rank " + std::to_string(r) + ": forward outputs differ from the group's\n";
       const auto& a = res.ranks[r].grad;
       const auto& b = group.ranks[r].grad;
-      // memcmp of a null pointer (an empty gradient) is undefined even for zero bytes.
-      if (a.size() != b.size() ||
-          (!a.empty() && std::memcmp(a.data(), b.data(), a.size() * sizeof(G)) != 0))
+      if (!xt::same_vector_bits(a, b))
         res.errors += "  rank " + std::to_string(r) + ": gradient differs from the group's\n";
     }
     return res;

@@ -102,8 +102,8 @@ TEST(CudaLinearPlan, NoClassesAndMoreRowsThanCublasTakes) {
 }
 
 // Host-only (runs without a GPU): a low-memory call given the bytes its size query answered plans
-// the chunk the query planned. One sub-chunk of every row needs no float panel of d_weight, so it
-// can take fewer bytes than a split just below it: a search over rows alone missed it.
+// the chunk the query planned, though one sub-chunk of every row (no float panel of d_weight) can
+// take fewer bytes than a split into slightly smaller sub-chunks.
 TEST(CudaLinearPlan, LowMemoryCallsPlanWhatTheQueryAnswered) {
   using xent::cuda_detail::plan_low_memory;
   const xent::cuda exec;

@@ -321,6 +321,21 @@ std::vector<rank_outcome> two_rank_forward(const Spoil& spoil) {
   return res;
 }
 
+// Host-only (runs without a GPU): the low-memory query takes one exchange chunk of every row where
+// its bytes fit, though that plan (no float panel of d_weight) can need fewer bytes than slightly
+// smaller chunks: 8 ranks of 8192 x 4096 x 128256 bf16 at the default budget.
+TEST(CudaVocabParallelLinearPlan, LowMemoryQueryTakesEveryRowWhereItFits) {
+  const xent::cuda exec;
+  xent::linear_options opts;
+  opts.order = xent::linear_order::low_memory;
+  const std::int64_t N = 8192, D = 4096, V = 128256;
+  const int ranks = 8;
+  const xent::linear_shape local{N, D, (V + ranks - 1) / ranks};
+  const auto sizes = xent::vocab_parallel_linear_workspace_size<bf16>(exec, local, V, ranks,
+                                                                      linear_pass::training, opts);
+  EXPECT_EQ(sizes.chunk_rows, N);
+}
+
 TEST(CudaVocabParallelLinearErrors, ShardsThatDoNotTileGiveNanRowsAndAnErrorPerChunkOnEveryRank) {
   REQUIRE_GPU();
   // Rank 1 claims [4, 10) instead of [6, 12): classes 4 and 5 in two shards, 10 and 11 in none.

@@ -113,10 +113,15 @@ linear_workspace_sizes vp_linear_sizes(const char* fn, const Exec& exec, const l
     std::int64_t rows;
     std::size_t bytes;
   };
-  const sized plan = largest_chunk_plan(shape.rows, chunk_budget(bytes_at(reference, 0), budget),
-                                        [&](std::int64_t rows) {
-                                          return sized{rows, bytes_at(reference, rows)};
-                                        });
+  const std::size_t room = chunk_budget(bytes_at(reference, 0), budget);
+  // One chunk of every row can need fewer bytes than slightly smaller chunks (CUDA's low-memory
+  // panels then keep no float panel of d_weight), so it is tried before the search.
+  const sized whole{shape.rows, bytes_at(reference, shape.rows)};
+  const sized plan = shape.rows > 0 && whole.bytes <= room
+                         ? whole
+                         : largest_chunk_plan(shape.rows, room, [&](std::int64_t rows) {
+                             return sized{rows, bytes_at(reference, rows)};
+                           });
   const std::int64_t chunk = std::min(plan.rows, shape.rows);
   return {bytes_at(shape, 1), bytes_at(shape, planned_chunk_rows(chunk, shape.rows)), chunk};
 }

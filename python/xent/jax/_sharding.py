@@ -355,7 +355,8 @@ def linear_fused(h, wt, b, y, w, cfg: _Config):
             loss, lse, dh, dw, db = _linear_fused(h, wt, b, y, w, _local_config(layout, cfg))
             loss = layout.psum_rows(loss)
             if scale is not None:
-                dh, dw, db = (d * scale.astype(d.dtype) if d.size else d for d in (dh, dw, db))
+                # The product in float, rounded once (1 / W in bf16 or fp16 would round it too).
+                dh, dw, db = ((d.astype(jnp.float32) * scale).astype(d.dtype) for d in (dh, dw, db))
         loss = loss if scale is None else loss * scale.astype(loss.dtype)
         return loss, lse, dh, _sum_rows(layout, dw), _sum_rows(layout, db)
 
