@@ -157,6 +157,15 @@ def _kept(x, dtype):
     return jnp.zeros((0,), dtype) if x is None else x
 
 
+def _scaled_linear_grads(saved, g):
+    """A fused linear call's saved (d_hidden, d_weight, d_bias or None) times the loss's gradient
+    g: a pass over d_hidden (N x D) and d_weight (V x D), small beside the call's GEMMs; each
+    product in g's dtype, rounded once to its gradient's."""
+    dh, dw, db = saved
+    grads = (dh, dw, _kept(db, dh.dtype))
+    return tuple((d.astype(g.dtype) * g).astype(d.dtype) if d.size else d for d in grads)
+
+
 # --- argument checks ------------------------------------------------------------------------------
 
 

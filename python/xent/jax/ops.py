@@ -23,6 +23,7 @@ from ._core import (
     _kept,
     _linear_operands,
     _results,
+    _scaled_linear_grads,
 )
 
 
@@ -132,10 +133,7 @@ def _linear_cross_entropy_bwd(cfg, saved, cotangents):
         b, w = _kept(b, h.dtype), _kept(w, jnp.float32)
         dh, dw, db = _sharding.linear_backward(h, wt, b, y, w, lse, g, cfg)
     else:
-        # A pass over d_hidden (N x D) and d_weight (V x D), small beside the call's GEMMs.
-        dh, dw, db = saved
-        grads = (dh, dw, _kept(db, dh.dtype))
-        dh, dw, db = ((d.astype(g.dtype) * g).astype(d.dtype) if d.size else d for d in grads)
+        dh, dw, db = _scaled_linear_grads(saved, g)
     return dh, dw, db, None, None
 
 

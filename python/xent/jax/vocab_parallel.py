@@ -48,6 +48,7 @@ from ._core import (
     _kept,
     _linear_operands,
     _results,
+    _scaled_linear_grads,
 )
 
 _SHARD_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -472,10 +473,7 @@ def _vp_linear_bwd(cfg, lin, saved, cotangents):
         b, w = _kept(b, h.dtype), _kept(w, jnp.float32)
         _, _, (dh, dw, db) = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=g, lse=lse)
     else:
-        dh, dw, db = saved
-        dh, dw, db = (
-            (d.astype(jnp.float32) * g).astype(d.dtype) for d in (dh, dw, _kept(db, dh.dtype))
-        )
+        dh, dw, db = _scaled_linear_grads(saved, g)
     return dh, dw, db, None, None
 
 
