@@ -148,6 +148,8 @@ build=build/gpu
 # benchmarks and examples only when the bench part is asked for.
 if want tests || want sanitize || want bench; then
   begin "build ($arch${XENT_CUDA_TUNING:+, tuning $XENT_CUDA_TUNING})"
+  # Named either way: the cache keeps an earlier call's choice (a tests-only run's OFF).
+  cmake_extra=(-DXENT_BUILD_BENCHMARKS=ON -DXENT_BUILD_EXAMPLES=ON)
   want bench || cmake_extra=(-DXENT_BUILD_BENCHMARKS=OFF -DXENT_BUILD_EXAMPLES=OFF)
   configure_build "$build" "$arch" "${XENT_CUDA_TUNING:-}" "$outdir/build.log" all
   rc=$?
