@@ -23,7 +23,13 @@ if ((${#wheels[@]})); then
     "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$site" "$w" >/dev/null 2>&1 || echo "could not install $w (its column will be n/a)"
   done
-  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+  # PYTHONPATH skips a folder's .pth files, and quack's CUTLASS DSL is found through one
+  # (nvidia_cutlass_dsl_packages.pth): site.addsitedir runs them, and what they add joins too.
+  pth_paths=$("$python" -c 'import site, sys
+before = set(sys.path)
+site.addsitedir(sys.argv[1])
+print(":".join(p for p in sys.path if p not in before))' "$site")
+  export PYTHONPATH=$pth_paths${PYTHONPATH:+:$PYTHONPATH}
 else
   echo "no wheels in .whl/: Liger-Kernel and Cut Cross-Entropy are used only if already installed"
 fi
