@@ -15,13 +15,16 @@
 #               benchmark when two or more GPUs are visible
 #     compare   the PyTorch binding's tests, its per-call overhead and bench/compare.sh (xent
 #               against torch eager, torch.compile, Liger-Kernel, Cut Cross-Entropy)
+#     jax       the xent.jax tests on this GPU and the CPU (python/tests/jax) and
+#               bench/jax_cross_entropy.py against XLA's own cross-entropy (OUTDIR/jax/)
 #     all       all of the above (the default)
 #   OUTDIR/machine.json: GPUs, driver, nvcc, CPU, commit; a summary table is printed last.
 #
 # Needs: an NVIDIA driver and nvidia-smi; the CUDA toolkit (nvcc, cuBLAS, compute-sanitizer; NCCL
 # for the multi-GPU tests and benchmark); CMake >= 3.25, Ninja, a C++17 compiler, Eigen 3,
 # GoogleTest and Google Benchmark (on Debian / Ubuntu: bash .ci/install-deps); python3 for
-# machine.json; torch for the compare part (it says SKIPPED without). Nothing is downloaded.
+# machine.json; torch for the compare part, jax with its CUDA plugin for the jax part (each says
+# SKIPPED without). Nothing is downloaded.
 #
 # Environment:
 #   XENT_CUDA_ARCH       CMAKE_CUDA_ARCHITECTURES (default: GPU 0's compute capability, e.g. 80;
@@ -355,6 +358,33 @@ if want compare; then
     rc=$?
     grep -vE '^\{' "$outdir/compare.log" | tail -n 30
     end $rc "compare/"
+  fi
+fi
+
+# ---------------------------------------------------------------------------------------------
+# jax
+# ---------------------------------------------------------------------------------------------
+if want jax; then
+  begin "jax: xent.jax tests (GPU + CPU)"
+  if ! python3 -c "import jax; assert jax.devices('gpu')" >/dev/null 2>&1; then
+    skip "jax with a GPU is not importable"
+  else
+    # The package's JAX handlers against the jax here (no build isolation: the registry is out of
+    # reach); the build folder of an earlier install makes this incremental. JAX takes its GPU
+    # memory as needed, so the tests' torch and XLA allocators do not fight over it.
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    XENT_CUDA=1 CMAKE_BUILD_PARALLEL_LEVEL=$jobs python3 -m pip install --quiet \
+      --no-build-isolation --no-deps "$root/python" >"$outdir/jax-install.log" 2>&1 &&
+      XENT_REQUIRE_JAX=1 python3 -m pytest -q -p no:cacheprovider -rs python/tests/jax \
+        --junitxml="$outdir/jax-tests.xml" >"$outdir/jax-tests.log" 2>&1
+    rc=$?
+    tail -n 1 "$outdir/jax-tests.log"
+    end $rc "jax-tests.xml"
+    begin "jax: bench/jax_cross_entropy.py (xent.jax against XLA)"
+    OUT="$outdir/jax" python3 bench/jax_cross_entropy.py --platform gpu >"$outdir/jax-bench.log" 2>&1
+    rc=$?
+    grep '^|' "$outdir/jax-bench.log"
+    end $rc "jax/"
   fi
 fi
 
