@@ -131,7 +131,8 @@ def _result(loss, x, dtype=None):
 class CrossEntropyOutput(NamedTuple):
     """cross_entropy's result when a side output is asked for; what was not asked for is None.
 
-    loss    the loss, as cross_entropy returns it alone
+    loss    the loss, as cross_entropy returns it alone (on CUDA, with token_accuracy or
+            predicted_tokens, to float32 rounding: they take another kernel, docs/numerics.md)
     lse     per-row log-sum-exp of the (soft-capped) logits, float32 (float64 for float64
             input), of target's shape for class ids (the rows' shape for class probabilities);
             0 on ignored rows; no gradient (a statistic, as the kernel saves it)
