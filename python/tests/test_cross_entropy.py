@@ -557,9 +557,11 @@ def test_bad_arguments_raise_torch_errors():
     bad[5] = C
     with pytest.raises(IndexError, match="row 5 has target"):
         xent.torch.cross_entropy(x, bad)
-    with pytest.raises(RuntimeError, match="expected target dtype to be Long or Byte"):
+    # A target of a dtype torch refuses: the installed torch's own message, whose wording differs
+    # between versions (test_torch_signature.py compares it with torch's).
+    with pytest.raises(RuntimeError, match="Long"):
         xent.torch.cross_entropy(x, t.to(torch.int16))
-    with pytest.raises(RuntimeError, match="expected target dtype to be Long or Byte"):
+    with pytest.raises(RuntimeError, match="Long"):
         xent.torch.cross_entropy(x, t.float())
     with pytest.raises(ValueError, match="to match target batch_size"):
         xent.torch.cross_entropy(x, t[:-1])

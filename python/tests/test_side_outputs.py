@@ -3,8 +3,11 @@ pass over the logits, against torch: torch.argmax of the (soft-capped) logits (t
 ties, NaN counting as largest) and Liger's accuracy (rows not ignored whose argmax is the target,
 over the rows not ignored). On the CPU and, when a GPU is visible and the extension has its CUDA
 kernels, on CUDA; with and without a node recorded (the fused training pass and the forward
-alone), in every reduction, and with the loss they come with unchanged.
+alone), in every reduction, and with the loss they come with unchanged: to the bit on the CPU,
+to float32 rounding on CUDA (agreement says why).
 """
+
+import math
 
 import pytest
 import torch
@@ -46,7 +49,34 @@ def expected(x, t, reduction, ignore_index=-100, softcap=None):
     return predicted, right.sum() / kept.sum()
 
 
+def agreement(x, t, device, reduction, **kw):
+    """How closely the loss (rtol, atol) and the gradient (rtol, atol) of a call with side
+    outputs agree with the same call without them. On the CPU one sweep computes both: to the
+    bit. On CUDA the calls without side outputs take the kernels without option paths
+    (include/xent/cuda/dispatch/rows.cuh), which have no argmax; asking for one takes the row
+    kernel with option paths, whose float32 sums run in another order: the two agree to float32
+    rounding, not to the bit (docs/numerics.md). Each is within the oracle tests' 2e-6 of the
+    terms a row's loss is made of (|z| and its LSE, at most max |z| + log C), so they are within
+    twice that: per row (times the rows for a sum); relative to each p_j of the gradient, and
+    absolutely for its target term, times the row's scale (upstream, weight, z-loss). Plus one
+    rounding of a 16-bit loss or gradient."""
+    if device == "cpu":
+        return (0.0, 0.0), (0.0, 0.0)
+    terms = x.float().abs().amax().item() + math.log(x.shape[1])
+    tol = 4e-6 * terms
+    kept = t != kw.get("ignore_index", -100)
+    w = kw.get("weight")
+    weight_sum = kept.sum().item() if w is None else w.cpu()[t[kept]].sum().item()
+    row_scale = (1.0 if w is None else w.max().item()) + 2 * kw.get("z_loss", 0.0) * terms
+    if reduction == "mean":
+        row_scale /= weight_sum
+    rows = kept.sum().item() if reduction == "sum" else 1
+    rounding = torch.finfo(x.dtype).eps if x.dtype.itemsize == 2 else 0.0
+    return (rounding, tol * rows), (tol + rounding, tol * row_scale)
+
+
 def check(x, t, device, reduction, grad, **kw):
+    (loss_rtol, loss_atol), (grad_rtol, grad_atol) = agreement(x, t, device, reduction, **kw)
     x, t = x.to(device), t.to(device)
     leaf = x.clone().requires_grad_(grad)
     out = xent.torch.cross_entropy(
@@ -61,11 +91,11 @@ def check(x, t, device, reduction, grad, **kw):
     # The loss is the one the call gives without side outputs, and so is its gradient.
     alone = x.clone().requires_grad_(grad)
     loss = xent.torch.cross_entropy(alone, t, reduction=reduction, **kw)
-    torch.testing.assert_close(out.loss, loss, rtol=0, atol=0)
+    torch.testing.assert_close(out.loss, loss, rtol=loss_rtol, atol=loss_atol)
     if grad:
         out.loss.sum().backward()
         loss.sum().backward()
-        torch.testing.assert_close(leaf.grad, alone.grad, rtol=0, atol=0)
+        torch.testing.assert_close(leaf.grad, alone.grad, rtol=grad_rtol, atol=grad_atol)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

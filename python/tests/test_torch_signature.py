@@ -165,6 +165,27 @@ def test_bad_arguments_raise_torchs_error(case):
     torch.testing.assert_close(x, args[0], rtol=0, atol=0)  # nothing written
 
 
+def test_a_bad_target_dtype_gets_the_installed_torchs_message(monkeypatch):
+    # torch's wording of this error differs between versions: xent asks the torch it runs with.
+    x, t = inputs((3, 5))
+    seen = []
+
+    def other_torch(input, target, *args, **kwargs):
+        seen.append(target.dtype)
+        raise RuntimeError(f"another wording for {target.dtype}")
+
+    monkeypatch.setattr(F, "cross_entropy", other_torch)
+    with pytest.raises(RuntimeError, match="^another wording for torch.int16$"):
+        xent.torch.cross_entropy(x, t.short())
+    with pytest.raises(RuntimeError, match="^another wording for torch.int64$"):
+        xent.torch.cross_entropy(x, torch.zeros(3, 5, dtype=torch.long))  # not probabilities
+    # A torch call that does not raise (fake tensors' meta checks): xent's own message.
+    monkeypatch.setattr(F, "cross_entropy", lambda *args, **kwargs: None)
+    with pytest.raises(RuntimeError, match="target must hold class ids of an integer type"):
+        xent.torch.cross_entropy(x, t > 1)
+    assert seen == [torch.int16, torch.int64]
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_module_is_torchs_with_the_same_state(reduction):
     w = torch.rand(C) + 0.5

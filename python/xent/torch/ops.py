@@ -131,7 +131,8 @@ def _result(loss, x, dtype=None):
 class CrossEntropyOutput(NamedTuple):
     """cross_entropy's result when a side output is asked for; what was not asked for is None.
 
-    loss    the loss, as cross_entropy returns it alone
+    loss    the loss, as cross_entropy returns it alone (on CUDA, with token_accuracy or
+            predicted_tokens, to float32 rounding: they take another kernel, docs/numerics.md)
     lse     per-row log-sum-exp of the (soft-capped) logits, float32 (float64 for float64
             input), of target's shape for class ids (the rows' shape for class probabilities);
             0 on ignored rows; no gradient (a statistic, as the kernel saves it)
@@ -171,6 +172,23 @@ def _dtype_name(dtype):
     return _DTYPE_NAMES.get(dtype, str(dtype))
 
 
+def _raise_torchs_target_error(input, target):
+    """Raises what torch's cross_entropy raises for a target of this dtype, whose wording differs
+    between torch versions ("expected scalar type Long but found Bool", "expected target dtype to
+    be Long or Byte, but got Bool"): torch's own call on one row of the same kind (class ids, or
+    probabilities of the input's shape), on the input's device and dtype, so only the error path
+    pays for it. Where that call does not raise (fake tensors under torch.compile, whose meta
+    checks do not look at the dtype), xent's own message."""
+    probabilities = target.shape == input.shape
+    x = torch.zeros((1, 2), dtype=input.dtype, device=input.device)
+    t = torch.zeros((1, 2) if probabilities else (1,), dtype=target.dtype, device=input.device)
+    torch.nn.functional.cross_entropy(x, t)
+    kind = "class probabilities of a floating point" if probabilities else "class ids of an integer"
+    raise RuntimeError(
+        f"xent.torch.cross_entropy: target must hold {kind} type, got {_dtype_name(target.dtype)}"
+    )
+
+
 def _rows(input, target):
     """(N, C) logits and (N,) class ids or (N, C) probabilities from torch's layouts (C), (N, C)
     and (N, C, d1, ...), and the rows' shape. As torch decides: a target of input's shape holds
@@ -178,10 +196,7 @@ def _rows(input, target):
     shape = input.shape
     if target.shape == shape:
         if not target.is_floating_point():
-            raise RuntimeError(
-                "Expected floating point type for target with class probabilities, got "
-                + _dtype_name(target.dtype)
-            )
+            _raise_torchs_target_error(input, target)
         if len(shape) == 2:  # the common case first: nothing to move
             return input, target, shape[:1]
         if len(shape) == 1:
@@ -197,9 +212,7 @@ def _rows(input, target):
             rows,
         )
     if target.dtype not in (torch.int64, torch.int32, torch.uint8):
-        raise RuntimeError(
-            f"expected target dtype to be Long or Byte, but got {_dtype_name(target.dtype)}"
-        )
+        _raise_torchs_target_error(input, target)
     if len(shape) == 2:
         if target.dim() != 1:
             raise RuntimeError("0D or 1D target tensor expected, multi-target not supported")

@@ -362,7 +362,8 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
   const device_facts dev = query_device(fn);
   // Bulk copies and 16-byte stores when every row start is 16-byte aligned; element-wise
   // staging and stores otherwise. The plain kernel has no option paths (soft targets never take
-  // it).
+  // it); the argmax is one, so asking for it sums the loss in another order (float32 rounding
+  // apart, docs/numerics.md) rather than giving each plain kernel an argmax sweep and merge.
   const bool plain =
       !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f && !args.want_argmax;
   // Plain rows of an unsharded call (no vocab-parallel partials): the kernels below that
