@@ -190,10 +190,15 @@ struct linear_alloc {
   }
 };
 
+// The execution object of a fused linear call, cuBLAS bound to the first bytes of `ws`. hidden's
+// dtype is checked first: the workspace query knows no float64 and sizes such a call's workspace
+// 0, so a workspace error would otherwise hide the one that names float64.
 template <class F>
-ffi::Error with_linear_exec(cudaStream_t stream, int device, ffi::AnyBuffer& ws, F&& f) {
+ffi::Error with_linear_exec(cudaStream_t stream, int device, const ffi::AnyBuffer& hidden,
+                            ffi::AnyBuffer& ws, F&& f) {
   xent::cuda exec{stream};
   ffi::Error bound = run_checked([&] {
+    dispatch_dtype<false>(hidden, [](auto) {});
     if (buffer_bytes(ws) < blas_workspace_bytes)
       fail("workspace", "must hold at least the " + std::to_string(blas_workspace_bytes) +
                             " bytes of cuBLAS's, got " + std::to_string(buffer_bytes(ws)));
@@ -207,7 +212,7 @@ ffi::Error lin_fwd(cudaStream_t stream, int device, ffi::AnyBuffer hidden, ffi::
                    ffi::AnyBuffer bias, ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                    ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                    ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
-  return with_linear_exec(stream, device, *ws, [&](const xent::cuda& exec, auto alloc) {
+  return with_linear_exec(stream, device, hidden, *ws, [&](const xent::cuda& exec, auto alloc) {
     return linear_fwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, loss, lse,
                              attrs);
   });
@@ -218,7 +223,7 @@ ffi::Error lin_bwd(cudaStream_t stream, int device, ffi::AnyBuffer hidden, ffi::
                    ffi::AnyBuffer lse, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dh,
                    ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db,
                    ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
-  return with_linear_exec(stream, device, *ws, [&](const xent::cuda& exec, auto alloc) {
+  return with_linear_exec(stream, device, hidden, *ws, [&](const xent::cuda& exec, auto alloc) {
     return linear_bwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, lse, g, dh,
                              dw, db, attrs);
   });
@@ -230,7 +235,7 @@ ffi::Error lin_fwd_bwd(cudaStream_t stream, int device, ffi::AnyBuffer hidden,
                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> dh,
                        ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db,
                        ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
-  return with_linear_exec(stream, device, *ws, [&](const xent::cuda& exec, auto alloc) {
+  return with_linear_exec(stream, device, hidden, *ws, [&](const xent::cuda& exec, auto alloc) {
     return linear_fwd_bwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, loss, lse,
                                  dh, dw, db, attrs);
   });

@@ -1,6 +1,7 @@
 """xent.jax.cross_entropy against a float64 NumPy oracle and optax, on the CPU and (where jax
 sees one) a GPU: values and gradients for every option, jit / grad / value_and_grad / vmap /
-jax.checkpoint, the edge sizes, and the errors for bad arguments."""
+jax.checkpoint, the edge sizes, float64 (on the CPU device; a GPU's handlers refuse it by name),
+and the errors for bad arguments, the handlers' own included."""
 
 import math
 
@@ -12,6 +13,7 @@ import pytest
 from jax.test_util import check_grads
 
 import xent.jax as xj
+from xent.jax import _ffi
 
 
 def put(device, *arrays):
@@ -161,7 +163,9 @@ def test_int64_labels_match_int32(device, label_dtype):
 
 
 def test_float64_matches_oracle_and_finite_differences():
-    with jax.enable_x64(True):
+    # float64 runs on the CPU only: on a machine with a GPU, jax's default device, the test puts
+    # its work on the CPU itself.
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
         x, y = make((4, 3), 11, jnp.float64, scale=1.0)
         w = jax.random.uniform(jax.random.PRNGKey(3), (11,), minval=0.5, maxval=1.5)
         kw = {
@@ -183,6 +187,21 @@ def test_float64_matches_oracle_and_finite_differences():
                 order=1,
                 modes=("rev",),
             )
+
+
+def test_float64_on_a_gpu_names_the_cpu(device):
+    if device.platform == "cpu":
+        pytest.skip("float64 runs on the CPU (test_float64_matches_oracle_and_finite_differences)")
+    if not xj.with_cuda:
+        pytest.skip("xent.jax was built without its CUDA handlers")
+    with jax.enable_x64(True):
+        x, y = put(device, *make((4, 3), 11, jnp.float64))
+        for call in (
+            lambda: xj.cross_entropy(x, y, reduction="none"),
+            lambda: jax.grad(lambda x: xj.cross_entropy(x, y))(x),
+        ):
+            with pytest.raises(Exception, match="float64, which runs on the CPU only"):
+                jax.block_until_ready(call())
 
 
 def test_matches_optax(device):
@@ -432,24 +451,30 @@ def test_out_of_range_label_is_an_error_on_the_cpu_and_nan_on_the_gpu(device):
     assert_close(np.delete(np.asarray(losses), 2), np.delete(want, 2), 2e-5)
 
 
-def test_handler_checks_name_the_argument():
-    # The handlers check what reaches them on their own, whoever calls them.
+def test_handler_checks_name_the_argument(device):
+    # The handlers check what reaches them on their own, whoever calls them: here a raw ffi_call
+    # on the device's platform, with the CUDA handler's workspace result on a GPU.
     x, y = make((4,), 6)
     f32 = jnp.float32
-    attrs = dict(
-        ignore_index=np.int64(-100),
-        reduction=np.int32(1),
-        label_smoothing=np.float32(0),
-        z_loss=np.float32(0),
-        softcap=np.float32(0),
-    )
+    attrs = {
+        "ignore_index": np.int64(-100),
+        "reduction": np.int32(1),
+        "label_smoothing": np.float32(0),
+        "z_loss": np.float32(0),
+        "softcap": np.float32(0),
+    }
     results = (jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((4,), f32))
-    no_weight = jnp.zeros((0,), f32)
+    if device.platform != "cpu":
+        if not xj.with_cuda:
+            pytest.skip("xent.jax was built without its CUDA handlers")
+        workspace = _ffi.workspace_bytes("cross_entropy", f32, 4)
+        results += (jax.ShapeDtypeStruct((workspace,), jnp.uint8),)
 
     def forward(*args, **changes):
         call = jax.ffi.ffi_call("xent_cross_entropy_fwd", results)
-        return jax.block_until_ready(call(*args, **{**attrs, **changes}))
+        return jax.block_until_ready(call(*put(device, *args), **{**attrs, **changes}))
 
+    no_weight = jnp.zeros((0,), f32)
     for args, changes, name in [
         ((x, y[:3], no_weight), {}, "labels"),
         ((x, y.astype(jnp.float32), no_weight), {}, "labels"),

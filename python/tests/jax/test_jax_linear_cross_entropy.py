@@ -1,7 +1,7 @@
 """xent.jax.linear_cross_entropy against the float64 oracle of the logits it never forms
 (hidden @ weight.T + bias): values and the gradients of hidden, weight and bias for every
 option, jit / vmap / checkpoint (on the CPU, and on a GPU when jax sees one), and the errors for
-bad arguments and float64 (CPU)."""
+bad arguments, and float64 (on the CPU device; a GPU's handlers refuse it by name)."""
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +91,21 @@ def test_float64_matches_oracle():
             assert_close(loss, want[0], 1e-12)
             for g, wg in zip(grads, want[1:]):
                 assert_close(g, wg, 1e-12)
+
+
+def test_float64_on_a_gpu_names_the_cpu(device):
+    if device.platform == "cpu":
+        pytest.skip("float64 runs on the CPU (test_float64_matches_oracle)")
+    if not xj.with_cuda:
+        pytest.skip("xent.jax was built without its CUDA handlers")
+    with jax.enable_x64(True):
+        h, w, b, y = put(device, *make((7,), 8, 13, jnp.float64))
+        for call in (
+            lambda: xj.linear_cross_entropy(h, w, y, b, reduction="none"),
+            lambda: jax.grad(lambda h: xj.linear_cross_entropy(h, w, y, b))(h),
+        ):
+            with pytest.raises(Exception, match="float64, which runs on the CPU only"):
+                jax.block_until_ready(call())
 
 
 def test_jit_vmap_and_checkpoint(device):

@@ -133,8 +133,9 @@ def test_vmap_and_checkpoint_of_sharded_logits():
 
 
 def test_float64_logits_are_gathered_and_right():
-    # float64 calls are not partitioned (the vocab-parallel handlers take no float64).
-    with jax.enable_x64(True):
+    # float64 calls are not partitioned (the vocab-parallel handlers take no float64). They run
+    # on the CPU only: the unsharded call too is put there, not on a GPU that jax may default to.
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
         x, y = make((8,), 16, jnp.float64)
         xs = jax.device_put(x, NamedSharding(mesh_of(2, 2), P("b", "v")))
         _, (loss, grad) = value_and_grad(lambda x: xj.cross_entropy(x, y), xs)

@@ -59,22 +59,43 @@ def _call(target, results, *args, cfg=None, attrs=None, aliases=None, method=Non
     # broadcast_all copies an unbatched one to the batch, which is the result's memory anyway.
     if method is None:
         method = "broadcast_all" if aliases else "expand_dims"
-    kwargs = dict(cfg.attrs() if cfg is not None else {}, **(attrs or {}))
-
-    def ffi(*operands, ws=None):
-        shapes = results
-        if ws is not None:
-            shapes = (*_tuple(results), jax.ShapeDtypeStruct((ws,), jnp.uint8))
-        out = jax.ffi.ffi_call(target, shapes, vmap_method=method, input_output_aliases=aliases)(
-            *operands, **kwargs
-        )
-        if ws is None:
-            return out
-        return tuple(out[:-1]) if isinstance(results, (tuple, list)) else out[0]
-
+    static = {
+        "target": target,
+        "results": results,
+        "attrs": tuple({**(cfg.attrs() if cfg is not None else {}), **(attrs or {})}.items()),
+        "aliases": tuple((aliases or {}).items()),
+        "method": method,
+    }
     if workspace is None:
-        return ffi(*args)
-    return lax.platform_dependent(*args, cuda=partial(ffi, ws=workspace), default=ffi)
+        return _ffi_call(*args, **static)
+    return _per_platform(*args, workspace=workspace, **static)
+
+
+def _ffi_call(*operands, target, results, attrs, aliases, method, workspace=None):
+    """The ffi_call itself, its dict arguments as the hashable pairs _call makes of them; with a
+    workspace, one more uint8 result of that many bytes, dropped."""
+    shapes = results
+    if workspace is not None:
+        shapes = (*_tuple(results), jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+    out = jax.ffi.ffi_call(
+        target, shapes, vmap_method=method, input_output_aliases=dict(aliases) or None
+    )(*operands, **dict(attrs))
+    if workspace is None:
+        return out
+    return tuple(out[:-1]) if isinstance(results, (tuple, list)) else out[0]
+
+
+# The workspace result exists on CUDA only: lax.platform_dependent makes the choice when lowering,
+# for the platform lowered for. Called outside any trace (an eager call, or the eager vmap that
+# _sharding's batching rule runs) it would choose at once, for the default backend whatever device
+# holds the operands, and hand a CPU handler on a GPU machine one result too many: under jit it is
+# always staged, and lowered for the operands' device.
+@partial(jax.jit, static_argnames=("target", "results", "attrs", "aliases", "method", "workspace"))
+def _per_platform(*operands, target, results, attrs, aliases, method, workspace):
+    call = partial(
+        _ffi_call, target=target, results=results, attrs=attrs, aliases=aliases, method=method
+    )
+    return lax.platform_dependent(*operands, cuda=partial(call, workspace=workspace), default=call)
 
 
 def _tuple(results):

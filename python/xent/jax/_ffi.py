@@ -62,8 +62,8 @@ def workspace_bytes(
 ) -> int | None:
     """The bytes of device workspace a CUDA call of `kind` takes as one more result (0 for a
     cross-entropy call whose loss is not reduced), None where the library has no CUDA handlers.
-    0 for what no CUDA call runs (float64, a shape the call refuses): the handler checks its
-    workspace, and reports that itself."""
+    0 for what no CUDA call runs (float64, a shape the call refuses): the handler refuses the
+    call itself, float64 by name before it looks at the workspace."""
     if not with_cuda:
         return None
     if not reduced:
