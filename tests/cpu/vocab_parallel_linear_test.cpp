@@ -628,5 +628,6 @@ TEST(CpuVocabParallelLinearValidation, BadArgumentsThrowNamingThemBeforeAnything
 }  // namespace
 
 namespace xtl {
-INSTANTIATE_TYPED_TEST_SUITE_P(Cpu, VocabParallelLinearBackend, cpu_ranks);
+// Named CpuVocabParallel*: the tsan preset picks its threaded tests by that ctest name prefix.
+INSTANTIATE_TYPED_TEST_SUITE_P(CpuVocabParallelLinear, VocabParallelLinearBackend, cpu_ranks);
 }  // namespace xtl
