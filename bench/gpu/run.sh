@@ -114,10 +114,12 @@ for line in (run("lscpu") or "").splitlines():
     if line.startswith("Model name:"):
         cpu = line.split(":", 1)[1].strip()
 nvcc = run("nvcc", "--version")
+cmake = run("cmake", "--version")
 machine = {
     "gpus": gpus,
     "driver": gpus[0]["driver_version"] if gpus else None,
     "nvcc": nvcc.splitlines()[-1] if nvcc else None,
+    "cmake": cmake.splitlines()[0] if cmake else None,
     "cpu": cpu,
     "cpu_cores": os.cpu_count(),
     "os": platform.platform(),
