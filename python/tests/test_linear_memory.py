@@ -297,7 +297,18 @@ def test_the_call_allocates_linear_workspace_bytes_and_nothing_more(order, accum
     assert grads + want <= sum(seen) <= grads + want + per_row
 
 
-def test_low_memory_workspace_holds_no_vocab_by_hidden_float_sum():
+@pytest.fixture
+def two_threads():
+    # The CPU plan keeps a converted weight block and (accumulate="output") a d_weight block of
+    # 256 rows per thread: at 16 threads those hold WV x WD floats twice, more than the float sum
+    # the test compares with. Two threads, whatever the machine has, keep them below it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_low_memory_workspace_holds_no_vocab_by_hidden_float_sum(two_threads):
     hidden, weight = (torch.empty(n, WD, dtype=torch.bfloat16) for n in (WN, WV))
     sizes = {
         (order, accumulate): xent.torch.linear_workspace_bytes(

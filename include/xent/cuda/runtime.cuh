@@ -22,8 +22,13 @@ class cuda_error : public std::runtime_error {
 
 namespace cuda_detail {
 
+/// Throws for a failed call, taking its error back from the runtime's last error first: the
+/// exception reports it, and left there it would be reported again by the next check of whoever
+/// runs next on this thread (the caller's framework, or xent's next call).
 inline void check_cuda(const char* fn, cudaError_t e) {
-  if (e != cudaSuccess) throw cuda_error(fn, e);
+  if (e == cudaSuccess) return;
+  (void)cudaGetLastError();
+  throw cuda_error(fn, e);
 }
 
 struct device_facts {

@@ -57,13 +57,14 @@ template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class
 constexpr auto row_kernel_of = row_kernel<Shape::block, Shape::regs, policy::stages, Aligned, Plain,
                                           P, T, G, Tgt, Shifted, Queue>;
 
-template <class Shape, bool Aligned, bool Plain, pass P, class T, class G, class Tgt,
-          bool Shifted = false, row_queue_form Queue = row_queue_form::none>
-bool prepare_kernel_attributes(int device) {
+/// Prepares `kernel`, a row kernel of that shape (prepare_cluster_kernel), for the shared memory
+/// its stages take. The caller passes the address it launches: each translation unit has its own
+/// host stub, and so its own copy, of a kernel template (stats_gemm.cuh's launch says why).
+template <class Shape, bool Aligned, bool Plain, pass P, class T, class G>
+bool prepare_kernel_attributes(const void* kernel, int device) {
   return prepare_cluster_kernel(
-      reinterpret_cast<const void*>(
-          row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, Shifted, Queue>),
-      device, static_cast<int>(row_kernel_stages<Aligned, Plain, P, T, G>() * Shape::chunk_bytes));
+      kernel, device,
+      static_cast<int>(row_kernel_stages<Aligned, Plain, P, T, G>() * Shape::chunk_bytes));
 }
 
 /// The mean's normaliser by one CTA ahead (normalizer_kernel) of a launch of class-id rows
@@ -95,9 +96,9 @@ bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
                  const device_facts& dev) {
   if constexpr (Shifted && !policy::bulk_gradient<T, G, Plain, P == pass::fused>) return false;
   auto kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>;
-  const bool clusters =
-      prepare_kernel_attributes<Shape, Aligned, Plain, P, T, G, Tgt, Shifted>(dev.id) &&
-      tuning_for(dev.major).clusters;
+  const bool clusters = prepare_kernel_attributes<Shape, Aligned, Plain, P, T, G>(
+                            reinterpret_cast<const void*>(kernel), dev.id) &&
+                        tuning_for(dev.major).clusters;
   if (Shifted && !clusters) return false;
   const bool whole_rows =
       P == pass::forward && policy::whole_rows > 0 &&
@@ -115,13 +116,14 @@ bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   constexpr row_queue_form form = policy::row_queue && Aligned && P != pass::backward && !Shifted
                                       ? policy::queue_form<T, Shape::block>
                                       : row_queue_form::none;
-  const bool queued =
-      form != row_queue_form::none && clusters && plan.chunks == 1 && exec.workspace &&
-      exec.workspace_bytes >= cuda_workspace_size(args.rows) &&
-      prepare_kernel_attributes<Shape, Aligned, Plain, P, T, G, Tgt, false, form>(dev.id);
+  const auto queue_kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, false, form>;
+  const bool queued = form != row_queue_form::none && clusters && plan.chunks == 1 &&
+                      exec.workspace && exec.workspace_bytes >= cuda_workspace_size(args.rows) &&
+                      prepare_kernel_attributes<Shape, Aligned, Plain, P, T, G>(
+                          reinterpret_cast<const void*>(queue_kernel), dev.id);
   if (queued) {
     args.queue = &static_cast<workspace_header*>(exec.workspace)->rows_taken;
-    kernel = row_kernel_of<Shape, Aligned, Plain, P, T, G, Tgt, false, form>;
+    kernel = queue_kernel;
   }
   args.chunk = plan.chunk;
   args.chunks = plan.chunks;
@@ -457,7 +459,9 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
   if constexpr (P == pass::fused && !Tgt::soft && policy::wide_rows) {
     if (aligned && plain && tuning_for(dev.major).clusters &&
         wide_rows_for(args.cols * static_cast<std::int64_t>(sizeof(T))) &&
-        prepare_kernel_attributes<wide_shape, true, true, P, T, G, Tgt>(dev.id)) {
+        prepare_kernel_attributes<wide_shape, true, true, P, T, G>(
+            reinterpret_cast<const void*>(row_kernel_of<wide_shape, true, true, P, T, G, Tgt>),
+            dev.id)) {
       launch_rows<true, true, P, T, G, Tgt, wide_shape>(fn, exec, args, dev);
       return;
     }

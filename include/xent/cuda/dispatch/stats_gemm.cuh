@@ -32,11 +32,23 @@ bool ready(int dev, int cluster) {
 /// Enqueues the GEMM over X (a.rows x a.depth, leading dimension ldx) and W (a.cols x a.depth,
 /// leading dimension ldw), one CTA per SM in clusters of `cluster`; ready<F, I>(device, cluster)
 /// must hold.
+///
+/// The attributes are set here, on the address launched: nvcc 13 gives each translation unit its
+/// own host stub of a kernel template, bound to that unit's copy of the kernel
+/// (-static-global-template-stub, on by default), while the linker keeps one copy of each host
+/// template, so a `ready` of one unit may prepare its copy and a `launch` of another launch the
+/// other with the default 48 KiB limit (cudaLaunchKernelEx: invalid argument).
 template <form F, class I>
 void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std::int64_t ldw,
             const args<I>& a, int sms, int cluster, cudaStream_t stream, void* logits = nullptr,
             std::int64_t ld_logits = 0) {
   static_assert(tile_k == 64, "make_map's boxes are 64 columns (128 bytes) wide");
+  void (*const kernel)(CUtensorMap, CUtensorMap, CUtensorMap, args<I>) =
+      cluster == 2 ? stats_gemm_kernel<F, 2, I> : stats_gemm_kernel<F, 1, I>;
+  int device = 0;
+  check_cuda(fn, cudaGetDevice(&device));
+  if (!prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), device, smem_bytes))
+    throw error(fn, "exec", "the sm_90a GEMM's attributes were refused on this device");
   const CUtensorMap xm = make_map(fn, "hidden", x, a.rows, a.depth, ldx, tile_m);
   const CUtensorMap wm = make_map(fn, "weight", w, a.cols, a.depth, ldw, tile_n / cluster);
   // form::stats: no logits (an unused map, the hidden one); otherwise rows x cols bf16, leading
@@ -55,9 +67,7 @@ void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std:
   cudaLaunchAttribute attr[1] = {cluster_attribute(cluster)};
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  check_cuda(fn, cluster == 2
-                     ? cudaLaunchKernelEx(&cfg, stats_gemm_kernel<F, 2, I>, xm, wm, lm, a)
-                     : cudaLaunchKernelEx(&cfg, stats_gemm_kernel<F, 1, I>, xm, wm, lm, a));
+  check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, xm, wm, lm, a));
 }
 
 }  // namespace stats_gemm
