@@ -13,8 +13,9 @@
 #     bench     the CUDA, fused linear and CPU benchmarks (Google Benchmark JSON, repetitions and
 #               their medians), the linear forward's GEMM against cuBLAS, and the vocab-parallel
 #               benchmark when two or more GPUs are visible
-#     compare   the PyTorch binding's tests, its per-call overhead and bench/compare.sh (xent
-#               against torch eager, torch.compile, Liger-Kernel, Cut Cross-Entropy)
+#     compare   the PyTorch binding's tests (python/tests but jax/), its per-call overhead and
+#               bench/compare.sh (xent against torch eager, torch.compile, Liger-Kernel, quack,
+#               Cut Cross-Entropy)
 #     jax       the xent.jax tests on this GPU and the CPU (python/tests/jax) and
 #               bench/jax_cross_entropy.py against XLA's own cross-entropy (OUTDIR/jax/)
 #     all       all of the above (the default)
@@ -344,9 +345,11 @@ if want compare; then
   if ! python3 -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
     skip "torch with CUDA is not importable"
   else
-    # The CUDA kernels or an error, never a silent CPU-only build of the package.
-    export XENT_CUDA=1
-    PYTHON=${PYTHON:-python3} bash python/run_tests.sh -rs >"$outdir/torch-tests.log" 2>&1
+    # The CUDA kernels or an error, never a silent CPU-only build of the package, built with
+    # every core (run_tests.sh's default of 2 suits CI). The JAX tests are the jax part's.
+    export XENT_CUDA=1 CMAKE_BUILD_PARALLEL_LEVEL=$jobs
+    PYTHON=${PYTHON:-python3} bash python/run_tests.sh -rs --ignore=python/tests/jax \
+      >"$outdir/torch-tests.log" 2>&1
     rc=$?
     grep -E "passed|failed|error" "$outdir/torch-tests.log" | tail -n 3
     end $rc "torch-tests.log"
