@@ -17,11 +17,12 @@
 //                   holds more rows, cuda/dispatch/linear_plan.cuh)
 // The time column is Google Benchmark's mean of the iterations; the ratios use the median (the
 // device tool's METHOD.md), which a slow first call cannot move.
+//   panel_cols      low-memory lines: weight rows per panel of the call's plan
 //   extra_MiB       device memory a call needs beyond its inputs: workspace + gradients (+ the
 //                   outputs' O(N) floats)
 // The workspace is the size query's answer for the line's budget (default 256 MiB of chunk room, on
-// top of the fixed buffers such as the V x D float d_weight accumulator; /budget_MiB:B lines give
-// B).
+// top of the fixed buffers such as the V x D float d_weight accumulator; the low-memory lines' 256
+// MiB in all where a panel of every row fits it; /budget_MiB:B lines give B).
 #include <benchmark/benchmark.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -240,6 +241,9 @@ void xent_line(benchmark::State& state, shape s, bool training, std::size_t budg
           : xent::cuda_detail::plan_linear<bf16, bf16>({N, D, V}, pass, opts.accumulate, p.ws_bytes,
                                                        room)
                 .chunk_rows);
+  if (order == xent::linear_order::low_memory)
+    state.counters["panel_cols"] = static_cast<double>(
+        xent::cuda_detail::plan_low_memory<bf16, bf16>({N, D, V}, p.ws_bytes).cols);
   state.counters["extra_MiB"] =
       (static_cast<double>(p.ws_bytes) +
        (training ? static_cast<double>(sizeof(bf16)) * (N * D + V * D) : 0.0) + 4.0 * (N + 1)) /

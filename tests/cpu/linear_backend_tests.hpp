@@ -269,8 +269,8 @@ TYPED_TEST_P(LinearBackend, LowMemoryOrderOverSeveralPanelsMatchesFloat64Oracle)
 TYPED_TEST_P(LinearBackend, AutomaticOrderSwitchesAtTheFastOrdersMinimal) {
   if (!TypeParam::low_memory_order) GTEST_SKIP() << "no low-memory order on this backend";
   using B = TypeParam;
-  // V past both backends' panels (1024 rows and more on the CPU, 8192 on CUDA): the V x D
-  // accumulator outgrows a panel's.
+  // V past both backends' narrowest panels (1024 rows): the V x D accumulator outgrows a
+  // panel's.
   lspec s = make_spec(9, 6, 20000);
   s.ce.threads = 2;
   const ldata<bf16> L = make_data<bf16>(s);

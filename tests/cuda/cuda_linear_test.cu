@@ -128,6 +128,94 @@ TEST(CudaLinearPlan, LowMemoryCallsPlanWhatTheQueryAnswered) {
             8192);
 }
 
+// Host-only (runs without a GPU): issue 50's bound. At both of its shapes in bf16 the low-memory
+// query answers at most 256 MiB (the N x D float sum of d_hidden included) with one sub-chunk of
+// every row; a call given exactly those bytes plans that panel, one byte less a narrower panel
+// of every row that still fits. Widths are whole 256-row tiles from 1024.
+TEST(CudaLinearPlan, LowMemoryQueryHoldsEveryRowWithin256MiB) {
+  using xent::cuda_detail::linear_panel_min_cols;
+  using xent::cuda_detail::linear_panel_tile;
+  using xent::cuda_detail::plan_low_memory;
+  const xent::cuda exec;
+  xent::linear_options opts;
+  opts.order = xent::linear_order::low_memory;
+  for (const xent::linear_shape& s :
+       {xent::linear_shape{8192, 4096, 128256}, xent::linear_shape{16384, 2304, 256000}}) {
+    SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.hidden) + " x " +
+                 std::to_string(s.vocab));
+    const auto sizes =
+        xent::linear_workspace_size<bf16>(exec, s, xent::linear_pass::training, opts);
+    EXPECT_LE(sizes.bytes, std::size_t{256} << 20);
+    EXPECT_EQ(sizes.chunk_rows, s.rows);
+    const auto plan = plan_low_memory<bf16, bf16>(s, sizes.bytes);
+    EXPECT_EQ(plan.bytes, sizes.bytes);
+    EXPECT_EQ(plan.panel.chunk_rows, s.rows);
+    EXPECT_GE(plan.cols, linear_panel_min_cols);
+    EXPECT_EQ(plan.cols % linear_panel_tile, 0);
+    // The next tile would not fit: the widest panel within the budget.
+    const auto wider = xent::cuda_detail::make_low_memory_plan<bf16, bf16>(
+        s, s.rows, plan.cols + linear_panel_tile);
+    EXPECT_GT(wider.bytes, std::size_t{256} << 20);
+    const auto less = plan_low_memory<bf16, bf16>(s, sizes.bytes - 1);
+    EXPECT_LE(less.bytes, sizes.bytes - 1);
+    EXPECT_EQ(less.panel.chunk_rows, s.rows);
+    EXPECT_EQ(less.cols, plan.cols - linear_panel_tile);
+    // The automatic order given those bytes runs the low-memory order (they hold less than the
+    // fast order's minimal).
+    xent::linear_options automatic;
+    EXPECT_LT(sizes.bytes,
+              xent::linear_workspace_size<bf16>(exec, s, xent::linear_pass::training, automatic)
+                  .fast_minimal);
+  }
+}
+
+// Host-only (runs without a GPU): more workspace gives panels as wide or wider (fewer passes over
+// d_hidden's float sum), never narrower than 1024 weight rows unless V is; V = 50257 and 5000 are
+// multiples of no panel width, their last panel partial; a budget below the narrowest plan of every
+// row splits the rows of 1024-row panels.
+TEST(CudaLinearPlan, LowMemoryPanelsWidenWithTheWorkspace) {
+  using xent::cuda_detail::linear_panel_min_cols;
+  using xent::cuda_detail::linear_panel_tile;
+  using xent::cuda_detail::plan_low_memory;
+  const xent::cuda exec;
+  xent::linear_options opts;
+  opts.order = xent::linear_order::low_memory;
+  for (const xent::linear_shape& s :
+       {xent::linear_shape{8192, 4096, 128256}, xent::linear_shape{4096, 768, 50257},
+        xent::linear_shape{9, 29, 5000}, xent::linear_shape{300, 64, 700}}) {
+    SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.hidden) + " x " +
+                 std::to_string(s.vocab));
+    const std::size_t least =
+        xent::linear_workspace_size<bf16>(exec, s, xent::linear_pass::training, opts, 0).minimal;
+    std::int64_t cols = 0;
+    for (std::size_t bytes = least; bytes < (std::size_t{4} << 30); bytes += bytes / 3 + 1) {
+      const auto p = plan_low_memory<bf16, bf16>(s, bytes);
+      EXPECT_LE(p.bytes, bytes);
+      EXPECT_GE(p.cols, cols) << bytes;
+      cols = p.cols;
+      EXPECT_GE(p.cols, std::min(s.vocab, linear_panel_min_cols)) << bytes;
+      EXPECT_TRUE(p.cols == s.vocab || p.cols % linear_panel_tile == 0) << p.cols;
+      // A partial last panel wherever V is not a multiple of the tile.
+      if (p.cols < s.vocab && s.vocab % linear_panel_tile != 0) EXPECT_NE(s.vocab % p.cols, 0);
+    }
+    EXPECT_EQ(cols, s.vocab);  // 3 GiB and more hold one panel of every class
+  }
+  // 8192 x 4096 x 128256: the 1024-row panel of every row needs 144 MiB; less splits its rows.
+  const xent::linear_shape s{8192, 4096, 128256};
+  const auto narrowest = xent::cuda_detail::make_low_memory_plan<bf16, bf16>(s, s.rows, 1024);
+  const auto split = plan_low_memory<bf16, bf16>(s, narrowest.bytes - (std::size_t{8} << 20));
+  EXPECT_EQ(split.cols, 1024);
+  EXPECT_LT(split.panel.chunk_rows, s.rows);
+  EXPECT_GE(split.panel.chunk_rows, 1);
+  // A query whose budget holds no plan of every row answers the 1024-row panel's plan within the
+  // budget on top of its fixed buffers: here every row, as the minimal.
+  const auto small = xent::linear_workspace_size<bf16>(exec, s, xent::linear_pass::training, opts,
+                                                       std::size_t{64} << 20);
+  EXPECT_EQ(small.bytes, narrowest.bytes);
+  EXPECT_EQ(small.minimal, narrowest.bytes);
+  EXPECT_EQ(small.chunk_rows, s.rows);
+}
+
 TEST_F(CudaLinearTest, GradientDtypeMayDifferFromTheInputs) {
   // Float gradients of bf16 / fp16 inputs (d_weight its own accumulator), bf16 gradients of float
   // inputs, and fp16 gradients of bf16 inputs (dw_accumulation::output stages weight blocks).

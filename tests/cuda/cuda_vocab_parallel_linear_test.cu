@@ -321,19 +321,41 @@ std::vector<rank_outcome> two_rank_forward(const Spoil& spoil) {
   return res;
 }
 
-// Host-only (runs without a GPU): the low-memory query takes one exchange chunk of every row where
-// its bytes fit, though that plan (no float panel of d_weight) can need fewer bytes than slightly
-// smaller chunks: 8 ranks of 8192 x 4096 x 128256 bf16 at the default budget.
-TEST(CudaVocabParallelLinearPlan, LowMemoryQueryTakesEveryRowWhereItFits) {
+// Host-only (runs without a GPU): the single-device rule per rank. At 8192 x 4096 x 128256 bf16
+// on 1, 2 and 8 ranks the low-memory query answers at most 256 MiB a rank, its exchange chunks
+// giving a panel of every row in whole 256-row tiles from 1024; a larger budget gives larger
+// chunks and panels as wide or wider; a budget that holds no plan of every row answers the
+// chunks from which the 1024-row panel takes every row.
+TEST(CudaVocabParallelLinearPlan, LowMemoryQueryHoldsEveryRowWithinTheBudgetPerRank) {
   const xent::cuda exec;
   xent::linear_options opts;
   opts.order = xent::linear_order::low_memory;
   const std::int64_t N = 8192, D = 4096, V = 128256;
-  const int ranks = 8;
-  const xent::linear_shape local{N, D, (V + ranks - 1) / ranks};
-  const auto sizes = xent::vocab_parallel_linear_workspace_size<bf16>(exec, local, V, ranks,
-                                                                      linear_pass::training, opts);
-  EXPECT_EQ(sizes.chunk_rows, N);
+  for (int ranks : {1, 2, 8}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks");
+    const xent::linear_shape local{N, D, (V + ranks - 1) / ranks};
+    auto plan_at = [&](std::size_t budget) {
+      const auto sizes = xent::vocab_parallel_linear_workspace_size<bf16>(
+          exec, local, V, ranks, linear_pass::training, opts, budget);
+      const auto p = xent::cuda_detail::make_vp_linear_plan<bf16, bf16>(
+          local, ranks, linear_pass::training, opts.accumulate, opts.order, sizes.chunk_rows);
+      EXPECT_EQ(p.bytes, sizes.bytes);
+      return std::make_pair(sizes, p.low);
+    };
+    const auto [sizes, low] = plan_at(xent::linear_default_budget);
+    EXPECT_LE(sizes.bytes, xent::linear_default_budget);
+    EXPECT_EQ(low.panel.chunk_rows, N);
+    EXPECT_GE(low.cols, xent::cuda_detail::linear_panel_min_cols);
+    EXPECT_TRUE(low.cols == local.vocab || low.cols % xent::cuda_detail::linear_panel_tile == 0);
+    const auto [more, wide] = plan_at(std::size_t{1} << 30);
+    EXPECT_GE(more.chunk_rows, sizes.chunk_rows);
+    EXPECT_GE(wide.cols, low.cols);
+    EXPECT_EQ(wide.panel.chunk_rows, N);
+    const auto [tight, narrow] = plan_at(std::size_t{64} << 20);
+    EXPECT_EQ(tight.chunk_rows, xent::cuda_detail::vp_every_row_chunk(local));
+    EXPECT_EQ(narrow.cols, xent::cuda_detail::linear_panel_min_cols);
+    EXPECT_EQ(narrow.panel.chunk_rows, N);
+  }
 }
 
 TEST(CudaVocabParallelLinearErrors, ShardsThatDoNotTileGiveNanRowsAndAnErrorPerChunkOnEveryRank) {

@@ -39,10 +39,13 @@ struct linear_traits<cuda> {
   /// chunks than the figure returned: it keeps the logits in d_weight when that holds more rows.
   ///
   /// The low-memory order (linear_order::low_memory, dispatch/linear_panels.cuh): the statistics'
-  /// or a panel's buffers, whichever is larger (a panel of 8192 weight rows: chunk rows x 8192
-  /// elements of T of logits, with G not float and fewer chunk rows than N a float panel of
-  /// d_weight, 8192 x D), then per row 8 bytes of LSE and mass and, G not float, D floats of
-  /// d_hidden's sum.
+  /// or a panel's buffers, whichever is larger (a panel of P weight rows: chunk rows x P elements
+  /// of T of logits, with G not float and fewer chunk rows than N a float panel of d_weight,
+  /// P x D), then per row 8 bytes of LSE and mass and, G not float, D floats of d_hidden's sum.
+  /// The query answers the widest panel (P from 1024, in steps of 256, up to V) of every row whose
+  /// whole workspace fits `budget`, when one does (issue 50's bound: 256 MiB beyond the gradients
+  /// by default); else the 1024-row panel's plan within the budget on top of its fixed buffers
+  /// (query_low_memory).
   ///
   /// A sparse threshold adds nothing: the calls refuse it.
   template <class T, class G>
@@ -51,12 +54,9 @@ struct linear_traits<cuda> {
                                                linear_order order, std::size_t budget,
                                                bool /*sparse*/) {
     if (pass == linear_pass::training && order == linear_order::low_memory) {
-      const auto least = cuda_detail::make_low_memory_plan<T, G>(shape, 1);
-      const auto fixed = cuda_detail::make_low_memory_plan<T, G>(shape, 0);
-      const auto plan =
-          cuda_detail::plan_low_memory<T, G>(shape, detail::chunk_budget(fixed.bytes, budget));
-      return {least.bytes, std::max(plan.bytes, least.bytes),
-              std::min(plan.panel.chunk_rows, shape.rows)};
+      const std::size_t least = cuda_detail::least_low_memory_bytes<T, G>(shape);
+      const auto plan = cuda_detail::query_low_memory<T, G>(shape, budget);
+      return {least, std::max(plan.bytes, least), std::min(plan.panel.chunk_rows, shape.rows)};
     }
     const auto least = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 1);
     const auto fixed = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 0);

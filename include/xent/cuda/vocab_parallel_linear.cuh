@@ -34,6 +34,13 @@ struct vocab_parallel_linear_traits<cuda> {
         .bytes;
   }
 
+  /// The fewest chunk rows at which the low-memory order's panel takes every row of `shape`: from
+  /// there a size query plans the whole workspace within its budget (vp_linear_sizes), as the
+  /// single-device query does (linear_panels.cuh's query_low_memory).
+  static std::int64_t low_memory_every_row(const linear_shape& shape) {
+    return cuda_detail::vp_every_row_chunk(shape);
+  }
+
   template <class T, class G, class Tgt>
   using call = cuda_detail::vp_linear_call<T, G, Tgt>;
 };

@@ -71,6 +71,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "../backend.hpp"
 #include "../detail/static_shape.hpp"
@@ -88,6 +89,15 @@
 
 namespace xent {
 namespace detail {
+
+/// Whether a backend's low-memory order names the fewest chunk rows at which its panels take
+/// every row (CUDA's: `low_memory_every_row(shape)`).
+template <class Traits, class = void>
+struct has_every_row_panels : std::false_type {};
+template <class Traits>
+struct has_every_row_panels<
+    Traits, std::void_t<decltype(Traits::low_memory_every_row(std::declval<linear_shape>()))>>
+    : std::true_type {};
 
 /// The sizes of a rank's workspace: rows per chunk planned for a shard of ceil(V / R) classes
 /// (the same on every rank), the bytes for this rank's `shape` at that chunk and at one row.
@@ -113,17 +123,36 @@ linear_workspace_sizes vp_linear_sizes(const char* fn, const Exec& exec, const l
     std::int64_t rows;
     std::size_t bytes;
   };
+  auto sizes = [&](std::int64_t chunk) -> linear_workspace_sizes {
+    chunk = std::min(chunk, shape.rows);
+    return {bytes_at(shape, 1), bytes_at(shape, planned_chunk_rows(chunk, shape.rows)), chunk};
+  };
+  // Chunks of `limit` rows or fewer: the rank's every row, or where the backend's low-memory
+  // panels take every row from low_memory_every_row(reference) chunk rows on, those first, within
+  // the whole budget (issue 50's bound on the order's memory, linear_panels.cuh's
+  // query_low_memory); where they do not fit, the narrowest such plan or a split below it.
+  std::int64_t limit = shape.rows;
+  using traits = vocab_parallel_linear_traits<Exec>;
+  if constexpr (has_every_row_panels<traits>::value) {
+    if (pass == linear_pass::training && order == linear_order::low_memory && shape.rows > 0) {
+      limit = std::min(shape.rows, traits::low_memory_every_row(reference));
+      const std::int64_t more = shape.rows - limit;
+      if (bytes_at(reference, limit) <= budget)
+        return sizes(largest_chunk_plan(more + 1, budget, [&](std::int64_t i) {
+                       return sized{limit + i - 1, bytes_at(reference, limit + i - 1)};
+                     }).rows);
+    }
+  }
   const std::size_t room = chunk_budget(bytes_at(reference, 0), budget);
-  // One chunk of every row can need fewer bytes than slightly smaller chunks (CUDA's low-memory
-  // panels then keep no float panel of d_weight), so it is tried before the search.
-  const sized whole{shape.rows, bytes_at(reference, shape.rows)};
+  // One chunk of `limit` rows can need fewer bytes than slightly smaller chunks (CUDA's
+  // low-memory panels then keep no float panel of d_weight), so it is tried before the search.
+  const sized whole{limit, bytes_at(reference, limit)};
   const sized plan = shape.rows > 0 && whole.bytes <= room
                          ? whole
-                         : largest_chunk_plan(shape.rows, room, [&](std::int64_t rows) {
+                         : largest_chunk_plan(limit, room, [&](std::int64_t rows) {
                              return sized{rows, bytes_at(reference, rows)};
                            });
-  const std::int64_t chunk = std::min(plan.rows, shape.rows);
-  return {bytes_at(shape, 1), bytes_at(shape, planned_chunk_rows(chunk, shape.rows)), chunk};
+  return sizes(plan.rows);
 }
 
 /// The bytes this rank's call needs with the workspace's chunk_rows, in the order of `opts`

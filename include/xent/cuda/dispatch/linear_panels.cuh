@@ -46,15 +46,22 @@
 namespace xent {
 namespace cuda_detail {
 
-/// Weight rows per panel. d_hidden's N x D float sum is read and written once per panel by its
-/// GEMM's epilogue (2 x 4 N D bytes: 256 MiB at N = 8192, D = 4096), and a panel's logits for
-/// every row are N x P elements of T (128 MiB at N = 8192, P = 8192, bf16). Not tuned by
-/// measurement yet.
-constexpr std::int64_t linear_panel_cols = 8192;
+/// Panel widths are whole multiples of 256 weight rows (unless the panel is the whole
+/// vocabulary): the panel's columns are the M of its logits GEMM and the N of its d_weight GEMM,
+/// which cuBLAS's sm_90 tensor-core kernels tile by 128 or 256, and its weight rows then start at
+/// 512-byte multiples of D.
+constexpr std::int64_t linear_panel_tile = 256;
 
-/// Weight rows per panel of a vocabulary of `vocab` classes (at least one).
-inline std::int64_t panel_cols(std::int64_t vocab) {
-  return std::max<std::int64_t>(1, std::min(vocab, linear_panel_cols));
+/// The narrowest panel a plan takes: each panel's GEMMs reduce over (or span) its P columns, and
+/// each panel reads and writes d_hidden's N x D float sum once (2 x 4 N D bytes, 256 MiB at
+/// N = 8192, D = 4096: 63 us at the H200's ~4.25 TB/s copy roof), so narrower panels trade
+/// workspace for that traffic; below 1024 columns it passes a tenth of the GEMMs' time at the
+/// shapes of docs/design.md. Not tuned by measurement yet.
+constexpr std::int64_t linear_panel_min_cols = 1024;
+
+/// The narrowest panel of a vocabulary of `vocab` classes (at least one weight row).
+inline std::int64_t narrowest_panel(std::int64_t vocab) {
+  return std::max<std::int64_t>(1, std::min(vocab, linear_panel_min_cols));
 }
 
 /// The low-memory order's workspace: the statistics' plan and a panel's plan from the same aligned
@@ -70,21 +77,22 @@ struct low_memory_plan {
   std::size_t bytes = 0;
 };
 
-/// Panel sub-chunks of `rows` rows. One sub-chunk of every row writes d_weight[panel] from its
-/// GEMM's float sum (dw_accumulation::output's buffers: none for G = T); fewer rows sum the panel
-/// in float (dw_accumulation::fp32's, P x D floats). The statistics take `stats_rows` rows (the
-/// vocab-parallel calls' exchange chunks), or by default as many as the same logits bytes hold
-/// over the whole vocabulary.
+/// Panels of `cols` weight rows (clamped to [1, V]) in sub-chunks of `rows` rows. One sub-chunk of
+/// every row writes d_weight[panel] from its GEMM's float sum (dw_accumulation::output's buffers:
+/// none for G = T); fewer rows sum the panel in float (dw_accumulation::fp32's, P x D floats). The
+/// panel keeps no d_hidden rows (run_panels sums d_hidden in `dx`). The statistics take
+/// `stats_rows` rows (the vocab-parallel calls' exchange chunks), or by default as many as the
+/// same logits bytes hold over the whole vocabulary.
 template <class T, class G>
-low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows,
+low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows, std::int64_t cols,
                                      std::int64_t stats_rows = -1) {
   constexpr bool narrow_grads = !std::is_same<device_t<G>, float>::value;
   low_memory_plan p;
-  p.cols = panel_cols(s.vocab);
+  p.cols = std::max<std::int64_t>(1, std::min(cols, s.vocab));
   const bool every_row = rows >= s.rows;
   p.panel = make_linear_plan<T, G>({s.rows, s.hidden, p.cols}, linear_pass::training,
                                    every_row ? dw_accumulation::output : dw_accumulation::fp32,
-                                   rows, false, false);
+                                   rows, false, false, false);
   if (stats_rows < 0)
     stats_rows = std::max<std::int64_t>(
         1, std::min(s.rows, rows * p.cols / std::max<std::int64_t>(s.vocab, 1)));
@@ -100,23 +108,64 @@ low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows,
   return p;
 }
 
-/// The plan with the largest panel sub-chunks that fit `budget` bytes (within cuBLAS's int rows,
-/// whole 128-row tiles where that stays within them), or the one-row plan.
+/// The plan of the widest panel of at most `most_cols` weight rows (whole linear_panel_tile
+/// multiples from the narrowest, or the whole vocabulary) whose one sub-chunk of every row fits
+/// `budget` bytes; where none does, the narrowest panel's plan with the largest sub-chunks that
+/// fit (within cuBLAS's int rows, whole 128-row tiles where that stays within them), or its
+/// one-row plan. Wider panels need more bytes (N x P logits) and fewer passes over d_hidden's
+/// float sum, so the widest that fits is the fastest; splitting rows instead costs a P x D float
+/// d_weight panel and smaller GEMMs, so it is the last resort.
 template <class T, class G>
-low_memory_plan plan_low_memory(const linear_shape& s, std::size_t budget) {
+low_memory_plan plan_low_memory(const linear_shape& s, std::size_t budget,
+                                std::int64_t most_cols = INT64_MAX) {
   constexpr std::int64_t most_rows = std::int64_t{INT_MAX} / 128 * 128;
-  // One sub-chunk of every row needs no float panel of d_weight, so it can take fewer bytes than
-  // a split just below it (384 against 513 MiB at 8192 x 4096 x 128256 bf16): the search over
-  // rows below is not monotonic there, so the whole plan is tried first.
+  const std::int64_t narrowest = narrowest_panel(s.vocab);
   if (s.rows > 0 && s.rows <= most_rows) {
-    const low_memory_plan whole = make_low_memory_plan<T, G>(s, s.rows);
+    // Widths narrowest + (i - 1) tiles, the last one the whole vocabulary (i = 1, 2, ...).
+    const std::int64_t widest = std::max(narrowest, std::min(s.vocab, most_cols));
+    const std::int64_t widths =
+        1 + (widest - narrowest + linear_panel_tile - 1) / linear_panel_tile;
+    const low_memory_plan whole = detail::largest_chunk_plan(widths, budget, [&](std::int64_t i) {
+      return make_low_memory_plan<T, G>(s, s.rows,
+                                        std::min(widest, narrowest + (i - 1) * linear_panel_tile));
+    });
     if (whole.bytes <= budget) return whole;
   }
+  // One sub-chunk of every row needs no float panel of d_weight, so it can take fewer bytes than
+  // a split just below it: the search over rows is monotonic only below every row, which did not
+  // fit.
   const low_memory_plan p = detail::largest_chunk_plan(
       std::min(s.rows, most_rows), budget,
-      [&](std::int64_t rows) { return make_low_memory_plan<T, G>(s, rows); });
+      [&](std::int64_t rows) { return make_low_memory_plan<T, G>(s, rows, narrowest); });
   const std::int64_t rows = gemm_friendly_rows(s.rows, p.panel.chunk_rows);
-  return rows == p.panel.chunk_rows ? p : make_low_memory_plan<T, G>(s, rows);
+  return rows == p.panel.chunk_rows ? p : make_low_memory_plan<T, G>(s, rows, narrowest);
+}
+
+/// The fewest bytes a low-memory call accepts: the narrowest panel's one-row plan, or its plan of
+/// every row where that is smaller (no float panel of d_weight and no cuBLASLt workspace, which
+/// at small N and D outweigh N rows of logits). plan_low_memory takes either.
+template <class T, class G>
+std::size_t least_low_memory_bytes(const linear_shape& s) {
+  constexpr std::int64_t most_rows = std::int64_t{INT_MAX} / 128 * 128;
+  const std::int64_t narrowest = narrowest_panel(s.vocab);
+  const std::size_t one = make_low_memory_plan<T, G>(s, 1, narrowest).bytes;
+  if (s.rows < 1 || s.rows > most_rows) return one;
+  return std::min(one, make_low_memory_plan<T, G>(s, s.rows, narrowest).bytes);
+}
+
+/// The plan a size query answers for `budget` bytes: the widest panel of every row whose whole
+/// workspace fits the budget, when one does. Issue 50's bound is on the order's memory beyond the
+/// gradients, so the budget (256 MiB by default) holds the N x D float sum too. Where even the
+/// narrowest such panel passes it (the float sum alone can: 4 N D grows with N), the narrowest
+/// panel's plan within the budget on top of the buffers every sub-chunk needs, as the fast
+/// order's query plans (detail::chunk_budget). A call given the bytes answered plans the same.
+template <class T, class G>
+low_memory_plan query_low_memory(const linear_shape& s, std::size_t budget) {
+  const low_memory_plan p = plan_low_memory<T, G>(s, budget);
+  if (p.bytes <= budget && p.panel.chunk_rows >= s.rows) return p;
+  const std::int64_t narrowest = narrowest_panel(s.vocab);
+  const low_memory_plan fixed = make_low_memory_plan<T, G>(s, 0, narrowest);
+  return plan_low_memory<T, G>(s, detail::chunk_budget(fixed.bytes, budget), narrowest);
 }
 
 /// The device targets of rows [r0, r0 + n) for the panel's columns from v0 (soft targets: the

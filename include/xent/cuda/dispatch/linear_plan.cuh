@@ -127,11 +127,13 @@ struct linear_plan {
 
 /// `logits_outside`: the chunk's logits live in the caller's d_weight (linear_logits_room), not in
 /// the workspace. `probs_room`: room for the scaled-probabilities path where it may run (the
-/// vocab-parallel calls, which do not take it, plan none).
+/// vocab-parallel calls, which do not take it, plan none). `dx_room`: room for the chunk's
+/// d_hidden rows in float (the low-memory order's panels write no d_hidden of their own: they sum
+/// it over the panels in an N x D buffer of that order's plan).
 template <class T, class G>
 linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumulation accumulate,
                              std::int64_t chunk_rows, bool logits_outside = false,
-                             bool probs_room = true) {
+                             bool probs_room = true, bool dx_room = true) {
   using DT = device_t<T>;
   using DG = device_t<G>;
   constexpr bool narrow_grads = !std::is_same<DG, float>::value;
@@ -148,7 +150,7 @@ linear_plan make_linear_plan(const linear_shape& s, linear_pass pass, dw_accumul
   p.scalars = at.take(sizeof(double), true);
   p.row_loss = at.take(sizeof(float) * N, true);
   p.argmax = at.take(sizeof(std::int64_t) * N, true);
-  p.dx = at.take(sizeof(float) * R * D, training && narrow_grads);
+  p.dx = at.take(sizeof(float) * R * D, training && narrow_grads && dx_room);
   if (accumulate == dw_accumulation::fp32) {
     p.dw = at.take(sizeof(float) * V * D, training && narrow_grads);
   } else if (training && narrow_grads && !grads_as_inputs) {

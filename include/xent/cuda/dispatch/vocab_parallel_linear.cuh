@@ -24,6 +24,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -60,6 +61,33 @@ struct vp_linear_plan {
   std::size_t bytes = 0;
 };
 
+/// A rank's low-memory buffers for exchange chunks of `chunk_rows` rows: a panel whose logits take
+/// what a chunk's over the shard take (chunk_rows x V_l elements), so that a rank's bytes follow
+/// from its shard and chunk_rows alone and more chunk rows give wider panels. Every row in one
+/// sub-chunk at the widest whole-tile width those logits hold, where that is the narrowest panel
+/// or more (linear_panels.cuh's rule per rank); else the narrowest panel in sub-chunks of
+/// detail::panel_chunk_rows.
+template <class T, class G>
+low_memory_plan make_vp_low_memory_plan(const linear_shape& s, std::int64_t chunk_rows) {
+  const std::int64_t narrowest = narrowest_panel(s.vocab);
+  const std::int64_t room =
+      s.rows > 0 ? std::max<std::int64_t>(chunk_rows, 0) * s.vocab / s.rows : 0;
+  const std::int64_t cols =
+      room >= s.vocab ? s.vocab : room / linear_panel_tile * linear_panel_tile;
+  if (s.rows > 0 && chunk_rows > 0 && cols >= narrowest)
+    return make_low_memory_plan<T, G>(s, s.rows, cols, chunk_rows);
+  return make_low_memory_plan<T, G>(
+      s, detail::panel_chunk_rows(chunk_rows, s.rows, s.vocab, narrowest), narrowest, chunk_rows);
+}
+
+/// The fewest exchange chunk rows whose panel takes every row (make_vp_low_memory_plan): the
+/// narrowest panel's N x P logits over the shard's V_l classes.
+inline std::int64_t vp_every_row_chunk(const linear_shape& s) {
+  if (s.rows <= 0 || s.vocab <= 0) return std::max<std::int64_t>(s.rows, 1);
+  const std::int64_t narrowest = narrowest_panel(s.vocab);
+  return std::min(s.rows, (s.rows * narrowest + s.vocab - 1) / s.vocab);
+}
+
 template <class T, class G>
 vp_linear_plan make_vp_linear_plan(const linear_shape& s, int ranks, linear_pass pass,
                                    dw_accumulation accumulate, linear_order order,
@@ -67,8 +95,7 @@ vp_linear_plan make_vp_linear_plan(const linear_shape& s, int ranks, linear_pass
   vp_linear_plan p;
   p.panels = pass == linear_pass::training && order == linear_order::low_memory;
   if (p.panels) {
-    p.low = make_low_memory_plan<T, G>(
-        s, detail::panel_chunk_rows(chunk_rows, s.rows, s.vocab, panel_cols(s.vocab)), chunk_rows);
+    p.low = make_vp_low_memory_plan<T, G>(s, chunk_rows);
     p.chunk = p.low.stats;
     p.exchange = p.low.end;
   } else {
