@@ -32,6 +32,9 @@ namespace {
 using namespace xtl;  // NOLINT(google-build-using-namespace): the shared linear test vocabulary
 // CUDA declares a global `half`; the test names Eigen's fp16 type this way.
 using fp16 = xt::half;
+using xent::cuda_detail::linear_panel_min_cols;
+using xent::cuda_detail::linear_panel_tile;
+using xent::cuda_detail::plan_low_memory;
 using xent_test::dbuf;
 using xent_test::device_gradients;
 using xent_test::device_inputs;
@@ -40,6 +43,12 @@ using xent_test::device_outputs;
 using xent_test::device_workspace;
 using xent_test::ok;
 using xent_test::result_bytes;
+
+/// "N x D x V", a plan test's trace.
+std::string shape_name(const xent::linear_shape& s) {
+  return std::to_string(s.rows) + " x " + std::to_string(s.hidden) + " x " +
+         std::to_string(s.vocab);
+}
 
 /// A cuBLAS handle per test (the caller's, as xent requires), bound to the default stream: the
 /// backend of the shared tests (xent_test::device_memory) set up and torn down around each test.
@@ -133,16 +142,12 @@ TEST(CudaLinearPlan, LowMemoryCallsPlanWhatTheQueryAnswered) {
 // every row; a call given exactly those bytes plans that panel, one byte less a narrower panel
 // of every row that still fits. Widths are whole 256-row tiles from 1024.
 TEST(CudaLinearPlan, LowMemoryQueryHoldsEveryRowWithin256MiB) {
-  using xent::cuda_detail::linear_panel_min_cols;
-  using xent::cuda_detail::linear_panel_tile;
-  using xent::cuda_detail::plan_low_memory;
   const xent::cuda exec;
   xent::linear_options opts;
   opts.order = xent::linear_order::low_memory;
   for (const xent::linear_shape& s :
        {xent::linear_shape{8192, 4096, 128256}, xent::linear_shape{16384, 2304, 256000}}) {
-    SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.hidden) + " x " +
-                 std::to_string(s.vocab));
+    SCOPED_TRACE(shape_name(s));
     const auto sizes =
         xent::linear_workspace_size<bf16>(exec, s, xent::linear_pass::training, opts);
     EXPECT_LE(sizes.bytes, std::size_t{256} << 20);
@@ -174,17 +179,13 @@ TEST(CudaLinearPlan, LowMemoryQueryHoldsEveryRowWithin256MiB) {
 // multiples of no panel width, their last panel partial; a budget below the narrowest plan of every
 // row splits the rows of 1024-row panels.
 TEST(CudaLinearPlan, LowMemoryPanelsWidenWithTheWorkspace) {
-  using xent::cuda_detail::linear_panel_min_cols;
-  using xent::cuda_detail::linear_panel_tile;
-  using xent::cuda_detail::plan_low_memory;
   const xent::cuda exec;
   xent::linear_options opts;
   opts.order = xent::linear_order::low_memory;
   for (const xent::linear_shape& s :
        {xent::linear_shape{8192, 4096, 128256}, xent::linear_shape{4096, 768, 50257},
         xent::linear_shape{9, 29, 5000}, xent::linear_shape{300, 64, 700}}) {
-    SCOPED_TRACE(std::to_string(s.rows) + " x " + std::to_string(s.hidden) + " x " +
-                 std::to_string(s.vocab));
+    SCOPED_TRACE(shape_name(s));
     const std::size_t least =
         xent::linear_workspace_size<bf16>(exec, s, xent::linear_pass::training, opts, 0).minimal;
     std::int64_t cols = 0;

@@ -189,19 +189,28 @@ def test_float64_matches_oracle_and_finite_differences():
             )
 
 
-def test_float64_on_a_gpu_names_the_cpu(device):
+def expect_float64_refused_on_gpu(device, calls):
+    """Each of calls(device) (made with x64 on) fails naming float64 as CPU-only; skipped on the
+    CPU, where float64 runs, and without the CUDA handlers."""
     if device.platform == "cpu":
-        pytest.skip("float64 runs on the CPU (test_float64_matches_oracle_and_finite_differences)")
+        pytest.skip("float64 runs on the CPU (the float64 oracle tests)")
     if not xj.with_cuda:
         pytest.skip("xent.jax was built without its CUDA handlers")
     with jax.enable_x64(True):
-        x, y = put(device, *make((4, 3), 11, jnp.float64))
-        for call in (
-            lambda: xj.cross_entropy(x, y, reduction="none"),
-            lambda: jax.grad(lambda x: xj.cross_entropy(x, y))(x),
-        ):
+        for call in calls(device):
             with pytest.raises(Exception, match="float64, which runs on the CPU only"):
                 jax.block_until_ready(call())
+
+
+def test_float64_on_a_gpu_names_the_cpu(device):
+    def calls(device):
+        x, y = put(device, *make((4, 3), 11, jnp.float64))
+        return (
+            lambda: xj.cross_entropy(x, y, reduction="none"),
+            lambda: jax.grad(lambda x: xj.cross_entropy(x, y))(x),
+        )
+
+    expect_float64_refused_on_gpu(device, calls)
 
 
 def test_matches_optax(device):

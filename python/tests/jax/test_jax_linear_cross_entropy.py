@@ -7,7 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_jax_cross_entropy import OPTIONS, assert_close, oracle, put, resolve
+from test_jax_cross_entropy import (
+    OPTIONS,
+    assert_close,
+    expect_float64_refused_on_gpu,
+    oracle,
+    put,
+    resolve,
+)
 
 import xent.jax as xj
 
@@ -94,18 +101,14 @@ def test_float64_matches_oracle():
 
 
 def test_float64_on_a_gpu_names_the_cpu(device):
-    if device.platform == "cpu":
-        pytest.skip("float64 runs on the CPU (test_float64_matches_oracle)")
-    if not xj.with_cuda:
-        pytest.skip("xent.jax was built without its CUDA handlers")
-    with jax.enable_x64(True):
+    def calls(device):
         h, w, b, y = put(device, *make((7,), 8, 13, jnp.float64))
-        for call in (
+        return (
             lambda: xj.linear_cross_entropy(h, w, y, b, reduction="none"),
             lambda: jax.grad(lambda h: xj.linear_cross_entropy(h, w, y, b))(h),
-        ):
-            with pytest.raises(Exception, match="float64, which runs on the CPU only"):
-                jax.block_until_ready(call())
+        )
+
+    expect_float64_refused_on_gpu(device, calls)
 
 
 def test_jit_vmap_and_checkpoint(device):
