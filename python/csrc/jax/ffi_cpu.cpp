@@ -2,7 +2,9 @@
 // exported as plain C symbols (XLA_FFI_DEFINE_HANDLER_SYMBOL) that xent/jax/_ffi.py loads with
 // ctypes and registers with jax.ffi.register_ffi_target(platform="cpu").
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <exception>
 #include <thread>
 #include <vector>
 
@@ -144,3 +146,19 @@ XENT_JAX_HANDLER(xent_vocab_parallel_merge_cpu, xent_jax::vp_mrg,
                  xent_jax::vp_merge_binding(xla::ffi::Ffi::Bind()));
 XENT_JAX_HANDLER(xent_vocab_parallel_backward_cpu, xent_jax::vp_bwd,
                  xent_jax::vp_backward_binding(xla::ffi::Ffi::Bind()));
+
+// Bytes of one device's records block for `rows` rows (class ids; label smoothing widens the
+// records), the same on every backend: xent/jax/vocab_parallel.py sizes the records call's result
+// with it, so the layout is written in parallel/records.hpp alone. -1 for rows the exchange
+// refuses.
+extern "C" __attribute__((visibility("default"))) std::int64_t xent_jax_records_bytes(
+    std::int64_t rows, float label_smoothing) {
+  xent::options opts;
+  opts.label_smoothing = label_smoothing;
+  try {
+    return static_cast<std::int64_t>(
+        xent::vocab_parallel_exchange_bytes(xent::cpu{}, rows, false, opts, false));
+  } catch (const std::exception&) {
+    return -1;
+  }
+}

@@ -72,6 +72,20 @@ def workspace_bytes(
     return max(0, int(_query(WORKSPACE_KINDS[kind], code, rows, dim, vocab)))
 
 
+_records_bytes = _lib.xent_jax_records_bytes
+_records_bytes.restype = ctypes.c_int64
+_records_bytes.argtypes = (ctypes.c_int64, ctypes.c_float)
+
+
+def records_bytes(rows: int, label_smoothing: float) -> int:
+    """Bytes of one device's vocab-parallel records block for `rows` rows of class ids (the
+    library's parallel/records.hpp layout)."""
+    got = int(_records_bytes(rows, label_smoothing))
+    if got < 0:
+        raise ValueError(f"xent.jax: {rows} rows is more than one exchange holds")
+    return got
+
+
 for _name in TARGETS:
     jax.ffi.register_ffi_target(
         _name, jax.ffi.pycapsule(getattr(_lib, _name + "_cpu")), platform="cpu"

@@ -140,10 +140,9 @@ def _vp_call(target, results, *args, cfg, vocab, aliases=None, workspace=None):
 
 
 def _block_bytes(rows: int, cfg: _Config) -> int:
-    """Bytes of one device's records (parallel/records.hpp): a 32-byte header, 12 bytes a row
-    (16 with label smoothing), padded to a multiple of 8. The handler checks it."""
-    record = 16 if cfg.label_smoothing != 0.0 else 12
-    return (32 + rows * record + 7) // 8 * 8
+    """Bytes of one device's records: a header and a record a row (wider with label smoothing),
+    as the library lays them out."""
+    return _ffi.records_bytes(rows, cfg.label_smoothing)
 
 
 def _by_width(shard: _Shard, run, x, *args):
