@@ -79,7 +79,8 @@ std::vector<float> time_ms(F&& f, int reps) {
   return t;
 }
 
-std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
+std::string run_shape(int N, int D, int V, const xent::cuda_detail::device_facts& dev,
+                      cublasHandle_t h) {
   using bf16 = __nv_bfloat16;
   bf16 *x, *w, *logits;
   float* ref;
@@ -120,10 +121,10 @@ std::string run_shape(int N, int D, int V, int sms, cublasHandle_t h) {
   m.lse_out = lse;
   // Each GEMM in clusters of one CTA and of two (stats_gemm_kernel's Cluster).
   auto plain = [&](int cluster) {
-    sg::launch<sg::form::logits>(fn, x, D, w, D, a, sms, cluster, nullptr, logits, V);
+    sg::launch<sg::form::logits>(fn, x, D, w, D, a, dev, cluster, nullptr, logits, V);
   };
   auto forward = [&](int cluster) {
-    sg::launch<sg::form::stats>(fn, x, D, w, D, a, sms, cluster, nullptr);
+    sg::launch<sg::form::stats>(fn, x, D, w, D, a, dev, cluster, nullptr);
     sg::merge_kernel<<<(N * 32 + 255) / 256, 256>>>(m, a.partials, a.target_logit, a.col_tiles);
   };
 
@@ -239,13 +240,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: lse_gemm_bench [N D V ...]\n");
     return 2;
   }
-  int dev = 0, sms = 0;
-  check(cudaGetDevice(&dev), "device");
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sms");
-  if (!sg::ready<sg::form::stats, std::int64_t>(dev, 1) ||
-      !sg::ready<sg::form::logits, std::int64_t>(dev, 1) ||
-      !sg::ready<sg::form::stats, std::int64_t>(dev, 2) ||
-      !sg::ready<sg::form::logits, std::int64_t>(dev, 2)) {
+  const auto dev = xent::cuda_detail::query_device("lse_gemm_bench");
+  if (!sg::ready<sg::form::stats, std::int64_t>(dev.id, 1) ||
+      !sg::ready<sg::form::logits, std::int64_t>(dev.id, 1) ||
+      !sg::ready<sg::form::stats, std::int64_t>(dev.id, 2) ||
+      !sg::ready<sg::form::logits, std::int64_t>(dev.id, 2)) {
     std::printf("lse_gemm_bench: the GEMM needs an sm_90 GPU and an sm_90a build; skipped\n");
     return 0;
   }
@@ -255,7 +254,7 @@ int main(int argc, char** argv) {
   std::ofstream json(std::string(out ? out : ".") + "/lse_gemm.json");
   json << "[\n";
   for (std::size_t i = 0; i < dims.size(); i += 3) {
-    const std::string line = run_shape(dims[i], dims[i + 1], dims[i + 2], sms, h);
+    const std::string line = run_shape(dims[i], dims[i + 1], dims[i + 2], dev, h);
     std::printf("%s\n", line.c_str());
     std::fflush(stdout);
     json << line << (i + 3 < dims.size() ? ",\n" : "\n");

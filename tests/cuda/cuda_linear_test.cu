@@ -137,10 +137,11 @@ TEST(CudaLinearPlan, LowMemoryCallsPlanWhatTheQueryAnswered) {
             8192);
 }
 
-// Host-only (runs without a GPU): issue 50's bound. At both of its shapes in bf16 the low-memory
-// query answers at most 256 MiB (the N x D float sum of d_hidden included) with one sub-chunk of
-// every row; a call given exactly those bytes plans that panel, one byte less a narrower panel
-// of every row that still fits. Widths are whole 256-row tiles from 1024.
+// Host-only (runs without a GPU): the order's memory bound. At 8192 x 4096 x 128256 and
+// 16384 x 2304 x 256000 in bf16 the low-memory query answers at most 256 MiB (the N x D float sum
+// of d_hidden included) with one sub-chunk of every row; a call given exactly those bytes plans
+// that panel, one byte less a narrower panel of every row that still fits. Widths are whole
+// 256-row tiles from 1024.
 TEST(CudaLinearPlan, LowMemoryQueryHoldsEveryRowWithin256MiB) {
   const xent::cuda exec;
   xent::linear_options opts;

@@ -43,7 +43,7 @@ struct linear_traits<cuda> {
   /// of T of logits, with G not float and fewer chunk rows than N a float panel of d_weight,
   /// P x D), then per row 8 bytes of LSE and mass and, G not float, D floats of d_hidden's sum.
   /// The query answers the widest panel (P from 1024, in steps of 256, up to V) of every row whose
-  /// whole workspace fits `budget`, when one does (issue 50's bound: 256 MiB beyond the gradients
+  /// whole workspace fits `budget`, when one does (the order's bound: 256 MiB beyond the gradients
   /// by default); else the 1024-row panel's plan within the budget on top of its fixed buffers
   /// (query_low_memory).
   ///

@@ -129,8 +129,9 @@ linear_workspace_sizes vp_linear_sizes(const char* fn, const Exec& exec, const l
   };
   // Chunks of `limit` rows or fewer: the rank's every row, or where the backend's low-memory
   // panels take every row from low_memory_every_row(reference) chunk rows on, those first, within
-  // the whole budget (issue 50's bound on the order's memory, linear_panels.cuh's
-  // query_low_memory); where they do not fit, the narrowest such plan or a split below it.
+  // the whole budget (the order's bound on its memory beyond the gradients,
+  // linear_panels.cuh's query_low_memory); where they do not fit, the narrowest such plan or a
+  // split below it.
   std::int64_t limit = shape.rows;
   using traits = vocab_parallel_linear_traits<Exec>;
   if constexpr (has_every_row_panels<traits>::value) {

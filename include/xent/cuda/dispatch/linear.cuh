@@ -140,8 +140,7 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
       a.partials = reinterpret_cast<sg::partial*>(c.logits());
       a.target_logit = reinterpret_cast<float*>(a.partials + n * col_tiles);
       sg::launch<sg::form::stats>(fn, c.hidden.data + r0 * c.hidden.ld, c.hidden.ld, c.weight.data,
-                                  c.weight.ld, a, dev.sms, policy::stats_gemm_cluster,
-                                  c.exec.stream);
+                                  c.weight.ld, a, dev, policy::stats_gemm_cluster, c.exec.stream);
       m.rows = n;
       m.targets.ids = a.targets;
       m.row_loss = t.row_loss ? t.row_loss + r0 : nullptr;
@@ -211,7 +210,7 @@ void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I>
     a.partials = b.partials;
     a.target_logit = b.target_logit;
     a.ref = b.ref;
-    sg::launch<sg::form::probs>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms,
+    sg::launch<sg::form::probs>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev,
                                 policy::stats_gemm_cluster, s, c.logits(), c.plan.ld);
     check_cuda(fn, cudaMemsetAsync(b.tile_flags, 0, sizeof(int) * (layout.row_tiles + 1), s));
     // The merge's view of the chunk: its rows, outputs and upstream gradient.
@@ -234,7 +233,7 @@ void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I>
     st.target_logit = b.target_logit;
     st.tile_flags = b.tile_flags;
     st.flagged = b.flagged();
-    sg::launch<sg::form::stats>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, st, dev.sms,
+    sg::launch<sg::form::stats>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, st, dev,
                                 policy::stats_gemm_cluster, s);
     sp::second_merge_kernel<<<warps, linear_threads, 0, s>>>(m, b, a.col_tiles);
     check_cuda(fn, cudaGetLastError());
@@ -244,7 +243,7 @@ void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I>
     a.tile_flags = b.tile_flags;
     a.flagged = b.flagged();
     a.logit_rows = b.second;
-    sg::launch<sg::form::probs>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev.sms,
+    sg::launch<sg::form::probs>(fn, x, c.hidden.ld, c.weight.data, c.weight.ld, a, dev,
                                 policy::stats_gemm_cluster, s, c.logits(), c.plan.ld);
     sp::patch_kernel<<<static_cast<unsigned>((n + linear_threads - 1) / linear_threads),
                        linear_threads, 0, s>>>(c.logits(), c.plan.ld, y, rows, V, opts.ignore_index,

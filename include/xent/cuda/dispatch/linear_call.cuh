@@ -106,7 +106,7 @@ bool hopper_chunk_logits(const linear_call<T, G>& c, std::int64_t r0, std::int64
       return false;
     const auto a = sg::shape_args<std::int64_t>(n, c.vocab(), c.dim());
     sg::launch<sg::form::logits>(fn, c.hidden_row(r0), c.hidden.ld, c.weight.data, c.weight.ld, a,
-                                 dev.sms, policy::stats_gemm_cluster, c.exec.stream, c.logits(),
+                                 dev, policy::stats_gemm_cluster, c.exec.stream, c.logits(),
                                  c.plan.ld);
     return true;
   }

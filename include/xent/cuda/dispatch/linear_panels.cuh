@@ -64,6 +64,9 @@ inline std::int64_t narrowest_panel(std::int64_t vocab) {
   return std::max<std::int64_t>(1, std::min(vocab, linear_panel_min_cols));
 }
 
+/// The most rows a panel sub-chunk takes: cuBLAS's int dimensions, in whole 128-row tiles.
+constexpr std::int64_t panel_most_rows = std::int64_t{INT_MAX} / 128 * 128;
+
 /// The low-memory order's workspace: the statistics' plan and a panel's plan from the same aligned
 /// base, then each row's LSE and target mass and d_hidden's float sum.
 struct low_memory_plan {
@@ -118,9 +121,8 @@ low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows, s
 template <class T, class G>
 low_memory_plan plan_low_memory(const linear_shape& s, std::size_t budget,
                                 std::int64_t most_cols = INT64_MAX) {
-  constexpr std::int64_t most_rows = std::int64_t{INT_MAX} / 128 * 128;
   const std::int64_t narrowest = narrowest_panel(s.vocab);
-  if (s.rows > 0 && s.rows <= most_rows) {
+  if (s.rows > 0 && s.rows <= panel_most_rows) {
     // Widths narrowest + (i - 1) tiles, the last one the whole vocabulary (i = 1, 2, ...).
     const std::int64_t widest = std::max(narrowest, std::min(s.vocab, most_cols));
     const std::int64_t widths =
@@ -135,7 +137,7 @@ low_memory_plan plan_low_memory(const linear_shape& s, std::size_t budget,
   // a split just below it: the search over rows is monotonic only below every row, which did not
   // fit.
   const low_memory_plan p = detail::largest_chunk_plan(
-      std::min(s.rows, most_rows), budget,
+      std::min(s.rows, panel_most_rows), budget,
       [&](std::int64_t rows) { return make_low_memory_plan<T, G>(s, rows, narrowest); });
   const std::int64_t rows = gemm_friendly_rows(s.rows, p.panel.chunk_rows);
   return rows == p.panel.chunk_rows ? p : make_low_memory_plan<T, G>(s, rows, narrowest);
@@ -146,15 +148,14 @@ low_memory_plan plan_low_memory(const linear_shape& s, std::size_t budget,
 /// at small N and D outweigh N rows of logits). plan_low_memory takes either.
 template <class T, class G>
 std::size_t least_low_memory_bytes(const linear_shape& s) {
-  constexpr std::int64_t most_rows = std::int64_t{INT_MAX} / 128 * 128;
   const std::int64_t narrowest = narrowest_panel(s.vocab);
   const std::size_t one = make_low_memory_plan<T, G>(s, 1, narrowest).bytes;
-  if (s.rows < 1 || s.rows > most_rows) return one;
+  if (s.rows < 1 || s.rows > panel_most_rows) return one;
   return std::min(one, make_low_memory_plan<T, G>(s, s.rows, narrowest).bytes);
 }
 
 /// The plan a size query answers for `budget` bytes: the widest panel of every row whose whole
-/// workspace fits the budget, when one does. Issue 50's bound is on the order's memory beyond the
+/// workspace fits the budget, when one does. The order promises a bound on its memory beyond the
 /// gradients, so the budget (256 MiB by default) holds the N x D float sum too. Where even the
 /// narrowest such panel passes it (the float sum alone can: 4 N D grows with N), the narrowest
 /// panel's plan within the budget on top of the buffers every sub-chunk needs, as the fast

@@ -30,8 +30,8 @@ bool ready(int dev, int cluster) {
 }
 
 /// Enqueues the GEMM over X (a.rows x a.depth, leading dimension ldx) and W (a.cols x a.depth,
-/// leading dimension ldw), one CTA per SM in clusters of `cluster`; ready<F, I>(device, cluster)
-/// must hold.
+/// leading dimension ldw), one CTA per SM of `dev` in clusters of `cluster`; ready<F, I>(dev.id,
+/// cluster) must hold.
 ///
 /// The attributes are set here, on the address launched: nvcc 13 gives each translation unit its
 /// own host stub of a kernel template, bound to that unit's copy of the kernel
@@ -40,14 +40,12 @@ bool ready(int dev, int cluster) {
 /// other with the default 48 KiB limit (cudaLaunchKernelEx: invalid argument).
 template <form F, class I>
 void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std::int64_t ldw,
-            const args<I>& a, int sms, int cluster, cudaStream_t stream, void* logits = nullptr,
-            std::int64_t ld_logits = 0) {
+            const args<I>& a, const device_facts& dev, int cluster, cudaStream_t stream,
+            void* logits = nullptr, std::int64_t ld_logits = 0) {
   static_assert(tile_k == 64, "make_map's boxes are 64 columns (128 bytes) wide");
   void (*const kernel)(CUtensorMap, CUtensorMap, CUtensorMap, args<I>) =
       cluster == 2 ? stats_gemm_kernel<F, 2, I> : stats_gemm_kernel<F, 1, I>;
-  int device = 0;
-  check_cuda(fn, cudaGetDevice(&device));
-  if (!prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), device, smem_bytes))
+  if (!prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), dev.id, smem_bytes))
     throw error(fn, "exec", "the sm_90a GEMM's attributes were refused on this device");
   const CUtensorMap xm = make_map(fn, "hidden", x, a.rows, a.depth, ldx, tile_m);
   const CUtensorMap wm = make_map(fn, "weight", w, a.cols, a.depth, ldw, tile_n / cluster);
@@ -58,7 +56,7 @@ void launch(const char* fn, const void* x, std::int64_t ldx, const void* w, std:
   // Groups of `cluster` row tiles, each at every column tile; at most one CTA per SM.
   const std::int64_t groups = (a.rows + std::int64_t{tile_m} * cluster - 1) /
                               (std::int64_t{tile_m} * cluster) * a.col_tiles;
-  const int clusters = static_cast<int>(groups < sms / cluster ? groups : sms / cluster);
+  const int clusters = static_cast<int>(groups < dev.sms / cluster ? groups : dev.sms / cluster);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * cluster), 1, 1);
   cfg.blockDim = dim3(threads, 1, 1);
