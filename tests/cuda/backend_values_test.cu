@@ -615,6 +615,16 @@ TEST(CudaSanitizer, SmallCasesOfEveryPath) {
     s.in_place = false;
     check_spec<float>(s);
   }
+  // Class weights with smoothing and a soft cap on rows off 16-byte boundaries: the streaming
+  // backward's tiles start before each row, and those lead elements look up no class.
+  spec w;
+  w.rows = 23;
+  w.cols = 37;
+  w.smoothing = 0.1f;
+  w.softcap = 4.0f;
+  w.weights = true;
+  w.some_ignored = true;
+  check_spec<float>(w);
   // Plain class-id rows of a small batch: the small-batch kernel (policy::small_regs), rows
   // 16-byte aligned, cut at their own boundaries (in place and out), and element by element (the
   // gradient at another offset).

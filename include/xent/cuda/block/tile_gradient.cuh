@@ -90,6 +90,8 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
 #pragma unroll
   for (int r = 0; r < Regs; ++r) {
     if (!t.has(r)) continue;
+    // A lead's elements lie before the row: never stored, and their columns index no class.
+    const int skip = Lead && r == 0 && Tile::thread() == 0 ? lead : 0;
     float f[vec];
 #pragma unroll
     for (int e = 0; e < vec; ++e) {
@@ -98,7 +100,7 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
       } else {
         const float z = capped<Plain>(t.value(r, e), a.k);
         f[e] = fold ? fast_exp2(fmaf(z, log2e, -shift)) : ga * fast_exp2(fmaf(z, log2e, -shift));
-        if (!plain && e < t.valid(r)) {
+        if (!plain && e < t.valid(r) && (!Lead || e >= skip)) {
           f[e] -= rg.g * target_mass(a, n, base + t.offset(r) + e);
           if (a.k.softcap > 0.0f) f[e] *= softcap_slope(z, a.k);
         }
@@ -113,7 +115,6 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
       for (unsigned& x : w) x ^= sign;
       memcpy(&d, w, sizeof(d));
     }
-    const int skip = Lead && r == 0 && Tile::thread() == 0 ? lead : 0;
     if (Aligned && t.valid(r) == vec && (!Lead || skip == 0)) {
       if (!Tile::whole || t.stored(r)) {
         if constexpr (Lead)
