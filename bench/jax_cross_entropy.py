@@ -11,9 +11,14 @@ bf16 16384 x 128256 on a GPU. Each line runs under two ways of passing the logit
            gradient over the logits (xent's fused pass does) XLA copies them first;
   donated  the logits are donated (donate_argnums), as an LM head's logits die inside a training
            step; a fresh copy is made before each call, outside the timed region.
-Time per call: the call then block_until_ready, the median of --reps calls after --warmup, the
-two implementations taking turns call by call (a shared machine's load falls on both alike). A
-copy of the logits into a fresh buffer (jnp.array(copy=True)), the copy XLA makes before the
+Time per call, two ways, the two implementations taking turns (a shared machine's load falls on
+both alike):
+  ms       one call then block_until_ready, the median of --reps calls after --warmup: the host's
+           dispatch and wait are in it, as in a loop that reads every step's loss;
+  queued   --depth calls issued back to back and only the last waited for, per call, the median
+           of --rounds: the device's time per call, the next call dispatched while one runs (on
+           a GPU, the figure to set beside CUDA-event timings such as do_bench's).
+A copy of the logits into a fresh buffer (jnp.array(copy=True)), the copy XLA makes before the
 kept fused line and that line's floor, takes turns with it.
 
 Threads. XLA's CPU client runs an intra-op pool of one thread per CPU the process may run on
@@ -164,6 +169,27 @@ def time_calls(fns, logits, labels, donated, reps, warmup):
     return [(statistics.median(t), *ld.summary(), out) for t, ld, out in zip(times, loads, outs)]
 
 
+def time_queued(fns, logits, labels, donated, rounds, depth):
+    """Per function: the median over `rounds` of the seconds per call of `depth` calls issued
+    back to back, the last one waited for. Donated calls each get their own copy of the
+    logits, made before the clock starts (depth copies at once: depth x the logits' bytes)."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            if donated:
+                xs = [jnp.array(logits, copy=True) for _ in range(depth)]
+            else:
+                xs = [logits] * depth
+            jax.block_until_ready(xs)
+            start = time.perf_counter()
+            for x in xs:
+                out = fn(x, labels)  # the call before's outputs are released as this is issued
+            jax.block_until_ready(out)
+            times[i].append((time.perf_counter() - start) / depth)
+            del xs, out
+    return [statistics.median(t) for t in times]
+
+
 def memory_plan(fn, logits, labels):
     """XLA's memory analysis of the compiled call: (temp bytes, bytes beyond the arguments)."""
     try:
@@ -223,6 +249,8 @@ def main():
     ap.add_argument("--dtype")
     ap.add_argument("--reps", type=int)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--depth", type=int, default=5, help="calls queued per queued timing")
+    ap.add_argument("--rounds", type=int, default=5, help="queued timings per line")
     ap.add_argument("--probe", help=argparse.SUPPRESS)  # IMPL,KIND,MODE: one GPU peak, see above
     args = ap.parse_args()
     args.platform = "gpu" if args.platform in ("gpu", "cuda", "rocm") else "cpu"
@@ -263,7 +291,8 @@ def main():
         f"jax {jax.__version__}, {machine['usable_cpus']} CPUs usable, "
         f"load average {machine['loadavg_before'][0]:.2f} before"
     )
-    cols = "| call | logits | impl | ms | xent / XLA | cores | other cores | page faults "
+    cols = "| call | logits | impl | ms | xent / XLA | queued ms | queued xent / XLA "
+    cols += "| cores | other cores | page faults "
     cols += "| XLA temp MiB "
     cols += "| extra MiB |" + (" peak MiB |" if gpu else "")
     lines = [head, "", cols, "|" + "---|" * (cols.count("|") - 1)]
@@ -279,8 +308,9 @@ def main():
         floor = (kind, mode) == ("fwd+bwd", "kept")
         copy = [lambda x, _: jnp.array(x, copy=True)] if floor else []
         timed = time_calls(fns + copy, logits, labels, mode == "donated", reps, args.warmup)
-        base = timed[0][0]
-        for impl, fn, (sec, cores, other, faults, out) in zip(IMPLS, fns, timed):
+        queued = time_queued(fns + copy, logits, labels, mode == "donated", args.rounds, args.depth)
+        base, queued_base = timed[0][0], queued[0]
+        for impl, fn, (sec, cores, other, faults, out), q in zip(IMPLS, fns, timed, queued):
             temp, extra = memory_plan(fn, logits, labels)
             results[impl] = out
             rec = {
@@ -292,6 +322,9 @@ def main():
                 "dtype": args.dtype,
                 "ms": sec * 1e3,
                 "ratio_to_xla": sec / base,
+                "queued_ms": q * 1e3,
+                "queued_ratio_to_xla": q / queued_base,
+                "queue_depth": args.depth,
                 "cores": cores,
                 "other_cores": other,
                 "page_faults": faults,
@@ -304,7 +337,7 @@ def main():
             records.append(rec)
             row = (
                 f"| {kind} | {mode} | {impl} | {sec * 1e3:.2f} | {sec / base:.3f} "
-                f"| {cores:.2f} | {other:.2f} | {faults:.0f} | {fmt(rec['xla_temp_mib'], '.1f')} "
+                f"| {q * 1e3:.2f} | {q / queued_base:.3f} | {cores:.2f} | {other:.2f} | {faults:.0f} | {fmt(rec['xla_temp_mib'], '.1f')} "
                 f"| {fmt(rec['extra_mib'], '.1f')} |"
             )
             if gpu:
@@ -329,6 +362,8 @@ def main():
                     "v": v,
                     "dtype": args.dtype,
                     "ms": sec * 1e3,
+                    "queued_ms": queued[-1] * 1e3,
+                    "queue_depth": args.depth,
                     "cores": cores,
                     "other_cores": other,
                     "page_faults": faults,
@@ -336,7 +371,10 @@ def main():
                 }
             )
             row = f"| copy of the logits | kept | jnp.array(copy=True) | {sec * 1e3:.2f} | "
-            row += f"| {cores:.2f} | {other:.2f} | {faults:.0f} | | |" + (" |" if gpu else "")
+            row += (
+                f"| {queued[-1] * 1e3:.2f} | | {cores:.2f} | {other:.2f} | {faults:.0f} | | |"
+                + (" |" if gpu else "")
+            )
             lines.append(row)
             print(row, flush=True)
 
