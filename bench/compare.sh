@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Runs bench/compare.py on a GPU machine: makes Liger-Kernel and Cut Cross-Entropy importable from
-# the wheels carried in .whl/ (downloaded elsewhere: the GPU machine has no network; a wheel that
-# fails to install leaves its library's column "n/a" with the reason), installs the xent package
-# (pip install ./python) with its CUDA kernels, and writes compare.md, compare.png and
+# Runs bench/compare.py on a GPU machine: makes Liger-Kernel, quack and Cut Cross-Entropy importable
+# from the wheels carried in .whl/ (downloaded elsewhere: the GPU machine has no network; a wheel
+# that fails to install leaves its library's column "n/a" with the reason), installs the xent
+# package (pip install ./python) with its CUDA kernels, and writes compare.md, compare.png and
 # compare.jsonl to $OUT.
 #   bash bench/compare.sh [ce] [lce] [--quick]
-# Fetching the wheels, once, on a machine with network (pure-Python; --no-deps: torch and triton
-# come from the GPU machine's own environment):
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl liger-kernel cut-cross-entropy
+# Fetching the wheels, once, on a machine with network, for the GPU machine's Python (--no-deps:
+# torch, triton and cuda-bindings come from its own environment). quack's `cutlass` package is
+# spread over four wheels: nvidia-cutlass-dsl (a .pth), -libs-core (the Python DSL, with
+# cutlass.cutlass_dsl), -libs-base (the MLIR bindings) and -libs-cu13 (the IR module and runtime
+# for CUDA 13 drivers; -libs-cu12 for older ones):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 -d .whl liger-kernel cut-cross-entropy quack-kernels \
+#     nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-base \
+#     nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -19,10 +25,23 @@ shopt -s nullglob
 wheels=(.whl/*.whl)
 if ((${#wheels[@]})); then
   site=${XENT_COMPARE_SITE:-/tmp/xent-compare-site}
-  for w in "${wheels[@]}"; do  # one at a time, so one failure does not stop the others
-    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$site" "$w" >/dev/null 2>&1 || echo "could not install $w (its column will be n/a)"
+  # One at a time, so one failure does not stop the others; each into a folder of its own, then
+  # merged: pip --target replaces a top-level folder that is already there, and the CUTLASS DSL
+  # wheels all ship parts of nvidia_cutlass_dsl/.
+  stage=$(mktemp -d)
+  for w in "${wheels[@]}"; do
+    d=$stage/$(basename "$w")
+    if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target "$d" "$w" >/dev/null 2>&1; then
+      mkdir -p "$site" && cp -a "$d"/. "$site"/
+    else
+      echo "could not install $w (its column will be n/a)"
+    fi
   done
+  rm -rf "$stage"
+  dsl=$site/nvidia_cutlass_dsl/dsl_packages/cutlass
+  [[ ! -d $dsl || -d $dsl/cutlass_dsl ]] ||
+    echo "no nvidia-cutlass-dsl-libs-core in .whl/: quack will not find cutlass.cutlass_dsl"
   # PYTHONPATH skips a folder's .pth files, and quack's CUTLASS DSL is found through one
   # (nvidia_cutlass_dsl_packages.pth): site.addsitedir runs them, and what they add joins too.
   pth_paths=$("$python" -c 'import site, sys
