@@ -13,9 +13,10 @@
 #     bench     the CUDA, fused linear and CPU benchmarks (Google Benchmark JSON, repetitions and
 #               their medians), the linear forward's GEMM against cuBLAS, and the vocab-parallel
 #               benchmark when two or more GPUs are visible
-#     compare   the PyTorch binding's tests (python/tests but jax/), its per-call overhead and
-#               bench/compare.sh (xent against torch eager, torch.compile, Liger-Kernel, quack,
-#               Cut Cross-Entropy)
+#     compare   the PyTorch binding's tests (python/tests but jax/), its per-call overhead, the
+#               fused linear errors against float64 beside torch eager's (bench/linear_accuracy.py)
+#               and bench/compare.sh (xent against torch eager, torch.compile, Liger-Kernel,
+#               quack, Cut Cross-Entropy)
 #     jax       the xent.jax tests on this GPU and the CPU (python/tests/jax) and
 #               bench/jax_cross_entropy.py against XLA's own cross-entropy (OUTDIR/jax/)
 #     all       all of the above (the default)
@@ -358,6 +359,11 @@ if want compare; then
     rc=$?
     grep '^|' "$outdir/torch-overhead.log"
     end $rc "torch-overhead.log"
+    begin "compare: fused linear errors against float64 (bench/linear_accuracy.py)"
+    OUT="$outdir" python3 bench/linear_accuracy.py >"$outdir/linear-accuracy.log" 2>&1
+    rc=$?
+    grep '^|' "$outdir/linear-accuracy.log" | tail -n 30
+    end $rc "linear_accuracy.json"
     begin "compare: bench/compare.sh"
     OUT="$outdir/compare" bash bench/compare.sh >"$outdir/compare.log" 2>&1
     rc=$?
