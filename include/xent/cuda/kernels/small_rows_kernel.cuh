@@ -113,27 +113,12 @@ enum class row_start { aligned, shifted, any };
 /// binary's version).
 ///
 /// In such a launch the cross-row sum and the mean's normaliser, not the per-element work, were
-/// the largest part above a plain read and write of the logits (H100, fp32 fused 32 x 32000 /
-/// 128 x 32000 / 32 x 50257: reduction mean 12.3 / 26.1 / 19.0 us against none 10.2 / 20.7 /
-/// 15.6). So, each measured against the form before it
-///:
-/// - the row's partials are pushed into every rank's shared memory (row_exchange: st.async
-///   counted on the receiver's mbarrier), not exchanged by two cluster barriers and a read of
-///   each rank's: 12.3 / 26.1 / 19.0 -> 12.2 / 25.7 / 17.6 us;
-/// - rank 0 alone sums the normaliser W and pushes it beside its partial (every CTA read every
-///   target): -> 11.8 / 24.9 / 16.5;
-/// - each row's loss goes into a record with a ready flag that one warp of the last row's rank 0
-///   polls (row_sums.cuh), not through a fence, an atomic counter and the last CTA's reads (11.5
-///   / 23.9 / 16.0 with the count taken before the gradient): -> 10.2 / 21.3 / 12.8.
-/// H200, fp32 fused 32 x 32000 / 128 x 32000 / 32 x 50257, two rounds : the row's target logit
-/// taken from the registers (warp_element) and handed to the gradient, and W summed by one warp of
-/// rank 0 with no CTA barrier (in the forward, only the polling warp's): 9.02-9.14 / 17.0-17.1 /
-/// 10.35-10.47 -> 8.80-8.88 / 16.7 / 10.15-10.24 us; the forward of 32 x 50257 9.6-9.8 -> 9.45-9.5,
-/// but of 128 x 32000 14.5-14.6 -> 15.0 (; not understood). Then W summed by rank 0's warp 1 after
-/// its statistics, while warp 0 waits for the partials, and pushed on a set of mbarriers of its own
-/// that only the gradients wait for (not by warp 0 before its statistics, beside the partials):
-/// 8.76-8.89 / 16.68-16.83 / 10.08-10.22 -> 8.74-8.87 / 15.93-16.05 / 9.80-9.94 us, the mean now at
-/// the sum's cost.
+/// the largest part above a plain read and write of the logits (H100, fp32 fused 32 x 32000: mean
+/// 12.3 us, no reduction 10.2). So the row's partials are pushed into every rank's shared memory
+/// (row_exchange), rank 0's warp 1 alone sums the normaliser W after its statistics and pushes it
+/// on mbarriers that only the gradients wait for, each row's loss goes into a record that one warp
+/// polls (row_sums.cuh), and the target's logit comes from the registers (warp_element).
+/// docs/design.md's small-batch section has each step's measurement.
 template <int Block, int Regs, row_start Start, pass P, class T, class G, class Tgt>
 XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
