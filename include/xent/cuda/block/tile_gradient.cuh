@@ -146,9 +146,8 @@ __device__ __forceinline__ void tile_gradient(const row_args<T, G, Tgt>& a, cons
 /// The per-launch constants of a backward from saved LSE, as the row kernel forms them (every
 /// CTA: one launch per call): sum_c w_c into `a.k` where smoothing needs it, and the scalar
 /// upstream gradient (scale * *scale_ptr / W for mean and sum). Every CTA walks the targets from
-/// the first: from its own place (mean_normalizer's Spread, 0f81fb5) the bulk backward of bf16
-/// 16384 x 128256 took 2313-2322 us against 2100-2131 (H200, two rounds), for 2-3 us
-/// at 8192 x 32000 (272-273 against 275).
+/// the first: walking from its own place (mean_normalizer's Spread) saved 2-3 us at 8192 x 32000
+/// but cost the bulk backward of bf16 16384 x 128256 about 200 us (H200).
 template <int Block, class T, class G, class Tgt>
 __device__ double backward_constants(row_args<T, G, Tgt>& a) {
   if (a.weights && a.k.smooth != 0.0f)
