@@ -743,4 +743,15 @@ class case_budget {
   int cases_ = 0;
 };
 
+/// The harness's vocabulary, for test files to write unqualified: `using namespace xt::names;`.
+namespace names {
+using xent::reduction;
+using xt::bf16;
+using xt::half;
+using xt::ignore_mode;
+using xt::spec;
+using xt::target_kind;
+using xt::upstream_mode;
+}  // namespace names
+
 }  // namespace xt
