@@ -743,6 +743,17 @@ class case_budget {
   int cases_ = 0;
 };
 
+/// The argument that the xent::error thrown by `f` names, or "" when `f` throws none.
+template <class F>
+std::string thrown_argument(F&& f) {
+  try {
+    f();
+  } catch (const xent::error& e) {
+    return e.argument();
+  }
+  return "";
+}
+
 /// The harness's vocabulary, for test files to write unqualified: `using namespace xt::names;`.
 namespace names {
 using xent::reduction;
