@@ -46,6 +46,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common.cuda_events import event_times
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT", REPO / "build" / "compare"))
 
@@ -85,27 +87,15 @@ def make_bench():
         reason = short(e)
 
     def bench(fn, grad_to_none=None):
-        fn()
-        torch.cuda.synchronize()
-        start, end = (
-            torch.cuda.Event(enable_timing=True),
-            torch.cuda.Event(enable_timing=True),
-        )
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        reps = max(3, min(1000, int(200 / max(start.elapsed_time(end), 1e-3))))
-        times = []
-        for _ in range(reps):
+        def reset_grads():
             for t in grad_to_none or []:
                 t.grad = None
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
+
+        fn()
+        torch.cuda.synchronize()
+        (once,) = event_times(fn, 1)
+        reps = max(3, min(1000, int(200 / max(once, 1e-3))))
+        times = sorted(event_times(fn, reps, before=reset_grads))
         return times[len(times) // 2]
 
     return bench, f"CUDA-event median (triton unavailable: {reason})"

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import xent.torch
 import xent.torch.distributed as xd
+from common.cuda_events import event_times
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -38,19 +39,7 @@ def timed(fn, reps, flush):
     """Median ms of fn over `reps` repetitions after 3 warm-ups, the same count on every rank."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, stop = (
-            torch.cuda.Event(enable_timing=True),
-            torch.cuda.Event(enable_timing=True),
-        )
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    return statistics.median(event_times(fn, reps, before=flush.zero_))
 
 
 def slowest(ms):

@@ -14,11 +14,7 @@
 
 namespace {
 
-using xent::reduction;
-using xt::ignore_mode;
-using xt::spec;
-using xt::target_kind;
-using xt::upstream_mode;
+using namespace xt::names;  // NOLINT(google-build-using-namespace): the harness's vocabulary
 
 /// Tiny problems with every option: class ids (some ignored) and soft targets, the three
 /// reductions, label smoothing, weights, z-loss and softcap on and off.

@@ -743,4 +743,26 @@ class case_budget {
   int cases_ = 0;
 };
 
+/// The argument that the xent::error thrown by `f` names, or "" when `f` throws none.
+template <class F>
+std::string thrown_argument(F&& f) {
+  try {
+    f();
+  } catch (const xent::error& e) {
+    return e.argument();
+  }
+  return "";
+}
+
+/// The harness's vocabulary, for test files to write unqualified: `using namespace xt::names;`.
+namespace names {
+using xent::reduction;
+using xt::bf16;
+using xt::half;
+using xt::ignore_mode;
+using xt::spec;
+using xt::target_kind;
+using xt::upstream_mode;
+}  // namespace names
+
 }  // namespace xt

@@ -18,13 +18,7 @@
 
 namespace {
 
-using xent::reduction;
-using xt::bf16;
-using xt::half;
-using xt::ignore_mode;
-using xt::spec;
-using xt::target_kind;
-using xt::upstream_mode;
+using namespace xt::names;  // NOLINT(google-build-using-namespace): the harness's vocabulary
 
 constexpr std::int64_t kChunk = xent::cpu_detail::policy::chunk;
 
@@ -109,156 +103,153 @@ TEST(CpuMatrixSmallVocab, MixedDtypesMatchFloat64Oracle) {
   run_mixed<float, double>(11);
 }
 
+/// The options an option mix turns on (each at the value the small-vocabulary product uses).
+enum option : unsigned {
+  smoothing = 1,
+  class_weights = 2,
+  z_loss = 4,
+  softcap = 8,
+  per_row_upstream = 16,  ///< scale_ptr for mean and sum, per-row values for none
+  in_place = 32,
+};
+
+struct option_mix {
+  target_kind kind;
+  reduction reduce;
+  ignore_mode ignore;
+  std::int64_t ignore_index;
+  std::int64_t pad;
+  unsigned on;  ///< the `option`s turned on
+};
+
 /// A handful of option mixes that together touch every option, for the sampled sizes.
 std::vector<spec> option_mixes(std::int64_t rows, std::int64_t cols, std::uint64_t seed) {
+  const option_mix table[] = {
+      // plain mean over int64 class ids.
+      {target_kind::int64, reduction::mean, ignore_mode::none, -100, 0, 0},
+      // sum, int32, some ignored, label smoothing, weights, padding.
+      {target_kind::int32, reduction::sum, ignore_mode::some, -100, 16, smoothing | class_weights},
+      // none with per-row upstream, z-loss, softcap, in place.
+      {target_kind::int64, reduction::none, ignore_mode::none, -100, 1,
+       z_loss | softcap | per_row_upstream | in_place},
+      // soft targets, mean, everything on.
+      {target_kind::soft, reduction::mean, ignore_mode::none, -100, 0,
+       smoothing | class_weights | z_loss | softcap | per_row_upstream},
+      // mean with scale_ptr, class id 0 as ignore_index, weights, z-loss.
+      {target_kind::int64, reduction::mean, ignore_mode::some, 0, 0,
+       class_weights | z_loss | per_row_upstream | in_place},
+  };
   std::vector<spec> mixes;
-  spec s;
-  s.rows = rows;
-  s.cols = cols;
-  s.seed = seed;
-  // 1. plain mean over int64 class ids.
-  mixes.push_back(s);
-  // 2. sum, int32, some ignored, label smoothing, weights, padding.
-  s.kind = target_kind::int32;
-  s.reduce = reduction::sum;
-  s.ignore = ignore_mode::some;
-  s.label_smoothing = 0.1f;
-  s.weights = true;
-  s.pad = 16;
-  s.seed = seed + 1;
-  mixes.push_back(s);
-  // 3. none with per-row upstream, z-loss, softcap, in place.
-  s = spec{};
-  s.rows = rows;
-  s.cols = cols;
-  s.reduce = reduction::none;
-  s.up = upstream_mode::pointer_or_rows;
-  s.z_loss = 1e-3f;
-  s.softcap = 30.0f;
-  s.in_place = true;
-  s.pad = 1;
-  s.seed = seed + 2;
-  mixes.push_back(s);
-  // 4. soft targets, mean, everything on.
-  s = spec{};
-  s.rows = rows;
-  s.cols = cols;
-  s.kind = target_kind::soft;
-  s.label_smoothing = 0.1f;
-  s.weights = true;
-  s.z_loss = 1e-3f;
-  s.softcap = 30.0f;
-  s.up = upstream_mode::pointer_or_rows;
-  s.seed = seed + 3;
-  mixes.push_back(s);
-  // 5. mean with scale_ptr, class id 0 as ignore_index, weights, z-loss.
-  s = spec{};
-  s.rows = rows;
-  s.cols = cols;
-  s.ignore = ignore_mode::some;
-  s.ignore_index = 0;
-  s.weights = true;
-  s.z_loss = 1e-3f;
-  s.up = upstream_mode::pointer_or_rows;
-  s.in_place = true;
-  s.seed = seed + 4;
-  mixes.push_back(s);
+  for (const option_mix& m : table) {
+    spec s;
+    s.rows = rows;
+    s.cols = cols;
+    s.seed = seed + mixes.size();
+    s.kind = m.kind;
+    s.reduce = m.reduce;
+    s.ignore = m.ignore;
+    s.ignore_index = m.ignore_index;
+    s.pad = m.pad;
+    s.label_smoothing = m.on & smoothing ? 0.1f : 0.0f;
+    s.weights = m.on & class_weights;
+    s.z_loss = m.on & z_loss ? 1e-3f : 0.0f;
+    s.softcap = m.on & softcap ? 30.0f : 0.0f;
+    s.up = m.on & per_row_upstream ? upstream_mode::pointer_or_rows : upstream_mode::scale;
+    s.in_place = m.on & in_place;
+    mixes.push_back(s);
+  }
   return mixes;
 }
 
+enum class dtype { f32, bf16, f16, f64 };
+
+/// One size's option mixes: logits of `type`, rows x cols, on `threads` threads, chunk `chunk`
+/// (0: the default).
+struct mix_run {
+  dtype type;
+  std::int64_t rows;
+  std::int64_t cols;
+  int threads;
+  std::int64_t chunk;
+};
+
 template <class T>
-void run_mixes(std::int64_t rows, std::int64_t cols, int threads, std::int64_t chunk,
-               std::uint64_t seed, xt::case_budget& budget, bool& go_on) {
-  for (spec s : option_mixes(rows, cols, seed)) {
+bool run_mixes(const mix_run& r, std::uint64_t seed, xt::case_budget& budget) {
+  for (spec s : option_mixes(r.rows, r.cols, seed)) {
+    s.threads = r.threads;
+    s.chunk = r.chunk;
+    if (!budget.record(xt::run_case<T>(xt::make_dataset<T>(s)))) return false;
+  }
+  return true;
+}
+
+/// Each run's option mixes, the k-th seeded seed + 10 k, until the case budget is spent.
+void run_mix_table(std::uint64_t seed, const std::vector<mix_run>& runs) {
+  xt::case_budget budget;
+  for (const mix_run& r : runs) {
+    const bool go_on = r.type == dtype::f32    ? run_mixes<float>(r, seed, budget)
+                       : r.type == dtype::bf16 ? run_mixes<bf16>(r, seed, budget)
+                       : r.type == dtype::f16  ? run_mixes<half>(r, seed, budget)
+                                               : run_mixes<double>(r, seed, budget);
     if (!go_on) return;
-    s.threads = threads;
-    s.chunk = chunk;
-    go_on = budget.record(xt::run_case<T>(xt::make_dataset<T>(s)));
+    seed += 10;
   }
 }
 
 /// V in {chunk - 1, chunk, chunk + 1} at the default chunk (2048), one thread and several.
 TEST(CpuMatrixChunkEdges, DefaultChunkBoundariesMatchFloat64Oracle) {
-  xt::case_budget budget;
-  bool go_on = true;
-  std::uint64_t seed = 100;
-  for (std::int64_t V : {kChunk - 1, kChunk, kChunk + 1, 2 * kChunk + 1}) {
-    run_mixes<float>(7, V, 1, 0, seed += 10, budget, go_on);
-    run_mixes<bf16>(3, V, 4, 0, seed += 10, budget, go_on);
-    run_mixes<half>(19, V, 7, 0, seed += 10, budget, go_on);
-    run_mixes<double>(5, V, 3, 0, seed += 10, budget, go_on);
-  }
+  std::vector<mix_run> runs;
+  for (std::int64_t V : {kChunk - 1, kChunk, kChunk + 1, 2 * kChunk + 1})
+    runs.insert(runs.end(), {{dtype::f32, 7, V, 1, 0},
+                             {dtype::bf16, 3, V, 4, 0},
+                             {dtype::f16, 19, V, 7, 0},
+                             {dtype::f64, 5, V, 3, 0}});
+  run_mix_table(110, runs);
 }
 
 /// Chunk sizes outside [16, 8192] are clamped (cpu/policy.hpp). Chunk 1 -> 16 with V = 5000 also
 /// puts more than 256 chunks in a row, past what forward_backward's exp cache holds.
 TEST(CpuMatrixChunkEdges, ClampedChunkSizesMatchFloat64Oracle) {
-  xt::case_budget budget;
-  bool go_on = true;
-  std::uint64_t seed = 150;
-  for (std::int64_t V : {15, 16, 17, 5000}) {
-    run_mixes<float>(3, V, 1, 1, seed += 10, budget, go_on);
-    run_mixes<double>(2, V, 1, 1, seed += 10, budget, go_on);
-  }
-  for (std::int64_t V : {8191, 8193, 20000})
-    run_mixes<bf16>(2, V, 1, 100000, seed += 10, budget, go_on);
+  std::vector<mix_run> runs;
+  for (std::int64_t V : {15, 16, 17, 5000})
+    runs.insert(runs.end(), {{dtype::f32, 3, V, 1, 1}, {dtype::f64, 2, V, 1, 1}});
+  for (std::int64_t V : {8191, 8193, 20000}) runs.push_back({dtype::bf16, 2, V, 1, 100000});
+  run_mix_table(160, runs);
 }
 
 /// 733 rows over several threads: the row partition (rows >= threads, >= 65536 logits).
 TEST(CpuMatrixThreads, RowPartitionMatchesFloat64Oracle) {
-  xt::case_budget budget;
-  bool go_on = true;
-  std::uint64_t seed = 200;
-  for (std::int64_t V : {127, 128, 129}) {
-    run_mixes<float>(733, V, 4, 64, seed += 10, budget, go_on);
-    run_mixes<bf16>(733, V, 7, 64, seed += 10, budget, go_on);
-  }
-  run_mixes<half>(733, 1000, 7, 0, seed += 10, budget, go_on);
-  run_mixes<double>(733, 129, 4, 64, seed += 10, budget, go_on);
+  std::vector<mix_run> runs;
+  for (std::int64_t V : {127, 128, 129})
+    runs.insert(runs.end(), {{dtype::f32, 733, V, 4, 64}, {dtype::bf16, 733, V, 7, 64}});
+  runs.insert(runs.end(), {{dtype::f16, 733, 1000, 7, 0}, {dtype::f64, 733, 129, 4, 64}});
+  run_mix_table(210, runs);
 }
 
 /// Fewer rows than threads on a long vocabulary: each row's vocabulary is split across threads
 /// and the slices merge through online_lse (cpu/backend.hpp, make_plan).
 TEST(CpuMatrixThreads, VocabularySplitMatchesFloat64Oracle) {
-  xt::case_budget budget;
-  bool go_on = true;
-  run_mixes<float>(1, 32000, 7, 0, 300, budget, go_on);
-  run_mixes<bf16>(3, 32000, 4, 0, 310, budget, go_on);
-  run_mixes<half>(3, 50257, 7, 64, 320, budget, go_on);
-  run_mixes<float>(2, 65537, 7, 0, 330, budget, go_on);
-  run_mixes<bf16>(5, 17000, 7, 0, 340, budget, go_on);  // 5 rows, 2 slices each
-  run_mixes<double>(2, 40000, 7, 0, 350, budget, go_on);
+  run_mix_table(300, {{dtype::f32, 1, 32000, 7, 0},
+                      {dtype::bf16, 3, 32000, 4, 0},
+                      {dtype::f16, 3, 50257, 7, 64},
+                      {dtype::f32, 2, 65537, 7, 0},
+                      {dtype::bf16, 5, 17000, 7, 0},  // 5 rows, 2 slices each
+                      {dtype::f64, 2, 40000, 7, 0}});
 }
 
-/// The large vocabularies of real models, a handful of option mixes each.
-TEST(CpuMatrixLargeVocab, Vocab32000MatchesFloat64Oracle) {
-  xt::case_budget budget;
-  bool go_on = true;
-  run_mixes<float>(19, 32000, 4, 0, 400, budget, go_on);
-  run_mixes<bf16>(7, 32000, 1, 0, 410, budget, go_on);
-  run_mixes<double>(7, 32000, 4, 0, 420, budget, go_on);
-}
-
-TEST(CpuMatrixLargeVocab, Vocab50257MatchesFloat64Oracle) {
-  xt::case_budget budget;
-  bool go_on = true;
-  run_mixes<bf16>(7, 50257, 4, 0, 500, budget, go_on);
-  run_mixes<half>(3, 50257, 1, 0, 510, budget, go_on);
-}
-
-TEST(CpuMatrixLargeVocab, Vocab65537MatchesFloat64Oracle) {
-  xt::case_budget budget;
-  bool go_on = true;
-  run_mixes<float>(3, 65537, 1, 0, 600, budget, go_on);
-  run_mixes<half>(7, 65537, 4, 0, 610, budget, go_on);
-}
-
-TEST(CpuMatrixLargeVocab, Vocab262145MatchesFloat64Oracle) {
-  xt::case_budget budget;
-  bool go_on = true;
-  run_mixes<bf16>(3, 262145, 7, 0, 700, budget, go_on);
-  run_mixes<float>(1, 262145, 1, 0, 710, budget, go_on);
-  run_mixes<half>(1, 262145, 7, 0, 720, budget, go_on);  // 7 slices of one row
+/// The large vocabularies of real models, a handful of option mixes each; the 1- and 3-row
+/// cases split a row's vocabulary across 7 threads.
+TEST(CpuMatrixLargeVocab, RealModelVocabulariesMatchFloat64Oracle) {
+  run_mix_table(400, {{dtype::f32, 19, 32000, 4, 0},
+                      {dtype::bf16, 7, 32000, 1, 0},
+                      {dtype::f64, 7, 32000, 4, 0},
+                      {dtype::bf16, 7, 50257, 4, 0},
+                      {dtype::f16, 3, 50257, 1, 0},
+                      {dtype::f32, 3, 65537, 1, 0},
+                      {dtype::f16, 7, 65537, 4, 0},
+                      {dtype::bf16, 3, 262145, 7, 0},
+                      {dtype::f32, 1, 262145, 1, 0},
+                      {dtype::f16, 1, 262145, 7, 0}});
 }
 
 }  // namespace

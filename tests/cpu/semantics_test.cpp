@@ -16,13 +16,7 @@
 
 namespace {
 
-using xent::reduction;
-using xt::bf16;
-using xt::half;
-using xt::ignore_mode;
-using xt::spec;
-using xt::target_kind;
-using xt::upstream_mode;
+using namespace xt::names;  // NOLINT(google-build-using-namespace): the harness's vocabulary
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -518,14 +512,33 @@ TEST(CpuEdge, SaturatedSoftcapTargetNeverGivesANegativeLoss) {
 // Invariances
 // ---------------------------------------------------------------------------------------------
 
+/// An invariance test's problem: class weights and label smoothing on, 64-element chunks.
+spec invariance_case(target_kind kind, std::int64_t rows, std::int64_t cols, std::uint64_t seed) {
+  spec s = base(rows, cols, seed);
+  s.kind = kind;
+  s.chunk = 64;
+  s.weights = true;
+  s.label_smoothing = 0.1f;
+  return s;
+}
+
+/// Row n of b's gradient equals column moved(c) of a's row n for every column c, within `tol` of
+/// a's largest |element| in that row.
+template <class Moved>
+void expect_row_gradient_near(const xt::call_result<float>& a, const xt::call_result<float>& b,
+                              const spec& s, std::int64_t n, double tol, Moved moved) {
+  double rowmax = 0;
+  for (std::int64_t c = 0; c < s.cols; ++c)
+    rowmax = std::max(rowmax, std::fabs(double(a.grad[n * s.ld() + c])));
+  for (std::int64_t c = 0; c < s.cols; ++c)
+    ASSERT_NEAR(b.grad[n * s.ld() + c], a.grad[n * s.ld() + moved(c)], tol * rowmax)
+        << "row " << n << " col " << c;
+}
+
 TEST(CpuInvariance, AddingAConstantToARowChangesNothing) {
   for (target_kind kind : {target_kind::int64, target_kind::soft}) {
     for (std::int64_t cols : {7, 300, 5000}) {
-      spec s = base(5, cols, 50);
-      s.kind = kind;
-      s.chunk = 64;
-      s.weights = true;
-      s.label_smoothing = 0.1f;
+      const spec s = invariance_case(kind, 5, cols, 50);
       auto d = xt::make_dataset<float>(s);
       // Logits on a 2^-10 grid in [-8, 8], so x + 16 is exact in float.
       for (auto& x : d.logits)
@@ -539,12 +552,7 @@ TEST(CpuInvariance, AddingAConstantToARowChangesNothing) {
         EXPECT_NEAR(a.row_loss[n], b.row_loss[n], 2e-5 * (1 + std::fabs(a.row_loss[n])));
         EXPECT_NEAR(a.lse[n] + 16.0f * n, b.lse[n], 1e-5 * (1 + std::fabs(b.lse[n])));
         EXPECT_EQ(a.argmax[n], b.argmax[n]);
-        double rowmax = 0;
-        for (std::int64_t c = 0; c < cols; ++c)
-          rowmax = std::max(rowmax, std::fabs(double(a.grad[n * s.ld() + c])));
-        for (std::int64_t c = 0; c < cols; ++c)
-          ASSERT_NEAR(a.grad[n * s.ld() + c], b.grad[n * s.ld() + c], 2e-5 * rowmax)
-              << "row " << n << " col " << c;
+        expect_row_gradient_near(a, b, s, n, 2e-5, [](std::int64_t c) { return c; });
       }
     }
   }
@@ -553,11 +561,7 @@ TEST(CpuInvariance, AddingAConstantToARowChangesNothing) {
 TEST(CpuInvariance, PermutingTheVocabularyPermutesTheGradient) {
   for (target_kind kind : {target_kind::int32, target_kind::soft}) {
     for (std::int64_t cols : {9, 130, 4100}) {
-      spec s = base(6, cols, 60);
-      s.kind = kind;
-      s.chunk = 64;
-      s.weights = true;
-      s.label_smoothing = 0.1f;
+      spec s = invariance_case(kind, 6, cols, 60);
       s.z_loss = 1e-3f;
       s.softcap = 30.0f;
       s.ignore = ignore_mode::some;
@@ -588,12 +592,7 @@ TEST(CpuInvariance, PermutingTheVocabularyPermutesTheGradient) {
         if (a.argmax[n] >= 0) {
           EXPECT_EQ(a.argmax[n], perm[b.argmax[n]]);
         }
-        double rowmax = 0;
-        for (std::int64_t c = 0; c < cols; ++c)
-          rowmax = std::max(rowmax, std::fabs(double(a.grad[n * s.ld() + c])));
-        for (std::int64_t c = 0; c < cols; ++c)
-          ASSERT_NEAR(b.grad[n * s.ld() + c], a.grad[n * s.ld() + perm[c]], 1e-5 * rowmax)
-              << "row " << n << " col " << c;
+        expect_row_gradient_near(a, b, s, n, 1e-5, [&](std::int64_t c) { return perm[c]; });
       }
     }
   }
@@ -631,6 +630,17 @@ std::string bitwise_diff(const xt::call_result<G>& a, const xt::call_result<G>& 
   return "";
 }
 
+/// The same call twice, with the same inputs and the same output buffers, gives the same bits.
+template <class T>
+void expect_same_bits_twice(const spec& s, bool fused) {
+  const auto d = xt::make_dataset<T>(s);
+  xt::call_result<T> r;
+  xt::call_into(d, fused, r);
+  const auto first = r;
+  xt::call_into(d, fused, r);
+  EXPECT_EQ(bitwise_diff(first, r, true), "") << s.describe();
+}
+
 TEST(CpuDeterminism, SameCallTwiceIsBitwiseIdentical) {
   struct variant {
     std::int64_t rows, cols;
@@ -643,21 +653,10 @@ TEST(CpuDeterminism, SameCallTwiceIsBitwiseIdentical) {
       s.weights = true;
       s.label_smoothing = 0.1f;
       s.ignore = ignore_mode::some;
-      // The same call: same inputs, same output buffers.
-      auto d = xt::make_dataset<float>(s);
-      xt::call_result<float> r;
-      xt::call_into(d, fused, r);
-      const auto first = r;
-      xt::call_into(d, fused, r);
-      EXPECT_EQ(bitwise_diff(first, r, true), "") << s.describe();
+      expect_same_bits_twice<float>(s, fused);
       s.kind = target_kind::soft;
       s.softcap = 30.0f;
-      auto e = xt::make_dataset<bf16>(s);
-      xt::call_result<bf16> r16;
-      xt::call_into(e, fused, r16);
-      const auto first16 = r16;
-      xt::call_into(e, fused, r16);
-      EXPECT_EQ(bitwise_diff(first16, r16, true), "") << s.describe();
+      expect_same_bits_twice<bf16>(s, fused);
     }
   }
 }

@@ -126,33 +126,23 @@ TEST(CpuStaticExtents, SplitRowsAndNarrowDtypesGiveTheBitsOfRunTimeSizedViews) {
   expect_static_matches_dynamic<7, 3000, double>(600, 1);
 }
 
-/// The argument a callable's xent::error names, or "" when it throws none.
-template <class F>
-std::string argument_of(F&& f) {
-  try {
-    f();
-  } catch (const xent::error& e) {
-    return e.argument();
-  }
-  return "";
-}
-
 TEST(CpuStaticExtents, WrongRunTimeSizeForAStaticExtentThrowsNamingIt) {
   std::vector<float> x(64 * 32000);
   using logits = xent::matrix_view<const float, xent::extents<32, 32000>>;
-  EXPECT_EQ(argument_of([&] { logits(x.data(), 64, 32000); }), "rows");
-  EXPECT_EQ(argument_of([&] { logits(x.data(), 32, 50257); }), "cols");
-  EXPECT_EQ(argument_of([&] { logits(x.data(), 32, 32000, 32001); }), "");  // ld is free
+  EXPECT_EQ(xt::thrown_argument([&] { logits(x.data(), 64, 32000); }), "rows");
+  EXPECT_EQ(xt::thrown_argument([&] { logits(x.data(), 32, 50257); }), "cols");
+  EXPECT_EQ(xt::thrown_argument([&] { logits(x.data(), 32, 32000, 32001); }), "");  // ld is free
   const xent::matrix_view<const float> dyn(x.data(), 64, 32000);
-  EXPECT_EQ(argument_of([&] { logits{dyn}; }), "rows");
-  EXPECT_EQ(argument_of([&] {
+  EXPECT_EQ(xt::thrown_argument([&] { logits{dyn}; }), "rows");
+  EXPECT_EQ(xt::thrown_argument([&] {
               xent::matrix_view<const float, xent::extents<xent::dynamic, 32000>>(x.data(), 2,
                                                                                   31999);
             }),
             "cols");
-  EXPECT_EQ(argument_of([&] { xent::vector_view<const float, xent::extent<32>>(x.data(), 64); }),
-            "size");
-  EXPECT_EQ(argument_of([&] {
+  EXPECT_EQ(
+      xt::thrown_argument([&] { xent::vector_view<const float, xent::extent<32>>(x.data(), 64); }),
+      "size");
+  EXPECT_EQ(xt::thrown_argument([&] {
               xent::vector_view<const float, xent::extent<32>>{
                   xent::vector_view<const float>(x.data(), 31)};
             }),
@@ -197,7 +187,7 @@ TEST(CpuStaticExtents, StaticViewWithNullDataIsAbsent) {
                 xent::vector_view<const std::int64_t, xent::extent<2>>(ids), xent::options{}, out);
   EXPECT_FLOAT_EQ(loss, std::log(3.0f));
   // Logits are required: null data in a static view is an error, not an empty matrix.
-  EXPECT_EQ(argument_of([&] {
+  EXPECT_EQ(xt::thrown_argument([&] {
               xent::forward(xent::cpu{},
                             xent::matrix_view<const float, xent::extents<2, 3>>(nullptr),
                             xent::vector_view<const std::int64_t, xent::extent<2>>(ids),
