@@ -291,10 +291,10 @@ void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, 
   for_each_chunk<Cols>(v0, v1, pb.chunk, [&](std::int64_t c, std::int64_t len, std::int64_t) {
     const_amap<A> z(load_logits(x + c, len, k, zbuf), len);
     amap<A> d(gbuf, len);
-    // Eigen's exponential clamps its argument: terms below the normal range (a masked class's
-    // -inf among them) are zeroed as packet_exp does. In a row of -inf alone the LSE is -inf
-    // too, every z - lse is NaN and stays so, as in PyTorch's log_softmax.
-    d = (z - lse < exp_underflow<A>).select(A(0), (z - lse).exp() * ga);  // one pass
+    // Terms below the normal range (a masked class's -inf among them) are zeroed by packet_exp.
+    // In a row of -inf alone the LSE is -inf too, every z - lse is NaN and stays so, as in
+    // PyTorch's log_softmax. (Eigen 3.4's select() runs element by element: libm's expf.)
+    packet_exp_scaled(z.data(), len, lse, ga, gbuf);
     subtract_target_mass(pb, n, c, g, d, tbuf);
     if (k.softcap > A(0)) d *= A(1) - (z * k.inv_softcap).square();
     convert(gbuf, len, out + c);  // a conversion only: no peeled arithmetic
