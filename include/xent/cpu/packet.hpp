@@ -95,23 +95,6 @@ A packet_exp_sum(const A* z, N n, A m, A* out) {
   return s;
 }
 
-/// scale * exp(z_j - m) over n elements into `out` (`out` may be `z`), the exponential as
-/// packet_exp_sum's: a gradient from a saved LSE.
-template <class A, class N>
-void packet_exp_scaled(const A* z, N n, A m, A scale, A* out) {
-  using namespace Eigen::internal;
-  using packet = packet_of<A>;
-  constexpr std::int64_t lanes = lanes_of<A>;
-  const std::int64_t whole = n - n % lanes;
-  const packet shift = pset1<packet>(m), k = pset1<packet>(scale);
-  for (std::int64_t i = 0; i < whole; i += lanes)
-    pstoreu(out + i, pmul(packet_exp<A>(psub(ploadu<packet>(z + i), shift)), k));
-  for (std::int64_t i = whole; i < n; ++i) {
-    const A x = z[i] - m;
-    out[i] = (x < exp_underflow<A> ? A(0) : std::exp(x)) * scale;
-  }
-}
-
 /// tanh of a packet by Eigen's ptanh, except for float arguments past 7.5 in magnitude: there
 /// Eigen 3.4's float fit is clamped (one value for every |x| >= 7.9053) where float's tanh still
 /// tells arguments apart up to about 9, so soft-capped logits in that band tied and argmax took

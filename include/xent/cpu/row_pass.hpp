@@ -294,7 +294,8 @@ void slice_gradient(const problem<T, Tgt>& pb, std::int64_t n, std::int64_t v0, 
     // Terms below the normal range (a masked class's -inf among them) are zeroed by packet_exp.
     // In a row of -inf alone the LSE is -inf too, every z - lse is NaN and stays so, as in
     // PyTorch's log_softmax. (Eigen 3.4's select() runs element by element: libm's expf.)
-    packet_exp_scaled(z.data(), len, lse, ga, gbuf);
+    packet_exp_sum(z.data(), len, lse, gbuf);  // the sum is not needed
+    packet_scale(gbuf, len, ga);
     subtract_target_mass(pb, n, c, g, d, tbuf);
     if (k.softcap > A(0)) d *= A(1) - (z * k.inv_softcap).square();
     convert(gbuf, len, out + c);  // a conversion only: no peeled arithmetic
