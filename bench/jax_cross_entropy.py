@@ -183,7 +183,7 @@ def time_queued(fns, logits, labels, donated, rounds, depth):
             jax.block_until_ready(xs)
             start = time.perf_counter()
             for x in xs:
-                out = fn(x, labels)  # the call before's outputs are released as this is issued
+                out = fn(x, labels)  # the call before's outputs are freed as this one is issued
             jax.block_until_ready(out)
             times[i].append((time.perf_counter() - start) / depth)
             del xs, out
