@@ -245,8 +245,10 @@ void BM_copy_kernel(benchmark::State& state) {
 enum class op { forward, forward_backward, backward };
 
 /// Reduction R: mean (the default), sum (no normaliser) or none (each row's loss only, no sum
-/// across rows).
-template <class T, op Op, xent::reduction R = xent::reduction::mean>
+/// across rows). E: the views' extents, run-time sized by default; static (the line's shape)
+/// for the seed shapes' compile-time launch plan.
+template <class T, op Op, xent::reduction R = xent::reduction::mean,
+          class E = xent::dynamic_extents>
 void BM_cross_entropy(benchmark::State& state) {
   const std::int64_t rows = state.range(0), cols = state.range(1);
   const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(rows * cols);
@@ -258,8 +260,8 @@ void BM_cross_entropy(benchmark::State& state) {
   xent::cuda exec;
   exec.workspace = a.workspace;
   exec.workspace_bytes = a.workspace_bytes;
-  xent::matrix_view<T> L(logits, rows, cols);
-  xent::vector_view<const std::int64_t> y(a.targets, rows);
+  const xent::matrix_view<T, E> L(logits, rows, cols);
+  const xent::vector_view<const std::int64_t, xent::extent<E::rows>> y(a.targets, rows);
   xent::options opts;
   opts.reduce = R;
   constexpr bool rows_only = R == xent::reduction::none;
@@ -273,7 +275,7 @@ void BM_cross_entropy(benchmark::State& state) {
       xent::forward_backward(exec, L, y, opts, xent::upstream{}, out, L);  // in place
     else
       xent::backward(exec, L, y, opts, xent::vector_view<const float>(a.lse, rows),
-                     xent::upstream{}, xent::matrix_view<T>(grad, rows, cols));
+                     xent::upstream{}, xent::matrix_view<T, E>(grad, rows, cols));
   };
   std::uint64_t seed = 1;
   auto refresh = [&] {
@@ -442,6 +444,19 @@ XENT_CUDA_SEED_BENCH(op::forward_backward, xent::reduction::sum);
 XENT_CUDA_SEED_BENCH(op::forward, xent::reduction::sum);
 XENT_CUDA_SEED_BENCH(op::forward_backward, xent::reduction::none);
 XENT_CUDA_SEED_BENCH(op::forward, xent::reduction::none);
+// The seed shapes as static extents (a launch plan fixed at compile time, dispatch/rows.cuh's
+// try_small_rows) beside the run-time sized lines above.
+#define XENT_CUDA_STATIC_SEED_BENCH(OP, N, V)                                                 \
+  BENCHMARK_TEMPLATE(BM_cross_entropy, float, OP, xent::reduction::mean, xent::extents<N, V>) \
+      ->Args({N, V})                                                                          \
+      ->UseManualTime()                                                                       \
+      ->Unit(benchmark::kMicrosecond)
+XENT_CUDA_STATIC_SEED_BENCH(op::forward_backward, 32, 32000);
+XENT_CUDA_STATIC_SEED_BENCH(op::forward_backward, 128, 32000);
+XENT_CUDA_STATIC_SEED_BENCH(op::forward_backward, 32, 50257);
+XENT_CUDA_STATIC_SEED_BENCH(op::forward, 32, 32000);
+XENT_CUDA_STATIC_SEED_BENCH(op::forward, 128, 32000);
+XENT_CUDA_STATIC_SEED_BENCH(op::forward, 32, 50257);
 XENT_CUDA_BENCH(__nv_bfloat16, op::forward_backward, false, true);
 XENT_CUDA_BENCH(__nv_bfloat16, op::forward, false, true);
 XENT_CUDA_BENCH(__nv_bfloat16, op::backward, false, true);

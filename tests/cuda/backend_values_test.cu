@@ -798,10 +798,13 @@ TEST(CudaBackendLarge, MoreThan2Pow31ElementsIndexCorrectly) {
 
 namespace {
 
-/// The same forward_backward (out of place, every output) through run-time sized views and
-/// through views whose extents are R x C, on the device; both results downloaded.
+/// The same forward and forward_backward (out of place; every output, the argmax where `argmax`)
+/// through run-time sized views and through views whose extents are R x C, on the device; both
+/// results downloaded. Without the argmax and options, plain class ids take the small-batch
+/// kernel, whose static form has its launch plan fixed at compile time.
 template <std::int64_t R, std::int64_t C>
-void expect_static_bits(const xent::options& opts, bool weighted, bool soft, std::uint64_t seed) {
+void expect_static_bits(const xent::options& opts, bool weighted, bool soft, bool argmax,
+                        std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 2.0f);
   std::vector<float> x(R * C), probs(R * C, 0.0f), weights(C);
@@ -828,61 +831,67 @@ void expect_static_bits(const xent::options& opts, bool weighted, bool soft, std
   so.z_loss = o.z_loss;
   so.softcap = o.softcap;
   if (weighted) so.class_weights = {d_w.ptr, C};
-  std::vector<float> got[2][4];
+  constexpr int outputs = 7;  // the fused call's four, then the forward's three
+  std::vector<float> got[2][outputs];
   for (int pass = 0; pass < 2; ++pass) {
-    dbuf<float> loss(1), row_loss(R), lse(R), grad(R * C);
-    dbuf<std::int64_t> argmax(R);
+    dbuf<float> loss(1), row_loss(R), lse(R), grad(R * C), f_loss(1), f_row_loss(R), f_lse(R);
+    dbuf<std::int64_t> arg(R);
+    auto call = [&](const auto& logits, const auto& targets, const auto& options, auto out,
+                    const auto& up, const auto& g) {
+      if (argmax) out.argmax = decltype(out.argmax)(arg.ptr, R);
+      out.loss = loss.ptr;
+      out.row_loss = decltype(out.row_loss)(row_loss.ptr, R);
+      out.lse = decltype(out.lse)(lse.ptr, R);
+      xent::forward_backward(exec, logits, targets, options, up, out, g);
+      out.loss = f_loss.ptr;
+      out.row_loss = decltype(out.row_loss)(f_row_loss.ptr, R);
+      out.lse = decltype(out.lse)(f_lse.ptr, R);
+      xent::forward(exec, logits, targets, options, out);
+    };
     if (pass == 0) {
-      xent::forward_outputs out{loss.ptr, {row_loss.ptr, R}, {lse.ptr, R}, {argmax.ptr, R}};
       const xent::matrix_view<const float> logits(d_x.ptr, R, C);
       const xent::matrix_view<float> g(grad.ptr, R, C);
       if (soft)
-        xent::forward_backward(exec, logits,
-                               xent::soft(xent::matrix_view<const float>(d_probs.ptr, R, C)), o,
-                               xent::upstream{}, out, g);
+        call(logits, xent::soft(xent::matrix_view<const float>(d_probs.ptr, R, C)), o,
+             xent::forward_outputs{}, xent::upstream{}, g);
       else
-        xent::forward_backward(exec, logits, xent::vector_view<const std::int64_t>(d_ids.ptr, R), o,
-                               xent::upstream{}, out, g);
+        call(logits, xent::vector_view<const std::int64_t>(d_ids.ptr, R), o,
+             xent::forward_outputs{}, xent::upstream{}, g);
     } else {
       using rows = xent::extent<R>;
       using shape = xent::extents<R, C>;
-      xent::basic_forward_outputs<float, rows> out;
-      out.loss = loss.ptr;
-      out.row_loss = xent::vector_view<float, rows>(row_loss.ptr);
-      out.lse = xent::vector_view<float, rows>(lse.ptr);
-      out.argmax = xent::vector_view<std::int64_t, rows>(argmax.ptr);
       const xent::matrix_view<const float, shape> logits(d_x.ptr);
       const xent::matrix_view<float, shape> g(grad.ptr);
       if (soft)
-        xent::forward_backward(exec, logits,
-                               xent::soft(xent::matrix_view<const float, shape>(d_probs.ptr)), so,
-                               xent::basic_upstream<float, rows>{}, out, g);
+        call(logits, xent::soft(xent::matrix_view<const float, shape>(d_probs.ptr)), so,
+             xent::basic_forward_outputs<float, rows>{}, xent::basic_upstream<float, rows>{}, g);
       else
-        xent::forward_backward(exec, logits, xent::vector_view<const std::int64_t, rows>(d_ids.ptr),
-                               so, xent::basic_upstream<float, rows>{}, out, g);
+        call(logits, xent::vector_view<const std::int64_t, rows>(d_ids.ptr), so,
+             xent::basic_forward_outputs<float, rows>{}, xent::basic_upstream<float, rows>{}, g);
     }
     ok(cudaDeviceSynchronize());
-    got[pass][0] = loss.download();
-    got[pass][1] = row_loss.download();
-    got[pass][2] = lse.download();
-    got[pass][3] = grad.download();
+    dbuf<float>* bufs[outputs] = {&loss, &row_loss, &lse, &grad, &f_loss, &f_row_loss, &f_lse};
+    for (int k = 0; k < outputs; ++k) got[pass][k] = bufs[k]->download();
   }
-  const char* names[4] = {"loss", "row_loss", "lse", "grad"};
-  for (int k = 0; k < 4; ++k)
+  const char* names[outputs] = {"loss",         "row_loss",         "lse",        "grad",
+                                "forward loss", "forward row_loss", "forward lse"};
+  for (int k = 0; k < outputs; ++k)
     EXPECT_EQ(std::memcmp(got[0][k].data(), got[1][k].data(), got[0][k].size() * sizeof(float)), 0)
-        << names[k] << " differs, " << R << " x " << C << " soft " << soft << " seed " << seed;
+        << names[k] << " differs, " << R << " x " << C << " soft " << soft << " argmax " << argmax
+        << " seed " << seed;
 }
 
 template <std::int64_t R, std::int64_t C>
 void expect_static_bits_with_every_option(std::uint64_t seed) {
   for (auto red : {xent::reduction::mean, xent::reduction::sum, xent::reduction::none})
-    for (int variant = 0; variant < 4; ++variant) {
+    for (int variant = 0; variant < 5; ++variant) {
       xent::options o;
       o.reduce = red;
       o.label_smoothing = variant == 1 || variant == 3 ? 0.1f : 0.0f;
       o.z_loss = variant == 2 ? 1e-3f : 0.0f;
       o.softcap = variant == 2 ? 30.0f : 0.0f;
-      expect_static_bits<R, C>(o, variant == 1 || variant == 3, variant == 3, ++seed);
+      // Variant 4: plain class ids, the small-batch kernel's calls.
+      expect_static_bits<R, C>(o, variant == 1 || variant == 3, variant == 3, variant != 4, ++seed);
     }
 }
 

@@ -19,6 +19,10 @@ TEST(CudaLaunchPlan, SmallBatchesCutEachRowOverAClusterThatHoldsIt) {
   using xent::cuda_detail::policy;
   if (policy::small_regs == 0) GTEST_SKIP() << "no small-batch kernel (XENT_CUDA_SMALL_REGS=0)";
   const int sms = 132;
+  // A static shape's plan is the same arithmetic, at compile time (fixed_plan_sms).
+  static_assert(make_small_plan(32, 32000, 4, xent::cuda_detail::fixed_plan_sms).cluster ==
+                    (policy::small_regs == 0 ? 0 : 9),
+                "the seed shape's plan, fixed at compile time");
   // The seed shapes: 32 x 32000 fp32 (125 KiB rows) over 9 CTAs of 3556 classes, 32 x 50257 over
   // 13; 128 x 32000 over 8 (1024 CTAs, within 8 per SM).
   EXPECT_EQ(make_small_plan(32, 32000, 4, sms).cluster, 9);

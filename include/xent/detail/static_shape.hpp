@@ -116,20 +116,28 @@ linear_inputs<std::remove_const_t<H>, typename target_traits<Tgt>::type> dynamic
           dynamic_targets(targets), linear_options(opts)};
 }
 
-/// Whether backend_traits<Exec> takes the logits with their static column count
+/// Whether backend_traits<Exec> takes the logits with their static extents (`static_shape`: the
+/// CUDA small-batch kernel's plan at compile time) or their static column count
 /// (`static_columns`: the CPU's whole-row sweeps specialise on it).
+template <class Exec, class = void>
+struct takes_static_shape : std::false_type {};
+template <class Exec>
+struct takes_static_shape<Exec, std::enable_if_t<backend_traits<Exec>::static_shape>>
+    : std::true_type {};
 template <class Exec, class = void>
 struct takes_static_columns : std::false_type {};
 template <class Exec>
 struct takes_static_columns<Exec, std::enable_if_t<backend_traits<Exec>::static_columns>>
     : std::true_type {};
 
-/// The logits as backend_traits<Exec> takes them: const, and with their static column count
-/// where it takes one, run-time sized otherwise.
+/// The logits as backend_traits<Exec> takes them: const, with the static extents it takes,
+/// run-time sized otherwise.
 template <class Exec, class T, class E>
 auto backend_logits(const matrix_view<T, E>& logits) {
   using C = const std::remove_const_t<T>;
-  if constexpr (takes_static_columns<Exec>::value) {
+  if constexpr (takes_static_shape<Exec>::value) {
+    return matrix_view<C, E>(logits);
+  } else if constexpr (takes_static_columns<Exec>::value) {
     return matrix_view<C, extents<dynamic, E::cols>>(logits);
   } else {
     return matrix_view<C>(logits);

@@ -26,7 +26,7 @@ struct launch_plan {
   std::size_t smem_bytes = 0;   ///< dynamic shared memory per CTA
 };
 
-inline std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 /// Persistent CTAs (or clusters) for `units` of work when at most `most` are in flight at once
 /// (policy::balanced_grid): the fewest that give none more units than the largest grid does, so
@@ -38,14 +38,14 @@ inline std::int64_t persistent_grid(std::int64_t units, std::int64_t most) {
 }
 
 /// Classes per CTA when `cols` are cut over `cluster` CTAs: whole vectors of `vec` elements.
-inline std::int64_t slice_classes(std::int64_t cols, std::int64_t cluster, int vec) {
+constexpr std::int64_t slice_classes(std::int64_t cols, std::int64_t cluster, int vec) {
   return ceil_div(ceil_div(cols, cluster), vec) * vec;
 }
 
 /// CTAs per row for `rows` rows of `row_bytes`, from `c`: a short batch spreads each row over
 /// more CTAs so rows * c covers the SMs twice, while a slice keeps at least min_slice_bytes.
-inline std::int64_t spread_rows(std::int64_t c, std::int64_t rows, std::int64_t row_bytes, int sms,
-                                int max_cluster) {
+constexpr std::int64_t spread_rows(std::int64_t c, std::int64_t rows, std::int64_t row_bytes,
+                                   int sms, int max_cluster) {
   while (c < max_cluster && rows * c < 2 * sms && row_bytes / (c + 1) >= policy::min_slice_bytes)
     ++c;
   return c;
@@ -76,11 +76,17 @@ inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int el
   return p;
 }
 
+/// The multiprocessors a launch plan fixed at compile time assumes (a static shape's small batch,
+/// small_sizes): those of the parts the tuning is measured on (H100 SXM, H200). On another count
+/// the plan stays correct and only its spread over the SMs is off.
+inline constexpr int fixed_plan_sms = 132;
+
 /// The small-batch kernel's cut of rows of `cols` elements of `elem_bytes` over a cluster (each
 /// CTA's slice whole 16-byte vectors, at most small_regs of them per thread), or cluster 0 when
 /// the batch is not small: a row longer than a cluster holds so, more CTAs than
 /// small_ctas_per_sm per SM, or more rows than the workspace keeps records for.
-inline launch_plan make_small_plan(std::int64_t rows, std::int64_t cols, int elem_bytes, int sms) {
+constexpr launch_plan make_small_plan(std::int64_t rows, std::int64_t cols, int elem_bytes,
+                                      int sms) {
   launch_plan p;
   p.cluster = 0;
   if (policy::small_regs == 0) return p;

@@ -165,12 +165,40 @@ bool launch_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
   return true;
 }
 
-/// A small batch of plain class-id rows by the small-batch kernel (one cluster per row, `plan`
-/// from make_small_plan); false, launching nothing, where its code has no clusters.
-template <row_start Start, pass P, class T, class G, class Tgt>
+/// Whether a call's rows take the plain kernels: class ids with no option path (soft targets never
+/// do; the argmax is one, so asking for it sums the loss in another order, float32 rounding apart,
+/// docs/numerics.md, rather than giving each plain kernel an argmax sweep and merge).
+template <class T, class G, class Tgt>
+bool plain_rows(const row_args<T, G, Tgt>& a) {
+  return !Tgt::soft && a.k.smooth == 0.0f && a.k.softcap == 0.0f && !a.want_argmax;
+}
+
+/// Plain rows of an unsharded call (no vocab-parallel partials): the kernels that specialise the
+/// row kernel's work take only those.
+template <class T, class G, class Tgt>
+bool own_plain_rows(const row_args<T, G, Tgt>& a) {
+  return plain_rows(a) && a.first == 0 && a.records.block == nullptr;
+}
+
+/// A small batch by the small-batch kernel (one cluster per row), its plan from make_small_plan:
+/// for the device and the call's sizes, or, where the logits' extents `E` are both static, fixed
+/// at compile time (fixed_plan_sms) with the kernel built on those constants (fixed_sizes). False,
+/// launching nothing, where the batch is not small or the kernel's code has no clusters.
+template <row_start Start, pass P, class E, class T, class G, class Tgt>
 bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> args,
-                       const launch_plan& plan, const device_facts& dev) {
-  auto kernel = small_rows_kernel<policy::block, policy::small_regs, Start, P, T, G, Tgt>;
+                       const device_facts& dev) {
+  // Rows cut at their own 16-byte boundaries: room for vec - 1 more classes.
+  constexpr std::int64_t room = Start == row_start::shifted ? 16 / std::int64_t{sizeof(T)} - 1 : 0;
+  constexpr bool fixed = E::rows != dynamic && E::cols != dynamic;
+  constexpr launch_plan fixed_plan =
+      fixed ? make_small_plan(E::rows, E::cols + room, sizeof(T), fixed_plan_sms) : launch_plan{};
+  const launch_plan plan =
+      fixed ? fixed_plan : make_small_plan(args.rows, args.cols + room, sizeof(T), dev.sms);
+  if (plan.cluster <= 0) return false;
+  using sizes =
+      std::conditional_t<fixed, fixed_sizes<E::rows, E::cols, fixed_plan.cluster, fixed_plan.slice>,
+                         call_sizes>;
+  auto kernel = small_rows_kernel<policy::block, policy::small_regs, Start, P, T, G, Tgt, sizes>;
   if (!prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), dev.id, 0)) return false;
   args.cluster = plan.cluster;
   args.slice = plan.slice;
@@ -183,6 +211,29 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
   cfg.numAttrs = 1;
   check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
   return true;
+}
+
+/// A batch too short for the row kernel's pipelined clusters, by the small-batch kernel; false,
+/// launching nothing, where it does not take the call. Forward and fused calls of a shape take
+/// the same kernel, so their losses are the same bits, except a fused call whose gradient rows do
+/// not share the logits' 16-byte boundaries: rows that are not 16-byte aligned are cut at those
+/// boundaries (row_start::shifted), or where the gradient has others, loaded and stored element
+/// by element (row_start::any, on the call's sizes only; fp32 32 x 50257 on an H200: fused 23.5
+/// against the row kernel's 29.2 us, forward 21.6 against 19.1). `E`: the logits' extents.
+template <pass P, class E = dynamic_extents, class T, class G, class Tgt>
+bool try_small_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args, bool aligned,
+                    bool shifted, const device_facts& dev) {
+  if constexpr (P == pass::backward || Tgt::soft) {
+    return false;
+  } else {
+    if (!own_plain_rows(args) || !tuning_for(dev.major).clusters || args.rows > 65535) return false;
+    if (aligned) return launch_small_rows<row_start::aligned, P, E>(fn, exec, args, dev);
+    if (shifted) return launch_small_rows<row_start::shifted, P, E>(fn, exec, args, dev);
+    if constexpr (E::rows != dynamic && E::cols != dynamic)
+      return false;  // the call's sizes (dispatch_rows) serve it
+    else
+      return launch_small_rows<row_start::any, P, E>(fn, exec, args, dev);
+  }
 }
 
 /// Plain class-id rows, 16-byte aligned, of at most policy::warp_rows_kib KiB, a warp per row
@@ -363,14 +414,9 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
   if (args.rows == 0) return;
   const device_facts dev = query_device(fn);
   // Bulk copies and 16-byte stores when every row start is 16-byte aligned; element-wise
-  // staging and stores otherwise. The plain kernel has no option paths (soft targets never take
-  // it); the argmax is one, so asking for it sums the loss in another order (float32 rounding
-  // apart, docs/numerics.md) rather than giving each plain kernel an argmax sweep and merge.
-  const bool plain =
-      !Tgt::soft && args.k.smooth == 0.0f && args.k.softcap == 0.0f && !args.want_argmax;
-  // Plain rows of an unsharded call (no vocab-parallel partials): the kernels below that
-  // specialise the row kernel's work take only those.
-  [[maybe_unused]] const bool own_plain = plain && args.first == 0 && args.records.block == nullptr;
+  // staging and stores otherwise.
+  const bool plain = plain_rows(args);
+  [[maybe_unused]] const bool own_plain = own_plain_rows(args);
   if constexpr (P == pass::backward && !Tgt::soft && policy::stream_backward) {
     if (aligned) {
       // Short rows, a warp each (policy::warp_rows_kib).
@@ -397,23 +443,7 @@ void dispatch_rows(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& 
     }
   }
   if constexpr (P != pass::backward && !Tgt::soft) {
-    // A batch too short for the row kernel's pipelined clusters. Forward and
-    // fused calls of a shape take the same kernel, so their losses are the same bits, except a
-    // fused call whose gradient rows do not share the logits' 16-byte boundaries: rows that are
-    // not 16-byte aligned are cut at those boundaries (row_start::shifted), or where the gradient
-    // has others, loaded and stored element by element (row_start::any; fp32 32 x 50257 on an
-    // H200: fused 23.5 against the row kernel's 29.2 us, forward 21.6 against 19.1).
-    if (own_plain && tuning_for(dev.major).clusters && args.rows <= 65535) {
-      // Shifted rows are cut at their own 16-byte boundaries: room for vec - 1 more classes.
-      const bool cut = !aligned && shifted;
-      const launch_plan small = make_small_plan(
-          args.rows, args.cols + (cut ? 16 / std::int64_t{sizeof(T)} - 1 : 0), sizeof(T), dev.sms);
-      if (small.cluster > 0 &&
-          (aligned ? launch_small_rows<row_start::aligned, P>(fn, exec, args, small, dev)
-           : cut   ? launch_small_rows<row_start::shifted, P>(fn, exec, args, small, dev)
-                   : launch_small_rows<row_start::any, P>(fn, exec, args, small, dev)))
-        return;
-    }
+    if (try_small_rows<P>(fn, exec, args, aligned, shifted, dev)) return;
     // Short aligned rows, a warp each (policy::warp_rows_kib), forward or fused.
     if (own_plain && aligned && launch_warp_rows<P>(fn, exec, args, dev)) return;
     // Short unaligned rows' forward, a warp each cut at each row's own boundaries
@@ -516,7 +546,9 @@ inline void require_workspace(const char* fn, const cuda& exec, std::int64_t row
                     std::to_string(exec.workspace ? exec.workspace_bytes : 0));
 }
 
-template <pass P, class T, class Tgt, class G>
+/// One entry point's call. `E`: the logits' extents, whose static sizes the small-batch kernel
+/// takes as constants (try_small_rows); the checks and every other kernel read the run-time sizes.
+template <pass P, class E = dynamic_extents, class T, class Tgt, class G>
 void run(const char* fn, const cuda& exec, matrix_view<const T> logits, const Tgt& targets,
          const options& opts, const upstream* up, const forward_outputs* out,
          vector_view<const float> lse, matrix_view<G> grad) {
@@ -553,6 +585,9 @@ void run(const char* fn, const cuda& exec, matrix_view<const T> logits, const Tg
     if (a.num_correct)
       check_cuda(fn, cudaMemsetAsync(a.num_correct, 0, sizeof(std::int64_t), exec.stream));
     return;
+  }
+  if constexpr (P != pass::backward && E::rows != dynamic && E::cols != dynamic) {
+    if (try_small_rows<P, E>(fn, exec, a, aligned, shifted, query_device(fn))) return;
   }
   dispatch_rows<P>(fn, exec, a, aligned, shifted);
 }

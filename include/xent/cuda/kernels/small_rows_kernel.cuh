@@ -101,6 +101,53 @@ __device__ __forceinline__ float warp_element(const Tile& t, int k) {
 /// cut; or anywhere (every element loaded and stored alone).
 enum class row_start { aligned, shifted, any };
 
+/// The sizes of a small-batch launch as the kernel reads them: from its arguments and grid
+/// (call_sizes), or constants (fixed_sizes: a static shape's, views.hpp, whose launch plan was
+/// fixed at compile time, launch_small_rows), where each slice's bounds, the cluster's exchange
+/// and the loops over the batch's targets fold to constants.
+struct call_sizes {
+  template <class A>
+  __device__ __forceinline__ static std::int64_t rows(const A& a) {
+    return a.rows;
+  }
+  template <class A>
+  __device__ __forceinline__ static std::int64_t cols(const A& a) {
+    return a.cols;
+  }
+  template <class A>
+  __device__ __forceinline__ static std::int64_t vocab(const A& a) {
+    return a.vocab;
+  }
+  template <class A>
+  __device__ __forceinline__ static std::int64_t slice(const A& a) {
+    return a.slice;
+  }
+  __device__ __forceinline__ static int cluster() { return static_cast<int>(gridDim.x); }
+};
+
+/// Rows x Cols logits of an unsharded call (the vocabulary is the columns) in clusters of
+/// Cluster CTAs of Slice classes each.
+template <std::int64_t Rows, std::int64_t Cols, int Cluster, std::int64_t Slice>
+struct fixed_sizes {
+  template <class A>
+  __device__ __forceinline__ static constexpr std::int64_t rows(const A&) {
+    return Rows;
+  }
+  template <class A>
+  __device__ __forceinline__ static constexpr std::int64_t cols(const A&) {
+    return Cols;
+  }
+  template <class A>
+  __device__ __forceinline__ static constexpr std::int64_t vocab(const A&) {
+    return Cols;
+  }
+  template <class A>
+  __device__ __forceinline__ static constexpr std::int64_t slice(const A&) {
+    return Slice;
+  }
+  __device__ __forceinline__ static constexpr int cluster() { return Cluster; }
+};
+
 /// Grid (cluster, rows): CTA `rank` of row blockIdx.y's cluster owns classes [rank * slice,
 /// (rank + 1) * slice), or with row_start::shifted, [rank * slice - lead, (rank + 1) * slice -
 /// lead) where the row starts `lead` elements past a 16-byte boundary: every CTA's tile starts on
@@ -119,7 +166,8 @@ enum class row_start { aligned, shifted, any };
 /// on mbarriers that only the gradients wait for, each row's loss goes into a record that one warp
 /// polls (row_sums.cuh), and the target's logit comes from the registers (warp_element).
 /// docs/design.md's small-batch section has each step's measurement.
-template <int Block, int Regs, row_start Start, pass P, class T, class G, class Tgt>
+template <int Block, int Regs, row_start Start, pass P, class T, class G, class Tgt,
+          class Sizes = call_sizes>
 XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && P != pass::backward, "class ids, with statistics");
   static_assert(Block >= 64, "warp 1 sums the mean's normaliser");
@@ -130,7 +178,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   using exchange_state = row_exchange_state<row_partial, exchange_t::warps>;
   // Raw storage: shared memory takes no initialiser (the mbarriers are set up below).
   __shared__ alignas(exchange_state) unsigned char exchange_bytes[sizeof(exchange_state)];
-  exchange_t ex{*reinterpret_cast<exchange_state*>(exchange_bytes), static_cast<int>(gridDim.x)};
+  exchange_t ex{*reinterpret_cast<exchange_state*>(exchange_bytes), Sizes::cluster()};
   __shared__ double rank0_w;  // W as rank 0's warp 1 summed it (other ranks: as it pushed it)
   row_partial total_part;     // the row's, in every thread
   const int rank = static_cast<int>(blockIdx.x);
@@ -138,8 +186,8 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const std::int64_t n = blockIdx.y;
   const int lead = Shifted ? lead_of(a.logits + n * a.ld) : 0;
   const int my_lead = rank == 0 ? lead : 0;
-  const std::int64_t v0 = rank * a.slice - lead;
-  const std::int64_t v1 = v0 + a.slice < a.cols ? v0 + a.slice : a.cols;
+  const std::int64_t v0 = rank * Sizes::slice(a) - lead, cols = Sizes::cols(a);
+  const std::int64_t v1 = v0 + Sizes::slice(a) < cols ? v0 + Sizes::slice(a) : cols;
   const int count = v1 > v0 ? static_cast<int>(v1 - v0) : 0;
   // The slice is loaded before the row's target is known, skipped row or not: two cold reads one
   // after the other (the target, then the logits it decides on) were the launch's longest chain.
@@ -159,7 +207,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   cluster_arrive_relaxed();
   const std::int64_t y = static_cast<std::int64_t>(a.targets.ids[n]);
   // The same on every CTA of the row, so a skipped row skips the cluster's exchange everywhere.
-  const bool skip = skipped_target(a, y);
+  const bool skip = skipped_class(y, a.ignore_index, Sizes::vocab(a));
   const bool invalid = skip && y != a.ignore_index;
   const float w_y = !skip && a.weights ? a.weights[y] : 1.0f;
   const bool has_target = !skip && y >= v0 && y < v1;  // the same in the whole CTA
@@ -172,10 +220,11 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const bool need_w = a.reduce == reduction::mean && (want_grad || need_reduce);
   const bool w_pushed = want_grad && need_w;
   const bool w_warp = w_pushed && rank == 0 && warp == 1;
-  if (w_warp) prefetch_l1_lines(a.targets.ids, a.rows, lane);
-  double normalizer = need_w && !want_grad && rank == 0 && warp == 0 && n == a.rows - 1
-                          ? warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights)
-                          : 1.0;
+  if (w_warp) prefetch_l1_lines(a.targets.ids, Sizes::rows(a), lane);
+  double normalizer =
+      need_w && !want_grad && rank == 0 && warp == 0 && n == Sizes::rows(a) - 1
+          ? warp_normalizer(a.targets, Sizes::rows(a), Sizes::vocab(a), a.ignore_index, a.weights)
+          : 1.0;
 
   if (!skip) {
     row_partial p;
@@ -194,8 +243,9 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       ex.send(0, 0);
       ex.receive(0, 0);
     } else if (w_warp) {
-      const double w = warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights);
-      if (lane > 0 && lane < static_cast<int>(gridDim.x)) {
+      const double w =
+          warp_normalizer(a.targets, Sizes::rows(a), Sizes::vocab(a), a.ignore_index, a.weights);
+      if (lane > 0 && lane < Sizes::cluster()) {
         unsigned words[2];
         memcpy(words, &w, sizeof(words));
         push_words(&rank0_w, words, &ex.x.arrived[1], lane);
@@ -248,10 +298,11 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   }
   // The last row's rank 0, among the launch's last CTAs to start, so the rows it waits for are
   // mostly done; it holds one CTA slot while the rest of the grid runs around it.
-  if (need_reduce && rank == 0 && n == a.rows - 1 && warp == 0) {
+  if (need_reduce && rank == 0 && n == Sizes::rows(a) - 1 && warp == 0) {
     if (w_pushed && skip)  // the fused pass's W came from warp 1, which a skipped row skips
-      normalizer = warp_normalizer(a.targets, a.rows, a.vocab, a.ignore_index, a.weights);
-    warp_poll_reduction(a.workspace, a.rows, a.loss, a.num_correct, normalizer);
+      normalizer =
+          warp_normalizer(a.targets, Sizes::rows(a), Sizes::vocab(a), a.ignore_index, a.weights);
+    warp_poll_reduction(a.workspace, Sizes::rows(a), a.loss, a.num_correct, normalizer);
   }
 #else
   (void)a;
