@@ -11,6 +11,9 @@
 #              sm_90 alone, then for CMake's default pair (80-virtual;90-real);
 #   precompiled  the same call with XENT_CUDA_PRECOMPILED (what a target that links
 #              xent::cuda_kernels sees: the library compiled its kernels), sm_90;
+#   precompiled-static  the same call on logits of static extents 32 x 32000 (views.hpp) with
+#              XENT_CUDA_PRECOMPILED: the small-batch kernel's compile-time plan, which the library
+#              does not hold, compiled by the call's own unit, sm_90;
 #   cpu        xent::forward_backward(xent::cpu{}) on float logits, g++ -O3.
 # Each nvcc probe runs nvcc's own steps (nvcc -dryrun) one by one and reports each step's CPU
 # time: preprocessing, cudafe++ (the host/device split), cicc (device front end and NVVM, per
@@ -120,6 +123,19 @@ void step(const xent::cuda& exec, xent::matrix_view<__nv_bfloat16> logits,
   xent::forward_backward(exec, logits, targets, xent::options{}, xent::upstream{}, out, logits);
 }
 EOF
+cat >"$work/static_call.cu" <<'EOF'
+#include <cstdint>
+#include <xent/xent.hpp>
+
+using shape = xent::extents<32, 32000>;
+
+void step(const xent::cuda& exec, xent::matrix_view<__nv_bfloat16, shape> logits,
+          xent::vector_view<const std::int64_t, xent::extent<32>> targets, float* loss) {
+  xent::forward_outputs out;
+  out.loss = loss;
+  xent::forward_backward(exec, logits, targets, xent::options{}, xent::upstream{}, out, logits);
+}
+EOF
 cat >"$work/cpu_call.cpp" <<'EOF'
 #include <cstdint>
 #include <xent/xent.hpp>
@@ -135,7 +151,7 @@ EOF
 
 echo "nvcc: $("$nvcc" --version | tail -n 1); $cxx: $("$cxx" --version | head -n 1)"
 probes=("$@")
-((${#probes[@]})) || probes=(cuda-sm90 cuda-80v90 precompiled cpu)
+((${#probes[@]})) || probes=(cuda-sm90 cuda-80v90 precompiled precompiled-static cpu)
 printf '%-12s %-13s %-11s %7s\n' probe step arch cpu-s
 for probe in "${probes[@]}"; do
   case $probe in
@@ -148,6 +164,10 @@ for probe in "${probes[@]}"; do
       time_nvcc "$probe" "$work/cuda_call.cu" -gencode=arch=compute_90,code=sm_90 \
         -DXENT_CUDA_PRECOMPILED
       ;;
+    precompiled-static)
+      time_nvcc "$probe" "$work/static_call.cu" -gencode=arch=compute_90,code=sm_90 \
+        -DXENT_CUDA_PRECOMPILED
+      ;;
     cpu)
       mark before
       "$cxx" -std=c++17 -O3 -DNDEBUG -I"$root/include" -isystem "$eigen" \
@@ -155,6 +175,9 @@ for probe in "${probes[@]}"; do
       mark after
       printf '%-12s %-13s %-11s %7s\n' cpu total "" "$(since "$before" "$after")"
       ;;
-    *) echo "unknown probe '$probe' (cuda-sm90, cuda-80v90, precompiled, cpu)" >&2 && exit 2 ;;
+    *)
+      echo "unknown probe '$probe' (cuda-sm90, cuda-80v90, precompiled, precompiled-static, cpu)" >&2
+      exit 2
+      ;;
   esac
 done

@@ -14,6 +14,8 @@
 //   forward/DTYPE/NxV/threads:T             class-id targets (int64), mean; outputs loss + LSE
 //   forward_backward/DTYPE/NxV/threads:T    the same plus the gradient, in place over the logits
 //   forward_backward_out_of_place/f32/4096x32000/threads:T    gradient to a separate float buffer
+//   backward/f32/4096x32000/threads:T       xent::backward: that gradient from the LSE a forward
+//                                           saved (untimed, before the timed loop)
 //   forward/DTYPE/NxV/chunk:C/threads:T, forward_backward/DTYPE/NxV/chunk:C/threads:T
 //                              xent::cpu{T, C}: the policy's chunk swept (training shapes)
 // Counters:
@@ -125,7 +127,10 @@ double roof(xb::roof_kind kind, int threads) {
 // lines of one shape (filling 512 MiB takes longer than timing it).
 // ---------------------------------------------------------------------------------------------
 
-enum class op { forward, forward_backward_in_place, forward_backward_out_of_place };
+enum class op { forward, forward_backward_in_place, forward_backward_out_of_place, backward };
+
+/// Whether a line writes its gradient to the separate float buffer.
+bool separate_gradient(op o) { return o == op::forward_backward_out_of_place || o == op::backward; }
 
 struct input_set {
   std::string key;
@@ -136,6 +141,8 @@ struct input_set {
   xb::host_buffer pristine;           // --refresh_inplace only: the logits as first filled
   std::vector<std::int64_t> targets;  // copies x rows
   std::vector<float> lse;             // rows
+  std::vector<float> saved_lse;       // backward only: copies x rows, each set's LSE
+  float saved_loss = 0.0f;            // backward only: the last set's loss
   bool dirty = false;                 // an in-place call has overwritten logits with gradients
 
   std::int64_t set_bytes() const { return rows * cols * elem_bytes; }
@@ -180,7 +187,7 @@ input_set& inputs_for(std::int64_t rows, std::int64_t cols, op o) {
     inputs = std::move(in);
   }
   input_set& in = *inputs;
-  if (o == op::forward_backward_out_of_place && in.grad.bytes() == 0) {
+  if (separate_gradient(o) && in.grad.bytes() == 0) {
     in.grad = xb::host_buffer(static_cast<std::size_t>(rows * cols * sizeof(float)) * in.copies);
     xb::fill_normalish(in.grad.as<float>(), rows * cols * in.copies, 0x9a9);  // touch every page
   }
@@ -247,6 +254,20 @@ void run_cross_entropy(benchmark::State& state, std::int64_t rows, std::int64_t 
   xent::forward_outputs out;
   out.loss = &loss;
   out.lse = xent::vector_view<float>(in.lse.data(), rows);
+  if (o == op::backward && in.saved_lse.empty()) {
+    in.saved_lse.resize(static_cast<std::size_t>(rows * in.copies));
+    for (int c = 0; c < in.copies; ++c) {
+      xent::forward_outputs saved = out;
+      saved.lse = xent::vector_view<float>(in.saved_lse.data() + c * rows, rows);
+      xent::forward(
+          exec,
+          xent::matrix_view<const T>(
+              in.logits.as<const T>() + static_cast<std::int64_t>(c) * rows * cols, rows, cols),
+          xent::vector_view<const std::int64_t>(in.targets.data() + c * rows, rows), opts, saved);
+    }
+    in.saved_loss = loss;
+  }
+  if (o == op::backward) loss = in.saved_loss;  // the forward's, for the checks below
 
   // In place, each call's logits are the previous call's gradient: (p - onehot) / N, finite and
   // far from denormal (>= ~1e-9 for these shapes), so later calls run on near-uniform rows. The
@@ -287,6 +308,14 @@ void run_cross_entropy(benchmark::State& state, std::int64_t rows, std::int64_t 
                                  grad);
           break;
         }
+        case op::backward: {
+          const xent::matrix_view<float> grad(
+              in.grad.as<float>() + static_cast<std::int64_t>(k) * rows * cols, rows, cols);
+          xent::backward(exec, xent::matrix_view<const T>(logits), targets, opts,
+                         xent::vector_view<const float>(in.saved_lse.data() + k * rows, rows), up,
+                         grad);
+          break;
+        }
       }
       benchmark::DoNotOptimize(loss);
       benchmark::ClobberMemory();
@@ -313,14 +342,13 @@ void run_cross_entropy(benchmark::State& state, std::int64_t rows, std::int64_t 
   const std::int64_t offset = static_cast<std::int64_t>(last) * rows * cols;
   if (o == op::forward_backward_in_place)
     bad = check_gradient(in.logits.as<const T>() + offset, rows, cols);
-  if (o == op::forward_backward_out_of_place)
-    bad = check_gradient(in.grad.as<const float>() + offset, rows, cols);
+  if (separate_gradient(o)) bad = check_gradient(in.grad.as<const float>() + offset, rows, cols);
   if (!bad.empty()) {
     state.SkipWithError(bad.c_str());
     return;
   }
 
-  const std::int64_t grad_bytes = o == op::forward_backward_out_of_place ? sizeof(float) : 0;
+  const std::int64_t grad_bytes = separate_gradient(o) ? sizeof(float) : 0;
   const std::int64_t bytes =
       xb::min_traffic_bytes(o == op::forward ? xb::pass::forward : xb::pass::forward_backward, rows,
                             cols, sizeof(T), grad_bytes);
@@ -376,8 +404,10 @@ void add_shape(std::int64_t rows, std::int64_t cols, bool out_of_place, bool swe
   add<T>("forward", rows, cols, op::forward, 0, unit);
   if (sweep_chunks)
     for (std::int64_t chunk : chunks_list) add<T>("forward", rows, cols, op::forward, chunk, unit);
-  if (out_of_place)
+  if (out_of_place) {
     add<T>("forward_backward_out_of_place", rows, cols, op::forward_backward_out_of_place, 0, unit);
+    add<T>("backward", rows, cols, op::backward, 0, unit);
+  }
   add<T>("forward_backward", rows, cols, op::forward_backward_in_place, 0, unit);
   if (sweep_chunks)
     for (std::int64_t chunk : chunks_list)
