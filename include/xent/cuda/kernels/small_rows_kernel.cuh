@@ -106,46 +106,25 @@ enum class row_start { aligned, shifted, any };
 /// fixed at compile time, launch_small_rows), where each slice's bounds, the cluster's exchange
 /// and the loops over the batch's targets fold to constants.
 struct call_sizes {
+  std::int64_t rows, cols, vocab, slice;
+  int cluster;
   template <class A>
-  __device__ __forceinline__ static std::int64_t rows(const A& a) {
-    return a.rows;
-  }
-  template <class A>
-  __device__ __forceinline__ static std::int64_t cols(const A& a) {
-    return a.cols;
-  }
-  template <class A>
-  __device__ __forceinline__ static std::int64_t vocab(const A& a) {
-    return a.vocab;
-  }
-  template <class A>
-  __device__ __forceinline__ static std::int64_t slice(const A& a) {
-    return a.slice;
-  }
-  __device__ __forceinline__ static int cluster() { return static_cast<int>(gridDim.x); }
+  __device__ __forceinline__ explicit call_sizes(const A& a)
+      : rows(a.rows),
+        cols(a.cols),
+        vocab(a.vocab),
+        slice(a.slice),
+        cluster(static_cast<int>(gridDim.x)) {}
 };
 
 /// Rows x Cols logits of an unsharded call (the vocabulary is the columns) in clusters of
 /// Cluster CTAs of Slice classes each.
 template <std::int64_t Rows, std::int64_t Cols, int Cluster, std::int64_t Slice>
 struct fixed_sizes {
+  static constexpr std::int64_t rows = Rows, cols = Cols, vocab = Cols, slice = Slice;
+  static constexpr int cluster = Cluster;
   template <class A>
-  __device__ __forceinline__ static constexpr std::int64_t rows(const A&) {
-    return Rows;
-  }
-  template <class A>
-  __device__ __forceinline__ static constexpr std::int64_t cols(const A&) {
-    return Cols;
-  }
-  template <class A>
-  __device__ __forceinline__ static constexpr std::int64_t vocab(const A&) {
-    return Cols;
-  }
-  template <class A>
-  __device__ __forceinline__ static constexpr std::int64_t slice(const A&) {
-    return Slice;
-  }
-  __device__ __forceinline__ static constexpr int cluster() { return Cluster; }
+  __device__ __forceinline__ explicit fixed_sizes(const A&) {}
 };
 
 /// Grid (cluster, rows): CTA `rank` of row blockIdx.y's cluster owns classes [rank * slice,
@@ -174,11 +153,12 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
 #if XENT_CUDA_SM90_PTX
   constexpr bool want_grad = P == pass::fused;
   constexpr bool Aligned = Start != row_start::any, Shifted = Start == row_start::shifted;
+  const Sizes z(a);
   using exchange_t = row_exchange<row_partial, Block>;
   using exchange_state = row_exchange_state<row_partial, exchange_t::warps>;
   // Raw storage: shared memory takes no initialiser (the mbarriers are set up below).
   __shared__ alignas(exchange_state) unsigned char exchange_bytes[sizeof(exchange_state)];
-  exchange_t ex{*reinterpret_cast<exchange_state*>(exchange_bytes), Sizes::cluster()};
+  exchange_t ex{*reinterpret_cast<exchange_state*>(exchange_bytes), z.cluster};
   __shared__ double rank0_w;  // W as rank 0's warp 1 summed it (other ranks: as it pushed it)
   row_partial total_part;     // the row's, in every thread
   const int rank = static_cast<int>(blockIdx.x);
@@ -186,8 +166,8 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const std::int64_t n = blockIdx.y;
   const int lead = Shifted ? lead_of(a.logits + n * a.ld) : 0;
   const int my_lead = rank == 0 ? lead : 0;
-  const std::int64_t v0 = rank * Sizes::slice(a) - lead, cols = Sizes::cols(a);
-  const std::int64_t v1 = v0 + Sizes::slice(a) < cols ? v0 + Sizes::slice(a) : cols;
+  const std::int64_t v0 = rank * z.slice - lead, cols = z.cols;
+  const std::int64_t v1 = v0 + z.slice < cols ? v0 + z.slice : cols;
   const int count = v1 > v0 ? static_cast<int>(v1 - v0) : 0;
   // The slice is loaded before the row's target is known, skipped row or not: two cold reads one
   // after the other (the target, then the logits it decides on) were the launch's longest chain.
@@ -207,7 +187,7 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   cluster_arrive_relaxed();
   const std::int64_t y = static_cast<std::int64_t>(a.targets.ids[n]);
   // The same on every CTA of the row, so a skipped row skips the cluster's exchange everywhere.
-  const bool skip = skipped_class(y, a.ignore_index, Sizes::vocab(a));
+  const bool skip = skipped_class(y, a.ignore_index, z.vocab);
   const bool invalid = skip && y != a.ignore_index;
   const float w_y = !skip && a.weights ? a.weights[y] : 1.0f;
   const bool has_target = !skip && y >= v0 && y < v1;  // the same in the whole CTA
@@ -220,11 +200,10 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   const bool need_w = a.reduce == reduction::mean && (want_grad || need_reduce);
   const bool w_pushed = want_grad && need_w;
   const bool w_warp = w_pushed && rank == 0 && warp == 1;
-  if (w_warp) prefetch_l1_lines(a.targets.ids, Sizes::rows(a), lane);
-  double normalizer =
-      need_w && !want_grad && rank == 0 && warp == 0 && n == Sizes::rows(a) - 1
-          ? warp_normalizer(a.targets, Sizes::rows(a), Sizes::vocab(a), a.ignore_index, a.weights)
-          : 1.0;
+  if (w_warp) prefetch_l1_lines(a.targets.ids, z.rows, lane);
+  double normalizer = need_w && !want_grad && rank == 0 && warp == 0 && n == z.rows - 1
+                          ? warp_normalizer(a.targets, z.rows, z.vocab, a.ignore_index, a.weights)
+                          : 1.0;
 
   if (!skip) {
     row_partial p;
@@ -243,9 +222,8 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
       ex.send(0, 0);
       ex.receive(0, 0);
     } else if (w_warp) {
-      const double w =
-          warp_normalizer(a.targets, Sizes::rows(a), Sizes::vocab(a), a.ignore_index, a.weights);
-      if (lane > 0 && lane < Sizes::cluster()) {
+      const double w = warp_normalizer(a.targets, z.rows, z.vocab, a.ignore_index, a.weights);
+      if (lane > 0 && lane < z.cluster) {
         unsigned words[2];
         memcpy(words, &w, sizeof(words));
         push_words(&rank0_w, words, &ex.x.arrived[1], lane);
@@ -298,11 +276,10 @@ XENT_KERNEL void __launch_bounds__(Block) small_rows_kernel(row_args<T, G, Tgt> 
   }
   // The last row's rank 0, among the launch's last CTAs to start, so the rows it waits for are
   // mostly done; it holds one CTA slot while the rest of the grid runs around it.
-  if (need_reduce && rank == 0 && n == Sizes::rows(a) - 1 && warp == 0) {
+  if (need_reduce && rank == 0 && n == z.rows - 1 && warp == 0) {
     if (w_pushed && skip)  // the fused pass's W came from warp 1, which a skipped row skips
-      normalizer =
-          warp_normalizer(a.targets, Sizes::rows(a), Sizes::vocab(a), a.ignore_index, a.weights);
-    warp_poll_reduction(a.workspace, Sizes::rows(a), a.loss, a.num_correct, normalizer);
+      normalizer = warp_normalizer(a.targets, z.rows, z.vocab, a.ignore_index, a.weights);
+    warp_poll_reduction(a.workspace, z.rows, a.loss, a.num_correct, normalizer);
   }
 #else
   (void)a;
