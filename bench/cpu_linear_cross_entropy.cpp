@@ -12,6 +12,8 @@
 //   linear_forward/DTYPE/NxDxV/threads:T           class ids, mean; outputs loss + LSE
 //   linear_forward_backward/DTYPE/NxDxV/threads:T  the same plus d_hidden and d_weight
 //   linear_forward_backward_low_memory/DTYPE/NxDxV/threads:T   in linear_order::low_memory
+//   linear_orders_alternated/DTYPE/NxDxV/threads:T   training in both orders, call by call, ten
+//                                         of each (fast_ms, low_memory_ms: each order's best)
 //   linear_forward_backward_trained/DTYPE/NxDxV/threads:T      low_memory on trained-like inputs
 //                                         (trained_inputs: Zipf targets, hidden = a W[y] + noise,
 //                                         a set for a mean loss of 2.5 nats), exact
@@ -27,7 +29,8 @@
 //   floor_pct          the floor line's time / this line's time * 100 (the floor's float GEMMs on
 //                      the same shapes; bf16 lines also convert, so their floor is the same)
 //   fast_ratio         (low-memory lines) this line's time / the fast order's line of the same
-//                      dtype, shape and threads (ranks) in this run
+//                      dtype, shape and threads (ranks) in this run; (alternated lines) the
+//                      low-memory order's best call / the fast order's
 //   chunk_rows, workspace_MiB   the plan the default 256 MiB budget gives (for the line's order;
 //                      vocab-parallel lines: rank 0's)
 //   loss               the last call's loss (checked finite, else the line is an error)
@@ -188,45 +191,98 @@ void note_order(benchmark::State& state, const std::string& key, xent::linear_or
   }
 }
 
+/// A line's problem (class ids, mean, loss + LSE; training: d_hidden and d_weight too), called in
+/// either order, each with a workspace of its own order's size.
+template <class T>
+struct linear_line {
+  shape s;
+  bool training;
+  inputs<T> in;
+  std::vector<T> dx, dw;
+  std::vector<float> lse;
+  xent::cpu exec;
+  float loss = 0.0f;
+
+  linear_line(shape s_, bool training_, int threads)
+      : s(s_),
+        training(training_),
+        in(s_),
+        dx(s_.n * s_.d),
+        dw(s_.v * s_.d),
+        lse(s_.n),
+        exec(threads) {}
+
+  xent::linear_options options(xent::linear_order order) const {
+    xent::linear_options opts;
+    opts.order = order;
+    return opts;
+  }
+  xent::linear_workspace_sizes size(xent::linear_order order) const {
+    const auto pass = training ? xent::linear_pass::training : xent::linear_pass::forward;
+    return xent::linear_workspace_size<T>(exec, {s.n, s.d, s.v}, pass, options(order));
+  }
+  void call(xent::linear_order order, std::vector<unsigned char>& workspace) {
+    xent::forward_outputs out;
+    out.loss = &loss;
+    out.lse = {lse.data(), s.n};
+    const xent::matrix_view<const T> hidden(in.x.data(), s.n, s.d), weight(in.w.data(), s.v, s.d);
+    const xent::vector_view<const std::int64_t> ids(in.targets.data(), s.n);
+    const xent::linear_grads<T> grads{{dx.data(), s.n, s.d}, {dw.data(), s.v, s.d}, {}};
+    const xent::linear_workspace ws{workspace.data(), workspace.size()};
+    if (training)
+      xent::linear_forward_backward(exec, hidden, weight, {}, ids, options(order), xent::upstream{},
+                                    out, grads, ws);
+    else
+      xent::linear_forward(exec, hidden, weight, {}, ids, options(order), out, ws);
+  }
+};
+
 template <class T>
 void bm_linear(benchmark::State& state, bool training, shape s, xent::linear_order order) {
   const int threads = static_cast<int>(state.range(0));
-  const inputs<T> in(s);
-  const std::vector<T>&x = in.x, &w = in.w;
-  const std::vector<std::int64_t>& targets = in.targets;
-  std::vector<T> dx(s.n * s.d), dw(s.v * s.d);
-  std::vector<float> lse(s.n);
-  const xent::cpu exec(threads);
-  const auto pass = training ? xent::linear_pass::training : xent::linear_pass::forward;
-  xent::linear_options opts;
-  opts.order = order;
-  const auto size = xent::linear_workspace_size<T>(exec, {s.n, s.d, s.v}, pass, opts);
+  linear_line<T> line(s, training, threads);
+  const auto size = line.size(order);
   std::vector<unsigned char> workspace(size.bytes);
-  float loss = 0.0f;
-  xent::forward_outputs out;
-  out.loss = &loss;
-  out.lse = {lse.data(), s.n};
-  const xent::matrix_view<const T> hidden(x.data(), s.n, s.d), weight(w.data(), s.v, s.d);
-  const xent::vector_view<const std::int64_t> ids(targets.data(), s.n);
-  const xent::linear_grads<T> grads{{dx.data(), s.n, s.d}, {dw.data(), s.v, s.d}, {}};
-  const xent::linear_workspace ws{workspace.data(), workspace.size()};
-  auto call = [&] {
-    if (training)
-      xent::linear_forward_backward(exec, hidden, weight, {}, ids, opts, xent::upstream{}, out,
-                                    grads, ws);
-    else
-      xent::linear_forward(exec, hidden, weight, {}, ids, opts, out, ws);
-  };
-  const double best = best_seconds(state, call);
-  if (!std::isfinite(loss)) state.SkipWithError("non-finite loss");
+  const double best = best_seconds(state, [&] { line.call(order, workspace); });
+  if (!std::isfinite(line.loss)) state.SkipWithError("non-finite loss");
   state.SetItemsProcessed(state.iterations() * (training ? 6 : 2) * s.n * s.v * s.d);
   state.counters["chunk_rows"] = static_cast<double>(size.chunk_rows);
   state.counters["workspace_MiB"] = static_cast<double>(size.bytes) / (1 << 20);
-  state.counters["loss"] = loss;
+  state.counters["loss"] = line.loss;
   const auto f = floors().find(floor_key(training, s, threads));
   if (f != floors().end()) state.counters["floor_pct"] = 100.0 * f->second / best;
   if (!training) return;
   note_order(state, std::string(dtype_name<T>()) + "/" + floor_key(true, s, threads), order, best);
+}
+
+/// Training in both orders, call by call (fast then low memory, swapped every other iteration),
+/// so that both see the same moments of a shared machine: each order's best call and their ratio.
+template <class T>
+void bm_orders(benchmark::State& state, shape s) {
+  using order = xent::linear_order;
+  linear_line<T> line(s, true, static_cast<int>(state.range(0)));
+  std::vector<unsigned char> fast_ws(line.size(order::fast).bytes),
+      low_ws(line.size(order::low_memory).bytes);
+  double best[2] = {1e30, 1e30};
+  auto timed = [&](int k) {
+    const auto t0 = std::chrono::steady_clock::now();
+    line.call(k == 0 ? order::fast : order::low_memory, k == 0 ? fast_ws : low_ws);
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best[k] = std::min(best[k], t);
+    return t;
+  };
+  timed(0);  // warm-up of both
+  timed(1);
+  best[0] = best[1] = 1e30;
+  std::int64_t i = 0;
+  for (auto _ : state) {
+    const int first = static_cast<int>(i++ % 2);
+    state.SetIterationTime(timed(first) + timed(1 - first));
+  }
+  if (!std::isfinite(line.loss)) state.SkipWithError("non-finite loss");
+  state.counters["fast_ms"] = 1e3 * best[0];
+  state.counters["low_memory_ms"] = 1e3 * best[1];
+  state.counters["fast_ratio"] = best[1] / best[0];
 }
 
 /// vocab_parallel_linear_forward_backward on `ranks` ranks of an inprocess_group, rank r holding
@@ -495,6 +551,24 @@ int main(int argc, char** argv) {
                    order);
         }
       }
+    }
+  // Both orders call by call.
+  for (const shape& s : shapes)
+    for (int t : threads) {
+      const std::string name = "linear_orders_alternated/";
+      benchmark::RegisterBenchmark((name + "f32/" + s.name()).c_str(), bm_orders<float>, s)
+          ->Arg(t)
+          ->ArgName("threads")
+          ->UseManualTime()
+          ->Iterations(10)
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark((name + "bf16/" + s.name()).c_str(), bm_orders<Eigen::bfloat16>,
+                                   s)
+          ->Arg(t)
+          ->ArgName("threads")
+          ->UseManualTime()
+          ->Iterations(10)
+          ->Unit(benchmark::kMillisecond);
     }
   // Trained-like inputs, exact before sparse for exact_ratio.
   for (const shape& s : shapes)
