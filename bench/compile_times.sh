@@ -91,6 +91,11 @@ time_nvcc() {
   awk -v n="$name" '{ printf "%-12s %-13s %-11s %7.2f\n", n, $1, $2, $3; t += $3 }
     END { printf "%-12s %-13s %-11s %7.2f\n", n, "total", "", t }' <<<"$out"
   local sass ptx
+  # A toolkit without cuobjdump (some CUDA 13 installs) leaves the counts out, not the run.
+  command -v cuobjdump >/dev/null || {
+    printf '%-12s kernels: no cuobjdump\n' "$name"
+    return 0
+  }
   sass=$(cuobjdump -sass "$obj" 2>/dev/null | awk '/^arch = /{a=$3} /Function :/{c[a]++}
     END{for (k in c) printf "%s %d  ", k, c[k]}')
   ptx=$(cuobjdump -ptx "$obj" 2>/dev/null | awk '/^arch = /{a=$3} /\.entry /{c[a]++}
