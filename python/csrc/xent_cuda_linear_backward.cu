@@ -1,0 +1,12 @@
+// Fused linear cross-entropy's backward from a saved LSE (xent::linear_backward), instantiated for
+// CUDA (xent_cuda_backend.h) and registered under the CUDA dispatch key. One of the .cu files that
+// python/CMakeLists.txt builds side by side when torch has CUDA and nvcc is found.
+#include <torch/library.h>
+
+#include "xent_cuda_backend.h"
+#include "xent_ops.h"
+
+TORCH_LIBRARY_IMPL(xent, CUDA, m) {
+  m.impl("linear_cross_entropy_bwd",
+         &xent_torch::linear_cross_entropy_bwd<xent_torch::cuda_backend>);
+}
