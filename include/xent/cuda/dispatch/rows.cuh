@@ -192,25 +192,28 @@ bool launch_small_rows(const char* fn, const cuda& exec, row_args<T, G, Tgt> arg
   constexpr bool fixed = E::rows != dynamic && E::cols != dynamic;
   constexpr launch_plan fixed_plan =
       fixed ? make_small_plan(E::rows, E::cols + room, sizeof(T), fixed_plan_sms) : launch_plan{};
-  const launch_plan plan =
-      fixed ? fixed_plan : make_small_plan(args.rows, args.cols + room, sizeof(T), dev.sms);
-  if (plan.cluster <= 0) return false;
-  using sizes =
-      std::conditional_t<fixed, fixed_sizes<E::rows, E::cols, fixed_plan.cluster, fixed_plan.slice>,
-                         call_sizes>;
-  auto kernel = small_rows_kernel<policy::block, policy::small_regs, Start, P, T, G, Tgt, sizes>;
-  if (!prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), dev.id, 0)) return false;
-  args.cluster = plan.cluster;
-  args.slice = plan.slice;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(args.rows), 1);
-  cfg.blockDim = dim3(policy::block, 1, 1);
-  cfg.stream = exec.stream;
-  cudaLaunchAttribute attr[1] = {cluster_attribute(plan.cluster)};
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
-  return true;
+  if constexpr (fixed && fixed_plan.cluster <= 0) {
+    return false;  // never a small batch: no kernel is built for it
+  } else {
+    const launch_plan plan =
+        fixed ? fixed_plan : make_small_plan(args.rows, args.cols + room, sizeof(T), dev.sms);
+    if (plan.cluster <= 0) return false;
+    using sizes = std::conditional_t<
+        fixed, fixed_sizes<E::rows, E::cols, fixed_plan.cluster, fixed_plan.slice>, call_sizes>;
+    auto kernel = small_rows_kernel<policy::block, policy::small_regs, Start, P, T, G, Tgt, sizes>;
+    if (!prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), dev.id, 0)) return false;
+    args.cluster = plan.cluster;
+    args.slice = plan.slice;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(plan.cluster), static_cast<unsigned>(args.rows), 1);
+    cfg.blockDim = dim3(policy::block, 1, 1);
+    cfg.stream = exec.stream;
+    cudaLaunchAttribute attr[1] = {cluster_attribute(plan.cluster)};
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    check_cuda(fn, cudaLaunchKernelEx(&cfg, kernel, args));
+    return true;
+  }
 }
 
 /// A batch too short for the row kernel's pipelined clusters, by the small-batch kernel; false,
