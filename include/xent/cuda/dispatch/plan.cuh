@@ -77,7 +77,7 @@ inline launch_plan make_launch_plan(std::int64_t rows, std::int64_t cols, int el
 }
 
 /// The multiprocessors a launch plan fixed at compile time assumes (a static shape's small batch,
-/// small_sizes): those of the parts the tuning is measured on (H100 SXM, H200). On another count
+/// fixed_sizes): those of the parts the tuning is measured on (H100 SXM, H200). On another count
 /// the plan stays correct and only its spread over the SMs is off.
 inline constexpr int fixed_plan_sms = 132;
 
