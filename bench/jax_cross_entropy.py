@@ -15,9 +15,11 @@ Time per call, two ways, the two implementations taking turns (a shared machine'
 both alike):
   ms       one call then block_until_ready, the median of --reps calls after --warmup: the host's
            dispatch and wait are in it, as in a loop that reads every step's loss;
-  queued   --depth calls issued back to back and only the last waited for, per call, the median
-           of --rounds: the device's time per call, the next call dispatched while one runs (on
-           a GPU, the figure to set beside CUDA-event timings such as do_bench's).
+  queued   the device's time per call: one call waited for, then --depth calls issued back to
+           back with only the last waited for; the difference over depth - 1 calls, the median
+           of --rounds. Each call is dispatched while the one before runs, and the difference
+           drops what a run pays once (the first dispatch, the wake-up after the last): on a GPU
+           the figure to set beside CUDA-event timings such as do_bench's.
 A copy of the logits into a fresh buffer (jnp.array(copy=True)), the copy XLA makes before the
 kept fused line and that line's floor, takes turns with it.
 
@@ -170,23 +172,28 @@ def time_calls(fns, logits, labels, donated, reps, warmup):
 
 
 def time_queued(fns, logits, labels, donated, rounds, depth):
-    """Per function: the median over `rounds` of the seconds per call of `depth` calls issued
-    back to back, the last one waited for. Donated calls each get their own copy of the
-    logits, made before the clock starts (depth copies at once: depth x the logits' bytes)."""
+    """Per function: the median over `rounds` of (seconds of `depth` calls issued back to back,
+    the last one waited for, less the seconds of one call) / (depth - 1). Donated calls each get
+    their own copy of the logits, made before the clock starts (depth + 1 copies at once)."""
+
+    def run(fn, xs):
+        jax.block_until_ready(xs)
+        start = time.perf_counter()
+        for x in xs:
+            out = fn(x, labels)  # the call before's outputs are freed as this one is issued
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+
     times = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
             if donated:
-                xs = [jnp.array(logits, copy=True) for _ in range(depth)]
+                xs = [jnp.array(logits, copy=True) for _ in range(depth + 1)]
             else:
-                xs = [logits] * depth
-            jax.block_until_ready(xs)
-            start = time.perf_counter()
-            for x in xs:
-                out = fn(x, labels)  # the call before's outputs are freed as this one is issued
-            jax.block_until_ready(out)
-            times[i].append((time.perf_counter() - start) / depth)
-            del xs, out
+                xs = [logits] * (depth + 1)
+            one = run(fn, xs[:1])
+            times[i].append((run(fn, xs[1:]) - one) / (depth - 1))
+            del xs
     return [statistics.median(t) for t in times]
 
 
@@ -249,10 +256,12 @@ def main():
     ap.add_argument("--dtype")
     ap.add_argument("--reps", type=int)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--depth", type=int, default=5, help="calls queued per queued timing")
+    ap.add_argument("--depth", type=int, default=5, help="calls queued per queued timing (>= 2)")
     ap.add_argument("--rounds", type=int, default=5, help="queued timings per line")
     ap.add_argument("--probe", help=argparse.SUPPRESS)  # IMPL,KIND,MODE: one GPU peak, see above
     args = ap.parse_args()
+    if args.depth < 2:
+        ap.error("--depth must be at least 2 (queued timing is a difference of runs)")
     args.platform = "gpu" if args.platform in ("gpu", "cuda", "rocm") else "cpu"
     shape, dtype = DEFAULTS[args.platform]
     args.shape = args.shape or shape

@@ -121,9 +121,11 @@ def main():
             if device.type == "cuda":
 
                 def graph_fwdbwd(fn=fn):
-                    fn(leaf, t).backward()  # into the leaf's .grad, the same buffer each replay
+                    # As the eager line: no .grad to accumulate into (zero_grad's set_to_none), so
+                    # autograd keeps the op's gradient; replays write the buffer of the capture.
+                    leaf.grad = None
+                    fn(leaf, t).backward()
 
-                leaf.grad = None
                 try:
                     timed = [
                         per_call_us(cuda_graph(f), args.reps, sync) for f in (fwd, graph_fwdbwd)
