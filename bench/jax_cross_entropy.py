@@ -5,13 +5,15 @@
 
 XLA's is jax.jit of optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 (forward) and of jax.value_and_grad of it (forward+backward); xent's is the same two jits around
-xent.jax.cross_entropy(logits, labels) (mean reduction). Defaults: fp32 4096 x 32000 on the CPU,
-bf16 16384 x 128256 on a GPU. Each line runs under two ways of passing the logits:
+xent.jax.cross_entropy(logits, labels) (mean reduction), and on the forward+backward lines
+"xent (own grad)", the same with inplace_backward=False (the gradient in a buffer of its own, not
+over the logits). Defaults: fp32 4096 x 32000 on the CPU, bf16 16384 x 128256 on a GPU. Each line
+runs under two ways of passing the logits:
   kept     the logits are a jit argument that outlives the call, so where a call writes its
            gradient over the logits (xent's fused pass does) XLA copies them first;
   donated  the logits are donated (donate_argnums), as an LM head's logits die inside a training
            step; a fresh copy is made before each call, outside the timed region.
-Time per call, two ways, the two implementations taking turns (a shared machine's load falls on
+Time per call, two ways, the implementations taking turns (a shared machine's load falls on
 both alike):
   ms       one call then block_until_ready, the median of --reps calls after --warmup: the host's
            dispatch and wait are in it, as in a loop that reads every step's loss;
@@ -81,7 +83,17 @@ def xent_loss(logits, labels):
     return xj.cross_entropy(logits, labels)
 
 
-IMPLS = {"xla": xla_loss, "xent": xent_loss}  # XLA first: the ratios divide by its time
+def xent_own_grad_loss(logits, labels):
+    return xj.cross_entropy(logits, labels, inplace_backward=False)
+
+
+# XLA first: the ratios divide by its time. "xent (own grad)" writes the gradient into a buffer of
+# its own instead of over the logits (no copy of kept logits first); forward lines leave it out.
+IMPLS = {"xla": xla_loss, "xent": xent_loss, "xent (own grad)": xent_own_grad_loss}
+
+
+def impls_of(kind):
+    return [impl for impl in IMPLS if kind != "fwd" or impl != "xent (own grad)"]
 
 
 def make_call(impl, kind, donated):
@@ -278,7 +290,7 @@ def main():
     peaks = {}
     if gpu:
         for kind, mode in LINES:
-            for impl in IMPLS:
+            for impl in impls_of(kind):
                 peaks[impl, kind, mode] = measured_peak(args, impl, kind, mode)
 
     device = jax.devices(args.platform)[0]
@@ -310,8 +322,9 @@ def main():
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     records = []
     for kind, mode in LINES:
-        results = {}
-        fns = [make_call(impl, kind, mode == "donated") for impl in IMPLS]
+        results, line_records = {}, {}
+        impls = impls_of(kind)
+        fns = [make_call(impl, kind, mode == "donated") for impl in impls]
         # The floor of the kept fused line, timed in turn with it: the copy of the logits that
         # XLA makes there, into a buffer as fresh as the call's own outputs.
         floor = (kind, mode) == ("fwd+bwd", "kept")
@@ -319,7 +332,7 @@ def main():
         timed = time_calls(fns + copy, logits, labels, mode == "donated", reps, args.warmup)
         queued = time_queued(fns + copy, logits, labels, mode == "donated", args.rounds, args.depth)
         base, queued_base = timed[0][0], queued[0]
-        for impl, fn, (sec, cores, other, faults, out), q in zip(IMPLS, fns, timed, queued):
+        for impl, fn, (sec, cores, other, faults, out), q in zip(impls, fns, timed, queued):
             temp, extra = memory_plan(fn, logits, labels)
             results[impl] = out
             rec = {
@@ -344,6 +357,7 @@ def main():
             if gpu:
                 rec["peak_mib"] = mib(peaks[impl, kind, mode])
             records.append(rec)
+            line_records[impl] = rec
             row = (
                 f"| {kind} | {mode} | {impl} | {sec * 1e3:.2f} | {sec / base:.3f} "
                 f"| {q * 1e3:.2f} | {q / queued_base:.3f} | {cores:.2f} | {other:.2f} | {faults:.0f} | {fmt(rec['xla_temp_mib'], '.1f')} "
@@ -353,12 +367,13 @@ def main():
                 row += f" {fmt(rec['peak_mib'], '.1f')} |"
             lines.append(row)
             print(row, flush=True)
-        # The two must agree, or the times compare different work.
+        # They must agree, or the times compare different work.
         a = jax.tree.leaves(results["xla"])
-        b = jax.tree.leaves(results["xent"])
-        diffs = [float(max_abs_diff(p, q)) for p, q in zip(a, b)]
-        records[-1]["max_abs_diff_to_xla"] = diffs
-        records[-2]["max_abs_diff_to_xla"] = diffs
+        for impl in impls[1:]:
+            b = jax.tree.leaves(results[impl])
+            diffs = [float(max_abs_diff(p, q)) for p, q in zip(a, b)]
+            line_records[impl]["max_abs_diff_to_xla"] = diffs
+        line_records["xla"]["max_abs_diff_to_xla"] = line_records["xent"]["max_abs_diff_to_xla"]
         del results
         if floor:
             sec, cores, other, faults, _ = timed[-1]
@@ -396,9 +411,10 @@ def main():
         "largest |xent - XLA| "
         f"(loss, gradient): "
         + "; ".join(
-            f"{r['call']} {r['logits']} {', '.join(f'{d:.2e}' for d in r['max_abs_diff_to_xla'])}"
+            f"{r['call']} {r['logits']} {r['impl']} "
+            f"{', '.join(f'{d:.2e}' for d in r['max_abs_diff_to_xla'])}"
             for r in records
-            if r["impl"] == "xent"
+            if r["impl"].startswith("xent")
         )
     )
     lines.append(tail)

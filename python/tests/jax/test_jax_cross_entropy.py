@@ -274,6 +274,37 @@ def test_jit_grad_and_value_and_grad(device, reduction):
     assert_close(jax.jit(f)(x), value, 1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradient_in_a_buffer_of_its_own(device, reduction):
+    x, y = make((6, 4), 33)
+    x, y = put(device, x, y)
+    kept = np.asarray(x).copy()
+    want, _, want_grad = oracle(x, y, reduction=reduction, z_loss=1e-3)
+    steps = {}
+    for inplace in (True, False):
+
+        def f(x, inplace=inplace):
+            return xj.cross_entropy(
+                x, y, reduction=reduction, z_loss=1e-3, inplace_backward=inplace
+            )
+
+        steps[inplace] = jax.jit(jax.value_and_grad(f))
+        value, grad = steps[inplace](x)
+        assert_close(value, want, 2e-5 * abs(float(want)))
+        assert_close(grad, want_grad, 2e-5)
+        np.testing.assert_array_equal(np.asarray(x), kept)  # the caller's logits are intact
+    # Only the in-place fused call hands its gradient the logits' buffer (the scale call after it
+    # aliases its own operand either way).
+    for inplace, step in steps.items():
+        calls = [
+            line
+            for line in step.lower(x).as_text().splitlines()
+            if "custom_call @xent_cross_entropy_fwd_bwd" in line
+        ]
+        assert calls, "no fused call in the lowered step"
+        assert all(("output_operand_aliases" in line) == inplace for line in calls)
+
+
 def test_upstream_gradient_per_row(device):
     x, y = make((5,), 21)
     up = jnp.linspace(-2.0, 3.0, 5)
@@ -430,6 +461,7 @@ def test_bad_arguments_name_themselves():
         (ValueError, "softcap", {"softcap": -2.0}),
         (TypeError, "ignore_index", {"ignore_index": 1.5}),
         (TypeError, "label_smoothing", {"label_smoothing": jnp.ones(3)}),
+        (TypeError, "inplace_backward", {"inplace_backward": 1}),
     ]
     for error, name, change in cases:
         args = {"logits": x, "labels": y}

@@ -69,6 +69,7 @@ CE_OPTIONS = [
     {"reduction": "sum", "label_smoothing": 0.1},
     {"reduction": "none", "ignore_index": 3, "z_loss": 1e-3},
     {"weight": "random", "label_smoothing": 0.3, "z_loss": 1e-2, "softcap": 4.0, "ignore_index": 1},
+    {"inplace_backward": False},
 ]
 
 

@@ -35,6 +35,7 @@ class _Config(NamedTuple):
     label_smoothing: float
     z_loss: float
     softcap: float
+    inplace_backward: bool = True  # the fused pass's gradient over the logits' buffer (ops.py)
 
     def attrs(self):
         return {
@@ -123,8 +124,8 @@ def _forward(x, y, w, cfg):
 
 def _fused(x, y, w, cfg):
     """Loss, LSE and d loss / d logits for an upstream gradient of 1 (mean and sum), in one pass;
-    the gradient is written over the logits' buffer (XLA copies first only where they are still
-    needed)."""
+    with cfg.inplace_backward the gradient is written over the logits' buffer (XLA copies first
+    only where they are still needed), otherwise into a buffer of its own."""
     acc = _accumulator(x.dtype)
     return _call(
         "xent_cross_entropy_fwd_bwd",
@@ -137,7 +138,7 @@ def _fused(x, y, w, cfg):
         y,
         w,
         cfg=cfg,
-        aliases={0: 2},
+        aliases={0: 2} if cfg.inplace_backward else None,
         workspace=_ffi.workspace_bytes("cross_entropy", x.dtype, x.shape[0]),
     )
 

@@ -231,7 +231,7 @@ def fused(x, y, w, cfg: _Config):
             shard = layout.shard(x.shape[1], vocab)
             loss, lse, yr, wr = _merged(shard, lc, x, y, w)
             g = jnp.ones((), jnp.float32) if scale is None else scale
-            grad = _local_grad(shard, lc, x, yr, wr, lse, g, in_place=True)
+            grad = _local_grad(shard, lc, x, yr, wr, lse, g, in_place=cfg.inplace_backward)
         else:
             loss, lse, grad = _fused(x, y, w, lc)
             grad = grad if scale is None else _scale(grad, scale)

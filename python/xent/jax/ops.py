@@ -34,8 +34,8 @@ def _cross_entropy(x, y, w, cfg):
 
 # What the forward saves. With mean or sum the loss's gradient is a scalar, so the forward runs
 # xent's fused pass (forward_backward): it reads the logits once and writes d loss / d logits for
-# an upstream gradient of 1 over the logits' own buffer (XLA copies first only where the logits
-# are still needed), and backward scales it in place, doing nothing when the scale is 1 (jax.grad
+# an upstream gradient of 1, over the logits' own buffer unless inplace_backward is False (XLA
+# copies first only where the logits are still needed), and backward scales it in place, doing nothing when the scale is 1 (jax.grad
 # of the loss itself). Saving the LSE instead would read the logits a second time in backward and
 # keep them alive until then. With reduction none each row's upstream gradient exists only in
 # backward: the forward saves the LSE and backward reads the logits again.
@@ -72,6 +72,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     softcap: float = 0.0,
     return_lse: bool = False,
+    inplace_backward: bool = True,
 ):
     """Softmax cross-entropy of `logits` (..., V) against integer `labels` (...), fused.
 
@@ -92,10 +93,21 @@ def cross_entropy(
     bfloat16, float16, float32 and (CPU) float64 logits. Neither softmax probabilities nor any
     other (..., V) array is materialised besides the gradient; see _cross_entropy_fwd for what
     the forward keeps for backward.
+
+    inplace_backward (mean and sum, differentiated): True writes the gradient over the logits'
+    buffer, so a step whose logits die in the call needs no second (..., V) buffer; where they
+    are still needed after it, XLA copies them first (one more pass over them). False gives the
+    gradient a buffer of its own: no copy for logits that stay alive, one more (..., V) buffer
+    for logits that die. Values are the same either way.
     """
     logits = jnp.asarray(logits)
     labels = jnp.asarray(labels)
     cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(
+            f"xent: inplace_backward must be a bool, got {type(inplace_backward).__name__}"
+        )
+    cfg = cfg._replace(inplace_backward=inplace_backward)
     _check_float("logits", logits)
     if logits.ndim < 1:
         raise ValueError("xent: logits must have a class dimension (..., V), got a scalar")
