@@ -91,7 +91,11 @@ def cases(options, bias=False):
     return out
 
 
-@pytest.mark.parametrize("devices,classes,kw", cases(OPTIONS))
+# The gradient in a buffer of its own (no alias to the shard) as well as over it.
+VP_OPTIONS = [*OPTIONS, {"inplace_backward": False, "reduction": "sum", "label_smoothing": 0.1}]
+
+
+@pytest.mark.parametrize("devices,classes,kw", cases(VP_OPTIONS))
 def test_matches_unsharded_and_float64_oracle(devices, classes, kw):
     x, y = make((3, 7), classes)
     kw = resolve(kw, classes)
@@ -103,7 +107,7 @@ def test_matches_unsharded_and_float64_oracle(devices, classes, kw):
     check(loss, want, 1e-6)
     check(grad, want_grad, 1e-6)
 
-    ref, _, ref_grad = oracle(x, y, **kw)
+    ref, _, ref_grad = oracle(x, y, **{k: v for k, v in kw.items() if k != "inplace_backward"})
     ct = np.asarray(cotangent_for(loss), np.float64)
     ref_grad = ref_grad * (ct[..., None] if kw.get("reduction") == "none" else ct)
     check(loss, ref, 1e-6)
@@ -202,6 +206,8 @@ def test_errors_name_the_argument():
         call_in_mesh(x.astype(jnp.int32), y, axis_name="model")
     with pytest.raises(ValueError, match="labels must have shape"):
         call_in_mesh(x, y[:3], axis_name="model")
+    with pytest.raises(TypeError, match="inplace_backward must be a bool"):
+        call_in_mesh(x, y, axis_name="model", inplace_backward=None)
     with pytest.raises(ValueError, match="axis_name"):
         xj.vocab_parallel_cross_entropy(x, y, axis_name="model")  # outside shard_map
 

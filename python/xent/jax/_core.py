@@ -191,6 +191,12 @@ def _scaled_linear_grads(saved, g):
 # --- argument checks ------------------------------------------------------------------------------
 
 
+def _check_bool(name, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"xent: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap) -> _Config:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"xent: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")

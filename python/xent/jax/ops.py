@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from . import _sharding
 from ._core import (
+    _check_bool,
     _check_float,
     _check_labels,
     _check_options,
@@ -103,11 +104,7 @@ def cross_entropy(
     logits = jnp.asarray(logits)
     labels = jnp.asarray(labels)
     cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(
-            f"xent: inplace_backward must be a bool, got {type(inplace_backward).__name__}"
-        )
-    cfg = cfg._replace(inplace_backward=inplace_backward)
+    cfg = cfg._replace(inplace_backward=_check_bool("inplace_backward", inplace_backward))
     _check_float("logits", logits)
     if logits.ndim < 1:
         raise ValueError("xent: logits must have a class dimension (..., V), got a scalar")

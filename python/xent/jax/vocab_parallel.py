@@ -40,6 +40,7 @@ from jax import lax
 from . import _ffi
 from ._core import (
     _call,
+    _check_bool,
     _check_labels,
     _check_options,
     _class_weights,
@@ -259,7 +260,8 @@ def _vp_cross_entropy(x, y, w, cfg, shard):
 
 
 # As the unsharded _cross_entropy_fwd: with mean or sum the forward writes the gradient for an
-# upstream gradient of 1 over the logits' buffer and backward scales it; with none the forward
+# upstream gradient of 1 (over the logits' buffer unless inplace_backward is False) and backward
+# scales it; with none the forward
 # keeps the logits and the merged LSE, and backward reads the logits again. Either way the
 # gradient needs no collective: the merged LSE is all a shard's gradient needs from the others.
 def _vp_cross_entropy_fwd(x, y, w, cfg, shard):
@@ -267,7 +269,8 @@ def _vp_cross_entropy_fwd(x, y, w, cfg, shard):
     out = (_replicated(shard, loss), lse)
     if cfg.reduction == 0:
         return out, (x, yr, _keep(wr), lse)
-    grad = _local_grad(shard, cfg, x, yr, wr, lse, jnp.ones((), jnp.float32), in_place=True)
+    one = jnp.ones((), jnp.float32)
+    grad = _local_grad(shard, cfg, x, yr, wr, lse, one, in_place=cfg.inplace_backward)
     return out, (grad,)
 
 
@@ -315,6 +318,7 @@ def vocab_parallel_cross_entropy(
     z_loss: float = 0.0,
     softcap: float = 0.0,
     return_lse: bool = False,
+    inplace_backward: bool = True,
 ):
     """cross_entropy over logits whose class dimension is sharded along the mesh axis
     `axis_name`; call it inside jax.shard_map.
@@ -326,8 +330,9 @@ def vocab_parallel_cross_entropy(
     whose columns at or past V are no classes: left out of the loss, zero gradient. weight: all V
     class weights, on every device. The other options and the results are cross_entropy's: the
     loss (and LSE) of the unsharded call, the same on every device and typed as replicated along
-    the axis (out_specs P() takes it); the gradient is this device's shard. float32, bfloat16 and
-    float16 logits.
+    the axis (out_specs P() takes it); the gradient is this device's shard (over the shard's
+    buffer unless inplace_backward is False, as in cross_entropy). float32, bfloat16 and float16
+    logits.
 
     No device holds more than its shard: per row each device sends 12 bytes (16 with label
     smoothing) through one all_gather (see the module for why an all_gather), plus a pmax of the
@@ -336,6 +341,7 @@ def vocab_parallel_cross_entropy(
     logits = jnp.asarray(logits)
     labels = jnp.asarray(labels)
     cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
+    cfg = cfg._replace(inplace_backward=_check_bool("inplace_backward", inplace_backward))
     _check_shard_dtype("logits", logits)
     if logits.ndim < 1:
         raise ValueError("xent: logits must have a class dimension (..., C), got a scalar")
