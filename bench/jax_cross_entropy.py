@@ -360,7 +360,8 @@ def main():
             line_records[impl] = rec
             row = (
                 f"| {kind} | {mode} | {impl} | {sec * 1e3:.2f} | {sec / base:.3f} "
-                f"| {q * 1e3:.2f} | {q / queued_base:.3f} | {cores:.2f} | {other:.2f} | {faults:.0f} | {fmt(rec['xla_temp_mib'], '.1f')} "
+                f"| {q * 1e3:.2f} | {q / queued_base:.3f} | {cores:.2f} | {other:.2f} "
+                f"| {faults:.0f} | {fmt(rec['xla_temp_mib'], '.1f')} "
                 f"| {fmt(rec['extra_mib'], '.1f')} |"
             )
             if gpu:

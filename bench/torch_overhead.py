@@ -15,8 +15,8 @@ a training loop of small steps sees):
   impl "... graph" (CUDA): the same call captured once in a CUDA graph (torch.cuda.graph, as
   torch.compile's "reduce-overhead" mode does) and replayed: the host's cost per call is one
   replay, so the time is the kernels' own, set beside the C++ benchmark's kernel time.
-Shapes: the issue's seed shapes on CUDA; on the CPU tiny ones (1 x 8, 4 x 8), where the arithmetic is
-negligible, on one thread (a thread pool's wake-ups would swamp it). Writes the table to
+Shapes: the issue's seed shapes on CUDA; on the CPU tiny ones (1 x 8, 4 x 8), where the arithmetic
+is negligible, on one thread (a thread pool's wake-ups would swamp it). Writes the table to
 $OUT/torch_overhead.md when OUT is set.
 """
 

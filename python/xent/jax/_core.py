@@ -191,15 +191,15 @@ def _scaled_linear_grads(saved, g):
 # --- argument checks ------------------------------------------------------------------------------
 
 
-def _check_bool(name, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"xent: {name} must be a bool, got {type(value).__name__}")
-    return value
-
-
-def _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap) -> _Config:
+def _check_options(
+    ignore_index, label_smoothing, reduction, z_loss, softcap, inplace_backward=True
+) -> _Config:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"xent: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(
+            f"xent: inplace_backward must be a bool, got {type(inplace_backward).__name__}"
+        )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
         raise TypeError(f"xent: ignore_index must be an int, got {type(ignore_index).__name__}")
     values = {}
@@ -222,7 +222,9 @@ def _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap) ->
         raise ValueError(f"xent: z_loss must be >= 0, got {z_loss}")
     if values["softcap"] < 0.0:
         raise ValueError(f"xent: softcap must be >= 0 (0 is off), got {softcap}")
-    return _Config(int(ignore_index), _REDUCTIONS[reduction], **values)
+    return _Config(
+        int(ignore_index), _REDUCTIONS[reduction], **values, inplace_backward=inplace_backward
+    )
 
 
 def _check_float(name, x):

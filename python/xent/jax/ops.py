@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from . import _sharding
 from ._core import (
-    _check_bool,
     _check_float,
     _check_labels,
     _check_options,
@@ -36,10 +35,11 @@ def _cross_entropy(x, y, w, cfg):
 # What the forward saves. With mean or sum the loss's gradient is a scalar, so the forward runs
 # xent's fused pass (forward_backward): it reads the logits once and writes d loss / d logits for
 # an upstream gradient of 1, over the logits' own buffer unless inplace_backward is False (XLA
-# copies first only where the logits are still needed), and backward scales it in place, doing nothing when the scale is 1 (jax.grad
-# of the loss itself). Saving the LSE instead would read the logits a second time in backward and
-# keep them alive until then. With reduction none each row's upstream gradient exists only in
-# backward: the forward saves the LSE and backward reads the logits again.
+# copies first only where the logits are still needed), and backward scales it in place, doing
+# nothing when the scale is 1 (jax.grad of the loss itself). Saving the LSE instead would read the
+# logits a second time in backward and keep them alive until then. With reduction none each row's
+# upstream gradient exists only in backward: the forward saves the LSE and backward reads the
+# logits again.
 def _cross_entropy_fwd(x, y, w, cfg):
     if cfg.reduction == 0:
         loss, lse = _sharding.forward(x, y, w, cfg)
@@ -103,8 +103,9 @@ def cross_entropy(
     """
     logits = jnp.asarray(logits)
     labels = jnp.asarray(labels)
-    cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
-    cfg = cfg._replace(inplace_backward=_check_bool("inplace_backward", inplace_backward))
+    cfg = _check_options(
+        ignore_index, label_smoothing, reduction, z_loss, softcap, inplace_backward
+    )
     _check_float("logits", logits)
     if logits.ndim < 1:
         raise ValueError("xent: logits must have a class dimension (..., V), got a scalar")

@@ -40,7 +40,6 @@ from jax import lax
 from . import _ffi
 from ._core import (
     _call,
-    _check_bool,
     _check_labels,
     _check_options,
     _class_weights,
@@ -261,8 +260,8 @@ def _vp_cross_entropy(x, y, w, cfg, shard):
 
 # As the unsharded _cross_entropy_fwd: with mean or sum the forward writes the gradient for an
 # upstream gradient of 1 (over the logits' buffer unless inplace_backward is False) and backward
-# scales it; with none the forward
-# keeps the logits and the merged LSE, and backward reads the logits again. Either way the
+# scales it; with none the forward keeps the logits and the merged LSE, and backward reads the
+# logits again. Either way the
 # gradient needs no collective: the merged LSE is all a shard's gradient needs from the others.
 def _vp_cross_entropy_fwd(x, y, w, cfg, shard):
     loss, lse, yr, wr = _merged(shard, cfg, x, y, w)
@@ -340,8 +339,9 @@ def vocab_parallel_cross_entropy(
     """
     logits = jnp.asarray(logits)
     labels = jnp.asarray(labels)
-    cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
-    cfg = cfg._replace(inplace_backward=_check_bool("inplace_backward", inplace_backward))
+    cfg = _check_options(
+        ignore_index, label_smoothing, reduction, z_loss, softcap, inplace_backward
+    )
     _check_shard_dtype("logits", logits)
     if logits.ndim < 1:
         raise ValueError("xent: logits must have a class dimension (..., C), got a scalar")
