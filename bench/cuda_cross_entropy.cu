@@ -122,8 +122,15 @@ void BM_copy_roof(benchmark::State& state) {
 /// How an SM-driven stream moves the copy roof's bytes (BM_copy_kernel), to set the kernels'
 /// figures beside what a kernel can reach at all: 16-byte register loads and stores (out of
 /// place, or in place as the fused pass writes), loads into registers with stores by bulk copy
-/// from shared memory, or bulk copies both ways (the TMA's 1-D form, sm_90).
-enum class copy_mode { registers = 0, registers_in_place = 1, bulk_stores = 2, bulk_both = 3 };
+/// from shared memory, or bulk copies both ways (the TMA's 1-D form, sm_90; out of place as the
+/// backward from a saved LSE writes, or in place as the fused pass does).
+enum class copy_mode {
+  registers = 0,
+  registers_in_place = 1,
+  bulk_stores = 2,
+  bulk_both = 3,
+  bulk_both_in_place = 4
+};
 
 #ifndef XENT_BENCH_COPY_REGS  // 16-byte vectors per thread per step
 #define XENT_BENCH_COPY_REGS 4
@@ -209,7 +216,9 @@ void BM_copy_kernel(benchmark::State& state) {
   a.reserve(bytes, 1);
   const int sms = sm_count();
   const auto* src = static_cast<const uint4*>(a.logits);
-  auto* dst = static_cast<uint4*>(mode == copy_mode::registers_in_place ? a.logits : a.grad);
+  const bool in_place =
+      mode == copy_mode::registers_in_place || mode == copy_mode::bulk_both_in_place;
+  auto* dst = static_cast<uint4*>(in_place ? a.logits : a.grad);
   const std::size_t steps = bytes / copy_step;
   if (mode >= copy_mode::bulk_stores && copy_regs > 4) {
     state.SkipWithError("bulk modes take steps of at most 16 KiB");
@@ -227,6 +236,7 @@ void BM_copy_kernel(benchmark::State& state) {
             <<<sms * XENT_BENCH_COPY_CTAS, copy_block>>>(src, dst, steps);
         break;
       case copy_mode::bulk_both:
+      case copy_mode::bulk_both_in_place:
         copy_kernel<copy_mode::bulk_both>
             <<<sms*(6 * 4 / copy_regs), copy_block>>>(src, dst, steps);  // 6 x 32 KiB of stages
         break;
@@ -242,7 +252,9 @@ void BM_copy_kernel(benchmark::State& state) {
   state.counters["roof_pct"] = copy_roof() > 0 ? 100.0 * rate / copy_roof() : 0.0;
 }
 
-enum class op { forward, forward_backward, backward };
+/// backward_in_place: the backward from a saved LSE with the gradient over the logits, as the
+/// fused pass writes it (backward's grad may be the logits).
+enum class op { forward, forward_backward, backward, backward_in_place };
 
 /// Reduction R: mean (the default), sum (no normaliser) or none (each row's loss only, no sum
 /// across rows). E: the views' extents, run-time sized by default; static (the line's shape)
@@ -275,12 +287,13 @@ void BM_cross_entropy(benchmark::State& state) {
       xent::forward_backward(exec, L, y, opts, xent::upstream{}, out, L);  // in place
     else
       xent::backward(exec, L, y, opts, xent::vector_view<const float>(a.lse, rows),
-                     xent::upstream{}, xent::matrix_view<T, E>(grad, rows, cols));
+                     xent::upstream{},
+                     xent::matrix_view<T, E>(Op == op::backward ? grad : logits, rows, cols));
   };
   std::uint64_t seed = 1;
   auto refresh = [&] {
     fill_kernel<T><<<4096, 256>>>(logits, rows * cols, seed++, 2.0f);
-    if (Op == op::backward) xent::forward(exec, L, y, opts, out);
+    if (Op == op::backward || Op == op::backward_in_place) xent::forward(exec, L, y, opts, out);
     flush_l2(a, seed);
   };
   refresh();
@@ -426,7 +439,7 @@ void shapes(benchmark::internal::Benchmark* b, bool seed_shapes, bool training_s
 
 BENCHMARK(BM_copy_roof)->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(20);
 BENCHMARK(BM_copy_kernel)
-    ->DenseRange(0, 3)
+    ->DenseRange(0, 4)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->Iterations(20);
@@ -475,6 +488,7 @@ XENT_CUDA_STATIC_SEED_BENCH(op::forward, 32, 50257);
 XENT_CUDA_BENCH(__nv_bfloat16, op::forward_backward, false, true);
 XENT_CUDA_BENCH(__nv_bfloat16, op::forward, false, true);
 XENT_CUDA_BENCH(__nv_bfloat16, op::backward, false, true);
+XENT_CUDA_BENCH(__nv_bfloat16, op::backward_in_place, false, true);
 // The shortest training rows by reduction: what the reduced loss costs the pass there (none),
 // and how much of it is the mean's normaliser, which the fused pass needs before any gradient
 // (sum needs none).
