@@ -203,6 +203,8 @@ def time_queued(fns, logits, labels, donated, rounds, depth):
                 xs = [jnp.array(logits, copy=True) for _ in range(depth + 1)]
             else:
                 xs = [logits] * (depth + 1)
+            # Every copy done first: the one call would otherwise queue behind the others' copies.
+            jax.block_until_ready(xs)
             one = run(fn, xs[:1])
             times[i].append((run(fn, xs[1:]) - one) / (depth - 1))
             del xs
