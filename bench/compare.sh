@@ -3,7 +3,10 @@
 # from the wheels carried in .whl/ (downloaded elsewhere: the GPU machine has no network; a wheel
 # that fails to install leaves its library's column "n/a" with the reason), installs the xent
 # package (pip install ./python) with its CUDA kernels, and writes compare.md, compare.png and
-# compare.jsonl to $OUT.
+# compare.jsonl to $OUT. Then, where the cross-entropy part ran, the native lines
+# (bench/compare_native.py): xent's C++ kernels by CUDA events (xent_bench_cuda, built here in
+# build/compare-native for this GPU; cuda.json) and xent.jax against XLA on the large shapes
+# (jax/N-V.jsonl, when jax with a GPU is importable); XENT_COMPARE_NATIVE=0 leaves them out.
 #   bash bench/compare.sh [ce] [lce] [--quick]
 # Fetching the wheels, once, on a machine with network, for the GPU machine's Python (--no-deps:
 # torch, triton and cuda-bindings come from its own environment). quack's `cutlass` package is
@@ -16,7 +19,7 @@
 #     nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
+cd "$root" || exit
 python=${PYTHON:-python3}
 export OUT=${OUT:-$root/build/compare}
 mkdir -p "$OUT"
@@ -56,4 +59,29 @@ fi
 # The package with its CUDA kernels (a build error is shown here, not buried in a traceback).
 XENT_CUDA=1 "$python" -m pip install --quiet --no-build-isolation --no-deps "$root/python" ||
   echo "the xent package did not build with CUDA: its column will be n/a"
-PYTHONUNBUFFERED=1 exec "$python" bench/compare.py "$@"
+PYTHONUNBUFFERED=1 "$python" bench/compare.py "$@" || exit
+[[ ${XENT_COMPARE_NATIVE:-1} == 1 ]] && grep -q '"kind": "ce"' "$OUT/compare.jsonl" || exit 0
+
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d .)
+[[ $arch == 90 ]] && arch=90a
+build=build/compare-native
+if cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DXENT_ENABLE_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES="$arch" -DXENT_BUILD_EXAMPLES=OFF >"$OUT/native-build.log" 2>&1 &&
+  cmake --build $build --target xent_bench_cuda >>"$OUT/native-build.log" 2>&1; then
+  # compare.py's shapes, each pass, three repetitions (their median).
+  $build/bench/xent_bench_cuda --benchmark_repetitions=3 --benchmark_out="$OUT/cuda.json" \
+    --benchmark_out_format=json --benchmark_filter='BM_copy_roof|BM_cross_entropy<(float|__nv_bfloat16), op::(forward|forward_backward|backward)>/(32/32000|128/32000|32/50257|8192/32000|16384/128256|4096/262144|8192/128256)/' \
+    >"$OUT/cuda.log" 2>&1 || echo "xent_bench_cuda failed: $OUT/cuda.log"
+else
+  echo "xent_bench_cuda did not build: $OUT/native-build.log"
+fi
+jax=()
+if "$python" -c "import jax; assert jax.devices('gpu')" >/dev/null 2>&1; then
+  for shape in 8192,32000,bfloat16 16384,128256,bfloat16 4096,262144,bfloat16 8192,128256,float32; do
+    IFS=, read -r n v dtype <<<"$shape"
+    OUT="$OUT/jax/$n-$v" "$python" bench/jax_cross_entropy.py --platform gpu --shape "$n,$v" \
+      --dtype "$dtype" --reps 20 >"$OUT/jax-$n-$v.log" 2>&1 &&
+      jax+=("$OUT/jax/$n-$v/jax_cross_entropy.jsonl") || echo "jax_cross_entropy.py failed: $OUT/jax-$n-$v.log"
+  done
+fi
+[[ -e $OUT/cuda.json ]] && "$python" bench/compare_native.py "$OUT/cuda.json" "${jax[@]}"
