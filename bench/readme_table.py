@@ -118,12 +118,43 @@ def section(folder: Path, readme_dir: Path) -> str:
         if cce and "extra_MiB" in cce:
             text += f" (CCE: the gradients plus {cce['extra_MiB'] - grads:.0f} MiB)"
         notes.append(text + f", in {low['fwdbwd_ms']:.2f} ms at the first shape.")
+    notes += native_notes(rows)
     notes.append(
         "[docs/benchmarks.md](docs/benchmarks.md) has those rows, the C++ kernel figures, two "
         "GPUs, the CPU backend, JAX against XLA, and how each was measured."
     )
     out += wrap(" ".join(notes), 100)
     return "\n".join(out) + "\n"
+
+
+def native_notes(rows) -> list[str]:
+    """What the bindings add to the kernels, from compare_native.py's rows (none: no note)."""
+    n, v, dtype = CE_ROWS[1]
+    shape = {"n": n, "v": v, "dtype": dtype}
+    cxx = find(rows, "ce-native", "xent C++", **shape)
+    if not cxx or cxx.get("fwdbwd_ms") is None:
+        return []
+    text = (
+        f"At {SHORT[dtype]} {n} × {v} xent's C++ kernel takes {cxx['fwdbwd_ms']:.3f} ms for "
+        "forward+backward (CUDA events)"
+    )
+    binding = find(rows, "ce", "xent", **shape)
+    if binding and "fwdbwd_ms" in binding:
+        text += f", {binding['fwdbwd_ms']:.3f} through xent.torch"
+    jax, xla = (find(rows, "ce-native", impl, **shape) for impl in ("xent.jax", "XLA"))
+    if jax and xla and (jax.get("fwdbwd_ms") or 0) > 0 and (xla.get("fwdbwd_ms") or 0) > 0:
+        text += (
+            f" and {jax['fwdbwd_ms']:.3f} through xent.jax against XLA's {xla['fwdbwd_ms']:.3f} "
+            "(JAX's queued time)"
+        )
+    bwd = [find(rows, "ce-native", "xent C++", n=a, v=b, dtype=t) for a, b, t in CE_ROWS]
+    bwd = [r["bwd_roof_pct"] for r in bwd if r and r.get("bwd_roof_pct") is not None]
+    if bwd:
+        text += (
+            f"; its backward from a saved LSE runs at {min(bwd):.0f}-{max(bwd):.0f}% of the "
+            "copy roof"
+        )
+    return [text + "."]
 
 
 def wrap(text: str, width: int) -> list[str]:
