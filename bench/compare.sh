@@ -68,16 +68,20 @@ build=build/compare-native
 if cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DXENT_ENABLE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="$arch" -DXENT_BUILD_EXAMPLES=OFF >"$OUT/native-build.log" 2>&1 &&
   cmake --build $build --target xent_bench_cuda >>"$OUT/native-build.log" 2>&1; then
-  # compare.py's shapes, each pass, three repetitions (their median).
+  # The shapes compare.py ran (N/V|...), each pass, three repetitions (their median).
+  ran=$("$python" bench/compare_native.py --shapes filter)
   $build/bench/xent_bench_cuda --benchmark_repetitions=3 --benchmark_out="$OUT/cuda.json" \
-    --benchmark_out_format=json --benchmark_filter='BM_copy_roof|BM_cross_entropy<(float|__nv_bfloat16), op::(forward|forward_backward|backward)>/(32/32000|128/32000|32/50257|8192/32000|16384/128256|4096/262144|8192/128256)/' \
+    --benchmark_out_format=json \
+    --benchmark_filter="BM_copy_roof|BM_cross_entropy<(float|__nv_bfloat16), op::(forward|forward_backward|backward)>/($ran)/" \
     >"$OUT/cuda.log" 2>&1 || echo "xent_bench_cuda failed: $OUT/cuda.log"
 else
   echo "xent_bench_cuda did not build: $OUT/native-build.log"
 fi
 jax=()
 if "$python" -c "import jax; assert jax.devices('gpu')" >/dev/null 2>&1; then
-  for shape in 8192,32000,bfloat16 16384,128256,bfloat16 4096,262144,bfloat16 8192,128256,float32; do
+  # The training shapes among them (N,V,dtype: a thousand rows or more).
+  large=$("$python" bench/compare_native.py --shapes large)
+  for shape in $large; do
     IFS=, read -r n v dtype <<<"$shape"
     OUT="$OUT/jax/$n-$v" "$python" bench/jax_cross_entropy.py --platform gpu --shape "$n,$v" \
       --dtype "$dtype" --reps 20 >"$OUT/jax-$n-$v.log" 2>&1 &&

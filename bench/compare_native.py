@@ -3,6 +3,11 @@ CUDA events (xent_bench_cuda's Google Benchmark JSON) and xent.jax against XLA
 (bench/jax_cross_entropy.py's JSON lines), on the cross-entropy shapes compare.py ran.
 
     python3 bench/compare_native.py CUDA_JSON [JAX_JSONL...]     (bench/compare.sh runs it)
+    python3 bench/compare_native.py --shapes filter|large
+
+--shapes prints the cross-entropy shapes of $OUT/compare.jsonl for compare.sh: "filter", every
+one as N/V joined by | (a benchmark filter's alternatives); "large", those of 1024 rows or more
+as N,V,DTYPE separated by spaces (the JAX runs).
 
 Appends to $OUT/compare.jsonl one row per shape and implementation (kind "ce-native") and to
 $OUT/compare.md a table of them, so a user sees what the bindings add to the kernels:
@@ -78,14 +83,28 @@ def fmt(v, spec):
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def ce_shapes(lines):
+    """(n, v, dtype) of compare.py's cross-entropy rows, in their order, each once."""
+    return list(dict.fromkeys((r["n"], r["v"], r["dtype"]) for r in lines if r["kind"] == "ce"))
+
+
 def main(argv):
     if not argv:
         sys.exit(__doc__)
     log = OUT / "compare.jsonl"
     lines = [json.loads(t) for t in log.read_text().splitlines()] if log.exists() else []
+    if argv[0] == "--shapes":
+        shapes = ce_shapes(lines)
+        if argv[1:] == ["filter"]:
+            print("|".join(dict.fromkeys(f"{n}/{v}" for n, v, _ in shapes)))
+        elif argv[1:] == ["large"]:
+            print(" ".join(f"{n},{v},{dtype}" for n, v, dtype in shapes if n >= 1024))
+        else:
+            sys.exit(__doc__)
+        return 0
     machine = next((r for r in lines if r.get("kind") == "machine"), {})
     roof = machine.get("copy_roof_GBps")  # compare.py's, for the JAX rows
-    shapes = list(dict.fromkeys((r["n"], r["v"], r["dtype"]) for r in lines if r["kind"] == "ce"))
+    shapes = ce_shapes(lines)
     cxx = cxx_rows(argv[0])
     jax = jax_rows(argv[1:])
     shapes = shapes or list(dict.fromkeys([*cxx, *jax]))
