@@ -42,7 +42,12 @@ def cxx_rows(path):
     """{(n, v, dtype): {pass: (ms, roof %)}} from xent_bench_cuda's JSON: each line's median
     (its only run when there were no repetitions)."""
     runs = {}
-    for b in json.loads(Path(path).read_text())["benchmarks"]:
+    try:
+        lines = json.loads(Path(path).read_text())["benchmarks"]
+    except (OSError, ValueError, KeyError) as e:  # a run that failed leaves a partial file
+        print(f"{path}: no benchmark lines ({type(e).__name__}): no C++ rows", file=sys.stderr)
+        return runs
+    for b in lines:
         m = CXX_LINE.match(b["name"])
         if not m or b.get("error_occurred") or m[2] not in CXX_PASSES:
             continue
