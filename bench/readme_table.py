@@ -8,8 +8,9 @@ shape and implementation) and writes the section: the run (GPU, commit, date, li
 the plot, one table of forward+backward times over the large logits and the two LM heads, and
 what the table does not show (xent's share of the copy roof, the GEMM floor, the low-memory
 order's memory, and where bench/compare_native.py added its rows, the C++ kernel's and xent.jax's
-times beside the torch binding's). With --write the section replaces the README's text between the lines
-`<!-- performance -->` and `<!-- /performance -->`, so the README's figures are always a run's.
+times beside the torch binding's). With --write the section replaces the README's text between
+the lines `<!-- performance -->` and `<!-- /performance -->`, so the README's figures are always
+a run's.
 """
 
 from __future__ import annotations

@@ -261,8 +261,8 @@ def _vp_cross_entropy(x, y, w, cfg, shard):
 # As the unsharded _cross_entropy_fwd: with mean or sum the forward writes the gradient for an
 # upstream gradient of 1 (over the logits' buffer unless inplace_backward is False) and backward
 # scales it; with none the forward keeps the logits and the merged LSE, and backward reads the
-# logits again. Either way the
-# gradient needs no collective: the merged LSE is all a shard's gradient needs from the others.
+# logits again. Either way the gradient needs no collective: the merged LSE is all a shard's
+# gradient needs from the others.
 def _vp_cross_entropy_fwd(x, y, w, cfg, shard):
     loss, lse, yr, wr = _merged(shard, cfg, x, y, w)
     out = (_replicated(shard, loss), lse)
