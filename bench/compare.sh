@@ -70,9 +70,10 @@ if cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DXENT_ENABLE_CUDA=O
   cmake --build $build --target xent_bench_cuda >>"$OUT/native-build.log" 2>&1; then
   # The shapes compare.py ran (N/V|...), each pass, three repetitions (their median).
   ran=$("$python" bench/compare_native.py --shapes filter)
+  passes='op::(forward|forward_backward|backward)'
   $build/bench/xent_bench_cuda --benchmark_repetitions=3 --benchmark_out="$OUT/cuda.json" \
     --benchmark_out_format=json \
-    --benchmark_filter="BM_copy_roof|BM_cross_entropy<(float|__nv_bfloat16), op::(forward|forward_backward|backward)>/($ran)/" \
+    --benchmark_filter="BM_copy_roof|BM_cross_entropy<(float|__nv_bfloat16), $passes>/($ran)/" \
     >"$OUT/cuda.log" 2>&1 || echo "xent_bench_cuda failed: $OUT/cuda.log"
 else
   echo "xent_bench_cuda did not build: $OUT/native-build.log"
@@ -85,7 +86,8 @@ if "$python" -c "import jax; assert jax.devices('gpu')" >/dev/null 2>&1; then
     IFS=, read -r n v dtype <<<"$shape"
     OUT="$OUT/jax/$n-$v" "$python" bench/jax_cross_entropy.py --platform gpu --shape "$n,$v" \
       --dtype "$dtype" --reps 20 >"$OUT/jax-$n-$v.log" 2>&1 &&
-      jax+=("$OUT/jax/$n-$v/jax_cross_entropy.jsonl") || echo "jax_cross_entropy.py failed: $OUT/jax-$n-$v.log"
+      jax+=("$OUT/jax/$n-$v/jax_cross_entropy.jsonl") ||
+      echo "jax_cross_entropy.py failed: $OUT/jax-$n-$v.log"
   done
 fi
 [[ -e $OUT/cuda.json ]] && "$python" bench/compare_native.py "$OUT/cuda.json" "${jax[@]}"
