@@ -22,6 +22,7 @@
 #include "harness.hpp"
 #include "linear_backend_tests.hpp"
 #include "linear_harness.hpp"
+#include "linear_host_backend.hpp"
 #include "oracle/linear_oracle.hpp"
 
 namespace {
@@ -33,54 +34,6 @@ template <class T, class G = T>
 std::size_t workspace_bytes(const ldata<T>& L, xent::linear_pass pass) {
   return xtl::workspace_bytes<T, G>(xent::cpu(L.s.ce.threads), L, pass);
 }
-
-/// The CPU backend of the shared linear tests (linear_backend_tests.hpp lists what a backend
-/// provides): a case's host buffers as they are.
-struct cpu_memory {
-  template <class T>
-  struct inputs {
-    const ldata<T>& L;
-    explicit inputs(const ldata<T>& L_) : L(L_) {}
-    xent::matrix_view<const T> hidden() const { return L.hidden(); }
-    xent::matrix_view<const T> weight() const { return L.weight(); }
-    xent::vector_view<const T> bias() const { return L.bias(); }
-    xent::linear_options options() const { return L.options(); }
-    auto upstream() const { return L.d.upstream(); }
-    template <class F>
-    void with_targets(F&& f) const {
-      L.d.with_targets(f);
-    }
-  };
-  template <class A>
-  using outputs = basic_outputs<A>;
-  template <class G>
-  using grads = gradients<G>;
-  using workspace = workspace_buffer;
-  struct error_count {  // the CPU backend counts no rows: a bad target throws before any work
-    int read() const { return 0; }
-  };
-  /// Every fourth every-option case in bf16 / fp16, whose CPU arithmetic is emulated (slow).
-  static constexpr int narrow_stride = 4;
-  static constexpr bool low_memory_order = true;
-
-  void set_up() {}
-  void tear_down() {}
-  xent::cpu exec(const lspec& s, error_count&) const { return xent::cpu(s.ce.threads); }
-  static void sync() {}
-  /// Workspaces at every byte offset from a 64-byte boundary.
-  static std::size_t offset(std::uint64_t seed, int k) { return seed + k; }
-  template <class T>
-  static rounding stored() {  // the CPU keeps logits and their gradient in float
-    return {};
-  }
-  template <class T, class G>
-  static std::int64_t chunk_rows(const xent::cpu& exec, const xent::linear_shape& shape,
-                                 xent::dw_accumulation accumulate, std::size_t bytes) {
-    return xent::cpu_detail::plan_linear<T, G>(exec, shape, xent::linear_pass::training, accumulate,
-                                               bytes)
-        .chunk_rows;
-  }
-};
 
 const cpu_memory host{};
 

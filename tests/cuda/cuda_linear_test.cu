@@ -24,6 +24,7 @@
 
 #include "cpu/linear_backend_tests.hpp"
 #include "cpu/linear_harness.hpp"
+#include "cpu/linear_sparse_harness.hpp"
 #include "cuda/device_util.cuh"
 #include "cuda/linear_device.cuh"
 
@@ -512,31 +513,95 @@ TEST_F(CudaLinearTest, MissingCublasHandleThrowsNamingIt) {
   EXPECT_TRUE(xt::same_bits(g.fetch().dw[0], xt::sentinel<float>()));
 }
 
-TEST_F(CudaLinearTest, SparseThresholdIsRefusedNamingIt) {
-  // The CUDA backend has no sparse backward yet (docs/design.md has its design).
-  lspec s = make_spec(4, 3, 5);
-  s.order = xent::linear_order::low_memory;
-  const ldata<float> L = make_data<float>(s);
-  const device_inputs<float> in(L);
-  const xent::cuda gpu = exec();
-  device_workspace ws(workspace_bytes<float>(gpu, L, xent::linear_pass::training), 0);
-  device_outputs f(4);
-  device_gradients<float> g(s);
-  xent::linear_options opts = in.options();
-  opts.sparse_threshold = xent::linear_sparse_threshold_bf16;
-  in.with_targets([&](auto t) {
-    expect_error("options.sparse_threshold", "CUDA backend", [&] {
-      xent::linear_forward_backward(gpu, in.hidden(), in.weight(), in.bias(), t, opts,
-                                    in.upstream(), f.all(s.ce), g.views(), ws.ws);
+/// The sparse cases the CUDA kernels take: every_option's at N = 150, D = 72 (not a multiple of
+/// the 32-wide k-steps), V = 600 (a part-filled 256-class block) with class-id targets and no label
+/// smoothing or softcap, leading dimensions padded by 8 where every_option pads by 3, every
+/// panel's rows in one sub-chunk.
+std::vector<lspec> cuda_sparse_cases() {
+  std::vector<lspec> out;
+  for (lspec s : every_option(150, 72, 600)) {
+    if (s.ce.kind == target_kind::soft || s.ce.softcap > 0 || s.ce.label_smoothing > 0) continue;
+    s.ce.sigma = 1.0;
+    if (s.pad) s.pad = 8;
+    s.space = budget::all_rows;
+    out.push_back(s);
+  }
+  return out;
+}
+
+TEST_F(CudaLinearTest, SparseGradientsStayWithinTheSkippedProbabilitiesBound) {
+  // bf16 and fp16 by turns, with their own gradients or float ones (d_weight and d_hidden then
+  // written by the tile GEMM in float).
+  xt::case_budget b;
+  int i = 0;
+  for (const lspec& s : cuda_sparse_cases()) {
+    const bool passed = i % 4 == 0   ? run_sparse_case<bf16>(backend_, s)
+                        : i % 4 == 1 ? run_sparse_case<fp16>(backend_, s)
+                        : i % 4 == 2 ? run_sparse_case<bf16, float>(backend_, s)
+                                     : run_sparse_case<fp16, float>(backend_, s);
+    ++i;
+    if (!b.record(passed)) return;
+  }
+  EXPECT_EQ(b.cases(), 48);
+}
+
+TEST_F(CudaLinearTest, SparsePanelsAndSubChunksStayWithinTheBound) {
+  // Several panels (the narrowest 1024 classes of 2600) and the fewest bytes (sub-chunks of a
+  // few rows, whose tiles cut the global ones), bias and ignored rows.
+  for (budget space : {budget::minimal, budget::few_rows, budget::all_rows}) {
+    lspec s = make_spec(200, 64, 2600);
+    s.ce.sigma = 1.0;
+    s.ce.ignore = ignore_mode::some;
+    s.ce.seed = 7 + static_cast<int>(space);
+    s.space = space;
+    EXPECT_TRUE(run_sparse_case<bf16>(backend_, s)) << static_cast<int>(space);
+  }
+}
+
+TEST_F(CudaLinearTest, SparseCallsTheKernelsDoNotTakeThrowNamingTheArgument) {
+  auto refused = [&](auto* type, lspec s, auto&& edit, const char* argument,
+                     const std::string& fragment) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    s.order = xent::linear_order::low_memory;
+    s.sparse_threshold = sparse_tau;
+    const ldata<T> L = make_data<T>(s);
+    const device_inputs<T> in(L);
+    const xent::cuda gpu = exec();
+    device_workspace ws(workspace_bytes<T>(gpu, L, xent::linear_pass::training), 0);
+    device_outputs f(L.N());
+    device_gradients<T> g(s);
+    xent::linear_options opts = in.options();
+    edit(opts);
+    in.with_targets([&](auto t) {
+      expect_error(argument, fragment, [&] {
+        xent::linear_forward_backward(gpu, in.hidden(), in.weight(), in.bias(), t, opts,
+                                      in.upstream(), f.all(s.ce), g.views(), ws.ws);
+      });
+      expect_error(argument, fragment, [&] {
+        xent::linear_backward(gpu, in.hidden(), in.weight(), in.bias(), t, opts, f.lse_view(),
+                              in.upstream(), g.views(), ws.ws);
+      });
     });
-    expect_error("options.sparse_threshold", "CUDA backend", [&] {
-      xent::linear_backward(gpu, in.hidden(), in.weight(), in.bias(), t, opts, f.lse_view(),
-                            in.upstream(), g.views(), ws.ws);
-    });
-  });
-  ok(cudaDeviceSynchronize());
-  EXPECT_EQ(f.fetch().loss, 12345.0f);
-  EXPECT_TRUE(xt::same_bits(g.fetch().dw[0], xt::sentinel<float>()));
+    ok(cudaDeviceSynchronize());
+    EXPECT_EQ(f.fetch().loss, 12345.0f);
+    EXPECT_TRUE(xt::same_bits(g.fetch().dw[0], xt::sentinel<T>()));
+  };
+  const auto none = [](xent::linear_options&) {};
+  const lspec plain = make_spec(4, 8, 5);
+  refused(static_cast<float*>(nullptr), plain, none, "options.sparse_threshold", "bf16 or fp16");
+  lspec soft = plain;
+  soft.ce.kind = target_kind::soft;
+  refused(static_cast<bf16*>(nullptr), soft, none, "options.sparse_threshold", "class-id");
+  refused(
+      static_cast<bf16*>(nullptr), plain, [](xent::linear_options& o) { o.label_smoothing = 0.1f; },
+      "options.sparse_threshold", "label_smoothing");
+  refused(
+      static_cast<fp16*>(nullptr), plain, [](xent::linear_options& o) { o.softcap = 5.0f; },
+      "options.sparse_threshold", "softcap");
+  refused(static_cast<bf16*>(nullptr), make_spec(4, 6, 5), none, "hidden", "multiples of 8");
+  lspec padded = plain;
+  padded.pad = 3;
+  refused(static_cast<bf16*>(nullptr), padded, none, "hidden", "multiples of 8");
 }
 
 /// Runs linear_forward_backward on one bf16 case into fresh buffers; returns loss, d_hidden and

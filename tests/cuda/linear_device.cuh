@@ -216,6 +216,29 @@ struct device_memory {
         .chunk_rows;
   }
 
+  /// Where the CUDA backend writes linear_sparse_counts: device memory.
+  struct sparse_counts {
+    dbuf<std::int64_t> c{std::vector<std::int64_t>{-1, -1}};
+    xent::linear_sparse_counts* ptr() {
+      return reinterpret_cast<xent::linear_sparse_counts*>(c.ptr);
+    }
+    xent::linear_sparse_counts fetch() const {
+      const std::vector<std::int64_t> v = c.download();
+      return {v[0], v[1]};
+    }
+  };
+  /// The rows of its panel sub-chunks.
+  template <class T, class G>
+  static std::int64_t sparse_chunk_rows(const xent::cuda&, const xent::linear_shape& shape,
+                                        std::size_t bytes) {
+    return xent::cuda_detail::plan_low_memory<T, G>(shape, bytes, INT64_MAX, true).panel.chunk_rows;
+  }
+  /// With a threshold the forward takes the cuBLAS logits (its tiles are marked from them), not
+  /// the statistics GEMM: the same values up to the order of the sums.
+  static constexpr bool sparse_same_forward = false;
+  /// Its tiles are of 64 global rows (cut at the sub-chunks' ends).
+  static constexpr bool sparse_global_tiles = true;
+
   cublasHandle_t handle = nullptr;
 };
 

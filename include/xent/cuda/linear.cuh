@@ -1,8 +1,8 @@
 // linear_traits<cuda>: fused linear cross-entropy on the GPU, with the caller's cuBLAS handle.
 // The chunked call (the fast order), its GEMMs and the Hopper paths are dispatch/linear.cuh's; the
-// low-memory order is dispatch/linear_panels.cuh's; cublas_error is dispatch/cublas.cuh's. The
-// sparse backward (linear_options::sparse_threshold) is refused here for now: docs/design.md
-// has its design for the GPU.
+// low-memory order is dispatch/linear_panels.cuh's, its sparse backward
+// (linear_options::sparse_threshold) dispatch/linear_sparse.cuh's; cublas_error is
+// dispatch/cublas.cuh's.
 #pragma once
 
 #include <algorithm>
@@ -47,15 +47,16 @@ struct linear_traits<cuda> {
   /// by default); else the 1024-row panel's plan within the budget on top of its fixed buffers
   /// (query_low_memory).
   ///
-  /// A sparse threshold adds nothing: the calls refuse it.
+  /// A sparse threshold (the low-memory order's) adds a byte per tile of 64 rows x 256 classes:
+  /// 64 KiB at 8192 x 128256.
   template <class T, class G>
   static linear_workspace_sizes workspace_size(const cuda&, const linear_shape& shape,
                                                linear_pass pass, dw_accumulation accumulate,
                                                linear_order order, std::size_t budget,
-                                               bool /*sparse*/) {
+                                               bool sparse) {
     if (pass == linear_pass::training && order == linear_order::low_memory) {
-      const std::size_t least = cuda_detail::least_low_memory_bytes<T, G>(shape);
-      const auto plan = cuda_detail::query_low_memory<T, G>(shape, budget);
+      const std::size_t least = cuda_detail::least_low_memory_bytes<T, G>(shape, sparse);
+      const auto plan = cuda_detail::query_low_memory<T, G>(shape, budget, sparse);
       return {least, std::max(plan.bytes, least), std::min(plan.panel.chunk_rows, shape.rows)};
     }
     const auto least = cuda_detail::make_linear_plan<T, G>(shape, pass, accumulate, 1);
@@ -83,7 +84,6 @@ struct linear_traits<cuda> {
                                const forward_outputs& out, const linear_grads<G>& grads,
                                const linear_workspace& ws) {
     constexpr const char* fn = "xent::linear_forward_backward";
-    detail::require_dense_backward(fn, opts, "the CUDA backend's fused linear calls");
     if (opts.order == linear_order::low_memory)
       cuda_detail::run_low_memory(fn, exec, hidden, weight, bias, targets, opts, up,
                                   static_cast<const vector_view<const float>*>(nullptr), out, grads,
@@ -99,7 +99,6 @@ struct linear_traits<cuda> {
                        vector_view<const float> lse, const upstream& up,
                        const linear_grads<G>& grads, const linear_workspace& ws) {
     constexpr const char* fn = "xent::linear_backward";
-    detail::require_dense_backward(fn, opts, "the CUDA backend's fused linear calls");
     if (opts.order == linear_order::low_memory)
       cuda_detail::run_low_memory(fn, exec, hidden, weight, bias, targets, opts, up, &lse,
                                   forward_outputs{}, grads, ws);

@@ -80,12 +80,15 @@ struct basic_linear_options : basic_options<W> {
   /// each at most tau |g_n alpha_n| times the sum of the |weight| (|hidden|, 1) terms. The loss
   /// and every forward output are unchanged. Only the low-memory order takes it (a training call
   /// with linear_order::automatic and tau > 0 runs low_memory; fast refuses tau > 0), in
-  /// linear_forward_backward and linear_backward; the vocab-parallel calls refuse it, and so
-  /// does the CUDA backend for now (docs/design.md has its design). linear_sparse_threshold_bf16
-  /// is a threshold to start from.
+  /// linear_forward_backward and linear_backward; the vocab-parallel calls refuse it. The CUDA
+  /// backend takes it with bf16 or fp16 inputs, class-id targets, no label smoothing or softcap,
+  /// and D and the leading dimensions multiples of 8 (cuda/dispatch/linear_sparse.cuh), and
+  /// refuses it otherwise, naming the argument. linear_sparse_threshold_bf16 is a threshold to
+  /// start from.
   float sparse_threshold = 0.0f;
   /// Where a training call with sparse_threshold > 0 writes its tile counts (host memory for
-  /// xent::cpu), or null: a measurement, not needed for the gradients.
+  /// xent::cpu, device memory for xent::cuda, written in stream order), or null: a measurement,
+  /// not needed for the gradients.
   linear_sparse_counts* sparse_counts = nullptr;
 
   basic_linear_options() = default;

@@ -78,6 +78,15 @@ namespace cuda_detail {
 
 enum class linear_mode { forward, fused, backward };
 
+/// run_linear's hook after each forward chunk's row pass, given the chunk's logits: none by
+/// default. The sparse backward's statistics pass marks its tiles there (linear_sparse.cuh's
+/// mark_hook); a hook that `marks` needs the logits, so the forward then keeps off stats_gemm.
+struct no_chunk_hook {
+  static constexpr bool marks = false;
+  template <class DT>
+  void operator()(std::int64_t, std::int64_t, const DT*, std::int64_t, std::int64_t) const {}
+};
+
 /// Whether a call's options are those the Hopper GEMM's row statistics cover (stats_forward and
 /// the scaled-probabilities training): no label smoothing or softcap (class ids are the caller's
 /// check), and no argmax asked for (num_correct).
@@ -253,12 +262,12 @@ void scaled_probs_chunk(const char* fn, const linear_call<T, G>& c, class_ids<I>
   }
 }
 
-template <linear_mode Mode, class T, class G, class Tgt>
+template <linear_mode Mode, class T, class G, class Tgt, class Hook = no_chunk_hook>
 void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
                 matrix_view<const T> weight, vector_view<const T> bias, const Tgt& targets,
                 const linear_options& opts, const upstream* up, vector_view<const float> lse,
                 const forward_outputs& out, const linear_grads<G>& grads,
-                const linear_workspace& ws) {
+                const linear_workspace& ws, const Hook& hook = {}) {
   const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
   const linear_pass pass =
       Mode == linear_mode::forward ? linear_pass::forward : linear_pass::training;
@@ -274,7 +283,7 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
   const linear_totals totals =
       start_totals(fn, c, dt, N, V, opts, up, Mode == linear_mode::backward ? nullptr : &out);
 
-  if constexpr (Mode == linear_mode::forward && !decltype(dt)::soft) {
+  if constexpr (Mode == linear_mode::forward && !decltype(dt)::soft && !Hook::marks) {
     if (stats_forward(fn, c, dt, opts, totals, out)) {
       finish_totals(fn, exec.stream, totals, dt, N, V, opts, out);
       return;
@@ -313,6 +322,8 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
       else
         run<pass::forward>("xent::forward", core_exec, matrix_view<const T>(chunk), chunk_targets,
                            core, nullptr, &chunk_out, {}, matrix_view<float>{});
+      if constexpr (Mode == linear_mode::forward)
+        hook(r0, n, static_cast<const typename linear_call<T, G>::DT*>(c.logits()), plan.ld, V);
     }
     if constexpr (Mode != linear_mode::forward)
       chunk_grads(c, r0, n, r0 == 0, c.hidden_row(r0), c.hidden.ld);

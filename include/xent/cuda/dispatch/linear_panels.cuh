@@ -15,13 +15,15 @@
 // The statistics and panel buffers share one region of the workspace (one runs after the other on
 // the stream); the rows' LSE, mass and d_hidden sum follow it. Step 3 (run_panels) is also the
 // vocab-parallel calls' over a rank's shard (dispatch/vocab_parallel_linear.cuh), from the LSE
-// and mass their exchanges merged.
+// and mass their exchanges merged. With a sparse threshold (one device only) the sub-chunks run
+// linear_sparse.cuh's steps around the gradient pass.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -40,6 +42,7 @@
 #include "linear.cuh"
 #include "linear_call.cuh"
 #include "linear_plan.cuh"
+#include "linear_sparse.cuh"
 #include "rows.cuh"
 #include "vocab_parallel.cuh"
 
@@ -75,8 +78,9 @@ struct low_memory_plan {
   std::int64_t cols = 1;
   std::size_t lse = linear_absent;
   std::size_t mass = linear_absent;
-  std::size_t dx = linear_absent;  ///< N x D floats (G not float)
-  std::size_t end = 0;             ///< the end of the last buffer, from the aligned base
+  std::size_t dx = linear_absent;     ///< N x D floats (G not float)
+  std::size_t flags = linear_absent;  ///< the sparse backward's tile flags (linear_sparse.cuh)
+  std::size_t end = 0;                ///< the end of the last buffer, from the aligned base
   std::size_t bytes = 0;
 };
 
@@ -85,10 +89,10 @@ struct low_memory_plan {
 /// none for G = T); fewer rows sum the panel in float (dw_accumulation::fp32's, P x D floats). The
 /// panel keeps no d_hidden rows (run_panels sums d_hidden in `dx`). The statistics take
 /// `stats_rows` rows (the vocab-parallel calls' exchange chunks), or by default as many as the
-/// same logits bytes hold over the whole vocabulary.
+/// same logits bytes hold over the whole vocabulary. `sparse` adds the sparse backward's flags.
 template <class T, class G>
 low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows, std::int64_t cols,
-                                     std::int64_t stats_rows = -1) {
+                                     std::int64_t stats_rows = -1, bool sparse = false) {
   constexpr bool narrow_grads = !std::is_same<device_t<G>, float>::value;
   low_memory_plan p;
   p.cols = std::max<std::int64_t>(1, std::min(cols, s.vocab));
@@ -106,6 +110,8 @@ low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows, s
   p.lse = at.take(sizeof(float) * N);
   p.mass = at.take(sizeof(float) * N);
   p.dx = at.take(sizeof(float) * N * D, narrow_grads);
+  p.flags =
+      at.take(static_cast<std::size_t>(sparse_row_tiles(s.rows) * sparse_blocks(s.vocab)), sparse);
   p.end = at.end;
   p.bytes = at.end + linear_alignment;
   return p;
@@ -120,7 +126,7 @@ low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows, s
 /// d_weight panel and smaller GEMMs, so it is the last resort.
 template <class T, class G>
 low_memory_plan plan_low_memory(const linear_shape& s, std::size_t budget,
-                                std::int64_t most_cols = INT64_MAX) {
+                                std::int64_t most_cols = INT64_MAX, bool sparse = false) {
   const std::int64_t narrowest = narrowest_panel(s.vocab);
   if (s.rows > 0 && s.rows <= panel_most_rows) {
     // Widths narrowest + (i - 1) tiles, the last one the whole vocabulary (i = 1, 2, ...).
@@ -128,30 +134,32 @@ low_memory_plan plan_low_memory(const linear_shape& s, std::size_t budget,
     const std::int64_t widths =
         1 + (widest - narrowest + linear_panel_tile - 1) / linear_panel_tile;
     const low_memory_plan whole = detail::largest_chunk_plan(widths, budget, [&](std::int64_t i) {
-      return make_low_memory_plan<T, G>(s, s.rows,
-                                        std::min(widest, narrowest + (i - 1) * linear_panel_tile));
+      return make_low_memory_plan<T, G>(
+          s, s.rows, std::min(widest, narrowest + (i - 1) * linear_panel_tile), -1, sparse);
     });
     if (whole.bytes <= budget) return whole;
   }
   // One sub-chunk of every row needs no float panel of d_weight, so it can take fewer bytes than
   // a split just below it: the search over rows is monotonic only below every row, which did not
   // fit.
-  const low_memory_plan p = detail::largest_chunk_plan(
-      std::min(s.rows, panel_most_rows), budget,
-      [&](std::int64_t rows) { return make_low_memory_plan<T, G>(s, rows, narrowest); });
+  const low_memory_plan p =
+      detail::largest_chunk_plan(std::min(s.rows, panel_most_rows), budget, [&](std::int64_t rows) {
+        return make_low_memory_plan<T, G>(s, rows, narrowest, -1, sparse);
+      });
   const std::int64_t rows = gemm_friendly_rows(s.rows, p.panel.chunk_rows);
-  return rows == p.panel.chunk_rows ? p : make_low_memory_plan<T, G>(s, rows, narrowest);
+  return rows == p.panel.chunk_rows ? p
+                                    : make_low_memory_plan<T, G>(s, rows, narrowest, -1, sparse);
 }
 
 /// The fewest bytes a low-memory call accepts: the narrowest panel's one-row plan, or its plan of
 /// every row where that is smaller (no float panel of d_weight and no cuBLASLt workspace, which
 /// at small N and D outweigh N rows of logits). plan_low_memory takes either.
 template <class T, class G>
-std::size_t least_low_memory_bytes(const linear_shape& s) {
+std::size_t least_low_memory_bytes(const linear_shape& s, bool sparse = false) {
   const std::int64_t narrowest = narrowest_panel(s.vocab);
-  const std::size_t one = make_low_memory_plan<T, G>(s, 1, narrowest).bytes;
+  const std::size_t one = make_low_memory_plan<T, G>(s, 1, narrowest, -1, sparse).bytes;
   if (s.rows < 1 || s.rows > panel_most_rows) return one;
-  return std::min(one, make_low_memory_plan<T, G>(s, s.rows, narrowest).bytes);
+  return std::min(one, make_low_memory_plan<T, G>(s, s.rows, narrowest, -1, sparse).bytes);
 }
 
 /// The plan a size query answers for `budget` bytes: the widest panel of every row whose whole
@@ -161,12 +169,12 @@ std::size_t least_low_memory_bytes(const linear_shape& s) {
 /// panel's plan within the budget on top of the buffers every sub-chunk needs, as the fast
 /// order's query plans (detail::chunk_budget). A call given the bytes answered plans the same.
 template <class T, class G>
-low_memory_plan query_low_memory(const linear_shape& s, std::size_t budget) {
-  const low_memory_plan p = plan_low_memory<T, G>(s, budget);
+low_memory_plan query_low_memory(const linear_shape& s, std::size_t budget, bool sparse = false) {
+  const low_memory_plan p = plan_low_memory<T, G>(s, budget, INT64_MAX, sparse);
   if (p.bytes <= budget && p.panel.chunk_rows >= s.rows) return p;
   const std::int64_t narrowest = narrowest_panel(s.vocab);
-  const low_memory_plan fixed = make_low_memory_plan<T, G>(s, 0, narrowest);
-  return plan_low_memory<T, G>(s, detail::chunk_budget(fixed.bytes, budget), narrowest);
+  const low_memory_plan fixed = make_low_memory_plan<T, G>(s, 0, narrowest, -1, sparse);
+  return plan_low_memory<T, G>(s, detail::chunk_budget(fixed.bytes, budget), narrowest, sparse);
 }
 
 /// The device targets of rows [r0, r0 + n) for the panel's columns from v0 (soft targets: the
@@ -182,13 +190,16 @@ auto panel_device_targets(const Tgt& targets, std::int64_t r0, std::int64_t n, s
 /// is then its partial), in the workspace `ws` laid out by `plan`: the call's prologue (the mean's
 /// W over the whole vocabulary's targets, each row's upstream gradient), then each panel from
 /// every row's LSE and, for soft targets, mass (device arrays of N floats). `error_count` counts
-/// rows of out-of-range class ids in the first panel (null: counted before).
+/// rows of out-of-range class ids in the first panel (null: counted before). `sp`: the sparse
+/// backward's state (empty: exact).
 template <class T, class G, class Tgt>
 void run_panels(const char* fn, const cuda& exec, const cublas_scope& blas,
                 const low_memory_plan& plan, void* ws, matrix_view<const T> hidden,
                 matrix_view<const T> weight, vector_view<const T> bias, const Tgt& targets,
                 const linear_options& opts, vocab_shard shard, const float* lse, const float* mass,
-                const upstream* up, const linear_grads<G>& grads, int* error_count) {
+                const upstream* up, const linear_grads<G>& grads, int* error_count,
+                const sparse_state& sp = {}) {
+  using DT = device_t<T>;
   using DG = device_t<G>;
   const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
   const cudaStream_t s = exec.stream;
@@ -222,12 +233,27 @@ void run_panels(const char* fn, const cuda& exec, const cublas_scope& blas,
         detail::panel_grads(grads, v0, nb), plan.panel, ws);
     for (std::int64_t r0 = 0; r0 < N; r0 += plan.panel.chunk_rows) {
       const std::int64_t n = std::min(plan.panel.chunk_rows, N - r0);
-      chunk_logits(c, r0, n);
+      if (sp && sp.marked)
+        sparse_logits(c, sp, v0, r0, n);
+      else
+        chunk_logits(c, r0, n);
+      if constexpr (!detail::target_traits<Tgt>::soft) {
+        if (sp && !sp.marked) {
+          clear_flags(fn, sp, r0, n, s);
+          mark_tiles(fn, sp, static_cast<const DT*>(c.logits()), plan.panel.ld, n, nb, lse + r0,
+                     device_targets(targets).ids + r0, opts.ignore_index, r0, v0, s);
+        }
+      }
+      if (sp) count_tiles(fn, sp, r0, n, v0, nb, s);
       const matrix_view<T> tile(reinterpret_cast<T*>(c.logits()), n, nb, plan.panel.ld);
       vp_gradient(fn, exec, matrix_view<const T>(tile), vocab_shard{shard.first + v0, shard.vocab},
                   panel_device_targets(targets, r0, n, v0, nb), core, lse + r0,
                   mass ? mass + r0 : nullptr, chunk_upstream(up, opts, totals, r0, n), tile,
                   v0 == 0 ? error_count : nullptr);
+      if (sp) {
+        sparse_grads(c, sp, v0, r0, n, r0 == 0, dx, ldx, v0 == 0);
+        continue;
+      }
       chunk_grads(c, r0, n, r0 == 0, c.hidden_row(r0), c.hidden.ld);
       if (dx)
         gemm(blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, nb, c.weight.data, c.weight.ld, c.logits(),
@@ -253,8 +279,12 @@ void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidde
                     const linear_grads<G>& grads, const linear_workspace& ws) {
   constexpr bool soft = detail::target_traits<Tgt>::soft;
   const std::int64_t N = hidden.rows, D = hidden.cols, V = weight.rows;
-  const low_memory_plan plan = plan_low_memory<T, G>({N, D, V}, ws.bytes);
+  const bool sparse = opts.sparse_threshold > 0.0f;
+  const low_memory_plan plan = plan_low_memory<T, G>({N, D, V}, ws.bytes, INT64_MAX, sparse);
   check_linear_call(fn, exec, hidden, weight, grads, plan.panel);
+  if (sparse)
+    check_sparse<T, G, Tgt>(fn, hidden, weight, opts, plan.panel.dw_block != 0,
+                            plan.panel.chunk_rows, plan.cols);
   const cudaStream_t s = exec.stream;
 
   // Buffers at plan offsets from the workspace's first 256-byte-aligned address, as every call's.
@@ -264,13 +294,39 @@ void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidde
       ((address + linear_alignment - 1) / linear_alignment * linear_alignment - address);
   float* const row_lse = reinterpret_cast<float*>(base + plan.lse);
   float* const mass = reinterpret_cast<float*>(base + plan.mass);
+  // The sparse backward's flags: marked by the statistics pass (forward_backward) or by each panel
+  // sub-chunk from its logits (linear_backward).
+  sparse_state sp;
+  if (sparse) {
+    sp.flags = reinterpret_cast<unsigned char*>(base + plan.flags);
+    sp.ld = sparse_blocks(V);
+    sp.log_tau = std::log(opts.sparse_threshold);
+    sp.counts = reinterpret_cast<unsigned long long*>(opts.sparse_counts);
+    sp.marked = !saved_lse;
+    if (sp.counts) check_cuda(fn, cudaMemsetAsync(sp.counts, 0, sizeof(linear_sparse_counts), s));
+    if (sp.marked && N > 0 && V > 0)
+      check_cuda(fn, cudaMemsetAsync(sp.flags, 0,
+                                     static_cast<std::size_t>(sparse_row_tiles(N) * sp.ld), s));
+  }
   if (!saved_lse) {
     // The forward lays out the statistics' region itself, from the same aligned base.
     forward_outputs o = out;
     o.lse = {row_lse, N};
-    run_linear<linear_mode::forward>(fn, exec, hidden, weight, bias, targets, opts, nullptr, {}, o,
-                                     linear_grads<T>{},
-                                     linear_workspace{ws.data, plan.stats.bytes});
+    const linear_workspace region{ws.data, plan.stats.bytes};
+    bool marked = false;
+    if constexpr (!detail::target_traits<Tgt>::soft) {
+      if (sp) {
+        const auto ids = device_targets(targets).ids;
+        const mark_hook<device_t<T>, std::remove_cv_t<std::remove_pointer_t<decltype(ids)>>> hook{
+            fn, &sp, row_lse, ids, opts.ignore_index, s};
+        run_linear<linear_mode::forward>(fn, exec, hidden, weight, bias, targets, opts, nullptr, {},
+                                         o, linear_grads<T>{}, region, hook);
+        marked = true;
+      }
+    }
+    if (!marked)
+      run_linear<linear_mode::forward>(fn, exec, hidden, weight, bias, targets, opts, nullptr, {},
+                                       o, linear_grads<T>{}, region);
     if (out.lse.data && N > 0)
       check_cuda(fn, cudaMemcpyAsync(out.lse.data, row_lse, sizeof(float) * N,
                                      cudaMemcpyDeviceToDevice, s));
@@ -290,7 +346,7 @@ void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidde
   const cublas_scope blas(fn, exec);
   run_panels(fn, exec, blas, plan, ws.data, hidden, weight, bias, targets, opts, vocab_shard{0, V},
              saved_lse ? saved_lse->data : row_lse, soft ? mass : nullptr, &up, grads,
-             saved_lse && !soft ? exec.error_count : nullptr);
+             saved_lse && !soft ? exec.error_count : nullptr, sp);
 }
 
 }  // namespace cuda_detail

@@ -1,0 +1,291 @@
+// The sparse backward of the low-memory order on one GPU (linear_options::sparse_threshold tau):
+// tiles of 64 global rows x 256 classes, a byte of flags each in the workspace. linear_panels.cuh
+// calls these steps around its dense gradient pass:
+//   forward_backward: the statistics pass marks each chunk's hot tiles from its logits and LSE
+//     (mark_tiles, after the chunk's row pass); then per panel sub-chunk the hot tiles' logits
+//     alone (sparse_logits: T's lowest finite value in the cold ones, whose gradient the dense
+//     pass writes as exactly 0), the gradient pass, and d_weight, d_bias and d_hidden over the hot
+//     tiles alone (sparse_grads);
+//   linear_backward (no statistics pass): each panel sub-chunk's logits whole (cuBLAS), its tiles
+//     marked from them before the gradient pass, then sparse_grads.
+// With F = 2 N V D: forward_backward does F + 3hF of the exact order's 4F (h the hot share),
+// linear_backward F + 2hF of 3F. The GEMMs are kernels/sparse_gemm_kernel.cuh's; cuBLAS takes its
+// sizes from the host, and a hot-tile count read back would synchronise every panel.
+//
+// What the kernels take (check_sparse refuses the rest, naming the argument): bf16 or fp16 hidden
+// and weight, class-id targets, no label smoothing or softcap (a cold tile's gradient is then
+// exactly its dropped probability terms), D and both leading dimensions multiples of 8 with
+// 16-byte aligned rows, d_weight in T or float, an sm_80 or later GPU.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "../../detail/validate.hpp"
+#include "../../error.hpp"
+#include "../../linear/options.hpp"
+#include "../../targets.hpp"
+#include "../../views.hpp"
+#include "../cuda.cuh"
+#include "../kernels/linear_kernels.cuh"
+#include "../kernels/sparse_gemm_kernel.cuh"
+#include "../kernels/sparse_marks_kernel.cuh"
+#include "../runtime.cuh"
+#include "launch.cuh"
+#include "linear_call.cuh"
+
+namespace xent {
+namespace cuda_detail {
+
+/// The flags of a call of N rows and V classes: row tiles x blocks bytes.
+inline std::int64_t sparse_row_tiles(std::int64_t rows) {
+  return (rows + sparse_gemm::flag_rows - 1) / sparse_gemm::flag_rows;
+}
+inline std::int64_t sparse_blocks(std::int64_t cols) {
+  return (cols + sparse_gemm::flag_cols - 1) / sparse_gemm::flag_cols;
+}
+
+/// The global row tiles that rows [r0, r0 + n) (n > 0) touch.
+inline std::int64_t touched_row_tiles(std::int64_t r0, std::int64_t n) {
+  return (r0 + n - 1) / sparse_gemm::flag_rows - r0 / sparse_gemm::flag_rows + 1;
+}
+
+/// The dtypes the tile GEMM takes (mma.sync's 16-bit operands); check_sparse refuses the others
+/// before any launch, so their calls compile no tile GEMM.
+template <class DT>
+constexpr bool sparse_dtype =
+    std::is_same<DT, __nv_bfloat16>::value || std::is_same<DT, __half>::value;
+
+/// What a call's sparse steps share. Null flags: the call is exact.
+struct sparse_state {
+  unsigned char* flags = nullptr;
+  std::int64_t ld = 0;  ///< blocks of the call's vocabulary
+  float log_tau = 0.0f;
+  unsigned long long* counts = nullptr;  ///< linear_sparse_counts in device memory, or null
+  bool marked = false;                   ///< flags from the statistics pass (forward_backward)
+  explicit operator bool() const { return flags != nullptr; }
+};
+
+/// The tile GEMM's dynamic shared memory with step lists of `list` entries.
+inline int sparse_smem(std::int64_t list) {
+  return sparse_gemm::smem_bytes(static_cast<int>(std::min<std::int64_t>(list, 1 << 20)));
+}
+
+/// The most dynamic shared memory a CTA may ask for on sm_80 to sm_90 (227 KiB on Hopper; an
+/// A100's 163 KiB is the smaller).
+constexpr int sparse_smem_limit = 163 * 1024;
+
+/// Refuses, before anything is enqueued and naming the argument, a sparse call the kernels do not
+/// take (the file's comment lists what they take). `rows`: a panel sub-chunk's rows; `cols`: a
+/// panel's classes.
+template <class T, class G, class Tgt>
+void check_sparse(const char* fn, matrix_view<const T> hidden, matrix_view<const T> weight,
+                  const linear_options& opts, bool narrow_dw_blocks, std::int64_t rows,
+                  std::int64_t cols) {
+  using DT = device_t<T>;
+  using DG = device_t<G>;
+  const char* arg = "options.sparse_threshold";
+  const std::string on = "the CUDA backend's sparse backward ";
+  if constexpr (!sparse_dtype<DT>)
+    throw error(fn, arg, on + "takes bf16 or fp16 hidden and weight (tensor-core tiles)");
+  if constexpr (detail::target_traits<Tgt>::soft)
+    throw error(fn, arg, on + "takes class-id targets, not soft targets");
+  detail::require(opts.label_smoothing == 0.0f && opts.softcap == 0.0f, fn, arg,
+                  [&] { return on + "takes no label_smoothing or softcap"; });
+  const std::int64_t D = hidden.cols;
+  auto rows_fit = [&](const auto& m) {
+    return D % 8 == 0 &&
+           (D == 0 || (m.ld % 8 == 0 && reinterpret_cast<std::uintptr_t>(m.data) % 16 == 0));
+  };
+  detail::require(rows_fit(hidden), fn, "hidden", [&] {
+    return on + "needs D and the leading dimension multiples of 8 and rows 16-byte aligned";
+  });
+  detail::require(rows_fit(weight), fn, "weight", [&] {
+    return on + "needs D and the leading dimension multiples of 8 and rows 16-byte aligned";
+  });
+  detail::require(
+      !narrow_dw_blocks || std::is_same<DG, DT>::value || std::is_same<DG, float>::value, fn,
+      "grads.d_weight", [&] { return on + "writes d_weight in the inputs' dtype or float"; });
+  const std::int64_t list =
+      std::max(touched_row_tiles(0, std::max<std::int64_t>(rows, 1)) + 1, sparse_blocks(cols));
+  detail::require(sparse_smem(list) <= sparse_smem_limit, fn, arg, [&] {
+    return on + "lists a CTA's steps in shared memory: at most about 40000 row tiles a sub-chunk";
+  });
+  const device_facts dev = query_device(fn);
+  detail::require(dev.major >= 8, fn, arg, [&] { return on + "needs an sm_80 or later GPU"; });
+}
+
+/// Raises `kernel`'s dynamic shared memory limit on the current device to `bytes` once.
+inline void allow_smem(const char* fn, const void* kernel, int bytes) {
+  struct entry {
+    const void* kernel;
+    int device, bytes;
+  };
+  static std::mutex lock;
+  static std::vector<entry> known;
+  int device = 0;
+  check_cuda(fn, cudaGetDevice(&device));
+  std::lock_guard<std::mutex> hold(lock);
+  for (entry& e : known)
+    if (e.kernel == kernel && e.device == device) {
+      if (e.bytes < bytes) {
+        check_cuda(
+            fn, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        e.bytes = bytes;
+      }
+      return;
+    }
+  check_cuda(fn, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  known.push_back({kernel, device, bytes});
+}
+
+/// One launch of the tile GEMM over tiles_x x tiles_y output tiles, step lists of up to `list`
+/// entries.
+template <class DT, class Op>
+void launch_tile_gemm(const char* fn, const Op& op, std::int64_t tiles_x, std::int64_t tiles_y,
+                      std::int64_t list, cudaStream_t s) {
+  if constexpr (sparse_dtype<DT>) {
+    if (tiles_x <= 0 || tiles_y <= 0) return;
+    const int smem = sparse_smem(list);
+    const auto kernel = sparse_gemm::tile_gemm_kernel<DT, Op>;
+    allow_smem(fn, reinterpret_cast<const void*>(kernel), smem);
+    kernel<<<dim3(static_cast<unsigned>(tiles_x), static_cast<unsigned>(tiles_y)),
+             sparse_gemm::threads, static_cast<std::size_t>(smem), s>>>(op);
+    check_cuda(fn, cudaGetLastError());
+  }
+}
+
+/// Marks the hot tiles of `n` rows x `cols` columns of logits (ld apart): the call's rows
+/// [r0, r0 + n) with their LSE and class ids, its classes [c0, c0 + cols).
+template <class DT, class I>
+void mark_tiles(const char* fn, const sparse_state& sp, const DT* logits, std::int64_t ld,
+                std::int64_t n, std::int64_t cols, const float* lse, const I* ids,
+                std::int64_t ignore_index, std::int64_t r0, std::int64_t c0, cudaStream_t s) {
+  if (n <= 0 || cols <= 0) return;
+  const std::int64_t groups = (sparse_blocks(cols) + sparse_gemm::warps - 1) / sparse_gemm::warps;
+  sparse_gemm::mark_kernel<<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(groups)),
+                             sparse_gemm::threads, 0, s>>>(logits, ld, cols, lse, ids, ignore_index,
+                                                           r0, c0, sp.log_tau, sp.flags, sp.ld);
+  check_cuda(fn, cudaGetLastError());
+}
+
+/// The statistics pass's hook (run_linear's, after each forward chunk): marks the chunk's hot
+/// tiles from its logits and the LSE its row pass has just written.
+template <class DT, class I>
+struct mark_hook {
+  static constexpr bool marks = true;
+  const char* fn;
+  const sparse_state* sp;
+  const float* lse;  ///< every row's
+  const I* ids;      ///< every row's class id
+  std::int64_t ignore_index;
+  cudaStream_t stream;
+  void operator()(std::int64_t r0, std::int64_t n, const DT* logits, std::int64_t ld,
+                  std::int64_t cols) const {
+    mark_tiles(fn, *sp, logits, ld, n, cols, lse + r0, ids + r0, ignore_index, r0, 0, stream);
+  }
+};
+
+/// Counts the tiles of rows [r0, r0 + n) x the panel's classes [v0, v0 + cols), and the cold
+/// ones, into sp.counts (when the caller asked).
+inline void count_tiles(const char* fn, const sparse_state& sp, std::int64_t r0, std::int64_t n,
+                        std::int64_t v0, std::int64_t cols, cudaStream_t s) {
+  if (!sp.counts || n <= 0 || cols <= 0) return;
+  const std::int64_t rows = touched_row_tiles(r0, n), blocks = sparse_blocks(cols);
+  const std::int64_t ctas = std::min<std::int64_t>(
+      1024, (rows * blocks + sparse_gemm::threads - 1) / sparse_gemm::threads);
+  sparse_gemm::count_kernel<<<static_cast<unsigned>(ctas), sparse_gemm::threads, 0, s>>>(
+      sp.flags, sp.ld, r0 / sparse_gemm::flag_rows, rows, v0 / sparse_gemm::flag_cols, blocks,
+      sp.counts);
+  check_cuda(fn, cudaGetLastError());
+}
+
+/// A panel sub-chunk's flags cleared (linear_backward marks each from its own logits).
+inline void clear_flags(const char* fn, const sparse_state& sp, std::int64_t r0, std::int64_t n,
+                        cudaStream_t s) {
+  if (n <= 0) return;
+  check_cuda(fn, cudaMemsetAsync(sp.flags + r0 / sparse_gemm::flag_rows * sp.ld, 0,
+                                 static_cast<std::size_t>(touched_row_tiles(r0, n) * sp.ld), s));
+}
+
+/// The hot tiles' logits of rows [r0, r0 + n) for the panel call `c` (its weight and bias the
+/// panel's, its first class v0), T's lowest finite value in the cold tiles.
+template <class T, class G>
+void sparse_logits(const linear_call<T, G>& c, const sparse_state& sp, std::int64_t v0,
+                   std::int64_t r0, std::int64_t n) {
+  using DT = typename linear_call<T, G>::DT;
+  namespace sg = sparse_gemm;
+  const std::int64_t P = c.vocab(), D = c.dim();
+  const sg::logits_op<DT> op{{c.hidden_row(r0), c.hidden.ld, n, D},
+                             {c.weight.data, c.weight.ld, P, D},
+                             c.bias,
+                             c.logits(),
+                             c.plan.ld,
+                             {sp.flags, sp.ld, v0 / sg::flag_cols},
+                             {r0, n}};
+  launch_tile_gemm<DT>(c.blas.fn(), op, touched_row_tiles(r0, n), sparse_blocks(P), 0,
+                       c.exec.stream);
+}
+
+/// d_weight[panel] and d_bias[panel] from rows [r0, r0 + n)'s logit gradient (`first`: the
+/// panel's first sub-chunk), and dx[rows] (the N x D float sum, ldx apart; `first_panel`: its
+/// first write) += G · W_panel, over the hot tiles alone: chunk_grads's destinations.
+template <class T, class G>
+void sparse_grads(const linear_call<T, G>& c, const sparse_state& sp, std::int64_t v0,
+                  std::int64_t r0, std::int64_t n, bool first, float* dx, std::int64_t ldx,
+                  bool first_panel) {
+  using DT = typename linear_call<T, G>::DT;
+  using DG = typename linear_call<T, G>::DG;
+  namespace sg = sparse_gemm;
+  const char* fn = c.blas.fn();
+  const cudaStream_t s = c.exec.stream;
+  const std::int64_t P = c.vocab(), D = c.dim();
+  const sg::operand<DT> g{c.logits(), c.plan.ld, n, P};
+  const sg::operand<DT> x{c.hidden_row(r0), c.hidden.ld, n, D};
+  const sg::flags_view f{sp.flags, sp.ld, v0 / sg::flag_cols};
+  const sg::row_tiles tiles{r0, n};
+  const std::int64_t row_tiles = touched_row_tiles(r0, n);
+  const std::int64_t d_tiles = (D + sg::bn - 1) / sg::bn, class_tiles = (P + sg::bm - 1) / sg::bm;
+  if (c.d_weight.data) {
+    float* acc = c.dw_accumulator();
+    std::int64_t ld_acc = D;
+    if constexpr (linear_call<T, G>::float_grads) {
+      acc = c.d_weight.data;
+      ld_acc = c.d_weight.ld;
+    }
+    if (acc)
+      launch_tile_gemm<DT>(
+          fn, sg::weight_op<DT, float>{g, x, acc, ld_acc, first ? 0.0f : 1.0f, f, tiles},
+          class_tiles, d_tiles, row_tiles, s);
+    else  // one sub-chunk of every row: d_weight written once, in its dtype
+      launch_tile_gemm<DT>(
+          fn, sg::weight_op<DT, DG>{g, x, c.d_weight.data, c.d_weight.ld, 0.0f, f, tiles},
+          class_tiles, d_tiles, row_tiles, s);
+  }
+  if (float* db = c.db_sum())
+    column_sums_kernel<<<static_cast<unsigned>((P + linear_threads - 1) / linear_threads),
+                         linear_threads, 0, s>>>(c.logits(), c.plan.ld, n, P, db, first);
+  if (dx)
+    launch_tile_gemm<DT>(fn,
+                         sg::hidden_op<DT>{g,
+                                           {c.weight.data, c.weight.ld, P, D},
+                                           dx + r0 * ldx,
+                                           ldx,
+                                           first_panel ? 0.0f : 1.0f,
+                                           f,
+                                           tiles},
+                         row_tiles, d_tiles, sparse_blocks(P), s);
+  check_cuda(fn, cudaGetLastError());
+}
+
+}  // namespace cuda_detail
+}  // namespace xent

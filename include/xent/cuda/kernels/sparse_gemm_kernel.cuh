@@ -1,0 +1,325 @@
+// The sparse backward's GEMMs (linear_options::sparse_threshold, dispatch/linear_sparse.cuh): a
+// tile GEMM that multiplies only the hot parts of a panel. Each CTA owns one 64 x 256 tile of its
+// output and first lists, in order, the k-steps its flags leave hot (so each output's sum runs in
+// the same order on every call: the results are deterministic); a cold output tile runs no step.
+// The three uses, over a panel of classes [v0, v0 + P) and a sub-chunk of rows [r0, r0 + n):
+//   logits  L = X · W_panelᵀ (+ b) for hot (64-row, 256-class) tiles; a cold tile gets T's lowest
+//           finite value, whose probability is exactly 0, so the dense gradient pass after it
+//           writes zeros there and every later dense reader (d_bias's column sums) stays exact;
+//   d_hidden dx[rows] (+)= G · W_panel, K = the panel's classes, over each row tile's hot blocks;
+//   d_weight dW[panel] (+)= Gᵀ · X, K = the rows, over each 64-class tile's hot row tiles.
+// Flags are a byte per (64 global rows, 256 classes of the call); row tiles are aligned to global
+// rows, so a CTA's rows may start before r0 or end after r0 + n (loaded as zeros, not stored).
+//
+// Tensor cores through mma.sync (sm_80 and later, block/mma.cuh), cp.async stages of 32 columns
+// of K in shared memory padded by 16 bytes a row (ldmatrix then meets no bank conflict), eight
+// warps of 32 x 64 each. Not wgmma: its shared-memory descriptors fix one major per operand, and
+// the three uses take G and both operands in both majors. Included only by nvcc.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../block/async_copy.cuh"
+#include "../block/dtype.cuh"
+#include "../block/mma.cuh"
+
+namespace xent {
+namespace cuda_detail {
+namespace sparse_gemm {
+
+constexpr int bm = 64, bn = 256, bk = 32, stages = 4, threads = 256, pad = 8;
+/// A flag's rows and classes: the output tiles' rows and (logits, d_weight's 64-class tiles
+/// inside one) classes line up with them.
+constexpr int flag_rows = 64, flag_cols = 256;
+constexpr int warps = threads / 32;
+
+/// Shared memory of one stage's operand tile: `Outer` rows of `Inner` contiguous elements, padded.
+template <int Outer, int Inner>
+constexpr int tile_bytes = Outer*(Inner + pad) * 2;
+/// A stage holds at most a 64 x 32 (either major) and a 256 x 32 tile (either major).
+constexpr int stage_bytes = tile_bytes<bm, bk> + tile_bytes<bn, bk>;
+/// Dynamic shared memory of a launch whose step lists hold up to `list` entries.
+constexpr int smem_bytes(int list) { return stages * stage_bytes + (list + warps) * 4; }
+
+/// T's lowest finite value: exp(lowest - lse) is exactly 0 in float, and no inf enters a sum.
+template <class T>
+__device__ __forceinline__ float lowest_finite() {
+  return std::is_same<T, __half>::value ? -65504.0f : -0x1.fep127f;
+}
+
+/// A row-major operand in global memory: `rows` x `cols` elements, `ld` apart.
+template <class T>
+struct operand {
+  const T* data;
+  std::int64_t ld;
+  std::int64_t rows, cols;
+};
+
+/// Rows [r0, r0 + Outer) x columns [c0, c0 + Inner) of `src` into `dst` (rows Inner + pad apart),
+/// by 16-byte cp.async; what lies outside the operand (r0 may be negative) reads as zeros. The
+/// operand's rows are 16-byte aligned and its columns a multiple of 8 (the dispatch checks).
+template <int Outer, int Inner, class T>
+__device__ __forceinline__ void load_tile(T* dst, const operand<T>& src, std::int64_t r0,
+                                          std::int64_t c0) {
+  constexpr int vectors = Inner / 8, count = Outer * vectors;
+  static_assert(count % threads == 0, "whole vectors per thread");
+#pragma unroll
+  for (int i = 0; i < count / threads; ++i) {
+    const int v = static_cast<int>(threadIdx.x) + i * threads;
+    const int row = v / vectors, col = v % vectors * 8;
+    const std::int64_t r = r0 + row, c = c0 + col;
+    const bool inside = r >= 0 && r < src.rows && c < src.cols;
+    const T* from = inside ? src.data + r * src.ld + c : src.data;
+    const int bytes = inside ? static_cast<int>(c + 8 <= src.cols ? 16 : (src.cols - c) * 2) : 0;
+    copy16_async(dst + row * (Inner + pad) + col, from, bytes);
+  }
+}
+
+/// Appends, in order, each i in [0, n) with hot(i) to `list` (shared memory; `counts` is warps
+/// ints of it) and returns how many: every thread of the CTA calls it and gets the count.
+template <class Hot>
+__device__ int compact(int n, Hot hot, int* list, int* counts) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  int total = 0;
+  for (int base = 0; base < n; base += threads) {
+    const int i = base + static_cast<int>(threadIdx.x);
+    const bool h = i < n && hot(i);
+    const unsigned ballot = __ballot_sync(0xffffffffu, h);
+    if (lane == 0) counts[warp] = __popc(ballot);
+    __syncthreads();
+    int before = total, sum = 0;
+#pragma unroll
+    for (int w = 0; w < warps; ++w) {
+      before += w < warp ? counts[w] : 0;
+      sum += counts[w];
+    }
+    if (h) list[before + __popc(ballot & ((1u << lane) - 1u))] = i;
+    total += sum;
+    __syncthreads();
+  }
+  return total;
+}
+
+/// The flags of one sub-chunk and panel: flag(rt, b) for global row tile rt and the panel's
+/// block b (its class tile v0 / 256 + b).
+struct flags_view {
+  const unsigned char* data;
+  std::int64_t ld;           ///< blocks of the call's vocabulary
+  std::int64_t first_block;  ///< v0 / 256
+  __device__ bool hot(std::int64_t rt, std::int64_t b) const {
+    return data[rt * ld + first_block + b] != 0;
+  }
+};
+
+/// The sub-chunk [r0, r0 + n) as global row tiles: tile i covers relative rows
+/// [first * 64 - r0 + 64 i, + 64).
+struct row_tiles {
+  std::int64_t r0, n;
+  __device__ std::int64_t first() const { return r0 / flag_rows; }
+  __device__ std::int64_t count() const { return (r0 + n - 1) / flag_rows - first() + 1; }
+  __device__ std::int64_t rel_row(std::int64_t i) const { return (first() + i) * flag_rows - r0; }
+};
+
+/// L = X · W_panelᵀ (+ bias) for the hot tiles, T's lowest finite value in the cold ones. CTA
+/// (x, y): row tile x of the sub-chunk, block y of the panel.
+template <class T>
+struct logits_op {
+  static constexpr bool a_kmajor = true, b_kmajor = true;
+  operand<T> x;   ///< the sub-chunk's hidden rows, n x D
+  operand<T> w;   ///< the panel's weight rows, P x D
+  const T* bias;  ///< the panel's, or null
+  T* out;         ///< n x P logits, ld_out apart
+  std::int64_t ld_out;
+  flags_view flags;
+  row_tiles tiles;
+
+  __device__ bool hot() const { return flags.hot(tiles.first() + blockIdx.x, blockIdx.y); }
+  __device__ int prepare(int*, int*) const {
+    return hot() ? static_cast<int>((x.cols + bk - 1) / bk) : 0;
+  }
+  __device__ std::int64_t k_at(int i, const int*) const { return std::int64_t{i} * bk; }
+  __device__ std::int64_t m0() const { return tiles.rel_row(blockIdx.x); }
+  __device__ std::int64_t n0() const { return std::int64_t{blockIdx.y} * bn; }
+  __device__ void load(T* a, T* b, std::int64_t k) const {
+    load_tile<bm, bk>(a, x, m0(), k);
+    load_tile<bn, bk>(b, w, n0(), k);
+  }
+  /// Elements (row, col) and (row, col + 1) of the CTA's tile.
+  __device__ void store(int row, int col, float v0, float v1) const {
+    const std::int64_t r = m0() + row, c = n0() + col;
+    if (r < 0 || r >= x.rows) return;
+    const bool h = hot();
+    const float lowest = lowest_finite<T>();
+    T* o = out + r * ld_out + c;
+    if (c < w.rows) o[0] = from_float<T>(h ? v0 + (bias ? to_float(bias[c]) : 0.0f) : lowest);
+    if (c + 1 < w.rows)
+      o[1] = from_float<T>(h ? v1 + (bias ? to_float(bias[c + 1]) : 0.0f) : lowest);
+  }
+};
+
+/// dx[rows] = beta dx[rows] + G · W_panel over each row tile's hot blocks. CTA (x, y): row tile x
+/// of the sub-chunk, columns [256 y, 256 y + 256) of D.
+template <class T>
+struct hidden_op {
+  static constexpr bool a_kmajor = true, b_kmajor = false;
+  operand<T> g;  ///< the sub-chunk's logit gradient, n x P
+  operand<T> w;  ///< the panel's weight rows, P x D
+  float* dx;     ///< the sub-chunk's rows of the N x D float sum, ldx apart
+  std::int64_t ldx;
+  float beta;
+  flags_view flags;
+  row_tiles tiles;
+
+  __device__ int prepare(int* list, int* counts) const {
+    const std::int64_t rt = tiles.first() + blockIdx.x;
+    const int blocks = static_cast<int>((g.cols + flag_cols - 1) / flag_cols);
+    return compact(
+               blocks, [&](int b) { return flags.hot(rt, b); }, list, counts) *
+           (flag_cols / bk);
+  }
+  __device__ std::int64_t k_at(int i, const int* list) const {
+    return std::int64_t{list[i / (flag_cols / bk)]} * flag_cols + i % (flag_cols / bk) * bk;
+  }
+  __device__ std::int64_t m0() const { return tiles.rel_row(blockIdx.x); }
+  __device__ std::int64_t n0() const { return std::int64_t{blockIdx.y} * bn; }
+  __device__ void load(T* a, T* b, std::int64_t k) const {
+    load_tile<bm, bk>(a, g, m0(), k);
+    load_tile<bk, bn>(b, w, k, n0());
+  }
+  __device__ void store(int row, int col, float v0, float v1) const {
+    const std::int64_t r = m0() + row, c = n0() + col;
+    if (r < 0 || r >= g.rows) return;
+    float* o = dx + r * ldx + c;
+    if (c < w.cols) o[0] = beta == 0.0f ? v0 : o[0] + v0;
+    if (c + 1 < w.cols) o[1] = beta == 0.0f ? v1 : o[1] + v1;
+  }
+};
+
+/// d_weight[panel] over each 64-class tile's hot row tiles: written in G (rounded once, beta 0)
+/// or added into a float sum (`acc`, beta 0 or 1). CTA (x, y): classes [64 x, 64 x + 64) of the
+/// panel, columns [256 y, 256 y + 256) of D.
+template <class T, class O>
+struct weight_op {
+  static constexpr bool a_kmajor = false, b_kmajor = false;
+  operand<T> g;  ///< the sub-chunk's logit gradient, n x P (Gᵀ is the A operand)
+  operand<T> x;  ///< the sub-chunk's hidden rows, n x D
+  O* out;        ///< P x D
+  std::int64_t ld_out;
+  float beta;
+  flags_view flags;
+  row_tiles tiles;
+
+  __device__ int prepare(int* list, int* counts) const {
+    const std::int64_t b = std::int64_t{blockIdx.x} * bm / flag_cols;
+    const auto n = static_cast<int>(tiles.count());
+    return compact(
+               n, [&](int i) { return flags.hot(tiles.first() + i, b); }, list, counts) *
+           (flag_rows / bk);
+  }
+  __device__ std::int64_t k_at(int i, const int* list) const {
+    return tiles.rel_row(list[i / (flag_rows / bk)]) + i % (flag_rows / bk) * bk;
+  }
+  __device__ std::int64_t m0() const { return std::int64_t{blockIdx.x} * bm; }
+  __device__ std::int64_t n0() const { return std::int64_t{blockIdx.y} * bn; }
+  __device__ void load(T* a, T* b, std::int64_t k) const {
+    load_tile<bk, bm>(a, g, k, m0());
+    load_tile<bk, bn>(b, x, k, n0());
+  }
+  __device__ void store(int row, int col, float v0, float v1) const {
+    const std::int64_t r = m0() + row, c = n0() + col;
+    if (r >= g.cols) return;
+    O* o = out + r * ld_out + c;
+    if constexpr (std::is_same<O, float>::value) {
+      if (c < x.cols) o[0] = beta == 0.0f ? v0 : o[0] + v0;
+      if (c + 1 < x.cols) o[1] = beta == 0.0f ? v1 : o[1] + v1;
+    } else {
+      if (c < x.cols) o[0] = from_float<O>(v0);
+      if (c + 1 < x.cols) o[1] = from_float<O>(v1);
+    }
+  }
+};
+
+/// One output tile of `op` (a use above): its hot k-steps through `stages` cp.async stages.
+template <class T, class Op>
+__global__ void __launch_bounds__(threads, 2) tile_gemm_kernel(const Op op) {
+  namespace wm = warp_mma;
+  extern __shared__ __align__(16) unsigned char smem[];
+  int* const list = reinterpret_cast<int*>(smem + stages * stage_bytes);
+  int* const counts = list;  // compact's scratch, read before the list is written past it
+  const int steps = op.prepare(list + warps, counts);
+  const int* const hot = list + warps;
+
+  constexpr int a_bytes = Op::a_kmajor ? tile_bytes<bm, bk> : tile_bytes<bk, bm>;
+  auto a_tile = [&](int s) { return reinterpret_cast<T*>(smem + s * stage_bytes); };
+  auto b_tile = [&](int s) { return reinterpret_cast<T*>(smem + s * stage_bytes + a_bytes); };
+
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int wm_ = warp / 4, wn = warp % 4;  // 2 x 4 warps of 32 x 64
+  float acc[2][8][4] = {};
+
+#pragma unroll
+  for (int s = 0; s < stages - 1; ++s) {
+    if (s < steps) op.load(a_tile(s), b_tile(s), op.k_at(s, hot));
+    wm::copies_commit();
+  }
+  for (int i = 0; i < steps; ++i) {
+    wm::copies_wait<stages - 2>();
+    __syncthreads();
+    const int next = i + stages - 1;
+    if (next < steps) op.load(a_tile(next % stages), b_tile(next % stages), op.k_at(next, hot));
+    wm::copies_commit();
+    const T* a = a_tile(i % stages);
+    const T* b = b_tile(i % stages);
+#pragma unroll
+    for (int ks = 0; ks < bk / 16; ++ks) {
+      unsigned af[2][4], bf[8][2];
+      const int mat = lane / 8, r = lane % 8;
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const int m = wm_ * 32 + mi * 16;
+        if constexpr (Op::a_kmajor)
+          wm::ldmatrix_x4<false>(af[mi],
+                                 a + (m + lane % 16) * (bk + pad) + ks * 16 + lane / 16 * 8);
+        else
+          wm::ldmatrix_x4<true>(af[mi],
+                                a + (ks * 16 + r + mat / 2 * 8) * (bm + pad) + m + mat % 2 * 8);
+      }
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const int n = wn * 64 + p * 16;
+        unsigned q[4];
+        if constexpr (Op::b_kmajor)
+          wm::ldmatrix_x4<false>(q, b + (n + r + mat / 2 * 8) * (bk + pad) + ks * 16 + mat % 2 * 8);
+        else
+          wm::ldmatrix_x4<true>(q, b + (ks * 16 + r + mat % 2 * 8) * (bn + pad) + n + mat / 2 * 8);
+        bf[2 * p][0] = q[0];
+        bf[2 * p][1] = q[1];
+        bf[2 * p + 1][0] = q[2];
+        bf[2 * p + 1][1] = q[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nj = 0; nj < 8; ++nj) wm::mma_16816<T>(acc[mi][nj], af[mi], bf[nj]);
+    }
+  }
+  wm::copies_wait<0>();
+
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int nj = 0; nj < 8; ++nj) {
+      const int row = wm_ * 32 + mi * 16 + lane / 4, col = wn * 64 + nj * 8 + lane % 4 * 2;
+      op.store(row, col, acc[mi][nj][0], acc[mi][nj][1]);
+      op.store(row + 8, col, acc[mi][nj][2], acc[mi][nj][3]);
+    }
+}
+
+}  // namespace sparse_gemm
+}  // namespace cuda_detail
+}  // namespace xent
