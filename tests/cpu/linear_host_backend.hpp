@@ -68,8 +68,6 @@ struct cpu_memory {
                                         std::size_t bytes) {
     return xent::cpu_detail::plan_low_memory<T, G>(exec, shape, bytes, true).panel.chunk_rows;
   }
-  /// A threshold leaves the forward as it was: its outputs keep their bits.
-  static constexpr bool sparse_same_forward = true;
   /// Its row tiles restart at each sub-chunk.
   static constexpr bool sparse_global_tiles = false;
 };

@@ -166,11 +166,10 @@ bool same_outputs(const basic_outputs<A>& a, const basic_outputs<A>& b) {
 
 /// One case in the low-memory order with the threshold sparse_tau through backend B
 /// (linear_backend_tests.hpp, with the sparse members of linear_host_backend.hpp):
-/// forward_backward's outputs those at threshold 0 (the same bits where B::sparse_same_forward,
-/// else within the oracle's bounds), its gradients and linear_backward's within the sparse bound,
-/// their tile counts those the oracle finds cold (where the backend's tiles are the oracle's: not
-/// global tiles over several sub-chunks, which forward_backward marks whole). Returns whether it
-/// passed (a failure is reported).
+/// forward_backward's outputs the same bits as at threshold 0, its gradients and linear_backward's
+/// within the sparse bound, their tile counts those the oracle finds cold (where the backend's
+/// tiles are the oracle's: not global tiles over several sub-chunks, which forward_backward marks
+/// whole). Returns whether it passed (a failure is reported).
 template <class T, class G = T, class B>
 bool run_sparse_case(const B& backend, lspec s) {
   using A = xent::accumulator_t<T>;
@@ -208,8 +207,7 @@ bool run_sparse_case(const B& backend, lspec s) {
   });
   B::sync();
   const basic_outputs<A> o = out.fetch();
-  if (B::sparse_same_forward && !same_outputs(o, dense_out.fetch()))
-    errs += "  forward outputs differ from threshold 0's\n";
+  if (!same_outputs(o, dense_out.fetch())) errs += "  forward outputs differ from threshold 0's\n";
   errs += check_outputs(J.L, J.r, J.e, o);
   errs += check_gradients(J.L, J.r, J.e, g.fetch());
   errs += check_gradients(J.L, J.r, J.e, gb.fetch());

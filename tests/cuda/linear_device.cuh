@@ -233,9 +233,6 @@ struct device_memory {
                                         std::size_t bytes) {
     return xent::cuda_detail::plan_low_memory<T, G>(shape, bytes, INT64_MAX, true).panel.chunk_rows;
   }
-  /// With a threshold the forward takes the cuBLAS logits (its tiles are marked from them), not
-  /// the statistics GEMM: the same values up to the order of the sums.
-  static constexpr bool sparse_same_forward = false;
   /// Its tiles are of 64 global rows (cut at the sub-chunks' ends).
   static constexpr bool sparse_global_tiles = true;
 

@@ -58,6 +58,7 @@
 
 #include "../../linear/options.hpp"
 #include "../../linear/plan.hpp"
+#include "../../online_lse.hpp"
 #include "../../options.hpp"
 #include "../../targets.hpp"
 #include "../../views.hpp"
@@ -78,13 +79,13 @@ namespace cuda_detail {
 
 enum class linear_mode { forward, fused, backward };
 
-/// run_linear's hook after each forward chunk's row pass, given the chunk's logits: none by
-/// default. The sparse backward's statistics pass marks its tiles there (linear_sparse.cuh's
-/// mark_hook); a hook that `marks` needs the logits, so the forward then keeps off stats_gemm.
+/// run_linear's hook after each forward chunk's row pass, given the chunk's logits, and
+/// stats_forward's after each launch's merge, given the row partials: none by default. The sparse
+/// backward's statistics pass marks its tiles there (linear_sparse.cuh's mark_hook).
 struct no_chunk_hook {
-  static constexpr bool marks = false;
   template <class DT>
   void operator()(std::int64_t, std::int64_t, const DT*, std::int64_t, std::int64_t) const {}
+  void partials(std::int64_t, std::int64_t, const online_lse*, std::int64_t) const {}
 };
 
 /// Whether a call's options are those the Hopper GEMM's row statistics cover (stats_forward and
@@ -118,10 +119,11 @@ row_args<DT, DT, class_ids<I>> merge_args(const linear_call<T, G>& c, const line
 /// launch as they fit; the merge writes each row's loss and LSE as the core does, so the
 /// reduced loss is formed after as on the cuBLAS path. The statistics are of the logits rounded
 /// to bf16, as the cuBLAS path stores them and PyTorch eager has them. False, enqueuing nothing,
-/// where the path does not apply.
-template <class T, class G, class I>
+/// where the path does not apply. `hook.partials` sees each launch's partials after its merge.
+template <class T, class G, class I, class Hook>
 bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targets,
-                   const linear_options& opts, const linear_totals& t, const forward_outputs& out) {
+                   const linear_options& opts, const linear_totals& t, const forward_outputs& out,
+                   const Hook& hook) {
   namespace sg = stats_gemm;
   using DT = typename linear_call<T, G>::DT;
   if constexpr (!std::is_same<DT, __nv_bfloat16>::value || !policy::stats_gemm) {
@@ -158,6 +160,7 @@ bool stats_forward(const char* fn, const linear_call<T, G>& c, class_ids<I> targ
       sg::merge_kernel<<<blocks, linear_threads, 0, c.exec.stream>>>(m, a.partials, a.target_logit,
                                                                      col_tiles);
       check_cuda(fn, cudaGetLastError());
+      hook.partials(r0, n, a.partials, col_tiles);
     }
     return true;
   }
@@ -283,8 +286,8 @@ void run_linear(const char* fn, const cuda& exec, matrix_view<const T> hidden,
   const linear_totals totals =
       start_totals(fn, c, dt, N, V, opts, up, Mode == linear_mode::backward ? nullptr : &out);
 
-  if constexpr (Mode == linear_mode::forward && !decltype(dt)::soft && !Hook::marks) {
-    if (stats_forward(fn, c, dt, opts, totals, out)) {
+  if constexpr (Mode == linear_mode::forward && !decltype(dt)::soft) {
+    if (stats_forward(fn, c, dt, opts, totals, out, hook)) {
       finish_totals(fn, exec.stream, totals, dt, N, V, opts, out);
       return;
     }

@@ -1,11 +1,12 @@
 // The sparse backward of the low-memory order on one GPU (linear_options::sparse_threshold tau):
 // tiles of 64 global rows x 256 classes, a byte of flags each in the workspace. linear_panels.cuh
 // calls these steps around its dense gradient pass:
-//   forward_backward: the statistics pass marks each chunk's hot tiles from its logits and LSE
-//     (mark_tiles, after the chunk's row pass); then per panel sub-chunk the hot tiles' logits
-//     alone (sparse_logits: T's lowest finite value in the cold ones, whose gradient the dense
-//     pass writes as exactly 0), the gradient pass, and d_weight, d_bias and d_hidden over the hot
-//     tiles alone (sparse_grads);
+//   forward_backward: the statistics pass (the exact forward, unchanged) marks the hot tiles from
+//     each chunk's logits and LSE after its row pass, or on Hopper's statistics GEMM from each
+//     launch's row partials (a row's max over each 256 classes) and merged LSE (mark_hook); then
+//     per panel sub-chunk the hot tiles' logits alone (sparse_logits: T's lowest finite value in
+//     the cold ones, whose gradient the dense pass writes as exactly 0), the gradient pass, and
+//     d_weight, d_bias and d_hidden over the hot tiles alone (sparse_grads);
 //   linear_backward (no statistics pass): each panel sub-chunk's logits whole (cuBLAS), its tiles
 //     marked from them before the gradient pass, then sparse_grads.
 // With F = 2 N V D: forward_backward does F + 3hF of the exact order's 4F (h the hot share),
@@ -178,11 +179,11 @@ void mark_tiles(const char* fn, const sparse_state& sp, const DT* logits, std::i
   check_cuda(fn, cudaGetLastError());
 }
 
-/// The statistics pass's hook (run_linear's, after each forward chunk): marks the chunk's hot
-/// tiles from its logits and the LSE its row pass has just written.
+/// The statistics pass's hook (run_linear's): marks a chunk's hot tiles from its logits and the
+/// LSE its row pass has just written, or (stats_forward) from the statistics GEMM's row partials
+/// and the LSE merged from them.
 template <class DT, class I>
 struct mark_hook {
-  static constexpr bool marks = true;
   const char* fn;
   const sparse_state* sp;
   const float* lse;  ///< every row's
@@ -192,6 +193,15 @@ struct mark_hook {
   void operator()(std::int64_t r0, std::int64_t n, const DT* logits, std::int64_t ld,
                   std::int64_t cols) const {
     mark_tiles(fn, *sp, logits, ld, n, cols, lse + r0, ids + r0, ignore_index, r0, 0, stream);
+  }
+  void partials(std::int64_t r0, std::int64_t n, const online_lse* p,
+                std::int64_t col_tiles) const {
+    if (n <= 0 || col_tiles <= 0) return;
+    const std::int64_t ctas = (n * col_tiles + sparse_gemm::threads - 1) / sparse_gemm::threads;
+    sparse_gemm::
+        mark_partials_kernel<<<static_cast<unsigned>(ctas), sparse_gemm::threads, 0, stream>>>(
+            p, col_tiles, n, lse + r0, ids + r0, ignore_index, r0, sp->log_tau, sp->flags);
+    check_cuda(fn, cudaGetLastError());
   }
 };
 

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../../online_lse.hpp"
 #include "../block/dtype.cuh"
 #include "../cuda.cuh"
 #include "sparse_gemm_kernel.cuh"
@@ -59,6 +60,24 @@ XENT_KERNEL void mark_kernel(const T* logits, std::int64_t ld, std::int64_t cols
   const bool target = y >= c0 + j0 && y < c0 + j0 + flag_cols;
   if (nan || target || !(m - lse[row] < log_tau))
     flags[(r0 + row) / flag_rows * ld_flags + (c0 + j0) / flag_cols] = 1;
+}
+
+/// The same marks from the statistics GEMM's row partials (stats_gemm.cuh: each row's max and sum
+/// over each 256 columns, the tiles' classes): rows [0, n) of `partials` (col_tiles a row) are the
+/// call's rows r0 + i. A thread per (row, tile).
+template <class I>
+XENT_KERNEL void mark_partials_kernel(const online_lse* partials, std::int64_t col_tiles,
+                                      std::int64_t n, const float* lse, const I* targets,
+                                      std::int64_t ignore_index, std::int64_t r0, float log_tau,
+                                      unsigned char* flags) {
+  const std::int64_t i = blockIdx.x * std::int64_t{threads} + threadIdx.x;
+  if (i >= n * col_tiles) return;
+  const std::int64_t row = i / col_tiles, t = i % col_tiles;
+  const auto y = static_cast<std::int64_t>(targets[row]);
+  if (y == ignore_index) return;
+  const bool target = y >= t * flag_cols && y < (t + 1) * flag_cols;
+  if (target || !(partials[i].max - lse[row] < log_tau))
+    flags[(r0 + row) / flag_rows * col_tiles + t] = 1;
 }
 
 /// Adds to counts[0] the tiles of row tiles [rt0, rt0 + rows) x blocks [b0, b0 + blocks) of the
