@@ -146,21 +146,28 @@ inline void allow_smem(const char* fn, const void* kernel, int bytes) {
       return;
     }
   check_cuda(fn, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  // All of the SM's unified memory as shared memory: two CTAs of ~100 KiB fit an SM.
+  check_cuda(fn, cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared));
   known.push_back({kernel, device, bytes});
 }
 
-/// One launch of the tile GEMM over tiles_x x tiles_y output tiles, step lists of up to `list`
-/// entries.
+/// One launch of the tile GEMM over m_tiles x n_tiles output tiles, step lists of up to `list`
+/// entries. `m_bytes`: the bytes of one M tile's operand over all of K; as many M tiles as hold
+/// 16 MiB of it (a third of an H100's L2) run through the N tiles together.
 template <class DT, class Op>
-void launch_tile_gemm(const char* fn, const Op& op, std::int64_t tiles_x, std::int64_t tiles_y,
-                      std::int64_t list, cudaStream_t s) {
+void launch_tile_gemm(const char* fn, const Op& op, std::int64_t m_tiles, std::int64_t n_tiles,
+                      std::int64_t list, std::int64_t m_bytes, cudaStream_t s) {
   if constexpr (sparse_dtype<DT>) {
-    if (tiles_x <= 0 || tiles_y <= 0) return;
+    if (m_tiles <= 0 || n_tiles <= 0) return;
     const int smem = sparse_smem(list);
     const auto kernel = sparse_gemm::tile_gemm_kernel<DT, Op>;
     allow_smem(fn, reinterpret_cast<const void*>(kernel), smem);
-    kernel<<<dim3(static_cast<unsigned>(tiles_x), static_cast<unsigned>(tiles_y)),
-             sparse_gemm::threads, static_cast<std::size_t>(smem), s>>>(op);
+    const std::int64_t group = std::min(
+        m_tiles,
+        std::max<std::int64_t>(1, (std::int64_t{16} << 20) / std::max<std::int64_t>(m_bytes, 1)));
+    kernel<<<static_cast<unsigned>(m_tiles * n_tiles), sparse_gemm::threads,
+             static_cast<std::size_t>(smem), s>>>(op, m_tiles, n_tiles, group);
     check_cuda(fn, cudaGetLastError());
   }
 }
@@ -243,7 +250,7 @@ void sparse_logits(const linear_call<T, G>& c, const sparse_state& sp, std::int6
                              {sp.flags, sp.ld, v0 / sg::flag_cols},
                              {r0, n}};
   launch_tile_gemm<DT>(c.blas.fn(), op, touched_row_tiles(r0, n), sparse_blocks(P), 0,
-                       c.exec.stream);
+                       2 * sparse_gemm::bm * D, c.exec.stream);
 }
 
 /// d_weight[panel] and d_bias[panel] from rows [r0, r0 + n)'s logit gradient (`first`: the
@@ -275,11 +282,11 @@ void sparse_grads(const linear_call<T, G>& c, const sparse_state& sp, std::int64
     if (acc)
       launch_tile_gemm<DT>(
           fn, sg::weight_op<DT, float>{g, x, acc, ld_acc, first ? 0.0f : 1.0f, f, tiles},
-          class_tiles, d_tiles, row_tiles, s);
+          class_tiles, d_tiles, row_tiles, 2 * sg::bm * n, s);
     else  // one sub-chunk of every row: d_weight written once, in its dtype
       launch_tile_gemm<DT>(
           fn, sg::weight_op<DT, DG>{g, x, c.d_weight.data, c.d_weight.ld, 0.0f, f, tiles},
-          class_tiles, d_tiles, row_tiles, s);
+          class_tiles, d_tiles, row_tiles, 2 * sg::bm * n, s);
   }
   if (float* db = c.db_sum())
     column_sums_kernel<<<static_cast<unsigned>((P + linear_threads - 1) / linear_threads),
@@ -293,7 +300,7 @@ void sparse_grads(const linear_call<T, G>& c, const sparse_state& sp, std::int64
                                            first_panel ? 0.0f : 1.0f,
                                            f,
                                            tiles},
-                         row_tiles, d_tiles, sparse_blocks(P), s);
+                         row_tiles, d_tiles, sparse_blocks(P), 2 * sg::bm * P, s);
   check_cuda(fn, cudaGetLastError());
 }
 

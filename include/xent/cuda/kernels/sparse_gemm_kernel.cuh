@@ -125,11 +125,26 @@ struct row_tiles {
   __device__ std::int64_t rel_row(std::int64_t i) const { return (first() + i) * flag_rows - r0; }
 };
 
-/// L = X · W_panelᵀ (+ bias) for the hot tiles, T's lowest finite value in the cold ones. CTA
-/// (x, y): row tile x of the sub-chunk, block y of the panel.
+/// An output tile: M tile m, N tile n.
+struct tile {
+  std::int64_t m, n;
+};
+
+/// The tile of CTA `id` of an m_tiles x n_tiles launch, grouped as Triton orders GEMM tiles: each
+/// group of `group` M tiles (the last one fewer) runs through every N tile with its M tiles
+/// fastest, so the group's M-side operand stays in L2 while each N tile is read once a group.
+__device__ __forceinline__ tile grouped_tile(std::int64_t id, std::int64_t m_tiles,
+                                             std::int64_t n_tiles, std::int64_t group) {
+  const std::int64_t span = group * n_tiles, first = id / span * group;
+  const std::int64_t rows = m_tiles - first < group ? m_tiles - first : group;
+  return {first + id % span % rows, id % span / rows};
+}
+
+/// L = X · W_panelᵀ (+ bias) for the hot tiles, T's lowest finite value in the cold ones. Tile
+/// (m, n): row tile m of the sub-chunk, block n of the panel.
 template <class T>
 struct logits_op {
-  static constexpr bool a_kmajor = true, b_kmajor = true;
+  static constexpr bool a_kmajor = true, b_kmajor = true, stores_cold = true;
   operand<T> x;   ///< the sub-chunk's hidden rows, n x D
   operand<T> w;   ///< the panel's weight rows, P x D
   const T* bias;  ///< the panel's, or null
@@ -138,35 +153,35 @@ struct logits_op {
   flags_view flags;
   row_tiles tiles;
 
-  __device__ bool hot() const { return flags.hot(tiles.first() + blockIdx.x, blockIdx.y); }
-  __device__ int prepare(int*, int*) const {
-    return hot() ? static_cast<int>((x.cols + bk - 1) / bk) : 0;
+  __device__ int prepare(const tile& t, int*, int*) const {
+    return flags.hot(tiles.first() + t.m, t.n) ? static_cast<int>((x.cols + bk - 1) / bk) : -1;
   }
   __device__ std::int64_t k_at(int i, const int*) const { return std::int64_t{i} * bk; }
-  __device__ std::int64_t m0() const { return tiles.rel_row(blockIdx.x); }
-  __device__ std::int64_t n0() const { return std::int64_t{blockIdx.y} * bn; }
-  __device__ void load(T* a, T* b, std::int64_t k) const {
-    load_tile<bm, bk>(a, x, m0(), k);
-    load_tile<bn, bk>(b, w, n0(), k);
+  __device__ std::int64_t m0(const tile& t) const { return tiles.rel_row(t.m); }
+  __device__ std::int64_t n0(const tile& t) const { return t.n * bn; }
+  __device__ void load(const tile& t, T* a, T* b, std::int64_t k) const {
+    load_tile<bm, bk>(a, x, m0(t), k);
+    load_tile<bn, bk>(b, w, n0(t), k);
   }
-  /// Elements (row, col) and (row, col + 1) of the CTA's tile.
-  __device__ void store(int row, int col, float v0, float v1) const {
-    const std::int64_t r = m0() + row, c = n0() + col;
+  /// Elements (row, col) and (row, col + 1) of the tile; `steps` -1: a cold tile.
+  __device__ void store(const tile& t, int steps, int row, int col, float v0, float v1) const {
+    const std::int64_t r = m0(t) + row, c = n0(t) + col;
     if (r < 0 || r >= x.rows) return;
-    const bool h = hot();
+    const bool hot = steps >= 0;
     const float lowest = lowest_finite<T>();
     T* o = out + r * ld_out + c;
-    if (c < w.rows) o[0] = from_float<T>(h ? v0 + (bias ? to_float(bias[c]) : 0.0f) : lowest);
+    if (c < w.rows) o[0] = from_float<T>(hot ? v0 + (bias ? to_float(bias[c]) : 0.0f) : lowest);
     if (c + 1 < w.rows)
-      o[1] = from_float<T>(h ? v1 + (bias ? to_float(bias[c + 1]) : 0.0f) : lowest);
+      o[1] = from_float<T>(hot ? v1 + (bias ? to_float(bias[c + 1]) : 0.0f) : lowest);
   }
 };
 
-/// dx[rows] = beta dx[rows] + G · W_panel over each row tile's hot blocks. CTA (x, y): row tile x
-/// of the sub-chunk, columns [256 y, 256 y + 256) of D.
+/// dx[rows] = beta dx[rows] + G · W_panel over each row tile's hot blocks. Tile (m, n): row tile m
+/// of the sub-chunk, columns [256 n, 256 n + 256) of D. A tile with no hot block adds nothing:
+/// with beta 1 it is not written.
 template <class T>
 struct hidden_op {
-  static constexpr bool a_kmajor = true, b_kmajor = false;
+  static constexpr bool a_kmajor = true, b_kmajor = false, stores_cold = false;
   operand<T> g;  ///< the sub-chunk's logit gradient, n x P
   operand<T> w;  ///< the panel's weight rows, P x D
   float* dx;     ///< the sub-chunk's rows of the N x D float sum, ldx apart
@@ -175,25 +190,26 @@ struct hidden_op {
   flags_view flags;
   row_tiles tiles;
 
-  __device__ int prepare(int* list, int* counts) const {
-    const std::int64_t rt = tiles.first() + blockIdx.x;
+  __device__ int prepare(const tile& t, int* list, int* counts) const {
+    const std::int64_t rt = tiles.first() + t.m;
     const int blocks = static_cast<int>((g.cols + flag_cols - 1) / flag_cols);
-    return compact(
-               blocks, [&](int b) { return flags.hot(rt, b); }, list, counts) *
-           (flag_cols / bk);
+    const int steps = compact(
+                          blocks, [&](int b) { return flags.hot(rt, b); }, list, counts) *
+                      (flag_cols / bk);
+    return steps == 0 && beta != 0.0f ? -1 : steps;
   }
   __device__ std::int64_t k_at(int i, const int* list) const {
     return std::int64_t{list[i / (flag_cols / bk)]} * flag_cols + i % (flag_cols / bk) * bk;
   }
-  __device__ std::int64_t m0() const { return tiles.rel_row(blockIdx.x); }
-  __device__ std::int64_t n0() const { return std::int64_t{blockIdx.y} * bn; }
-  __device__ void load(T* a, T* b, std::int64_t k) const {
-    load_tile<bm, bk>(a, g, m0(), k);
-    load_tile<bk, bn>(b, w, k, n0());
+  __device__ std::int64_t m0(const tile& t) const { return tiles.rel_row(t.m); }
+  __device__ std::int64_t n0(const tile& t) const { return t.n * bn; }
+  __device__ void load(const tile& t, T* a, T* b, std::int64_t k) const {
+    load_tile<bm, bk>(a, g, m0(t), k);
+    load_tile<bk, bn>(b, w, k, n0(t));
   }
-  __device__ void store(int row, int col, float v0, float v1) const {
-    const std::int64_t r = m0() + row, c = n0() + col;
-    if (r < 0 || r >= g.rows) return;
+  __device__ void store(const tile& t, int steps, int row, int col, float v0, float v1) const {
+    const std::int64_t r = m0(t) + row, c = n0(t) + col;
+    if (steps < 0 || r < 0 || r >= g.rows) return;
     float* o = dx + r * ldx + c;
     if (c < w.cols) o[0] = beta == 0.0f ? v0 : o[0] + v0;
     if (c + 1 < w.cols) o[1] = beta == 0.0f ? v1 : o[1] + v1;
@@ -201,11 +217,12 @@ struct hidden_op {
 };
 
 /// d_weight[panel] over each 64-class tile's hot row tiles: written in G (rounded once, beta 0)
-/// or added into a float sum (`acc`, beta 0 or 1). CTA (x, y): classes [64 x, 64 x + 64) of the
-/// panel, columns [256 y, 256 y + 256) of D.
+/// or added into a float sum (`acc`, beta 0 or 1). Tile (m, n): classes [64 m, 64 m + 64) of
+/// the panel, columns [256 n, 256 n + 256) of D. A tile with no hot row tile adds nothing: with
+/// beta 1 it is not written.
 template <class T, class O>
 struct weight_op {
-  static constexpr bool a_kmajor = false, b_kmajor = false;
+  static constexpr bool a_kmajor = false, b_kmajor = false, stores_cold = false;
   operand<T> g;  ///< the sub-chunk's logit gradient, n x P (Gᵀ is the A operand)
   operand<T> x;  ///< the sub-chunk's hidden rows, n x D
   O* out;        ///< P x D
@@ -214,25 +231,26 @@ struct weight_op {
   flags_view flags;
   row_tiles tiles;
 
-  __device__ int prepare(int* list, int* counts) const {
-    const std::int64_t b = std::int64_t{blockIdx.x} * bm / flag_cols;
+  __device__ int prepare(const tile& t, int* list, int* counts) const {
+    const std::int64_t b = t.m * bm / flag_cols;
     const auto n = static_cast<int>(tiles.count());
-    return compact(
-               n, [&](int i) { return flags.hot(tiles.first() + i, b); }, list, counts) *
-           (flag_rows / bk);
+    const int steps = compact(
+                          n, [&](int i) { return flags.hot(tiles.first() + i, b); }, list, counts) *
+                      (flag_rows / bk);
+    return steps == 0 && beta != 0.0f ? -1 : steps;
   }
   __device__ std::int64_t k_at(int i, const int* list) const {
     return tiles.rel_row(list[i / (flag_rows / bk)]) + i % (flag_rows / bk) * bk;
   }
-  __device__ std::int64_t m0() const { return std::int64_t{blockIdx.x} * bm; }
-  __device__ std::int64_t n0() const { return std::int64_t{blockIdx.y} * bn; }
-  __device__ void load(T* a, T* b, std::int64_t k) const {
-    load_tile<bk, bm>(a, g, k, m0());
-    load_tile<bk, bn>(b, x, k, n0());
+  __device__ std::int64_t m0(const tile& t) const { return t.m * bm; }
+  __device__ std::int64_t n0(const tile& t) const { return t.n * bn; }
+  __device__ void load(const tile& t, T* a, T* b, std::int64_t k) const {
+    load_tile<bk, bm>(a, g, k, m0(t));
+    load_tile<bk, bn>(b, x, k, n0(t));
   }
-  __device__ void store(int row, int col, float v0, float v1) const {
-    const std::int64_t r = m0() + row, c = n0() + col;
-    if (r >= g.cols) return;
+  __device__ void store(const tile& t, int steps, int row, int col, float v0, float v1) const {
+    const std::int64_t r = m0(t) + row, c = n0(t) + col;
+    if (steps < 0 || r >= g.cols) return;
     O* o = out + r * ld_out + c;
     if constexpr (std::is_same<O, float>::value) {
       if (c < x.cols) o[0] = beta == 0.0f ? v0 : o[0] + v0;
@@ -244,14 +262,20 @@ struct weight_op {
   }
 };
 
-/// One output tile of `op` (a use above): its hot k-steps through `stages` cp.async stages.
+/// One output tile of `op` (a use above) per CTA, m_tiles x n_tiles of them in groups of `group`
+/// M tiles (grouped_tile): its hot k-steps through `stages` cp.async stages. prepare answers the
+/// steps, or -1 for a tile whose store writes nothing computed.
 template <class T, class Op>
-__global__ void __launch_bounds__(threads, 2) tile_gemm_kernel(const Op op) {
+__global__ void __launch_bounds__(threads, 2)
+    tile_gemm_kernel(const Op op, std::int64_t m_tiles, std::int64_t n_tiles, std::int64_t group) {
   namespace wm = warp_mma;
   extern __shared__ __align__(16) unsigned char smem[];
   int* const list = reinterpret_cast<int*>(smem + stages * stage_bytes);
   int* const counts = list;  // compact's scratch, read before the list is written past it
-  const int steps = op.prepare(list + warps, counts);
+  const tile t = grouped_tile(blockIdx.x, m_tiles, n_tiles, group);
+  const int prepared = op.prepare(t, list + warps, counts);
+  if (prepared < 0 && !Op::stores_cold) return;
+  const int steps = prepared < 0 ? 0 : prepared;
   const int* const hot = list + warps;
 
   constexpr int a_bytes = Op::a_kmajor ? tile_bytes<bm, bk> : tile_bytes<bk, bm>;
@@ -264,14 +288,14 @@ __global__ void __launch_bounds__(threads, 2) tile_gemm_kernel(const Op op) {
 
 #pragma unroll
   for (int s = 0; s < stages - 1; ++s) {
-    if (s < steps) op.load(a_tile(s), b_tile(s), op.k_at(s, hot));
+    if (s < steps) op.load(t, a_tile(s), b_tile(s), op.k_at(s, hot));
     wm::copies_commit();
   }
   for (int i = 0; i < steps; ++i) {
     wm::copies_wait<stages - 2>();
     __syncthreads();
     const int next = i + stages - 1;
-    if (next < steps) op.load(a_tile(next % stages), b_tile(next % stages), op.k_at(next, hot));
+    if (next < steps) op.load(t, a_tile(next % stages), b_tile(next % stages), op.k_at(next, hot));
     wm::copies_commit();
     const T* a = a_tile(i % stages);
     const T* b = b_tile(i % stages);
@@ -315,8 +339,8 @@ __global__ void __launch_bounds__(threads, 2) tile_gemm_kernel(const Op op) {
 #pragma unroll
     for (int nj = 0; nj < 8; ++nj) {
       const int row = wm_ * 32 + mi * 16 + lane / 4, col = wn * 64 + nj * 8 + lane % 4 * 2;
-      op.store(row, col, acc[mi][nj][0], acc[mi][nj][1]);
-      op.store(row + 8, col, acc[mi][nj][2], acc[mi][nj][3]);
+      op.store(t, prepared, row, col, acc[mi][nj][0], acc[mi][nj][1]);
+      op.store(t, prepared, row + 8, col, acc[mi][nj][2], acc[mi][nj][3]);
     }
 }
 
