@@ -52,6 +52,46 @@ __device__ __forceinline__ float lowest_finite() {
   return std::is_same<T, __half>::value ? -65504.0f : -0x1.fep127f;
 }
 
+/// Writes `value` over rows [r0, r0 + 64) x columns [c0, c0 + 256) of a row-major matrix (rows
+/// x cols, ld apart), clipped to it: a warp a row at a time, 16-byte stores where the row's
+/// alignment allows. A cold tile's whole output, so it leaves at the copy roof.
+template <class O>
+__device__ void fill_tile(O* out, std::int64_t ld, std::int64_t rows, std::int64_t cols,
+                          std::int64_t r0, std::int64_t c0, O value) {
+  constexpr int per = 16 / sizeof(O);
+  vec_t<O, per> v;
+#pragma unroll
+  for (int k = 0; k < per; ++k) v.v[k] = value;
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  for (int i = warp; i < bm; i += warps) {
+    const std::int64_t r = r0 + i;
+    if (r < 0 || r >= rows) continue;
+    O* row = out + r * ld;
+    for (int j = lane * per; j < bn; j += 32 * per) {
+      const std::int64_t c = c0 + j;
+      if (c + per <= cols && reinterpret_cast<std::uintptr_t>(row + c) % 16 == 0)
+        store_vec<O, per>(row + c, v);
+      else
+        for (std::int64_t k = c; k < c + per && k < cols; ++k) row[k] = value;
+    }
+  }
+}
+
+/// Elements c and c + 1 (of `cols`) of an output row at `o` (element c), by one store where both
+/// exist and the pair is aligned.
+template <class O>
+__device__ __forceinline__ void store_pair(O* o, std::int64_t c, std::int64_t cols, O v0, O v1) {
+  if (c + 1 < cols && reinterpret_cast<std::uintptr_t>(o) % (2 * sizeof(O)) == 0) {
+    vec_t<O, 2> v;
+    v.v[0] = v0;
+    v.v[1] = v1;
+    store_vec<O, 2>(o, v);
+  } else {
+    if (c < cols) o[0] = v0;
+    if (c + 1 < cols) o[1] = v1;
+  }
+}
+
 /// A row-major operand in global memory: `rows` x `cols` elements, `ld` apart.
 template <class T>
 struct operand {
@@ -144,7 +184,7 @@ __device__ __forceinline__ tile grouped_tile(std::int64_t id, std::int64_t m_til
 /// (m, n): row tile m of the sub-chunk, block n of the panel.
 template <class T>
 struct logits_op {
-  static constexpr bool a_kmajor = true, b_kmajor = true, stores_cold = true;
+  static constexpr bool a_kmajor = true, b_kmajor = true;
   operand<T> x;   ///< the sub-chunk's hidden rows, n x D
   operand<T> w;   ///< the panel's weight rows, P x D
   const T* bias;  ///< the panel's, or null
@@ -154,7 +194,7 @@ struct logits_op {
   row_tiles tiles;
 
   __device__ int prepare(const tile& t, int*, int*) const {
-    return flags.hot(tiles.first() + t.m, t.n) ? static_cast<int>((x.cols + bk - 1) / bk) : -1;
+    return flags.hot(tiles.first() + t.m, t.n) ? static_cast<int>((x.cols + bk - 1) / bk) : 0;
   }
   __device__ std::int64_t k_at(int i, const int*) const { return std::int64_t{i} * bk; }
   __device__ std::int64_t m0(const tile& t) const { return tiles.rel_row(t.m); }
@@ -163,16 +203,19 @@ struct logits_op {
     load_tile<bm, bk>(a, x, m0(t), k);
     load_tile<bn, bk>(b, w, n0(t), k);
   }
-  /// Elements (row, col) and (row, col + 1) of the tile; `steps` -1: a cold tile.
-  __device__ void store(const tile& t, int steps, int row, int col, float v0, float v1) const {
+  /// A cold tile's output.
+  __device__ void fill(const tile& t) const {
+    fill_tile(out, ld_out, x.rows, w.rows, m0(t), n0(t), from_float<T>(lowest_finite<T>()));
+  }
+  /// Elements (row, col) and (row, col + 1) of a hot tile.
+  __device__ void store(const tile& t, int row, int col, float v0, float v1) const {
     const std::int64_t r = m0(t) + row, c = n0(t) + col;
     if (r < 0 || r >= x.rows) return;
-    const bool hot = steps >= 0;
-    const float lowest = lowest_finite<T>();
-    T* o = out + r * ld_out + c;
-    if (c < w.rows) o[0] = from_float<T>(hot ? v0 + (bias ? to_float(bias[c]) : 0.0f) : lowest);
-    if (c + 1 < w.rows)
-      o[1] = from_float<T>(hot ? v1 + (bias ? to_float(bias[c + 1]) : 0.0f) : lowest);
+    if (bias) {
+      v0 += c < w.rows ? to_float(bias[c]) : 0.0f;
+      v1 += c + 1 < w.rows ? to_float(bias[c + 1]) : 0.0f;
+    }
+    store_pair(out + r * ld_out + c, c, w.rows, from_float<T>(v0), from_float<T>(v1));
   }
 };
 
@@ -181,7 +224,7 @@ struct logits_op {
 /// with beta 1 it is not written.
 template <class T>
 struct hidden_op {
-  static constexpr bool a_kmajor = true, b_kmajor = false, stores_cold = false;
+  static constexpr bool a_kmajor = true, b_kmajor = false;
   operand<T> g;  ///< the sub-chunk's logit gradient, n x P
   operand<T> w;  ///< the panel's weight rows, P x D
   float* dx;     ///< the sub-chunk's rows of the N x D float sum, ldx apart
@@ -207,12 +250,18 @@ struct hidden_op {
     load_tile<bm, bk>(a, g, m0(t), k);
     load_tile<bk, bn>(b, w, k, n0(t));
   }
-  __device__ void store(const tile& t, int steps, int row, int col, float v0, float v1) const {
+  __device__ void fill(const tile& t) const {
+    fill_tile(dx, ldx, g.rows, w.cols, m0(t), n0(t), 0.0f);
+  }
+  __device__ void store(const tile& t, int row, int col, float v0, float v1) const {
     const std::int64_t r = m0(t) + row, c = n0(t) + col;
-    if (steps < 0 || r < 0 || r >= g.rows) return;
+    if (r < 0 || r >= g.rows) return;
     float* o = dx + r * ldx + c;
-    if (c < w.cols) o[0] = beta == 0.0f ? v0 : o[0] + v0;
-    if (c + 1 < w.cols) o[1] = beta == 0.0f ? v1 : o[1] + v1;
+    if (beta != 0.0f) {
+      v0 += c < w.cols ? o[0] : 0.0f;
+      v1 += c + 1 < w.cols ? o[1] : 0.0f;
+    }
+    store_pair(o, c, w.cols, v0, v1);
   }
 };
 
@@ -222,7 +271,7 @@ struct hidden_op {
 /// beta 1 it is not written.
 template <class T, class O>
 struct weight_op {
-  static constexpr bool a_kmajor = false, b_kmajor = false, stores_cold = false;
+  static constexpr bool a_kmajor = false, b_kmajor = false;
   operand<T> g;  ///< the sub-chunk's logit gradient, n x P (Gᵀ is the A operand)
   operand<T> x;  ///< the sub-chunk's hidden rows, n x D
   O* out;        ///< P x D
@@ -248,23 +297,24 @@ struct weight_op {
     load_tile<bk, bm>(a, g, k, m0(t));
     load_tile<bk, bn>(b, x, k, n0(t));
   }
-  __device__ void store(const tile& t, int steps, int row, int col, float v0, float v1) const {
+  __device__ void fill(const tile& t) const {
+    fill_tile(out, ld_out, g.cols, x.cols, m0(t), n0(t), from_float<O>(0.0f));
+  }
+  __device__ void store(const tile& t, int row, int col, float v0, float v1) const {
     const std::int64_t r = m0(t) + row, c = n0(t) + col;
-    if (steps < 0 || r >= g.cols) return;
+    if (r >= g.cols) return;
     O* o = out + r * ld_out + c;
-    if constexpr (std::is_same<O, float>::value) {
-      if (c < x.cols) o[0] = beta == 0.0f ? v0 : o[0] + v0;
-      if (c + 1 < x.cols) o[1] = beta == 0.0f ? v1 : o[1] + v1;
-    } else {
-      if (c < x.cols) o[0] = from_float<O>(v0);
-      if (c + 1 < x.cols) o[1] = from_float<O>(v1);
+    if (beta != 0.0f) {  // a float sum
+      v0 += c < x.cols ? to_float(o[0]) : 0.0f;
+      v1 += c + 1 < x.cols ? to_float(o[1]) : 0.0f;
     }
+    store_pair(o, c, x.cols, from_float<O>(v0), from_float<O>(v1));
   }
 };
 
 /// One output tile of `op` (a use above) per CTA, m_tiles x n_tiles of them in groups of `group`
 /// M tiles (grouped_tile): its hot k-steps through `stages` cp.async stages. prepare answers the
-/// steps, or -1 for a tile whose store writes nothing computed.
+/// steps: 0 for a tile whose output is a constant (op.fill), -1 for one that writes nothing.
 template <class T, class Op>
 __global__ void __launch_bounds__(threads, 2)
     tile_gemm_kernel(const Op op, std::int64_t m_tiles, std::int64_t n_tiles, std::int64_t group) {
@@ -274,8 +324,11 @@ __global__ void __launch_bounds__(threads, 2)
   int* const counts = list;  // compact's scratch, read before the list is written past it
   const tile t = grouped_tile(blockIdx.x, m_tiles, n_tiles, group);
   const int prepared = op.prepare(t, list + warps, counts);
-  if (prepared < 0 && !Op::stores_cold) return;
-  const int steps = prepared < 0 ? 0 : prepared;
+  if (prepared <= 0) {
+    if (prepared == 0) op.fill(t);
+    return;
+  }
+  const int steps = prepared;
   const int* const hot = list + warps;
 
   constexpr int a_bytes = Op::a_kmajor ? tile_bytes<bm, bk> : tile_bytes<bk, bm>;
@@ -339,8 +392,8 @@ __global__ void __launch_bounds__(threads, 2)
 #pragma unroll
     for (int nj = 0; nj < 8; ++nj) {
       const int row = wm_ * 32 + mi * 16 + lane / 4, col = wn * 64 + nj * 8 + lane % 4 * 2;
-      op.store(t, prepared, row, col, acc[mi][nj][0], acc[mi][nj][1]);
-      op.store(t, prepared, row + 8, col, acc[mi][nj][2], acc[mi][nj][3]);
+      op.store(t, row, col, acc[mi][nj][0], acc[mi][nj][1]);
+      op.store(t, row + 8, col, acc[mi][nj][2], acc[mi][nj][3]);
     }
 }
 
