@@ -116,7 +116,7 @@ __device__ __forceinline__ void load_tile(T* dst, const operand<T>& src, std::in
     const bool inside = r >= 0 && r < src.rows && c < src.cols;
     const T* from = inside ? src.data + r * src.ld + c : src.data;
     const int bytes = inside ? static_cast<int>(c + 8 <= src.cols ? 16 : (src.cols - c) * 2) : 0;
-    copy16_async(dst + row * (Inner + pad) + col, from, bytes);
+    warp_mma::copy16_async_l2_256(dst + row * (Inner + pad) + col, from, bytes);
   }
 }
 
