@@ -197,7 +197,7 @@ void sparse_weight_grads(const linear_call<T, G>& c, const const_acc_rows_map<A>
       if (dw)
         acc_rows_map<A>(dw + v0 * c.dw_sum_ld(), nb, D, Eigen::OuterStride<>(c.dw_sum_ld()))
             .noalias() += g.transpose() * x.middleRows(r, n);
-      if (db) acc_row_vector_map<A>(db + v0, nb) += g.colwise().sum();
+      if (db) add_column_sums(db + v0, g);
     });
   });
 }

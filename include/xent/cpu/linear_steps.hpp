@@ -7,6 +7,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -133,6 +134,18 @@ void chunk_logits(const linear_call<T, G>& c, const const_acc_rows_map<A>& x,
   });
 }
 
+/// sums[0, n) += the column sums of `g` (rows x n, n at most linear_block_rows), each column's
+/// terms added in row order. Eigen's vectorised colwise().sum() associates a column's terms by
+/// where its packets start, so d_bias's bits followed the address of the caller's d_bias.
+template <class A, class M>
+void add_column_sums(A* sums, const M& g) {
+  std::array<A, linear_block_rows> buffer;
+  acc_row_vector_map<A> s(buffer.data(), g.cols());
+  s.setZero();
+  for (Eigen::Index i = 0; i < g.rows(); ++i) s += g.row(i);
+  acc_row_vector_map<A>(sums, g.cols()) += s;
+}
+
 /// d_weight += Gᵀ · X and d_bias += column sums of G, by weight block: each block's rows of
 /// d_weight belong to one worker.
 template <class T, class G, class A>
@@ -158,7 +171,7 @@ void chunk_weight_grads(const linear_call<T, G>& c, const const_acc_rows_map<A>&
           out[j] = static_cast<G>(static_cast<A>(out[j]) + part[i * D + j]);
       }
     }
-    if (db) acc_row_vector_map<A>(db + v0, nb) += g.colwise().sum();
+    if (db) add_column_sums(db + v0, g);
   });
 }
 
