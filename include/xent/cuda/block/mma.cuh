@@ -70,23 +70,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 #endif
 }
 
-/// copy16_async that also has L2 fetch the whole 256-byte segment around the source: the tile
-/// GEMM's K-steps read 64 bytes of each operand row at a time, and without the hint every step
-/// reopened the same DRAM rows (a lone CTA's step took microseconds: the stats GEMM's tensor
-/// maps promote their L2 fetches to 256 bytes for the same reason).
-__device__ __forceinline__ void copy16_async_l2_256(void* dst, const void* src, int src_bytes) {
-#if XENT_WARP_MMA
-  asm volatile(
-      "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
-      "l"(src), "r"(src_bytes)
-      : "memory");
-#else
-  (void)dst;
-  (void)src;
-  (void)src_bytes;
-#endif
-}
-
 /// Closes the group of this thread's cp.async copies issued since the last commit.
 __device__ __forceinline__ void copies_commit() {
 #if XENT_WARP_MMA

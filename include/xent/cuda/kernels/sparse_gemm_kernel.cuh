@@ -27,7 +27,6 @@
 #include "../block/async_copy.cuh"
 #include "../block/dtype.cuh"
 #include "../block/mma.cuh"
-#include "../cuda.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -53,12 +52,6 @@ __device__ __forceinline__ float lowest_finite() {
   return std::is_same<T, __half>::value ? -65504.0f : -0x1.fep127f;
 }
 
-/// lowest_finite's value on the host (a launch argument).
-template <class T>
-inline float lowest_finite_host() {
-  return std::is_same<T, __half>::value ? -65504.0f : -0x1.fep127f;
-}
-
 /// Writes `value` over rows [r0, r0 + 64) x columns [c0, c0 + 256) of a row-major matrix (rows
 /// x cols, ld apart), clipped to it: a warp a row at a time, 16-byte stores where the row's
 /// alignment allows. A cold tile's whole output, so it leaves at the copy roof.
@@ -81,29 +74,6 @@ __device__ void fill_tile(O* out, std::int64_t ld, std::int64_t rows, std::int64
       else
         for (std::int64_t k = c; k < c + per && k < cols; ++k) row[k] = value;
     }
-  }
-}
-
-/// Writes `value` (rounded to T) over rows [0, rows) x columns [0, cols) of `out` (ld apart, rows
-/// 16-byte aligned), 16 bytes a thread: the cold tiles' logits of a panel sub-chunk before its
-/// hot tiles are written over them.
-template <class T>
-XENT_KERNEL void fill_kernel(T* out, std::int64_t ld, std::int64_t rows, std::int64_t cols,
-                             float value) {
-  constexpr int per = 16 / sizeof(T);
-  const T x = from_float<T>(value);
-  vec_t<T, per> v;
-#pragma unroll
-  for (int k = 0; k < per; ++k) v.v[k] = x;
-  const std::int64_t vectors = (cols + per - 1) / per;
-  for (std::int64_t i = blockIdx.x * std::int64_t{threads} + threadIdx.x; i < rows * vectors;
-       i += std::int64_t{gridDim.x} * threads) {
-    const std::int64_t r = i / vectors, c = i % vectors * per;
-    T* o = out + r * ld;
-    if (c + per <= cols)
-      store_vec<T, per>(o + c, v);
-    else
-      for (std::int64_t k = c; k < cols; ++k) o[k] = x;
   }
 }
 
@@ -146,31 +116,29 @@ __device__ __forceinline__ void load_tile(T* dst, const operand<T>& src, std::in
     const bool inside = r >= 0 && r < src.rows && c < src.cols;
     const T* from = inside ? src.data + r * src.ld + c : src.data;
     const int bytes = inside ? static_cast<int>(c + 8 <= src.cols ? 16 : (src.cols - c) * 2) : 0;
-    warp_mma::copy16_async_l2_256(dst + row * (Inner + pad) + col, from, bytes);
+    copy16_async(dst + row * (Inner + pad) + col, from, bytes);
   }
 }
 
-/// Appends, in order, each i in [0, n) with hot(i) to `list` (`counts`: Threads / 32 ints of
-/// shared memory) and returns how many: every thread of the CTA (Threads of them) calls it and
-/// gets the count.
-template <int Threads = threads, class Hot, class Index>
-__device__ Index compact(Index n, Hot hot, int* list, int* counts) {
-  constexpr int warps_ = Threads / 32;
+/// Appends, in order, each i in [0, n) with hot(i) to `list` (shared memory; `counts` is warps
+/// ints of it) and returns how many: every thread of the CTA calls it and gets the count.
+template <class Hot>
+__device__ int compact(int n, Hot hot, int* list, int* counts) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
-  Index total = 0;
-  for (Index base = 0; base < n; base += Threads) {
-    const Index i = base + static_cast<Index>(threadIdx.x);
+  int total = 0;
+  for (int base = 0; base < n; base += threads) {
+    const int i = base + static_cast<int>(threadIdx.x);
     const bool h = i < n && hot(i);
     const unsigned ballot = __ballot_sync(0xffffffffu, h);
     if (lane == 0) counts[warp] = __popc(ballot);
     __syncthreads();
-    Index before = total, sum = 0;
+    int before = total, sum = 0;
 #pragma unroll
-    for (int w = 0; w < warps_; ++w) {
+    for (int w = 0; w < warps; ++w) {
       before += w < warp ? counts[w] : 0;
       sum += counts[w];
     }
-    if (h) list[before + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int>(i);
+    if (h) list[before + __popc(ballot & ((1u << lane) - 1u))] = i;
     total += sum;
     __syncthreads();
   }
@@ -344,14 +312,17 @@ struct weight_op {
   }
 };
 
-/// Output tile `t` of `op` (a use above) by the whole CTA, `smem` its dynamic shared memory: the
-/// tile's hot k-steps through `stages` cp.async stages. prepare answers the steps: 0 for a tile
-/// whose output is a constant (op.fill), -1 for one that writes nothing.
+/// One output tile of `op` (a use above) per CTA, m_tiles x n_tiles of them in groups of `group`
+/// M tiles (grouped_tile): its hot k-steps through `stages` cp.async stages. prepare answers the
+/// steps: 0 for a tile whose output is a constant (op.fill), -1 for one that writes nothing.
 template <class T, class Op>
-__device__ void run_tile(const Op& op, const tile& t, unsigned char* smem) {
+__global__ void __launch_bounds__(threads, 2)
+    tile_gemm_kernel(const Op op, std::int64_t m_tiles, std::int64_t n_tiles, std::int64_t group) {
   namespace wm = warp_mma;
+  extern __shared__ __align__(16) unsigned char smem[];
   int* const list = reinterpret_cast<int*>(smem + stages * stage_bytes);
   int* const counts = list;  // compact's scratch, read before the list is written past it
+  const tile t = grouped_tile(blockIdx.x, m_tiles, n_tiles, group);
   const int prepared = op.prepare(t, list + warps, counts);
   if (prepared <= 0) {
     if (prepared == 0) op.fill(t);
@@ -424,36 +395,6 @@ __device__ void run_tile(const Op& op, const tile& t, unsigned char* smem) {
       op.store(t, row, col, acc[mi][nj][0], acc[mi][nj][1]);
       op.store(t, row + 8, col, acc[mi][nj][2], acc[mi][nj][3]);
     }
-}
-
-/// One output tile per CTA, m_tiles x n_tiles of them in groups of `group` M tiles
-/// (grouped_tile).
-template <class T, class Op>
-__global__ void __launch_bounds__(threads, 2)
-    tile_gemm_kernel(const Op op, std::int64_t m_tiles, std::int64_t n_tiles, std::int64_t group) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  run_tile<T>(op, grouped_tile(blockIdx.x, m_tiles, n_tiles, group), smem);
-}
-
-/// The tiles listed in items[0, *count) (each m * n_tiles + n), taken one at a time from the
-/// shared counter *next by persistent CTAs: a panel whose tiles are mostly cold launches no CTA
-/// for them (a CTA's start and end held each of them ~26 us on an H100 where its work took ~2).
-/// Each tile's result is its own whatever CTA computes it.
-template <class T, class Op>
-__global__ void __launch_bounds__(threads, 2)
-    tile_list_kernel(const Op op, const int* items, const int* count, int* next,
-                     std::int64_t n_tiles) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int item;
-  for (;;) {
-    if (threadIdx.x == 0) item = atomicAdd(next, 1);
-    __syncthreads();
-    const int i = item;
-    if (i >= *count) return;
-    const std::int64_t code = items[i];
-    run_tile<T>(op, tile{code / n_tiles, code % n_tiles}, smem);
-    __syncthreads();  // the stages and `item` are the next tile's
-  }
 }
 
 }  // namespace sparse_gemm
