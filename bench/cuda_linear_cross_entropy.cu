@@ -206,6 +206,27 @@ std::map<std::string, times>& floors() {
   return table;
 }
 
+/// Each of the state's iterations of `work` timed by p's events, after one warm-up call.
+template <class Work>
+times timed_calls(benchmark::State& state, problem& p, Work&& work) {
+  work();
+  check(cudaDeviceSynchronize(), "warm-up");
+  times t;
+  for (auto _ : state) {
+    t.all.push_back(p.timed(work));
+    state.SetIterationTime(t.all.back());
+  }
+  return t;
+}
+
+/// The last call's loss; a loss that is not finite makes the line an error.
+float checked_loss(benchmark::State& state, const problem& p) {
+  float loss = 0.0f;
+  check(cudaMemcpy(&loss, p.loss, sizeof(float), cudaMemcpyDeviceToHost), "loss");
+  if (!std::isfinite(loss)) state.SkipWithError("loss is not finite");
+  return loss;
+}
+
 void report(benchmark::State& state, const std::string& key, const times& t, double flops) {
   state.counters["TFLOPs"] = flops / t.median() * 1e-12;
   const auto it = floors().find(key);
@@ -305,17 +326,8 @@ void trained_line(benchmark::State& state, shape s, float tau) {
     xent::linear_forward_backward(exec, X, W, xent::vector_view<const bf16>{}, y, opts,
                                   xent::upstream{}, out, grads, {ws, bytes});
   };
-  work();  // warm-up
-  check(cudaDeviceSynchronize(), "warm-up");
-  times t;
-  for (auto _ : state) {
-    t.all.push_back(p.timed(work));
-    state.SetIterationTime(t.all.back());
-  }
-  float loss = 0.0f;
-  check(cudaMemcpy(&loss, p.loss, sizeof(float), cudaMemcpyDeviceToHost), "loss");
-  if (!std::isfinite(loss)) state.SkipWithError("loss is not finite");
-  state.counters["loss"] = loss;
+  const times t = timed_calls(state, p, work);
+  state.counters["loss"] = checked_loss(state, p);
   report(state, "training/" + name(s), t, 8.0 * N * D * V);
   state.counters["extra_MiB"] =
       (static_cast<double>(bytes) + static_cast<double>(sizeof(bf16)) * (N * D + V * D) +
@@ -410,16 +422,8 @@ void xent_line(benchmark::State& state, shape s, bool training, std::size_t budg
     else
       xent::linear_forward(exec, X, W, xent::vector_view<const bf16>{}, y, opts, out, ws);
   };
-  work();  // warm-up
-  check(cudaDeviceSynchronize(), "warm-up");
-  times t;
-  for (auto _ : state) {
-    t.all.push_back(p.timed(work));
-    state.SetIterationTime(t.all.back());
-  }
-  float loss = 0.0f;
-  check(cudaMemcpy(&loss, p.loss, sizeof(float), cudaMemcpyDeviceToHost), "loss");
-  if (!std::isfinite(loss)) state.SkipWithError("loss is not finite");
+  const times t = timed_calls(state, p, work);
+  checked_loss(state, p);
   report(state, std::string(training ? "training/" : "forward/") + name(s), t,
          (training ? 6.0 : 2.0) * N * D * V);
   // The call's own plan: the size query cannot know d_weight's address (the logits' room there).

@@ -212,7 +212,7 @@ bool run_sparse_case(const B& backend, lspec s) {
   errs += check_gradients(J.L, J.r, J.e, g.fetch());
   errs += check_gradients(J.L, J.r, J.e, gb.fetch());
   for (const auto& c : {fb_counts.fetch(), b_counts.fetch()})
-    if (counted && c.skipped < J.surely_cold || c.skipped > J.maybe_cold || c.tiles < c.skipped)
+    if (counted && (c.skipped < J.surely_cold || c.skipped > J.maybe_cold || c.tiles < c.skipped))
       errs += "  " + std::to_string(c.skipped) + " of " + std::to_string(c.tiles) +
               " tiles skipped, the oracle finds " + std::to_string(J.surely_cold) + " to " +
               std::to_string(J.maybe_cold) + " cold\n";

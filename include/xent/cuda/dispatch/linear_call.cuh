@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "../../error.hpp"
 #include "../../linear/options.hpp"
@@ -63,6 +64,15 @@ struct linear_call {
   /// empty) and null + offset is undefined, so then every row is at `data`.
   const DT* hidden_row(std::int64_t r0) const { return dim() == 0 ? hidden.data : hidden.row(r0); }
   float* dw_accumulator() const { return buffer<float>(plan.dw); }
+  /// d_weight's float sum and its leading dimension: the caller's d_weight when G is float, else
+  /// dw_accumulation::fp32's accumulator (null without one).
+  std::pair<float*, std::int64_t> dw_float_sum() const {
+    if constexpr (float_grads) {
+      return {d_weight.data, d_weight.ld};
+    } else {
+      return {dw_accumulator(), dim()};
+    }
+  }
   /// d_bias's float accumulator: the caller's d_bias when G is float.
   float* db_sum() const {
     if (!d_bias) return nullptr;
@@ -142,12 +152,7 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
     // The float V x D sum (dw_accumulation::fp32's accumulator with G not float, or a float
     // d_weight, its own accumulator), by cuBLASLt with the tile chosen for it where it offers one
     // (accumulate_gemm.cuh).
-    float* acc = c.dw_accumulator();
-    std::int64_t ld_acc = D;
-    if constexpr (linear_call<T, G>::float_grads) {
-      acc = c.d_weight.data;
-      ld_acc = c.d_weight.ld;
-    }
+    const auto [acc, ld_acc] = c.dw_float_sum();
     bool added = false;
     if constexpr (policy::accumulate_by_lt && !std::is_same<DT, float>::value)
       added = acc && c.plan.dw_block == 0 && c.plan.lt_work != linear_absent &&

@@ -273,12 +273,7 @@ void sparse_grads(const linear_call<T, G>& c, const sparse_state& sp, std::int64
   const std::int64_t row_tiles = touched_row_tiles(r0, n);
   const std::int64_t d_tiles = (D + sg::bn - 1) / sg::bn, class_tiles = (P + sg::bm - 1) / sg::bm;
   if (c.d_weight.data) {
-    float* acc = c.dw_accumulator();
-    std::int64_t ld_acc = D;
-    if constexpr (linear_call<T, G>::float_grads) {
-      acc = c.d_weight.data;
-      ld_acc = c.d_weight.ld;
-    }
+    const auto [acc, ld_acc] = c.dw_float_sum();
     if (acc)
       launch_tile_gemm<DT>(
           fn, sg::weight_op<DT, float>{g, x, acc, ld_acc, first ? 0.0f : 1.0f, f, tiles},
