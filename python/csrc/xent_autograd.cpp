@@ -64,11 +64,11 @@ using lce_fwd_t = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at
                                                      const opt_tensor&, const at::Tensor&,
                                                      const opt_tensor&, std::int64_t, std::int64_t,
                                                      double, double, double, std::int64_t,
-                                                     std::int64_t);
+                                                     std::int64_t, double);
 using lce_bwd_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&,
     const opt_tensor&, const at::Tensor&, std::int64_t, std::int64_t, double, double, double,
-    std::array<bool, 3>, std::int64_t, std::int64_t);
+    std::array<bool, 3>, std::int64_t, std::int64_t, double);
 using ce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const opt_tensor&, std::int64_t, std::int64_t, double,
     double, double, bool, bool);
@@ -78,7 +78,7 @@ using ce_fused_inplace_t = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
 using lce_fused_t = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const opt_tensor&, const at::Tensor&, const opt_tensor&,
     std::int64_t, std::int64_t, double, double, double, std::array<bool, 3>, std::int64_t,
-    std::int64_t);
+    std::int64_t, double);
 using scale_grad_t = void(const at::Tensor&, const at::Tensor&);
 
 template <class Signature>
@@ -315,7 +315,8 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
 };
 
 // linear_cross_entropy_fwd(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-// label_smoothing, z_loss, softcap, order, accumulate) -> (loss, lse): gradients for hidden,
+// label_smoothing, z_loss, softcap, order, accumulate, sparse_threshold) -> (loss, lse): gradients
+// for hidden,
 // weight and bias (when given). Fused, xent::linear_forward_backward computes them in forward
 // (each chunk's logits once); split, xent::linear_backward recomputes each chunk's logits from
 // the saved LSE. Either call trains in the order and accumulation given (the split path's
@@ -326,7 +327,8 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
                                const at::Tensor& target, const opt_tensor& class_weight,
                                std::int64_t ignore_index, std::int64_t reduction,
                                double label_smoothing, double z_loss, double softcap,
-                               std::int64_t order, std::int64_t accumulate) {
+                               std::int64_t order, std::int64_t accumulate,
+                               double sparse_threshold) {
     ctx->set_materialize_grads(false);
     at::Tensor loss, lse;
     // The logits' gradient flows to hidden, weight and bias: any of them may be the one that
@@ -337,9 +339,9 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
       const std::array<bool, 3> mask{wants_grad(hidden), wants_grad(weight), wants_grad(bias)};
       {
         const at::AutoDispatchBelowADInplaceOrView below_autograd;
-        std::tie(loss, lse, d_hidden, d_weight, d_bias) =
-            lce_fused().call(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                             label_smoothing, z_loss, softcap, mask, order, accumulate);
+        std::tie(loss, lse, d_hidden, d_weight, d_bias) = lce_fused().call(
+            hidden, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
+            z_loss, softcap, mask, order, accumulate, sparse_threshold);
       }
       save_fused(ctx, {mask[0] ? d_hidden : at::Tensor(), mask[1] ? d_weight : at::Tensor(),
                        mask[2] ? d_bias : at::Tensor()});
@@ -349,18 +351,19 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(loss, lse) =
           lce_fwd().call(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                         label_smoothing, z_loss, softcap, order, accumulate);
+                         label_smoothing, z_loss, softcap, order, accumulate, sparse_threshold);
     }
     ctx->save_for_backward({hidden, weight, bias.value_or(at::Tensor()), target,
                             class_weight.value_or(at::Tensor()), lse});
     save_options(ctx, {ignore_index, reduction, label_smoothing, z_loss, softcap});
     ctx->saved_data["order"] = order;
     ctx->saved_data["accumulate"] = accumulate;
+    ctx->saved_data["sparse_threshold"] = sparse_threshold;
     return {loss, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(12);
+    variable_list result(13);
     const at::Tensor& grad_loss = grads[0];
     if (!grad_loss.defined()) return result;
     const variable_list saved = ctx->get_saved_variables();
@@ -379,7 +382,8 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
       return lce_bwd().call(grad_loss, saved[0], saved[1], bias, saved[3], present(saved[4]),
                             saved[5], o.ignore_index, o.reduction, o.label_smoothing, o.z_loss,
                             o.softcap, mask, ctx->saved_data["order"].toInt(),
-                            ctx->saved_data["accumulate"].toInt());
+                            ctx->saved_data["accumulate"].toInt(),
+                            ctx->saved_data["sparse_threshold"].toDouble());
     });
     if (mask[0]) result[0] = std::move(d_hidden);
     if (mask[1]) result[1] = std::move(d_weight);
@@ -409,15 +413,15 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
     const at::Tensor& hidden, const at::Tensor& weight, const opt_tensor& bias,
     const at::Tensor& target, const opt_tensor& class_weight, std::int64_t ignore_index,
     std::int64_t reduction, double label_smoothing, double z_loss, double softcap,
-    std::int64_t order, std::int64_t accumulate) {
+    std::int64_t order, std::int64_t accumulate, double sparse_threshold) {
   if (!records(hidden, weight, bias, target, class_weight)) {
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     return lce_fwd().call(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                          label_smoothing, z_loss, softcap, order, accumulate);
+                          label_smoothing, z_loss, softcap, order, accumulate, sparse_threshold);
   }
   variable_list out = linear_cross_entropy_function::apply(
       hidden, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing, z_loss,
-      softcap, order, accumulate);
+      softcap, order, accumulate, sparse_threshold);
   return {std::move(out[0]), std::move(out[1])};
 }
 

@@ -40,18 +40,20 @@ TORCH_LIBRARY(xent, m) {
       "cross_entropy_bwd_(Tensor grad_output, Tensor(a!) input, Tensor target, Tensor? weight, "
       "Tensor lse, int ignore_index, int reduction, float label_smoothing, float z_loss, "
       "float softcap) -> ()");
-  // The linear ops' order and accumulate, last and defaulted: a training call's memory choices
-  // (xent_ops.h, linear_choices: 0 is xent's default, automatic / fp32); the forward only checks
-  // them, and carries them for the backward of a call that keeps the split path.
+  // The linear ops' order, accumulate and sparse_threshold, last and defaulted: a training call's
+  // choices (xent_ops.h, linear_choices: 0 is xent's default, automatic / fp32 / exact); the
+  // forward only checks them, and carries them for the backward of a call on the split path.
   m.def(
       "linear_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "Tensor? class_weight, int ignore_index, int reduction, float label_smoothing, "
-      "float z_loss, float softcap, int order=0, int accumulate=0) -> (Tensor loss, Tensor lse)");
+      "float z_loss, float softcap, int order=0, int accumulate=0, float sparse_threshold=0.0) "
+      "-> (Tensor loss, Tensor lse)");
   m.def(
       "linear_cross_entropy_bwd(Tensor grad_output, Tensor hidden, Tensor weight, Tensor? bias, "
       "Tensor target, Tensor? class_weight, Tensor lse, int ignore_index, int reduction, "
       "float label_smoothing, float z_loss, float softcap, bool[3] output_mask, int order=0, "
-      "int accumulate=0) -> (Tensor d_hidden, Tensor d_weight, Tensor d_bias)");
+      "int accumulate=0, float sparse_threshold=0.0) -> (Tensor d_hidden, Tensor d_weight, "
+      "Tensor d_bias)");
   // The linear ops' output_mask: which of d_hidden, d_weight, d_bias to compute (a frozen LM head
   // skips its d_weight GEMM); a gradient not asked for is returned empty, (0,).
   // Training in one call for reduction mean or sum: the forward's results and the gradient with
@@ -67,14 +69,15 @@ TORCH_LIBRARY(xent, m) {
   m.def(
       "linear_cross_entropy_fwd_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "Tensor? class_weight, int ignore_index, int reduction, float label_smoothing, "
-      "float z_loss, float softcap, bool[3] output_mask, int order=0, int accumulate=0) "
+      "float z_loss, float softcap, bool[3] output_mask, int order=0, int accumulate=0, "
+      "float sparse_threshold=0.0) "
       "-> (Tensor loss, Tensor lse, Tensor d_hidden, Tensor d_weight, Tensor d_bias)");
   m.def("scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
   // The workspace bytes the linear ops allocate for these shapes, dtype, device and choices
   // (training: the _bwd and _fwd_bwd ops; d_weight: whether the call computes it).
   m.def(
       "linear_workspace_bytes(Tensor hidden, Tensor weight, bool training, bool d_weight, "
-      "int order=0, int accumulate=0) -> int");
+      "int order=0, int accumulate=0, float sparse_threshold=0.0) -> int");
 }
 
 TORCH_LIBRARY_IMPL(xent, CPU, m) {

@@ -469,12 +469,13 @@ struct linear_inputs {
   xent::linear_options opts;
 };
 
-// A training call's memory choices, which the Python side passes as ints, as it does the
-// reduction: order 0 automatic, 1 fast, 2 low_memory (xent::linear_order); accumulate 0 fp32,
-// 1 output (xent::dw_accumulation). The schemas take them after every other argument, with
-// defaults, so a later option (a sparse-backward threshold) can follow them the same way.
+// A training call's choices, which the Python side passes as ints, as it does the reduction:
+// order 0 automatic, 1 fast, 2 low_memory (xent::linear_order); accumulate 0 fp32, 1 output
+// (xent::dw_accumulation); and the sparse backward's threshold (0: exact; xent checks it). The
+// schemas take them after every other argument, with defaults.
 struct linear_choices {
   std::int64_t order = 0, accumulate = 0;
+  double sparse_threshold = 0.0;
 };
 
 inline void set_linear_choices(xent::linear_options& opts, linear_choices c) {
@@ -486,6 +487,7 @@ inline void set_linear_choices(xent::linear_options& opts, linear_choices c) {
                : c.order == 1 ? xent::linear_order::fast
                               : xent::linear_order::low_memory;
   opts.accumulate = c.accumulate == 0 ? xent::dw_accumulation::fp32 : xent::dw_accumulation::output;
+  opts.sparse_threshold = static_cast<float>(c.sparse_threshold);
 }
 
 // A training call without d_weight: its float accumulator would have nothing to sum, so neither
@@ -561,8 +563,11 @@ void run_linear(const linear_inputs& in, xent::linear_pass pass, Run&& run) {
   dispatch<B>(in.hidden, in.tg, [&](auto tag, auto tv) {
     using T = decltype(tag);
     const auto call = B::exec(in.hidden, false, true);
-    const at::Tensor ws = linear_workspace_for<T>(call.exec, in, pass);
-    call_xent([&] { run(call.exec, tag, tv, workspace_of(ws)); });
+    call_xent([&] {
+      // The size query checks the options too (a sparse threshold with the fast order, say).
+      const at::Tensor ws = linear_workspace_for<T>(call.exec, in, pass);
+      run(call.exec, tag, tv, workspace_of(ws));
+    });
   });
 }
 
@@ -571,12 +576,14 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_fwd(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
-    double softcap, std::int64_t order, std::int64_t accumulate) {
+    double softcap, std::int64_t order, std::int64_t accumulate, double sparse_threshold) {
   const typename B::guard device_guard(hidden.device());
-  // A forward has one order: the training choices are only checked.
-  const linear_inputs in =
+  // A forward has one order and no backward: the training choices are only checked.
+  linear_inputs in =
       linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                       label_smoothing, z_loss, softcap, {order, accumulate});
+                       label_smoothing, z_loss, softcap, {order, accumulate, sparse_threshold});
+  call_xent([&] { xent::detail::check_sparse("xent::linear_forward", in.opts); });
+  in.opts.sparse_threshold = 0.0f;
   const loss_outputs out(in.hidden, in.opts.reduce);
   run_linear<B>(in, xent::linear_pass::forward, [&](const auto& exec, auto tag, auto tv, auto ws) {
     using T = decltype(tag);
@@ -617,11 +624,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_bwd(
     const std::optional<at::Tensor>& bias, const at::Tensor& target,
     const std::optional<at::Tensor>& class_weight, const at::Tensor& lse, std::int64_t ignore_index,
     std::int64_t reduction, double label_smoothing, double z_loss, double softcap,
-    std::array<bool, 3> output_mask, std::int64_t order, std::int64_t accumulate) {
+    std::array<bool, 3> output_mask, std::int64_t order, std::int64_t accumulate,
+    double sparse_threshold) {
   const typename B::guard device_guard(hidden.device());
   linear_inputs in =
       linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                       label_smoothing, z_loss, softcap, {order, accumulate});
+                       label_smoothing, z_loss, softcap, {order, accumulate, sparse_threshold});
   const std::int64_t n = in.hidden.size(0);
   const at::Tensor g_out = upstream_tensor(in.hidden, grad_output);
   const at::Tensor saved = saved_lse(in.hidden, lse, n);
@@ -645,11 +653,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const at::Tensor& target, const std::optional<at::Tensor>& class_weight,
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
-    double softcap, std::array<bool, 3> output_mask, std::int64_t order, std::int64_t accumulate) {
+    double softcap, std::array<bool, 3> output_mask, std::int64_t order, std::int64_t accumulate,
+    double sparse_threshold) {
   const typename B::guard device_guard(hidden.device());
   linear_inputs in =
       linear_inputs_of(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                       label_smoothing, z_loss, softcap, {order, accumulate});
+                       label_smoothing, z_loss, softcap, {order, accumulate, sparse_threshold});
   check_fused_reduction(in.opts);
   const loss_outputs out(in.hidden, in.opts.reduce);
   const linear_grad_tensors grads(in, output_mask);
@@ -671,7 +680,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cr
 template <class B>
 std::int64_t linear_workspace_bytes(const at::Tensor& hidden, const at::Tensor& weight,
                                     bool training, bool d_weight, std::int64_t order,
-                                    std::int64_t accumulate) {
+                                    std::int64_t accumulate, double sparse_threshold) {
   check_input_dtype(hidden);
   TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(),
                    "xent: weight must have hidden's dtype ", hidden.scalar_type(), ", got ",
@@ -682,7 +691,7 @@ std::int64_t linear_workspace_bytes(const at::Tensor& hidden, const at::Tensor& 
                     hidden.sizes(), " and ", weight.sizes());
   const typename B::guard device_guard(hidden.device());
   xent::linear_options opts;
-  set_linear_choices(opts, {order, accumulate});
+  set_linear_choices(opts, {order, accumulate, sparse_threshold});
   plan_without_unused_accumulator(opts, d_weight);
   const auto pass = training ? xent::linear_pass::training : xent::linear_pass::forward;
   std::size_t bytes = 0;

@@ -22,7 +22,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .ops import _ACCUMULATIONS, _ORDERS, _linear_choice, _linear_loss
+from .ops import _ACCUMULATIONS, _ORDERS, _linear_choice, _linear_loss, _sparse_threshold
 
 
 def _causal_lm_loss(
@@ -67,7 +67,7 @@ def _causal_lm_loss(
     return loss
 
 
-def patch(model, *, order="automatic", accumulate="fp32"):
+def patch(model, *, order="automatic", accumulate="fp32", sparse_threshold=0.0):
     """Makes `model` (a transformers causal LM: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
     Phi-3, GPT-2 and others whose forward is `loss_function(lm_head(hidden), labels, ...)`)
     compute its training loss by fused linear cross-entropy, in place; returns the model.
@@ -78,11 +78,13 @@ def patch(model, *, order="automatic", accumulate="fp32"):
     logits_to_keep and the config's final_logit_softcapping behave as in the unpatched model.
     Without labels (evaluation, generation) the call is the unpatched forward. The output
     embedding must be a linear layer (a `weight` of (vocab, hidden), optionally a `bias`);
-    patching twice changes nothing (the first patch's options stay). order and accumulate are linear_cross_entropy's training
-    memory choices (order="low_memory": no V x D float buffer), checked here.
+    patching twice changes nothing (the first patch's options stay). order, accumulate and
+    sparse_threshold are linear_cross_entropy's training choices (order="low_memory": no V x D
+    float buffer; sparse_threshold: the sparse backward), checked here.
     """
     _linear_choice("order", order, _ORDERS)
     _linear_choice("accumulate", accumulate, _ACCUMULATIONS)
+    _sparse_threshold(sparse_threshold)
     if getattr(model, "_xent_patched", False):
         return model
     head = model.get_output_embeddings()
@@ -96,7 +98,7 @@ def patch(model, *, order="automatic", accumulate="fp32"):
     if "labels" not in signature.parameters:
         raise TypeError(f"xent.torch.patch: {type(model).__name__}.forward takes no labels")
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    memory = dict(order=order, accumulate=accumulate)
+    memory = dict(order=order, accumulate=accumulate, sparse_threshold=sparse_threshold)
 
     @functools.wraps(forward)
     def fused_forward(*args, **kwargs):

@@ -4,7 +4,14 @@ from typing import Optional
 
 import torch
 
-from .ops import _ACCUMULATIONS, _ORDERS, _linear_choice, cross_entropy, linear_cross_entropy
+from .ops import (
+    _ACCUMULATIONS,
+    _ORDERS,
+    _linear_choice,
+    _sparse_threshold,
+    cross_entropy,
+    linear_cross_entropy,
+)
 
 
 class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
@@ -67,7 +74,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     """Fused LM head + cross-entropy: forward(hidden, weight, target, bias=None) is
     cross_entropy(hidden @ weight.T + bias, target) without the logits
     (xent.torch.linear_cross_entropy). class_weight is torch.nn.CrossEntropyLoss's weight;
-    order and accumulate are linear_cross_entropy's training memory choices (checked here)."""
+    order, accumulate and sparse_threshold are linear_cross_entropy's training choices (checked
+    here)."""
 
     def __init__(
         self,
@@ -80,10 +88,12 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         *,
         order: str = "automatic",
         accumulate: str = "fp32",
+        sparse_threshold: float = 0.0,
     ) -> None:
         super().__init__()
         _linear_choice("order", order, _ORDERS)
         _linear_choice("accumulate", accumulate, _ACCUMULATIONS)
+        _sparse_threshold(sparse_threshold)
         self.register_buffer("class_weight", class_weight)
         self.options = dict(
             ignore_index=ignore_index,
@@ -93,6 +103,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             softcap=softcap,
             order=order,
             accumulate=accumulate,
+            sparse_threshold=sparse_threshold,
         )
 
     def forward(self, hidden, weight, target, bias=None):

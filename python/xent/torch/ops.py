@@ -401,14 +401,23 @@ def cross_entropy(
 
 def _check_linear_choices(choices):
     """The linear ops' refusal of order and accumulate codes outside _ORDERS and _ACCUMULATIONS
-    (csrc/xent_ops.h); `choices` are the ops' trailing arguments, which default to 0."""
-    order, accumulate = (*choices, 0, 0)[:2]
+    (csrc/xent_ops.h) and of a sparse threshold outside [0, 1]; `choices` are the ops' trailing
+    arguments, which default to 0."""
+    order, accumulate, sparse_threshold = (*choices, 0, 0, 0.0)[:3]
     if order not in (0, 1, 2):
         raise ValueError(
             f"xent: order must be 0 (automatic), 1 (fast) or 2 (low_memory), got {order}"
         )
     if accumulate not in (0, 1):
         raise ValueError(f"xent: accumulate must be 0 (fp32) or 1 (output), got {accumulate}")
+    _sparse_threshold(sparse_threshold)
+
+
+def _sparse_threshold(value):
+    """A sparse-backward threshold as a float in [0, 1], or ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"xent: sparse_threshold must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 # The linear ops' arguments after reduction: the loss options (label_smoothing, z_loss, softcap),
@@ -474,6 +483,7 @@ def linear_cross_entropy(
     *,
     order="automatic",
     accumulate="fp32",
+    sparse_threshold=0.0,
 ):
     """cross_entropy(hidden @ weight.T + bias, target, ...) without materialising the logits.
 
@@ -516,6 +526,16 @@ def linear_cross_entropy(
                          per chunk (how much that costs a training run is not measured yet).
                          The same as fp32 for float32 weights and in the low-memory order.
     A value outside these raises ValueError naming the argument.
+
+    sparse_threshold (keyword-only, default 0.0: exact) is the low-memory order's sparse
+    backward (xent::linear_options::sparse_threshold; Cut Cross-Entropy's gradient filtering):
+    the gradient GEMMs skip each tile of rows x classes whose softmax probabilities are all below
+    it and that holds no target. The loss is unchanged; each gradient moves by at most the
+    skipped probabilities' terms (docs/numerics.md), and 2**-12 is a threshold to start from
+    for bfloat16. A training call with a threshold runs the low-memory order (order="fast"
+    raises). CUDA takes it with bfloat16 / float16 inputs, class-id targets, no label_smoothing
+    or softcap and D a multiple of 8; the CPU with every option but softcap with label_smoothing.
+    Elsewhere ValueError names sparse_threshold. A forward without gradients ignores it.
     """
     loss = _linear_loss(
         hidden,
@@ -530,6 +550,7 @@ def linear_cross_entropy(
         softcap,
         order=order,
         accumulate=accumulate,
+        sparse_threshold=sparse_threshold,
     )
     return _result(loss, hidden)
 
@@ -542,13 +563,14 @@ def linear_workspace_bytes(
     d_weight=True,
     order="automatic",
     accumulate="fp32",
+    sparse_threshold=0.0,
 ):
     """The bytes of the workspace linear_cross_entropy allocates for its call on hidden (..., D)
     and weight (V, D) (their shapes, dtype and device; no values are read): a training call
     (training=True: the fused forward+backward, or reduction none's backward) computing d_weight
     or not (a frozen LM head needs no float sum of it), or a forward alone (training=False),
-    with the given order and accumulate (linear_cross_entropy's). The workspace is all the
-    call allocates beyond its inputs, outputs and gradients."""
+    with the given order, accumulate and sparse_threshold (linear_cross_entropy's). The workspace
+    is all the call allocates beyond its inputs, outputs and gradients."""
     h = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() != 2 else hidden
     return torch.ops.xent.linear_workspace_bytes(
         h,
@@ -557,6 +579,7 @@ def linear_workspace_bytes(
         bool(d_weight),
         _linear_choice("order", order, _ORDERS),
         _linear_choice("accumulate", accumulate, _ACCUMULATIONS),
+        _sparse_threshold(sparse_threshold),
     )
 
 
@@ -574,6 +597,7 @@ def _linear_loss(
     *,
     order="automatic",
     accumulate="fp32",
+    sparse_threshold=0.0,
 ):
     """linear_cross_entropy's loss as the op computes it: float32 (float64 for float64 hidden)."""
     code = _REDUCTIONS.get(reduction)
@@ -583,6 +607,7 @@ def _linear_loss(
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     order_code = _linear_choice("order", order, _ORDERS)
     accumulate_code = _linear_choice("accumulate", accumulate, _ACCUMULATIONS)
+    threshold = _sparse_threshold(sparse_threshold)
     shape = hidden.shape
     _check_devices(
         "linear_cross_entropy",
@@ -616,6 +641,7 @@ def _linear_loss(
         0.0 if softcap is None else float(softcap),
         order_code,
         accumulate_code,
+        threshold,
     )[0]
     if code == 0 and len(shape) != 2:
         loss = loss.reshape(shape[:-1])
