@@ -1,9 +1,8 @@
 // Warp-level tensor-core pieces (sm_80 and later): ldmatrix into mma.sync's m16n8k16 fragments,
 // plain or transposed, the bf16 / fp16 mma itself, and cp.async's group fences. The sparse
 // backward's tile GEMM (kernels/sparse_gemm_kernel.cuh) is built from them: its operands come in
-// both majors, and ldmatrix's .trans form takes either from shared memory where wgmma's
-// descriptors would need a layout per major. Below sm_80 the bodies are empty and no kernel
-// reaches them. Included only by nvcc.
+// both majors, and ldmatrix's .trans form reads either from one shared-memory layout. Below sm_80
+// the bodies are empty and no kernel reaches them. Included only by nvcc.
 #pragma once
 
 #include <cuda_bf16.h>

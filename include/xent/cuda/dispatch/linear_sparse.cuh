@@ -119,7 +119,9 @@ void check_sparse(const char* fn, matrix_view<const T> hidden, matrix_view<const
   const std::int64_t list =
       std::max(touched_row_tiles(0, std::max<std::int64_t>(rows, 1)) + 1, sparse_blocks(cols));
   detail::require(sparse_smem(list) <= sparse_smem_limit, fn, arg, [&] {
-    return on + "lists a CTA's steps in shared memory: at most about 40000 row tiles a sub-chunk";
+    return on +
+           "lists a CTA's steps in shared memory: at most 16,000 row tiles (about a million "
+           "rows) a panel sub-chunk";
   });
   const device_facts dev = query_device(fn);
   detail::require(dev.major >= 8, fn, arg, [&] { return on + "needs an sm_80 or later GPU"; });

@@ -13,8 +13,10 @@
 //
 // Tensor cores through mma.sync (sm_80 and later, block/mma.cuh), cp.async stages of 32 columns
 // of K in shared memory padded by 16 bytes a row (ldmatrix then meets no bank conflict), eight
-// warps of 32 x 64 each. Not wgmma: its shared-memory descriptors fix one major per operand, and
-// the three uses take G and both operands in both majors. Included only by nvcc.
+// warps of 32 x 64 each. The three uses take G, X and W in both majors: ldmatrix and its .trans
+// form read either from one padded layout, where wgmma would need a second descriptor layout
+// beside the K-major 128-byte swizzle block/wgmma.cuh builds (a faster kernel, not written yet).
+// Included only by nvcc.
 #pragma once
 
 #include <cuda_bf16.h>
