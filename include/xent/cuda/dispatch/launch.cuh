@@ -63,6 +63,35 @@ inline bool prepare_cluster_kernel(const void* kernel, int device, int dynamic_s
   return clusters;
 }
 
+/// Raises `kernel`'s dynamic shared memory limit on the current device to `bytes`, once per
+/// kernel, device and larger size (a kernel without clusters: prepare_cluster_kernel's twin).
+inline void allow_smem(const char* fn, const void* kernel, int bytes) {
+  struct entry {
+    const void* kernel;
+    int device, bytes;
+  };
+  static std::mutex lock;
+  static std::vector<entry> known;
+  int device = 0;
+  check_cuda(fn, cudaGetDevice(&device));
+  std::lock_guard<std::mutex> hold(lock);
+  for (entry& e : known)
+    if (e.kernel == kernel && e.device == device) {
+      if (e.bytes < bytes) {
+        check_cuda(
+            fn, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        e.bytes = bytes;
+      }
+      return;
+    }
+  check_cuda(fn, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  // All of the SM's unified memory as shared memory: two CTAs of ~100 KiB (the sparse tile GEMM's)
+  // fit an SM.
+  check_cuda(fn, cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared));
+  known.push_back({kernel, device, bytes});
+}
+
 /// The launch attribute of a one-dimensional cluster of `cluster` CTAs.
 inline cudaLaunchAttribute cluster_attribute(int cluster) {
   cudaLaunchAttribute a{};

@@ -134,6 +134,18 @@ void chunk_logits(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n) {
        sizeof(DT), c.plan.ld);
 }
 
+/// d_bias (its float sum) += the column sums of the chunk's n rows of G in the call's logits
+/// buffer (`first`: written, not added).
+template <class T, class G>
+void chunk_bias_grads(const linear_call<T, G>& c, std::int64_t n, bool first) {
+  const std::int64_t V = c.vocab();
+  if (float* db = c.db_sum())
+    if (V > 0)
+      column_sums_kernel<<<static_cast<unsigned>((V + linear_threads - 1) / linear_threads),
+                           linear_threads, 0, c.exec.stream>>>(c.logits(), c.plan.ld, n, V, db,
+                                                               first);
+}
+
 /// d_weight += Gᵀ · X_c, d_bias += column sums of G, d_hidden rows = G · W. With `row_scale`
 /// (the scaled-probabilities path, scaled_probs.cuh: no bias there) the chunk's buffer holds P'
 /// and G = diag(row_scale) P': `x` (leading dimension ldx) is then the hidden rows already
@@ -179,11 +191,7 @@ void chunk_grads(const linear_call<T, G>& c, std::int64_t r0, std::int64_t n, bo
       }
     }
   }
-  if (float* db = c.db_sum()) {
-    if (V > 0)
-      column_sums_kernel<<<static_cast<unsigned>((V + linear_threads - 1) / linear_threads),
-                           linear_threads, 0, s>>>(grad, ld, n, V, db, first);
-  }
+  chunk_bias_grads(c, n, first);
   if (c.d_hidden.data) {
     if constexpr (linear_call<T, G>::float_grads) {
       gemm(c.blas, s, CUBLAS_OP_N, CUBLAS_OP_N, D, n, V, c.weight.data, c.weight.ld, grad, ld, 0.0f,

@@ -312,21 +312,21 @@ void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidde
     // The forward lays out the statistics' region itself, from the same aligned base.
     forward_outputs o = out;
     o.lse = {row_lse, N};
-    const linear_workspace region{ws.data, plan.stats.bytes};
-    bool marked = false;
-    if constexpr (!detail::target_traits<Tgt>::soft) {
-      if (sp) {
-        const auto ids = device_targets(targets).ids;
-        const mark_hook<device_t<T>, std::remove_cv_t<std::remove_pointer_t<decltype(ids)>>> hook{
-            fn, &sp, row_lse, ids, opts.ignore_index, s};
-        run_linear<linear_mode::forward>(fn, exec, hidden, weight, bias, targets, opts, nullptr, {},
-                                         o, linear_grads<T>{}, region, hook);
-        marked = true;
-      }
-    }
-    if (!marked)
+    const auto forward = [&](const auto& hook) {
       run_linear<linear_mode::forward>(fn, exec, hidden, weight, bias, targets, opts, nullptr, {},
-                                       o, linear_grads<T>{}, region);
+                                       o, linear_grads<T>{},
+                                       linear_workspace{ws.data, plan.stats.bytes}, hook);
+    };
+    if constexpr (!detail::target_traits<Tgt>::soft) {
+      const auto ids = device_targets(targets).ids;
+      using I = std::remove_cv_t<std::remove_pointer_t<decltype(ids)>>;
+      if (sp)
+        forward(mark_hook<device_t<T>, I>{fn, &sp, row_lse, ids, opts.ignore_index, s});
+      else
+        forward(no_chunk_hook{});
+    } else {
+      forward(no_chunk_hook{});
+    }
     if (out.lse.data && N > 0)
       check_cuda(fn, cudaMemcpyAsync(out.lse.data, row_lse, sizeof(float) * N,
                                      cudaMemcpyDeviceToDevice, s));

@@ -26,10 +26,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include "../../detail/validate.hpp"
 #include "../../error.hpp"
@@ -125,33 +123,6 @@ void check_sparse(const char* fn, matrix_view<const T> hidden, matrix_view<const
   });
   const device_facts dev = query_device(fn);
   detail::require(dev.major >= 8, fn, arg, [&] { return on + "needs an sm_80 or later GPU"; });
-}
-
-/// Raises `kernel`'s dynamic shared memory limit on the current device to `bytes` once.
-inline void allow_smem(const char* fn, const void* kernel, int bytes) {
-  struct entry {
-    const void* kernel;
-    int device, bytes;
-  };
-  static std::mutex lock;
-  static std::vector<entry> known;
-  int device = 0;
-  check_cuda(fn, cudaGetDevice(&device));
-  std::lock_guard<std::mutex> hold(lock);
-  for (entry& e : known)
-    if (e.kernel == kernel && e.device == device) {
-      if (e.bytes < bytes) {
-        check_cuda(
-            fn, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-        e.bytes = bytes;
-      }
-      return;
-    }
-  check_cuda(fn, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  // All of the SM's unified memory as shared memory: two CTAs of ~100 KiB fit an SM.
-  check_cuda(fn, cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      cudaSharedmemCarveoutMaxShared));
-  known.push_back({kernel, device, bytes});
 }
 
 /// One launch of the tile GEMM over m_tiles x n_tiles output tiles, step lists of up to `list`
@@ -285,9 +256,7 @@ void sparse_grads(const linear_call<T, G>& c, const sparse_state& sp, std::int64
           fn, sg::weight_op<DT, DG>{g, x, c.d_weight.data, c.d_weight.ld, 0.0f, f, tiles},
           class_tiles, d_tiles, row_tiles, 2 * sg::bm * n, s);
   }
-  if (float* db = c.db_sum())
-    column_sums_kernel<<<static_cast<unsigned>((P + linear_threads - 1) / linear_threads),
-                         linear_threads, 0, s>>>(c.logits(), c.plan.ld, n, P, db, first);
+  chunk_bias_grads(c, n, first);
   if (dx)
     launch_tile_gemm<DT>(fn,
                          sg::hidden_op<DT>{g,

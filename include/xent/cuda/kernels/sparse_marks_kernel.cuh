@@ -12,12 +12,20 @@
 
 #include "../../online_lse.hpp"
 #include "../block/dtype.cuh"
+#include "../block/row_reduce.cuh"
 #include "../cuda.cuh"
 #include "sparse_gemm_kernel.cuh"
 
 namespace xent {
 namespace cuda_detail {
 namespace sparse_gemm {
+
+/// Whether a row (class id y, not ignored) keeps the tile of classes [first, first + 256) whose
+/// largest logit is m: its target is there, or some p = exp(z - lse) may reach tau (NaN keeps).
+__device__ __forceinline__ bool keeps_tile(std::int64_t y, std::int64_t first, float m, float lse,
+                                           float log_tau) {
+  return (y >= first && y < first + flag_cols) || !(m - lse < log_tau);
+}
 
 /// Marks the hot tiles among rows [0, n) x columns [0, cols) of `logits` (ld elements apart,
 /// rows 16-byte aligned): row i is the call's row r0 + i (its LSE lse[i], its class id
@@ -53,12 +61,10 @@ XENT_KERNEL void mark_kernel(const T* logits, std::int64_t ld, std::int64_t cols
       m = fmaxf(m, f);
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  m = warp_max(m);
   nan = __any_sync(0xffffffffu, nan);
   if (lane != 0) return;
-  const bool target = y >= c0 + j0 && y < c0 + j0 + flag_cols;
-  if (nan || target || !(m - lse[row] < log_tau))
+  if (nan || keeps_tile(y, c0 + j0, m, lse[row], log_tau))
     flags[(r0 + row) / flag_rows * ld_flags + (c0 + j0) / flag_cols] = 1;
 }
 
@@ -75,8 +81,7 @@ XENT_KERNEL void mark_partials_kernel(const online_lse* partials, std::int64_t c
   const std::int64_t row = i / col_tiles, t = i % col_tiles;
   const auto y = static_cast<std::int64_t>(targets[row]);
   if (y == ignore_index) return;
-  const bool target = y >= t * flag_cols && y < (t + 1) * flag_cols;
-  if (target || !(partials[i].max - lse[row] < log_tau))
+  if (keeps_tile(y, t * flag_cols, partials[i].max, lse[row], log_tau))
     flags[(r0 + row) / flag_rows * col_tiles + t] = 1;
 }
 
