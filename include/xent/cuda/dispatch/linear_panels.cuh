@@ -233,23 +233,32 @@ void run_panels(const char* fn, const cuda& exec, const cublas_scope& blas,
         detail::panel_grads(grads, v0, nb), plan.panel, ws);
     for (std::int64_t r0 = 0; r0 < N; r0 += plan.panel.chunk_rows) {
       const std::int64_t n = std::min(plan.panel.chunk_rows, N - r0);
-      if (sp && sp.marked)
-        sparse_logits(c, sp, v0, r0, n);
-      else
-        chunk_logits(c, r0, n);
+      const matrix_view<T> tile(reinterpret_cast<T*>(c.logits()), n, nb, plan.panel.ld);
+      const vocab_shard panel{shard.first + v0, shard.vocab};
+      const auto panel_targets = panel_device_targets(targets, r0, n, v0, nb);
+      const upstream panel_up = chunk_upstream(up, opts, totals, r0, n);
+      int* const errors = v0 == 0 ? error_count : nullptr;
       if constexpr (!detail::target_traits<Tgt>::soft) {
-        if (sp && !sp.marked) {
+        if (sp && sp.marked) {  // the hot tiles' GEMM forms their gradient: no logits stored
+          sparse_gradient(c, sp, v0, r0, n,
+                          gradient_args(exec, matrix_view<const T>(tile), panel, panel_targets,
+                                        core, lse + r0, nullptr, panel_up, tile, errors));
+          count_tiles(fn, sp, r0, n, v0, nb, s);
+          sparse_grads(c, sp, v0, r0, n, r0 == 0, dx, ldx, v0 == 0);
+          continue;
+        }
+      }
+      chunk_logits(c, r0, n);
+      if constexpr (!detail::target_traits<Tgt>::soft) {
+        if (sp) {
           clear_flags(fn, sp, r0, n, s);
           mark_tiles(fn, sp, static_cast<const DT*>(c.logits()), plan.panel.ld, n, nb, lse + r0,
-                     device_targets(targets).ids + r0, opts.ignore_index, r0, v0, s);
+                     panel_targets.ids, opts.ignore_index, r0, v0, s);
         }
       }
       if (sp) count_tiles(fn, sp, r0, n, v0, nb, s);
-      const matrix_view<T> tile(reinterpret_cast<T*>(c.logits()), n, nb, plan.panel.ld);
-      vp_gradient(fn, exec, matrix_view<const T>(tile), vocab_shard{shard.first + v0, shard.vocab},
-                  panel_device_targets(targets, r0, n, v0, nb), core, lse + r0,
-                  mass ? mass + r0 : nullptr, chunk_upstream(up, opts, totals, r0, n), tile,
-                  v0 == 0 ? error_count : nullptr);
+      vp_gradient(fn, exec, matrix_view<const T>(tile), panel, panel_targets, core, lse + r0,
+                  mass ? mass + r0 : nullptr, panel_up, tile, errors);
       if (sp) {
         sparse_grads(c, sp, v0, r0, n, r0 == 0, dx, ldx, v0 == 0);
         continue;

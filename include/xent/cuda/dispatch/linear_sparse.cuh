@@ -1,11 +1,12 @@
 // The sparse backward of the low-memory order on one GPU (linear_options::sparse_threshold tau):
 // tiles of 64 global rows x 256 classes, a byte of flags each in the workspace. linear_panels.cuh
-// calls these steps around its dense gradient pass:
+// calls these steps in place of its dense gradient pass (forward_backward) or around it
+// (linear_backward):
 //   forward_backward: the statistics pass (the exact forward, unchanged) marks the hot tiles from
 //     each chunk's logits and LSE after its row pass, or on Hopper's statistics GEMM from each
 //     launch's row partials (a row's max over each 256 classes) and merged LSE (mark_hook); then
-//     per panel sub-chunk the hot tiles' logits alone (sparse_logits: T's lowest finite value in
-//     the cold ones, whose gradient the dense pass writes as exactly 0), the gradient pass, and
+//     per panel sub-chunk the hot tiles' logit gradient alone, formed from the logits in the
+//     GEMM's epilogue (sparse_gradient: zeros in the cold tiles, no dense gradient pass), then
 //     d_weight, d_bias and d_hidden over the hot tiles alone (sparse_grads);
 //   linear_backward (no statistics pass): each panel sub-chunk's logits whole (cuBLAS), its tiles
 //     marked from them before the gradient pass, then sparse_grads.
@@ -207,21 +208,26 @@ inline void clear_flags(const char* fn, const sparse_state& sp, std::int64_t r0,
                                  static_cast<std::size_t>(touched_row_tiles(r0, n) * sp.ld), s));
 }
 
-/// The hot tiles' logits of rows [r0, r0 + n) for the panel call `c` (its weight and bias the
-/// panel's, its first class v0), T's lowest finite value in the cold tiles.
-template <class T, class G>
-void sparse_logits(const linear_call<T, G>& c, const sparse_state& sp, std::int64_t v0,
-                   std::int64_t r0, std::int64_t n) {
+/// The logit gradient of rows [r0, r0 + n) for the panel call `c` (its weight and bias the
+/// panel's, its first class v0) over the hot tiles, zeros in the cold ones, into the panel's
+/// logits buffer. `rows`: the sub-chunk's rows as the dense gradient pass gets them
+/// (gradient_args).
+template <class T, class G, class Tgt>
+void sparse_gradient(
+    const linear_call<T, G>& c, const sparse_state& sp, std::int64_t v0, std::int64_t r0,
+    std::int64_t n,
+    const row_args<typename linear_call<T, G>::DT, typename linear_call<T, G>::DT, Tgt>& rows) {
   using DT = typename linear_call<T, G>::DT;
   namespace sg = sparse_gemm;
   const std::int64_t P = c.vocab(), D = c.dim();
-  const sg::logits_op<DT> op{{c.hidden_row(r0), c.hidden.ld, n, D},
-                             {c.weight.data, c.weight.ld, P, D},
-                             c.bias,
-                             c.logits(),
-                             c.plan.ld,
-                             {sp.flags, sp.ld, v0 / sg::flag_cols},
-                             {r0, n}};
+  const sg::gradient_op<DT, Tgt> op{{c.hidden_row(r0), c.hidden.ld, n, D},
+                                    {c.weight.data, c.weight.ld, P, D},
+                                    c.bias,
+                                    c.logits(),
+                                    c.plan.ld,
+                                    {sp.flags, sp.ld, v0 / sg::flag_cols},
+                                    {r0, n},
+                                    rows};
   launch_tile_gemm<DT>(c.blas.fn(), op, touched_row_tiles(r0, n), sparse_blocks(P), 0,
                        2 * sparse_gemm::bm * D, c.exec.stream);
 }

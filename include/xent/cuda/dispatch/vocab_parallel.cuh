@@ -110,12 +110,15 @@ row_args<device_t<T>, device_t<G>, Tgt> shard_args(const cuda& exec, matrix_view
   return a;
 }
 
-/// Step 5: this rank's gradient shard from each row's LSE (and, soft targets, mass).
+/// Step 5's arguments: the gradient shard `grad` of `logits` from each row's LSE (and, soft
+/// targets, mass), as the row kernel's backward pass takes them (and the sparse backward's
+/// gradient epilogue, linear_sparse.cuh).
 template <class T, class Tgt, class G>
-void vp_gradient(const char* fn, const cuda& exec, matrix_view<const T> logits, vocab_shard shard,
-                 Tgt targets, const options& opts, const float* lse, const float* mass,
-                 const upstream& up, matrix_view<G> grad, int* error_count) {
-  if (logits.rows == 0 || logits.cols == 0) return;
+row_args<device_t<T>, device_t<G>, Tgt> gradient_args(const cuda& exec, matrix_view<const T> logits,
+                                                      vocab_shard shard, Tgt targets,
+                                                      const options& opts, const float* lse,
+                                                      const float* mass, const upstream& up,
+                                                      matrix_view<G> grad, int* error_count) {
   auto a = shard_args<T, G>(exec, logits, shard, targets, opts);
   a.lse_in = lse;
   a.mass_in = mass;
@@ -125,6 +128,17 @@ void vp_gradient(const char* fn, const cuda& exec, matrix_view<const T> logits, 
   a.scale_ptr = up.scale_ptr;
   a.up_rows = up.rows.data;
   a.error_count = error_count;
+  return a;
+}
+
+/// Step 5: this rank's gradient shard from each row's LSE (and, soft targets, mass).
+template <class T, class Tgt, class G>
+void vp_gradient(const char* fn, const cuda& exec, matrix_view<const T> logits, vocab_shard shard,
+                 Tgt targets, const options& opts, const float* lse, const float* mass,
+                 const upstream& up, matrix_view<G> grad, int* error_count) {
+  if (logits.rows == 0 || logits.cols == 0) return;
+  const auto a =
+      gradient_args(exec, logits, shard, targets, opts, lse, mass, up, grad, error_count);
   const bool aligned = aligned16(logits.data, logits.ld * std::int64_t{sizeof(T)}) &&
                        aligned16(grad.data, grad.ld * std::int64_t{sizeof(G)});
   dispatch_rows<pass::backward>(fn, exec, a, aligned);

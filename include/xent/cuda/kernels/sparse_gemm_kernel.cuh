@@ -3,9 +3,9 @@
 // output and first lists, in order, the k-steps its flags leave hot (so each output's sum runs in
 // the same order on every call: the results are deterministic); a cold output tile runs no step.
 // The three uses, over a panel of classes [v0, v0 + P) and a sub-chunk of rows [r0, r0 + n):
-//   logits  L = X · W_panelᵀ (+ b) for hot (64-row, 256-class) tiles; a cold tile gets T's lowest
-//           finite value, whose probability is exactly 0, so the dense gradient pass after it
-//           writes zeros there and every later dense reader (d_bias's column sums) stays exact;
+//   gradient G = the logit gradient of L = X · W_panelᵀ (+ b) for hot (64-row, 256-class) tiles,
+//           formed from L in the epilogue; a cold tile gets zeros (its dropped terms), so every
+//           later dense reader (d_bias's column sums) sees the sparse gradient whole;
 //   d_hidden dx[rows] (+)= G · W_panel, K = the panel's classes, over each row tile's hot blocks;
 //   d_weight dW[panel] (+)= Gᵀ · X, K = the rows, over each 64-class tile's hot row tiles.
 // Flags are a byte per (64 global rows, 256 classes of the call); row tiles are aligned to global
@@ -29,13 +29,15 @@
 #include "../block/async_copy.cuh"
 #include "../block/dtype.cuh"
 #include "../block/mma.cuh"
+#include "../block/row_args.cuh"
+#include "../block/tile_gradient.cuh"
 
 namespace xent {
 namespace cuda_detail {
 namespace sparse_gemm {
 
 constexpr int bm = 64, bn = 256, bk = 32, stages = 4, threads = 256, pad = 8;
-/// A flag's rows and classes: the output tiles' rows and (logits, d_weight's 64-class tiles
+/// A flag's rows and classes: the output tiles' rows and (gradient, d_weight's 64-class tiles
 /// inside one) classes line up with them.
 constexpr int flag_rows = 64, flag_cols = 256;
 constexpr int warps = threads / 32;
@@ -47,12 +49,6 @@ constexpr int tile_bytes = Outer*(Inner + pad) * 2;
 constexpr int stage_bytes = tile_bytes<bm, bk> + tile_bytes<bn, bk>;
 /// Dynamic shared memory of a launch whose step lists hold up to `list` entries.
 constexpr int smem_bytes(int list) { return stages * stage_bytes + (list + warps) * 4; }
-
-/// T's lowest finite value: exp(lowest - lse) is exactly 0 in float, and no inf enters a sum.
-template <class T>
-__device__ __forceinline__ float lowest_finite() {
-  return std::is_same<T, __half>::value ? -65504.0f : -0x1.fep127f;
-}
 
 /// Writes `value` over rows [r0, r0 + 64) x columns [c0, c0 + 256) of a row-major matrix (rows
 /// x cols, ld apart), clipped to it: a warp a row at a time, 16-byte stores where the row's
@@ -182,18 +178,22 @@ __device__ __forceinline__ tile grouped_tile(std::int64_t id, std::int64_t m_til
   return {first + id % span % rows, id % span / rows};
 }
 
-/// L = X · W_panelᵀ (+ bias) for the hot tiles, T's lowest finite value in the cold ones. Tile
-/// (m, n): row tile m of the sub-chunk, block n of the panel.
-template <class T>
-struct logits_op {
+/// The logit gradient of the hot tiles, 0 in the cold ones (exactly their dropped terms), from
+/// L = X · W_panelᵀ (+ bias) in float: the dense gradient pass's g (alpha p_c - w_y [c = y]) with
+/// backward_row's constants (class ids, no smoothing or softcap: check_sparse), so no logits are
+/// stored and no pass reads them back. Tile (m, n): row tile m of the sub-chunk, block n of the
+/// panel.
+template <class T, class Tgt>
+struct gradient_op {
   static constexpr bool a_kmajor = true, b_kmajor = true;
   operand<T> x;   ///< the sub-chunk's hidden rows, n x D
   operand<T> w;   ///< the panel's weight rows, P x D
   const T* bias;  ///< the panel's, or null
-  T* out;         ///< n x P logits, ld_out apart
+  T* out;         ///< n x P logit gradient, ld_out apart
   std::int64_t ld_out;
   flags_view flags;
   row_tiles tiles;
+  row_args<T, T, Tgt> rows;  ///< the sub-chunk's rows as the dense pass gets them (vp_gradient)
 
   __device__ int prepare(const tile& t, int*, int*) const {
     return flags.hot(tiles.first() + t.m, t.n) ? static_cast<int>((x.cols + bk - 1) / bk) : 0;
@@ -207,7 +207,7 @@ struct logits_op {
   }
   /// A cold tile's output.
   __device__ void fill(const tile& t) const {
-    fill_tile(out, ld_out, x.rows, w.rows, m0(t), n0(t), from_float<T>(lowest_finite<T>()));
+    fill_tile(out, ld_out, x.rows, w.rows, m0(t), n0(t), from_float<T>(0.0f));
   }
   /// Elements (row, col) and (row, col + 1) of a hot tile.
   __device__ void store(const tile& t, int row, int col, float v0, float v1) const {
@@ -216,6 +216,15 @@ struct logits_op {
     if (bias) {
       v0 += c < w.rows ? to_float(bias[c]) : 0.0f;
       v1 += c + 1 < w.rows ? to_float(bias[c + 1]) : 0.0f;
+    }
+    const auto y = static_cast<std::int64_t>(rows.targets.ids[r]);
+    if (skipped_target(rows, y)) {  // ignored or out of range: a zero row, as the dense pass's
+      v0 = v1 = 0.0f;
+    } else {
+      const row_gradient rg = backward_row(rows, r, y, rows.lse_in[r], 0.0);
+      const float ga = rg.g * rg.alpha, gw = rg.g * rg.w_y;
+      v0 = ga * expf(v0 - rg.lse) - (c == rg.y ? gw : 0.0f);
+      v1 = ga * expf(v1 - rg.lse) - (c + 1 == rg.y ? gw : 0.0f);
     }
     store_pair(out + r * ld_out + c, c, w.rows, from_float<T>(v0), from_float<T>(v1));
   }
