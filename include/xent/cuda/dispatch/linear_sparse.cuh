@@ -194,7 +194,7 @@ inline void count_tiles(const char* fn, const sparse_state& sp, std::int64_t r0,
   const std::int64_t rows = touched_row_tiles(r0, n), blocks = sparse_blocks(cols);
   const std::int64_t ctas = std::min<std::int64_t>(
       1024, (rows * blocks + sparse_gemm::threads - 1) / sparse_gemm::threads);
-  sparse_gemm::count_kernel<<<static_cast<unsigned>(ctas), sparse_gemm::threads, 0, s>>>(
+  sparse_gemm::count_kernel<><<<static_cast<unsigned>(ctas), sparse_gemm::threads, 0, s>>>(
       sp.flags, sp.ld, r0 / sparse_gemm::flag_rows, rows, v0 / sparse_gemm::flag_cols, blocks,
       sp.counts);
   check_cuda(fn, cudaGetLastError());

@@ -87,14 +87,16 @@ XENT_KERNEL void mark_partials_kernel(const online_lse* partials, std::int64_t c
 
 /// Adds to counts[0] the tiles of row tiles [rt0, rt0 + rows) x blocks [b0, b0 + blocks) of the
 /// flags, and to counts[1] the cold ones among them (linear_sparse_counts's fields, in device
-/// memory).
+/// memory). A template, as every kernel of a header: a plain __global__ is defined in each
+/// translation unit that includes it (tests/cuda/link_check.cu).
+template <int Threads = threads>
 XENT_KERNEL void count_kernel(const unsigned char* flags, std::int64_t ld_flags, std::int64_t rt0,
                               std::int64_t rows, std::int64_t b0, std::int64_t blocks,
                               unsigned long long* counts) {
   unsigned long long cold = 0;
   const std::int64_t total = rows * blocks;
-  for (std::int64_t i = blockIdx.x * std::int64_t{threads} + threadIdx.x; i < total;
-       i += std::int64_t{gridDim.x} * threads)
+  for (std::int64_t i = blockIdx.x * std::int64_t{Threads} + threadIdx.x; i < total;
+       i += std::int64_t{gridDim.x} * Threads)
     cold += flags[(rt0 + i / blocks) * ld_flags + b0 + i % blocks] == 0;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) cold += __shfl_xor_sync(0xffffffffu, cold, o);
