@@ -80,6 +80,7 @@ struct low_memory_plan {
   std::size_t mass = linear_absent;
   std::size_t dx = linear_absent;     ///< N x D floats (G not float)
   std::size_t flags = linear_absent;  ///< the sparse backward's tile flags (linear_sparse.cuh)
+  std::size_t hot = linear_absent;    ///< and a panel sub-chunk's list of hot tiles
   std::size_t end = 0;                ///< the end of the last buffer, from the aligned base
   std::size_t bytes = 0;
 };
@@ -112,6 +113,9 @@ low_memory_plan make_low_memory_plan(const linear_shape& s, std::int64_t rows, s
   p.dx = at.take(sizeof(float) * N * D, narrow_grads);
   p.flags =
       at.take(static_cast<std::size_t>(sparse_row_tiles(s.rows) * sparse_blocks(s.vocab)), sparse);
+  p.hot = at.take(sizeof(int) * static_cast<std::size_t>(
+                                    sparse_list_ints(std::min(p.panel.chunk_rows, s.rows), p.cols)),
+                  sparse);
   p.end = at.end;
   p.bytes = at.end + linear_alignment;
   return p;
@@ -308,6 +312,8 @@ void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidde
   sparse_state sp;
   if (sparse) {
     sp.flags = reinterpret_cast<unsigned char*>(base + plan.flags);
+    sp.list = reinterpret_cast<int*>(base + plan.hot);
+    sp.sms = query_device(fn).sms;
     sp.ld = sparse_blocks(V);
     sp.log_tau = std::log(opts.sparse_threshold);
     sp.counts = reinterpret_cast<unsigned long long*>(opts.sparse_counts);

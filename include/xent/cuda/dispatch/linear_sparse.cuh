@@ -65,9 +65,18 @@ template <class DT>
 constexpr bool sparse_dtype =
     std::is_same<DT, __nv_bfloat16>::value || std::is_same<DT, __half>::value;
 
+/// The hot-tile list of a panel sub-chunk of `rows` rows and `cols` classes: its entries (the
+/// sub-chunk's row tiles, one more where it straddles them, times the panel's blocks), then a
+/// count and a counter.
+inline std::int64_t sparse_list_ints(std::int64_t rows, std::int64_t cols) {
+  return (sparse_row_tiles(rows) + 1) * sparse_blocks(cols) + 2;
+}
+
 /// What a call's sparse steps share. Null flags: the call is exact.
 struct sparse_state {
   unsigned char* flags = nullptr;
+  int* list = nullptr;  ///< sparse_list_ints of the panel plan: hot logits tiles, count, counter
+  int sms = 0;
   std::int64_t ld = 0;  ///< blocks of the call's vocabulary
   float log_tau = 0.0f;
   unsigned long long* counts = nullptr;  ///< linear_sparse_counts in device memory, or null
@@ -228,8 +237,29 @@ void sparse_gradient(
                                     {sp.flags, sp.ld, v0 / sg::flag_cols},
                                     {r0, n},
                                     rows};
-  launch_tile_gemm<DT>(c.blas.fn(), op, touched_row_tiles(r0, n), sparse_blocks(P), 0,
-                       2 * sparse_gemm::bm * D, c.exec.stream);
+  if constexpr (sparse_dtype<DT>) {
+    const char* fn = c.blas.fn();
+    const cudaStream_t s = c.exec.stream;
+    const std::int64_t row_tiles = touched_row_tiles(r0, n), blocks = sparse_blocks(P);
+    if (n <= 0 || P <= 0) return;
+    // Zeros (the cold tiles' gradient) over the whole panel at the copy roof, then the hot tiles.
+    const std::int64_t vectors = n * ((P + 7) / 8);
+    sg::fill_kernel<DT><<<static_cast<unsigned>(std::min<std::int64_t>(
+                              4096, (vectors + sg::threads - 1) / sg::threads)),
+                          sg::threads, 0, s>>>(c.logits(), c.plan.ld, n, P, 0.0f);
+    int* const items = sp.list;
+    int* const count = items + row_tiles * blocks;
+    sg::list_kernel<><<<1, sg::list_threads, 0, s>>>(sp.flags, sp.ld, r0 / sg::flag_rows, row_tiles,
+                                                     v0 / sg::flag_cols, blocks, items, count,
+                                                     count + 1);
+    check_cuda(fn, cudaGetLastError());
+    const int smem = sparse_smem(0);
+    const auto kernel = sg::tile_list_kernel<DT, sg::gradient_op<DT, Tgt>>;
+    allow_smem(fn, reinterpret_cast<const void*>(kernel), smem);
+    kernel<<<static_cast<unsigned>(std::min<std::int64_t>(row_tiles * blocks, 2 * sp.sms)),
+             sg::threads, static_cast<std::size_t>(smem), s>>>(op, items, count, count + 1, blocks);
+    check_cuda(fn, cudaGetLastError());
+  }
 }
 
 /// d_weight[panel] and d_bias[panel] from rows [r0, r0 + n)'s logit gradient (`first`: the

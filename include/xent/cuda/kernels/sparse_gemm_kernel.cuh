@@ -31,6 +31,7 @@
 #include "../block/mma.cuh"
 #include "../block/row_args.cuh"
 #include "../block/tile_gradient.cuh"
+#include "../cuda.cuh"
 
 namespace xent {
 namespace cuda_detail {
@@ -72,6 +73,29 @@ __device__ void fill_tile(O* out, std::int64_t ld, std::int64_t rows, std::int64
       else
         for (std::int64_t k = c; k < c + per && k < cols; ++k) row[k] = value;
     }
+  }
+}
+
+/// Writes `value` (rounded to T) over rows [0, rows) x columns [0, cols) of `out` (ld apart, rows
+/// 16-byte aligned), 16 bytes a thread: the cold tiles' gradient of a panel sub-chunk before its
+/// hot tiles are written over them.
+template <class T>
+XENT_KERNEL void fill_kernel(T* out, std::int64_t ld, std::int64_t rows, std::int64_t cols,
+                             float value) {
+  constexpr int per = 16 / sizeof(T);
+  const T x = from_float<T>(value);
+  vec_t<T, per> v;
+#pragma unroll
+  for (int k = 0; k < per; ++k) v.v[k] = x;
+  const std::int64_t vectors = (cols + per - 1) / per;
+  for (std::int64_t i = blockIdx.x * std::int64_t{threads} + threadIdx.x; i < rows * vectors;
+       i += std::int64_t{gridDim.x} * threads) {
+    const std::int64_t r = i / vectors, c = i % vectors * per;
+    T* o = out + r * ld;
+    if (c + per <= cols)
+      store_vec<T, per>(o + c, v);
+    else
+      for (std::int64_t k = c; k < cols; ++k) o[k] = x;
   }
 }
 
@@ -118,25 +142,27 @@ __device__ __forceinline__ void load_tile(T* dst, const operand<T>& src, std::in
   }
 }
 
-/// Appends, in order, each i in [0, n) with hot(i) to `list` (shared memory; `counts` is warps
-/// ints of it) and returns how many: every thread of the CTA calls it and gets the count.
-template <class Hot>
-__device__ int compact(int n, Hot hot, int* list, int* counts) {
+/// Appends, in order, each i in [0, n) with hot(i) to `list` (`counts`: Threads / 32 ints of
+/// shared memory) and returns how many: every thread of the CTA (Threads of them) calls it and
+/// gets the count.
+template <int Threads = threads, class Hot, class Index>
+__device__ Index compact(Index n, Hot hot, int* list, int* counts) {
+  constexpr int warps_ = Threads / 32;
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
-  int total = 0;
-  for (int base = 0; base < n; base += threads) {
-    const int i = base + static_cast<int>(threadIdx.x);
+  Index total = 0;
+  for (Index base = 0; base < n; base += Threads) {
+    const Index i = base + static_cast<Index>(threadIdx.x);
     const bool h = i < n && hot(i);
     const unsigned ballot = __ballot_sync(0xffffffffu, h);
     if (lane == 0) counts[warp] = __popc(ballot);
     __syncthreads();
-    int before = total, sum = 0;
+    Index before = total, sum = 0;
 #pragma unroll
-    for (int w = 0; w < warps; ++w) {
+    for (int w = 0; w < warps_; ++w) {
       before += w < warp ? counts[w] : 0;
       sum += counts[w];
     }
-    if (h) list[before + __popc(ballot & ((1u << lane) - 1u))] = i;
+    if (h) list[before + __popc(ballot & ((1u << lane) - 1u))] = static_cast<int>(i);
     total += sum;
     __syncthreads();
   }
@@ -217,6 +243,10 @@ struct gradient_op {
       v0 += c < w.rows ? to_float(bias[c]) : 0.0f;
       v1 += c + 1 < w.rows ? to_float(bias[c + 1]) : 0.0f;
     }
+    // The logits rounded to T, as the exact order stores them: the LSE is of those (stats_gemm),
+    // and p from unrounded ones would not sum to 1 (bf16's step at |z| = 30 is 0.125).
+    v0 = to_float(from_float<T>(v0));
+    v1 = to_float(from_float<T>(v1));
     const auto y = static_cast<std::int64_t>(rows.targets.ids[r]);
     if (skipped_target(rows, y)) {  // ignored or out of range: a zero row, as the dense pass's
       v0 = v1 = 0.0f;
@@ -323,17 +353,14 @@ struct weight_op {
   }
 };
 
-/// One output tile of `op` (a use above) per CTA, m_tiles x n_tiles of them in groups of `group`
-/// M tiles (grouped_tile): its hot k-steps through `stages` cp.async stages. prepare answers the
-/// steps: 0 for a tile whose output is a constant (op.fill), -1 for one that writes nothing.
+/// Output tile `t` of `op` (a use above) by the whole CTA, `smem` its dynamic shared memory: the
+/// tile's hot k-steps through `stages` cp.async stages. prepare answers the steps: 0 for a tile
+/// whose output is a constant (op.fill), -1 for one that writes nothing.
 template <class T, class Op>
-__global__ void __launch_bounds__(threads, 2)
-    tile_gemm_kernel(const Op op, std::int64_t m_tiles, std::int64_t n_tiles, std::int64_t group) {
+__device__ void run_tile(const Op& op, const tile& t, unsigned char* smem) {
   namespace wm = warp_mma;
-  extern __shared__ __align__(16) unsigned char smem[];
   int* const list = reinterpret_cast<int*>(smem + stages * stage_bytes);
   int* const counts = list;  // compact's scratch, read before the list is written past it
-  const tile t = grouped_tile(blockIdx.x, m_tiles, n_tiles, group);
   const int prepared = op.prepare(t, list + warps, counts);
   if (prepared <= 0) {
     if (prepared == 0) op.fill(t);
@@ -406,6 +433,36 @@ __global__ void __launch_bounds__(threads, 2)
       op.store(t, row, col, acc[mi][nj][0], acc[mi][nj][1]);
       op.store(t, row + 8, col, acc[mi][nj][2], acc[mi][nj][3]);
     }
+}
+
+/// One output tile per CTA, m_tiles x n_tiles of them in groups of `group` M tiles
+/// (grouped_tile).
+template <class T, class Op>
+__global__ void __launch_bounds__(threads, 2)
+    tile_gemm_kernel(const Op op, std::int64_t m_tiles, std::int64_t n_tiles, std::int64_t group) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  run_tile<T>(op, grouped_tile(blockIdx.x, m_tiles, n_tiles, group), smem);
+}
+
+/// The tiles listed in items[0, *count) (each m * n_tiles + n), taken one at a time from the
+/// shared counter *next by persistent CTAs: a panel whose tiles are mostly cold launches no CTA
+/// for them (a CTA's start and end held each of them ~26 us on an H100 where its work took ~2).
+/// Each tile's result is its own whatever CTA computes it.
+template <class T, class Op>
+__global__ void __launch_bounds__(threads, 2)
+    tile_list_kernel(const Op op, const int* items, const int* count, int* next,
+                     std::int64_t n_tiles) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int item;
+  for (;;) {
+    if (threadIdx.x == 0) item = atomicAdd(next, 1);
+    __syncthreads();
+    const int i = item;
+    if (i >= *count) return;
+    const std::int64_t code = items[i];
+    run_tile<T>(op, tile{code / n_tiles, code % n_tiles}, smem);
+    __syncthreads();  // the stages and `item` are the next tile's
+  }
 }
 
 }  // namespace sparse_gemm

@@ -85,6 +85,28 @@ XENT_KERNEL void mark_partials_kernel(const online_lse* partials, std::int64_t c
     flags[(r0 + row) / flag_rows * col_tiles + t] = 1;
 }
 
+/// Threads of list_kernel's one CTA.
+constexpr int list_threads = 1024;
+
+/// Lists, in order, the hot tiles among row tiles [rt0, rt0 + rows) x blocks [b0, b0 + blocks)
+/// of the flags: items[k] = i * blocks + j for the k-th hot tile (rt0 + i, b0 + j); *count says
+/// how many, and *next (tile_list_kernel's counter) starts at 0. One CTA of list_threads (a
+/// template for count_kernel's reason).
+template <int Threads = list_threads>
+XENT_KERNEL void list_kernel(const unsigned char* flags, std::int64_t ld_flags, std::int64_t rt0,
+                             std::int64_t rows, std::int64_t b0, std::int64_t blocks, int* items,
+                             int* count, int* next) {
+  __shared__ int counts[Threads / 32];
+  const std::int64_t hot = compact<Threads>(
+      rows * blocks,
+      [&](std::int64_t i) { return flags[(rt0 + i / blocks) * ld_flags + b0 + i % blocks] != 0; },
+      items, counts);
+  if (threadIdx.x == 0) {
+    *count = static_cast<int>(hot);
+    *next = 0;
+  }
+}
+
 /// Adds to counts[0] the tiles of row tiles [rt0, rt0 + rows) x blocks [b0, b0 + blocks) of the
 /// flags, and to counts[1] the cold ones among them (linear_sparse_counts's fields, in device
 /// memory). A template, as every kernel of a header: a plain __global__ is defined in each
