@@ -65,19 +65,17 @@ template <class DT>
 constexpr bool sparse_dtype =
     std::is_same<DT, __nv_bfloat16>::value || std::is_same<DT, __half>::value;
 
-/// The hot-item list of a panel sub-chunk of `rows` rows and `cols` classes (launch_listed's: its
-/// tiles, row tiles or 64-class tiles, whichever are most; the row tiles one more where the
-/// sub-chunk straddles them), then a count and a counter.
+/// The hot-tile list of a panel sub-chunk of `rows` rows and `cols` classes: its entries (the
+/// sub-chunk's row tiles, one more where it straddles them, times the panel's blocks), then a
+/// count and a counter.
 inline std::int64_t sparse_list_ints(std::int64_t rows, std::int64_t cols) {
-  const std::int64_t row_tiles = sparse_row_tiles(rows) + 1;
-  return std::max(row_tiles * sparse_blocks(cols), (cols + sparse_gemm::bm - 1) / sparse_gemm::bm) +
-         2;
+  return (sparse_row_tiles(rows) + 1) * sparse_blocks(cols) + 2;
 }
 
 /// What a call's sparse steps share. Null flags: the call is exact.
 struct sparse_state {
   unsigned char* flags = nullptr;
-  int* list = nullptr;  ///< sparse_list_ints of the panel plan: launch_listed's items
+  int* list = nullptr;  ///< sparse_list_ints of the panel plan: hot logits tiles, count, counter
   int sms = 0;
   std::int64_t ld = 0;  ///< blocks of the call's vocabulary
   float log_tau = 0.0f;
@@ -137,41 +135,22 @@ void check_sparse(const char* fn, matrix_view<const T> hidden, matrix_view<const
   detail::require(dev.major >= 8, fn, arg, [&] { return on + "needs an sm_80 or later GPU"; });
 }
 
-/// Writes `value` over rows x cols of `out` (ld apart) at the copy roof: the cold tiles of a
-/// listed launch whose output is written whole (beta 0).
-template <class O>
-void fill_matrix(const char* fn, O* out, std::int64_t ld, std::int64_t rows, std::int64_t cols,
-                 float value, cudaStream_t s) {
-  if (rows <= 0 || cols <= 0) return;
-  constexpr std::int64_t per = 16 / sizeof(O);
-  const std::int64_t vectors = rows * ((cols + per - 1) / per);
-  sparse_gemm::fill_kernel<O>
-      <<<static_cast<unsigned>(std::min<std::int64_t>(
-             4096, (vectors + sparse_gemm::threads - 1) / sparse_gemm::threads)),
-         sparse_gemm::threads, 0, s>>>(out, ld, rows, cols, value);
-  check_cuda(fn, cudaGetLastError());
-}
-
-/// The tile GEMM over listed items: one CTA lists, in order, the items of [0, items) that `hot`
-/// keeps (sp.list), then persistent CTAs, two an SM, run per_item output tiles of each (tile k of
-/// item i: code i * per_item + k, tile {code / n_tiles, code % n_tiles}); `list`: the op's step
-/// list entries. Cold items launch nothing, so what their tiles hold (beta 0) is written first.
-template <class DT, class Op, class Hot>
-void launch_listed(const char* fn, const sparse_state& sp, const Op& op, const Hot& hot,
-                   std::int64_t items, int per_item, std::int64_t n_tiles, std::int64_t list,
-                   cudaStream_t s) {
+/// One launch of the tile GEMM over m_tiles x n_tiles output tiles, step lists of up to `list`
+/// entries. `m_bytes`: the bytes of one M tile's operand over all of K; as many M tiles as hold
+/// 16 MiB of it (a third of an H100's L2) run through the N tiles together.
+template <class DT, class Op>
+void launch_tile_gemm(const char* fn, const Op& op, std::int64_t m_tiles, std::int64_t n_tiles,
+                      std::int64_t list, std::int64_t m_bytes, cudaStream_t s) {
   if constexpr (sparse_dtype<DT>) {
-    if (items <= 0 || per_item <= 0) return;
-    int* const count = sp.list + items;
-    sparse_gemm::list_kernel<Hot>
-        <<<1, sparse_gemm::list_threads, 0, s>>>(hot, items, sp.list, count, count + 1);
-    check_cuda(fn, cudaGetLastError());
+    if (m_tiles <= 0 || n_tiles <= 0) return;
     const int smem = sparse_smem(list);
-    const auto kernel = sparse_gemm::tile_list_kernel<DT, Op>;
+    const auto kernel = sparse_gemm::tile_gemm_kernel<DT, Op>;
     allow_smem(fn, reinterpret_cast<const void*>(kernel), smem);
-    kernel<<<static_cast<unsigned>(std::min<std::int64_t>(items * per_item, 2 * sp.sms)),
-             sparse_gemm::threads, static_cast<std::size_t>(smem), s>>>(
-        op, sp.list, count, count + 1, n_tiles, per_item);
+    const std::int64_t group = std::min(
+        m_tiles,
+        std::max<std::int64_t>(1, (std::int64_t{16} << 20) / std::max<std::int64_t>(m_bytes, 1)));
+    kernel<<<static_cast<unsigned>(m_tiles * n_tiles), sparse_gemm::threads,
+             static_cast<std::size_t>(smem), s>>>(op, m_tiles, n_tiles, group);
     check_cuda(fn, cudaGetLastError());
   }
 }
@@ -258,14 +237,29 @@ void sparse_gradient(
                                     {sp.flags, sp.ld, v0 / sg::flag_cols},
                                     {r0, n},
                                     rows};
-  if (n <= 0 || P <= 0) return;
-  const std::int64_t row_tiles = touched_row_tiles(r0, n), blocks = sparse_blocks(P);
-  if constexpr (sparse_dtype<DT>)
-    fill_matrix(c.blas.fn(), c.logits(), c.plan.ld, n, P, 0.0f, c.exec.stream);
-  launch_listed<DT>(
-      c.blas.fn(), sp, op,
-      sg::hot_tiles{sp.flags, sp.ld, r0 / sg::flag_rows, row_tiles, v0 / sg::flag_cols, blocks},
-      row_tiles * blocks, 1, blocks, 0, c.exec.stream);
+  if constexpr (sparse_dtype<DT>) {
+    const char* fn = c.blas.fn();
+    const cudaStream_t s = c.exec.stream;
+    const std::int64_t row_tiles = touched_row_tiles(r0, n), blocks = sparse_blocks(P);
+    if (n <= 0 || P <= 0) return;
+    // Zeros (the cold tiles' gradient) over the whole panel at the copy roof, then the hot tiles.
+    const std::int64_t vectors = n * ((P + 7) / 8);
+    sg::fill_kernel<DT><<<static_cast<unsigned>(std::min<std::int64_t>(
+                              4096, (vectors + sg::threads - 1) / sg::threads)),
+                          sg::threads, 0, s>>>(c.logits(), c.plan.ld, n, P, 0.0f);
+    int* const items = sp.list;
+    int* const count = items + row_tiles * blocks;
+    sg::list_kernel<><<<1, sg::list_threads, 0, s>>>(sp.flags, sp.ld, r0 / sg::flag_rows, row_tiles,
+                                                     v0 / sg::flag_cols, blocks, items, count,
+                                                     count + 1);
+    check_cuda(fn, cudaGetLastError());
+    const int smem = sparse_smem(0);
+    const auto kernel = sg::tile_list_kernel<DT, sg::gradient_op<DT, Tgt>>;
+    allow_smem(fn, reinterpret_cast<const void*>(kernel), smem);
+    kernel<<<static_cast<unsigned>(std::min<std::int64_t>(row_tiles * blocks, 2 * sp.sms)),
+             sg::threads, static_cast<std::size_t>(smem), s>>>(op, items, count, count + 1, blocks);
+    check_cuda(fn, cudaGetLastError());
+  }
 }
 
 /// d_weight[panel] and d_bias[panel] from rows [r0, r0 + n)'s logit gradient (`first`: the
@@ -287,38 +281,28 @@ void sparse_grads(const linear_call<T, G>& c, const sparse_state& sp, std::int64
   const sg::row_tiles tiles{r0, n};
   const std::int64_t row_tiles = touched_row_tiles(r0, n);
   const std::int64_t d_tiles = (D + sg::bn - 1) / sg::bn, class_tiles = (P + sg::bm - 1) / sg::bm;
-  const sg::hot_tiles hot{sp.flags,           sp.ld,           r0 / sg::flag_rows, row_tiles,
-                          v0 / sg::flag_cols, sparse_blocks(P)};
   if (c.d_weight.data) {
     const auto [acc, ld_acc] = c.dw_float_sum();
-    const auto weight = [&](auto* out, std::int64_t ld, bool whole) {
-      using O = std::remove_pointer_t<decltype(out)>;
-      if constexpr (sparse_dtype<DT>)
-        if (whole) fill_matrix(fn, out, ld, P, D, 0.0f, s);
-      launch_listed<DT>(fn, sp, sg::weight_op<DT, O>{g, x, out, ld, whole ? 0.0f : 1.0f, f, tiles},
-                        sg::hot_class_tiles{hot}, class_tiles, static_cast<int>(d_tiles), d_tiles,
-                        row_tiles, s);
-    };
     if (acc)
-      weight(acc, ld_acc, first);
+      launch_tile_gemm<DT>(
+          fn, sg::weight_op<DT, float>{g, x, acc, ld_acc, first ? 0.0f : 1.0f, f, tiles},
+          class_tiles, d_tiles, row_tiles, 2 * sg::bm * n, s);
     else  // one sub-chunk of every row: d_weight written once, in its dtype
-      weight(c.d_weight.data, c.d_weight.ld, true);
+      launch_tile_gemm<DT>(
+          fn, sg::weight_op<DT, DG>{g, x, c.d_weight.data, c.d_weight.ld, 0.0f, f, tiles},
+          class_tiles, d_tiles, row_tiles, 2 * sg::bm * n, s);
   }
   chunk_bias_grads(c, n, first);
-  if (dx) {
-    if constexpr (sparse_dtype<DT>)
-      if (first_panel) fill_matrix(fn, dx + r0 * ldx, ldx, n, D, 0.0f, s);
-    launch_listed<DT>(fn, sp,
-                      sg::hidden_op<DT>{g,
-                                        {c.weight.data, c.weight.ld, P, D},
-                                        dx + r0 * ldx,
-                                        ldx,
-                                        first_panel ? 0.0f : 1.0f,
-                                        f,
-                                        tiles},
-                      sg::hot_row_tiles{hot}, row_tiles, static_cast<int>(d_tiles), d_tiles,
-                      sparse_blocks(P), s);
-  }
+  if (dx)
+    launch_tile_gemm<DT>(fn,
+                         sg::hidden_op<DT>{g,
+                                           {c.weight.data, c.weight.ld, P, D},
+                                           dx + r0 * ldx,
+                                           ldx,
+                                           first_panel ? 0.0f : 1.0f,
+                                           f,
+                                           tiles},
+                         row_tiles, d_tiles, sparse_blocks(P), 2 * sg::bm * P, s);
   check_cuda(fn, cudaGetLastError());
 }
 

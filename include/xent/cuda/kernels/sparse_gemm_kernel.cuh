@@ -1,8 +1,7 @@
 // The sparse backward's GEMMs (linear_options::sparse_threshold, dispatch/linear_sparse.cuh): a
-// tile GEMM that multiplies only the hot parts of a panel. Persistent CTAs take the output tiles
-// that add something from a list (tile_list_kernel; a cold tile launches nothing) and, for each,
-// first list in order the k-steps its flags leave hot (so each output's sum runs in the same order
-// on every call: the results are deterministic).
+// tile GEMM that multiplies only the hot parts of a panel. Each CTA owns one 64 x 256 tile of its
+// output and first lists, in order, the k-steps its flags leave hot (so each output's sum runs in
+// the same order on every call: the results are deterministic); a cold output tile runs no step.
 // The three uses, over a panel of classes [v0, v0 + P) and a sub-chunk of rows [r0, r0 + n):
 //   gradient G = the logit gradient of L = X · W_panelᵀ (+ b) for hot (64-row, 256-class) tiles,
 //           formed from L in the epilogue; a cold tile gets zeros (its dropped terms), so every
@@ -77,9 +76,9 @@ __device__ void fill_tile(O* out, std::int64_t ld, std::int64_t rows, std::int64
   }
 }
 
-/// Writes `value` (rounded to T) over rows [0, rows) x columns [0, cols) of `out` (ld apart), 16
-/// bytes a thread where the row's alignment allows: a listed launch's cold tiles before its hot
-/// tiles are written over them.
+/// Writes `value` (rounded to T) over rows [0, rows) x columns [0, cols) of `out` (ld apart, rows
+/// 16-byte aligned), 16 bytes a thread: the cold tiles' gradient of a panel sub-chunk before its
+/// hot tiles are written over them.
 template <class T>
 XENT_KERNEL void fill_kernel(T* out, std::int64_t ld, std::int64_t rows, std::int64_t cols,
                              float value) {
@@ -93,10 +92,10 @@ XENT_KERNEL void fill_kernel(T* out, std::int64_t ld, std::int64_t rows, std::in
        i += std::int64_t{gridDim.x} * threads) {
     const std::int64_t r = i / vectors, c = i % vectors * per;
     T* o = out + r * ld;
-    if (c + per <= cols && reinterpret_cast<std::uintptr_t>(o + c) % 16 == 0)
+    if (c + per <= cols)
       store_vec<T, per>(o + c, v);
     else
-      for (std::int64_t k = c; k < c + per && k < cols; ++k) o[k] = x;
+      for (std::int64_t k = c; k < cols; ++k) o[k] = x;
   }
 }
 
@@ -194,6 +193,16 @@ struct row_tiles {
 struct tile {
   std::int64_t m, n;
 };
+
+/// The tile of CTA `id` of an m_tiles x n_tiles launch, grouped as Triton orders GEMM tiles: each
+/// group of `group` M tiles (the last one fewer) runs through every N tile with its M tiles
+/// fastest, so the group's M-side operand stays in L2 while each N tile is read once a group.
+__device__ __forceinline__ tile grouped_tile(std::int64_t id, std::int64_t m_tiles,
+                                             std::int64_t n_tiles, std::int64_t group) {
+  const std::int64_t span = group * n_tiles, first = id / span * group;
+  const std::int64_t rows = m_tiles - first < group ? m_tiles - first : group;
+  return {first + id % span % rows, id % span / rows};
+}
 
 /// The logit gradient of the hot tiles, 0 in the cold ones (exactly their dropped terms), from
 /// L = X · W_panelᵀ (+ bias) in float: the dense gradient pass's g (alpha p_c - w_y [c = y]) with
@@ -426,23 +435,31 @@ __device__ void run_tile(const Op& op, const tile& t, unsigned char* smem) {
     }
 }
 
-/// The tiles of the items listed in items[0, *count), per_item tiles each (tile k of item i is
-/// the code items[i] * per_item + k, tile {code / n_tiles, code % n_tiles}), taken one at a time
-/// from the shared counter *next by persistent CTAs: cold tiles launch no CTA (a CTA's start and
-/// end held each of them ~26 us on an H100 where its work took ~2). Each tile's result is its own
-/// whatever CTA computes it.
+/// One output tile per CTA, m_tiles x n_tiles of them in groups of `group` M tiles
+/// (grouped_tile).
+template <class T, class Op>
+__global__ void __launch_bounds__(threads, 2)
+    tile_gemm_kernel(const Op op, std::int64_t m_tiles, std::int64_t n_tiles, std::int64_t group) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  run_tile<T>(op, grouped_tile(blockIdx.x, m_tiles, n_tiles, group), smem);
+}
+
+/// The tiles listed in items[0, *count) (each m * n_tiles + n), taken one at a time from the
+/// shared counter *next by persistent CTAs: a panel whose tiles are mostly cold launches no CTA
+/// for them (a CTA's start and end held each of them ~26 us on an H100 where its work took ~2).
+/// Each tile's result is its own whatever CTA computes it.
 template <class T, class Op>
 __global__ void __launch_bounds__(threads, 2)
     tile_list_kernel(const Op op, const int* items, const int* count, int* next,
-                     std::int64_t n_tiles, int per_item) {
+                     std::int64_t n_tiles) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int item;
   for (;;) {
     if (threadIdx.x == 0) item = atomicAdd(next, 1);
     __syncthreads();
     const int i = item;
-    if (i >= *count * per_item) return;
-    const std::int64_t code = std::int64_t{items[i / per_item]} * per_item + i % per_item;
+    if (i >= *count) return;
+    const std::int64_t code = items[i];
     run_tile<T>(op, tile{code / n_tiles, code % n_tiles}, smem);
     __syncthreads();  // the stages and `item` are the next tile's
   }

@@ -88,46 +88,21 @@ XENT_KERNEL void mark_partials_kernel(const online_lse* partials, std::int64_t c
 /// Threads of list_kernel's one CTA.
 constexpr int list_threads = 1024;
 
-/// The hot tiles among a sub-chunk's row tiles [rt0, rt0 + rows) x a panel's blocks
-/// [b0, b0 + blocks): item i = (rt0 + i / blocks, b0 + i % blocks), the gradient use's tiles.
-struct hot_tiles {
-  const unsigned char* flags;
-  std::int64_t ld, rt0, rows, b0, blocks;
-  __device__ bool operator()(std::int64_t i) const {
-    return flags[(rt0 + i / blocks) * ld + b0 + i % blocks] != 0;
-  }
-};
-
-/// The row tiles with a hot block of the panel: d_hidden's tiles that add something.
-struct hot_row_tiles {
-  hot_tiles t;
-  __device__ bool operator()(std::int64_t i) const {
-    for (std::int64_t b = 0; b < t.blocks; ++b)
-      if (t(i * t.blocks + b)) return true;
-    return false;
-  }
-};
-
-/// The panel's 64-class tiles whose block has a hot row tile: d_weight's tiles that add something.
-struct hot_class_tiles {
-  hot_tiles t;
-  __device__ bool operator()(std::int64_t i) const {
-    const std::int64_t b = i * bm / flag_cols;
-    for (std::int64_t r = 0; r < t.rows; ++r)
-      if (t(r * t.blocks + b)) return true;
-    return false;
-  }
-};
-
-/// Lists, in order, each i in [0, n) with hot(i) at items; *count says how many, and *next
-/// (tile_list_kernel's counter) starts at 0. One CTA of Threads (a template for count_kernel's
-/// reason too).
-template <class Hot, int Threads = list_threads>
-XENT_KERNEL void list_kernel(Hot hot, std::int64_t n, int* items, int* count, int* next) {
+/// Lists, in order, the hot tiles among row tiles [rt0, rt0 + rows) x blocks [b0, b0 + blocks)
+/// of the flags: items[k] = i * blocks + j for the k-th hot tile (rt0 + i, b0 + j); *count says
+/// how many, and *next (tile_list_kernel's counter) starts at 0. One CTA of list_threads (a
+/// template for count_kernel's reason).
+template <int Threads = list_threads>
+XENT_KERNEL void list_kernel(const unsigned char* flags, std::int64_t ld_flags, std::int64_t rt0,
+                             std::int64_t rows, std::int64_t b0, std::int64_t blocks, int* items,
+                             int* count, int* next) {
   __shared__ int counts[Threads / 32];
-  const std::int64_t listed = compact<Threads>(n, hot, items, counts);
+  const std::int64_t hot = compact<Threads>(
+      rows * blocks,
+      [&](std::int64_t i) { return flags[(rt0 + i / blocks) * ld_flags + b0 + i % blocks] != 0; },
+      items, counts);
   if (threadIdx.x == 0) {
-    *count = static_cast<int>(listed);
+    *count = static_cast<int>(hot);
     *next = 0;
   }
 }
