@@ -76,7 +76,7 @@ inline std::int64_t sparse_list_ints(std::int64_t rows, std::int64_t cols) {
 struct sparse_state {
   unsigned char* flags = nullptr;
   int* list = nullptr;  ///< sparse_list_ints of the panel plan: hot logits tiles, count, counter
-  int sms = 0;
+  int sms = 0;          ///< the GPU's SMs: the list's persistent CTAs are two an SM
   std::int64_t ld = 0;  ///< blocks of the call's vocabulary
   float log_tau = 0.0f;
   unsigned long long* counts = nullptr;  ///< linear_sparse_counts in device memory, or null

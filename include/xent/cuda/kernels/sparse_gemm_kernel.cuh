@@ -1,7 +1,9 @@
 // The sparse backward's GEMMs (linear_options::sparse_threshold, dispatch/linear_sparse.cuh): a
-// tile GEMM that multiplies only the hot parts of a panel. Each CTA owns one 64 x 256 tile of its
-// output and first lists, in order, the k-steps its flags leave hot (so each output's sum runs in
+// tile GEMM that multiplies only the hot parts of a panel. A CTA runs one 64 x 256 output tile at
+// a time and first lists, in order, the k-steps its flags leave hot (so each output's sum runs in
 // the same order on every call: the results are deterministic); a cold output tile runs no step.
+// The gradient use launches persistent CTAs over a list of its hot tiles (tile_list_kernel), the
+// other two a CTA a tile (tile_gemm_kernel).
 // The three uses, over a panel of classes [v0, v0 + P) and a sub-chunk of rows [r0, r0 + n):
 //   gradient G = the logit gradient of L = X · W_panelᵀ (+ b) for hot (64-row, 256-class) tiles,
 //           formed from L in the epilogue; a cold tile gets zeros (its dropped terms), so every
