@@ -295,9 +295,10 @@ void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidde
   const bool sparse = opts.sparse_threshold > 0.0f;
   const low_memory_plan plan = plan_low_memory<T, G>({N, D, V}, ws.bytes, INT64_MAX, sparse);
   check_linear_call(fn, exec, hidden, weight, grads, plan.panel);
-  if (sparse)
-    check_sparse<T, G, Tgt>(fn, hidden, weight, opts, plan.panel.dw_block != 0,
-                            plan.panel.chunk_rows, plan.cols);
+  const device_facts dev =
+      sparse ? check_sparse<T, G, Tgt>(fn, hidden, weight, opts, plan.panel.dw_block != 0,
+                                       plan.panel.chunk_rows, plan.cols)
+             : device_facts{};
   const cudaStream_t s = exec.stream;
 
   // Buffers at plan offsets from the workspace's first 256-byte-aligned address, as every call's.
@@ -313,7 +314,7 @@ void run_low_memory(const char* fn, const cuda& exec, matrix_view<const T> hidde
   if (sparse) {
     sp.flags = reinterpret_cast<unsigned char*>(base + plan.flags);
     sp.list = reinterpret_cast<int*>(base + plan.hot);
-    sp.sms = query_device(fn).sms;
+    sp.sms = dev.sms;
     sp.ld = sparse_blocks(V);
     sp.log_tau = std::log(opts.sparse_threshold);
     sp.counts = reinterpret_cast<unsigned long long*>(opts.sparse_counts);

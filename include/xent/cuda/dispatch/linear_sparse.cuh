@@ -94,12 +94,12 @@ inline int sparse_smem(std::int64_t list) {
 constexpr int sparse_smem_limit = 163 * 1024;
 
 /// Refuses, before anything is enqueued and naming the argument, a sparse call the kernels do not
-/// take (the file's comment lists what they take). `rows`: a panel sub-chunk's rows; `cols`: a
-/// panel's classes.
+/// take (the file's comment lists what they take), and answers the device's facts. `rows`: a
+/// panel sub-chunk's rows; `cols`: a panel's classes.
 template <class T, class G, class Tgt>
-void check_sparse(const char* fn, matrix_view<const T> hidden, matrix_view<const T> weight,
-                  const linear_options& opts, bool narrow_dw_blocks, std::int64_t rows,
-                  std::int64_t cols) {
+device_facts check_sparse(const char* fn, matrix_view<const T> hidden, matrix_view<const T> weight,
+                          const linear_options& opts, bool narrow_dw_blocks, std::int64_t rows,
+                          std::int64_t cols) {
   using DT = device_t<T>;
   using DG = device_t<G>;
   const char* arg = "options.sparse_threshold";
@@ -133,6 +133,7 @@ void check_sparse(const char* fn, matrix_view<const T> hidden, matrix_view<const
   });
   const device_facts dev = query_device(fn);
   detail::require(dev.major >= 8, fn, arg, [&] { return on + "needs an sm_80 or later GPU"; });
+  return dev;
 }
 
 /// One launch of the tile GEMM over m_tiles x n_tiles output tiles, step lists of up to `list`
