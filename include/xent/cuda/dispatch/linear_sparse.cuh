@@ -243,11 +243,15 @@ void sparse_gradient(
     const cudaStream_t s = c.exec.stream;
     const std::int64_t row_tiles = touched_row_tiles(r0, n), blocks = sparse_blocks(P);
     if (n <= 0 || P <= 0) return;
-    // Zeros (the cold tiles' gradient) over the whole panel at the copy roof, then the hot tiles.
-    const std::int64_t vectors = n * ((P + 7) / 8);
-    sg::fill_kernel<DT><<<static_cast<unsigned>(std::min<std::int64_t>(
-                              4096, (vectors + sg::threads - 1) / sg::threads)),
-                          sg::threads, 0, s>>>(c.logits(), c.plan.ld, n, P, 0.0f);
+    // The cold tiles' gradient is zero. The tile GEMMs read hot tiles alone, so only d_bias's
+    // column sums read those zeros: written over the panel at the copy roof for them, else left
+    // out (3.5% of the sparse call at 8192 x 4096 x 128256 on an H100).
+    if (c.db_sum()) {
+      const std::int64_t vectors = n * ((P + 7) / 8);
+      sg::fill_kernel<DT><<<static_cast<unsigned>(std::min<std::int64_t>(
+                                4096, (vectors + sg::threads - 1) / sg::threads)),
+                            sg::threads, 0, s>>>(c.logits(), c.plan.ld, n, P, 0.0f);
+    }
     int* const items = sp.list;
     int* const count = items + row_tiles * blocks;
     sg::list_kernel<><<<1, sg::list_threads, 0, s>>>(sp.flags, sp.ld, r0 / sg::flag_rows, row_tiles,

@@ -6,8 +6,8 @@
 // other two a CTA a tile (tile_gemm_kernel).
 // The three uses, over a panel of classes [v0, v0 + P) and a sub-chunk of rows [r0, r0 + n):
 //   gradient G = the logit gradient of L = X · W_panelᵀ (+ b) for hot (64-row, 256-class) tiles,
-//           formed from L in the epilogue; a cold tile gets zeros (its dropped terms), so every
-//           later dense reader (d_bias's column sums) sees the sparse gradient whole;
+//           formed from L in the epilogue; a cold tile's gradient is zero (its dropped terms),
+//           written only for a dense reader (d_bias's column sums: fill_kernel, by the dispatch);
 //   d_hidden dx[rows] (+)= G · W_panel, K = the panel's classes, over each row tile's hot blocks;
 //   d_weight dW[panel] (+)= Gᵀ · X, K = the rows, over each 64-class tile's hot row tiles.
 // Flags are a byte per (64 global rows, 256 classes of the call); row tiles are aligned to global
