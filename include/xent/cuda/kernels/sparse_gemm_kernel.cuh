@@ -237,8 +237,6 @@ struct gradient_op {
   __device__ void fill(const tile& t) const {
     fill_tile(out, ld_out, x.rows, w.rows, m0(t), n0(t), from_float<T>(0.0f));
   }
-  /// Nothing to add: the gradient is written, not summed.
-  __device__ void prior(const tile&, int, int, float&, float&) const {}
   /// Elements (row, col) and (row, col + 1) of a hot tile.
   __device__ void store(const tile& t, int row, int col, float v0, float v1) const {
     const std::int64_t r = m0(t) + row, c = n0(t) + col;
@@ -298,18 +296,15 @@ struct hidden_op {
   __device__ void fill(const tile& t) const {
     fill_tile(dx, ldx, g.rows, w.cols, m0(t), n0(t), 0.0f);
   }
-  /// Adds the sum so far of elements (row, col) and (row, col + 1) (beta 1).
-  __device__ void prior(const tile& t, int row, int col, float& v0, float& v1) const {
-    const std::int64_t r = m0(t) + row, c = n0(t) + col;
-    if (beta == 0.0f || r < 0 || r >= g.rows) return;
-    const float* o = dx + r * ldx + c;
-    v0 += c < w.cols ? o[0] : 0.0f;
-    v1 += c + 1 < w.cols ? o[1] : 0.0f;
-  }
   __device__ void store(const tile& t, int row, int col, float v0, float v1) const {
     const std::int64_t r = m0(t) + row, c = n0(t) + col;
     if (r < 0 || r >= g.rows) return;
-    store_pair(dx + r * ldx + c, c, w.cols, v0, v1);
+    float* o = dx + r * ldx + c;
+    if (beta != 0.0f) {
+      v0 += c < w.cols ? o[0] : 0.0f;
+      v1 += c + 1 < w.cols ? o[1] : 0.0f;
+    }
+    store_pair(o, c, w.cols, v0, v1);
   }
 };
 
@@ -348,18 +343,15 @@ struct weight_op {
   __device__ void fill(const tile& t) const {
     fill_tile(out, ld_out, g.cols, x.cols, m0(t), n0(t), from_float<O>(0.0f));
   }
-  /// Adds the float sum so far of elements (row, col) and (row, col + 1) (beta 1).
-  __device__ void prior(const tile& t, int row, int col, float& v0, float& v1) const {
-    const std::int64_t r = m0(t) + row, c = n0(t) + col;
-    if (beta == 0.0f || r >= g.cols) return;
-    const O* o = out + r * ld_out + c;
-    v0 += c < x.cols ? to_float(o[0]) : 0.0f;
-    v1 += c + 1 < x.cols ? to_float(o[1]) : 0.0f;
-  }
   __device__ void store(const tile& t, int row, int col, float v0, float v1) const {
     const std::int64_t r = m0(t) + row, c = n0(t) + col;
     if (r >= g.cols) return;
-    store_pair(out + r * ld_out + c, c, x.cols, from_float<O>(v0), from_float<O>(v1));
+    O* o = out + r * ld_out + c;
+    if (beta != 0.0f) {  // a float sum
+      v0 += c < x.cols ? to_float(o[0]) : 0.0f;
+      v1 += c + 1 < x.cols ? to_float(o[1]) : 0.0f;
+    }
+    store_pair(o, c, x.cols, from_float<O>(v0), from_float<O>(v1));
   }
 };
 
@@ -435,17 +427,6 @@ __device__ void run_tile(const Op& op, const tile& t, unsigned char* smem) {
   }
   wm::copies_wait<0>();
 
-  // Every load of the sums so far before the first store: the stores may alias them, so loads
-  // interleaved with stores would each wait their own round trip (d_hidden's use spent half its
-  // stalls waiting on global loads on an H100, Nsight Compute).
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-    for (int nj = 0; nj < 8; ++nj) {
-      const int row = wm_ * 32 + mi * 16 + lane / 4, col = wn * 64 + nj * 8 + lane % 4 * 2;
-      op.prior(t, row, col, acc[mi][nj][0], acc[mi][nj][1]);
-      op.prior(t, row + 8, col, acc[mi][nj][2], acc[mi][nj][3]);
-    }
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
