@@ -56,7 +56,7 @@ ffi::Error fwd_bwd(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer 
 ffi::Error lin_fwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                    ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                    ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
-                   loss_attrs attrs) {
+                   linear_attrs attrs) {
   return linear_fwd<true>(cpu_exec{}.exec, host_workspace{}, hidden, weight, bias, labels,
                           class_weight, loss, lse, attrs);
 }
@@ -64,7 +64,7 @@ ffi::Error lin_fwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer 
 ffi::Error lin_bwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                    ffi::AnyBuffer labels, ffi::AnyBuffer class_weight, ffi::AnyBuffer lse,
                    ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
-                   ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
+                   ffi::Result<ffi::AnyBuffer> db, linear_attrs attrs) {
   return linear_bwd<true>(cpu_exec{}.exec, host_workspace{}, hidden, weight, bias, labels,
                           class_weight, lse, g, dh, dw, db, attrs);
 }
@@ -73,7 +73,7 @@ ffi::Error lin_fwd_bwd(ffi::AnyBuffer hidden, ffi::AnyBuffer weight, ffi::AnyBuf
                        ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                        ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                        ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> dw,
-                       ffi::Result<ffi::AnyBuffer> db, loss_attrs attrs) {
+                       ffi::Result<ffi::AnyBuffer> db, linear_attrs attrs) {
   return linear_fwd_bwd<true>(cpu_exec{}.exec, host_workspace{}, hidden, weight, bias, labels,
                               class_weight, loss, lse, dh, dw, db, attrs);
 }

@@ -211,7 +211,7 @@ ffi::Error with_linear_exec(cudaStream_t stream, int device, const ffi::AnyBuffe
 ffi::Error lin_fwd(cudaStream_t stream, int device, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
                    ffi::AnyBuffer bias, ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                    ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
-                   ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
+                   ffi::Result<ffi::AnyBuffer> ws, linear_attrs attrs) {
   return with_linear_exec(stream, device, hidden, *ws, [&](const xent::cuda& exec, auto alloc) {
     return linear_fwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, loss, lse,
                              attrs);
@@ -222,7 +222,7 @@ ffi::Error lin_bwd(cudaStream_t stream, int device, ffi::AnyBuffer hidden, ffi::
                    ffi::AnyBuffer bias, ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                    ffi::AnyBuffer lse, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dh,
                    ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db,
-                   ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
+                   ffi::Result<ffi::AnyBuffer> ws, linear_attrs attrs) {
   return with_linear_exec(stream, device, hidden, *ws, [&](const xent::cuda& exec, auto alloc) {
     return linear_bwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, lse, g, dh,
                              dw, db, attrs);
@@ -234,7 +234,7 @@ ffi::Error lin_fwd_bwd(cudaStream_t stream, int device, ffi::AnyBuffer hidden,
                        ffi::AnyBuffer class_weight, ffi::Result<ffi::AnyBuffer> loss,
                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> dh,
                        ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db,
-                       ffi::Result<ffi::AnyBuffer> ws, loss_attrs attrs) {
+                       ffi::Result<ffi::AnyBuffer> ws, linear_attrs attrs) {
   return with_linear_exec(stream, device, hidden, *ws, [&](const xent::cuda& exec, auto alloc) {
     return linear_fwd_bwd<false>(exec, alloc, hidden, weight, bias, labels, class_weight, loss, lse,
                                  dh, dw, db, attrs);
@@ -299,18 +299,20 @@ enum class workspace_kind : int {
 
 template <class T>
 std::size_t linear_bytes(xent::linear_pass pass, std::int64_t rows, std::int64_t dim,
-                         std::int64_t vocab) {
+                         std::int64_t vocab, const xent::linear_options& opts) {
   return blas_workspace_bytes +
-         xent::linear_workspace_size<T>(xent::cuda{}, {rows, dim, vocab}, pass).bytes;
+         xent::linear_workspace_size<T>(xent::cuda{}, {rows, dim, vocab}, pass, opts).bytes;
 }
 
 }  // namespace
 }  // namespace xent_jax
 
 // Bytes of the workspace result a call of `kind` takes (host code: no GPU needed), or -1 for a
-// kind, dtype (0 float32, 1 bfloat16, 2 float16) or shape that no call takes.
+// kind, dtype (0 float32, 1 bfloat16, 2 float16), shape or training choice (the linear kinds'
+// order, accumulate and sparse_threshold, as linear_attrs takes them) that no call takes.
 extern "C" __attribute__((visibility("default"))) std::int64_t xent_jax_cuda_workspace_bytes(
-    int kind, int dtype, std::int64_t rows, std::int64_t dim, std::int64_t vocab) {
+    int kind, int dtype, std::int64_t rows, std::int64_t dim, std::int64_t vocab, int order,
+    int accumulate, float sparse_threshold) {
   using xent_jax::workspace_kind;
   try {
     switch (static_cast<workspace_kind>(kind)) {
@@ -323,13 +325,19 @@ extern "C" __attribute__((visibility("default"))) std::int64_t xent_jax_cuda_wor
         const auto pass = static_cast<workspace_kind>(kind) == workspace_kind::linear_forward
                               ? xent::linear_pass::forward
                               : xent::linear_pass::training;
-        if (dtype == 0) return xent_jax::linear_bytes<float>(pass, rows, dim, vocab);
-        if (dtype == 1) return xent_jax::linear_bytes<Eigen::bfloat16>(pass, rows, dim, vocab);
-        if (dtype == 2) return xent_jax::linear_bytes<Eigen::half>(pass, rows, dim, vocab);
+        xent::linear_options opts =
+            xent_jax::linear_attrs{0, 1, 0.0f, 0.0f, 0.0f, order, accumulate, sparse_threshold}
+                .options();
+        if (pass == xent::linear_pass::forward) opts.sparse_threshold = 0.0f;  // as lin_fwd
+        if (dtype == 0) return xent_jax::linear_bytes<float>(pass, rows, dim, vocab, opts);
+        if (dtype == 1)
+          return xent_jax::linear_bytes<Eigen::bfloat16>(pass, rows, dim, vocab, opts);
+        if (dtype == 2) return xent_jax::linear_bytes<Eigen::half>(pass, rows, dim, vocab, opts);
         return -1;
       }
     }
   } catch (const std::exception&) {
+  } catch (const xent_jax::bad_argument&) {
   }
   return -1;
 }

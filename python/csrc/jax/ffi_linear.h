@@ -13,13 +13,41 @@
 
 namespace xent_jax {
 
+// The loss attributes and a training call's choices: order 0 automatic, 1 fast, 2 low_memory
+// (xent::linear_order); accumulate 0 fp32, 1 output (xent::dw_accumulation); the sparse
+// backward's threshold (0: exact; xent checks it).
+struct linear_attrs {
+  std::int64_t ignore_index;
+  std::int32_t reduction;
+  float label_smoothing, z_loss, softcap;
+  std::int32_t order, accumulate;
+  float sparse_threshold;
+
+  xent::linear_options options() const {
+    if (order < 0 || order > 2)
+      fail("order",
+           "must be 0 (automatic), 1 (fast) or 2 (low_memory), got " + std::to_string(order));
+    if (accumulate != 0 && accumulate != 1)
+      fail("accumulate", "must be 0 (fp32) or 1 (output), got " + std::to_string(accumulate));
+    xent::linear_options o;
+    static_cast<xent::options&>(o) =
+        loss_attrs{ignore_index, reduction, label_smoothing, z_loss, softcap}.options();
+    o.order = order == 0   ? xent::linear_order::automatic
+              : order == 1 ? xent::linear_order::fast
+                           : xent::linear_order::low_memory;
+    o.accumulate = accumulate == 0 ? xent::dw_accumulation::fp32 : xent::dw_accumulation::output;
+    o.sparse_threshold = sparse_threshold;
+    return o;
+  }
+};
+
 struct linear_call {
   ffi::AnyBuffer hidden, weight, bias, labels, class_weight;
   std::int64_t rows = 0, dim = 0, vocab = 0;
   xent::linear_options opts;
 
   linear_call(ffi::AnyBuffer hidden_, ffi::AnyBuffer weight_, ffi::AnyBuffer bias_,
-              ffi::AnyBuffer labels_, ffi::AnyBuffer class_weight_, const loss_attrs& attrs)
+              ffi::AnyBuffer labels_, ffi::AnyBuffer class_weight_, const linear_attrs& attrs)
       : hidden(hidden_),
         weight(weight_),
         bias(bias_),
@@ -42,7 +70,7 @@ struct linear_call {
     expect_shape("labels", labels, rows);
     expect_dtype("weight (class weights)", class_weight, ffi::DataType::F32);
     expect_shape("weight (class weights)", class_weight, weighted() ? vocab : 0);
-    static_cast<xent::options&>(opts) = attrs.options();
+    opts = attrs.options();
     if (weighted())
       opts.class_weights = {static_cast<const float*>(class_weight.untyped_data()), vocab};
   }
@@ -117,9 +145,12 @@ template <bool float64, class Exec, class Alloc>
 ffi::Error linear_fwd(const Exec& exec, Alloc&& alloc, ffi::AnyBuffer hidden, ffi::AnyBuffer weight,
                       ffi::AnyBuffer bias, ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                       ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
-                      const loss_attrs& attrs) {
+                      const linear_attrs& attrs) {
   return run_checked([&] {
-    const linear_call c(hidden, weight, bias, labels, class_weight, attrs);
+    linear_call c(hidden, weight, bias, labels, class_weight, attrs);
+    // A forward has one order and no backward: the training choices are only checked.
+    xent::detail::check_sparse("xent::linear_forward", c.opts);
+    c.opts.sparse_threshold = 0.0f;
     c.run<float64>(exec, xent::linear_pass::forward, alloc, [&](auto tag, auto tv, auto ws) {
       using A = xent::accumulator_t<decltype(tag)>;
       using T = decltype(tag);
@@ -142,7 +173,7 @@ ffi::Error linear_bwd(const Exec& exec, Alloc&& alloc, ffi::AnyBuffer hidden, ff
                       ffi::AnyBuffer bias, ffi::AnyBuffer labels, ffi::AnyBuffer class_weight,
                       ffi::AnyBuffer lse, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dh,
                       ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db,
-                      const loss_attrs& attrs) {
+                      const linear_attrs& attrs) {
   return run_checked([&] {
     const linear_call c(hidden, weight, bias, labels, class_weight, attrs);
     c.run<float64>(exec, xent::linear_pass::training, alloc, [&](auto tag, auto tv, auto ws) {
@@ -170,7 +201,7 @@ ffi::Error linear_fwd_bwd(const Exec& exec, Alloc&& alloc, ffi::AnyBuffer hidden
                           ffi::AnyBuffer class_weight, ffi::Result<ffi::AnyBuffer> loss,
                           ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> dh,
                           ffi::Result<ffi::AnyBuffer> dw, ffi::Result<ffi::AnyBuffer> db,
-                          const loss_attrs& attrs) {
+                          const linear_attrs& attrs) {
   return run_checked([&] {
     const linear_call c(hidden, weight, bias, labels, class_weight, attrs);
     if (c.opts.reduce == xent::reduction::none)
@@ -191,17 +222,27 @@ ffi::Error linear_fwd_bwd(const Exec& exec, Alloc&& alloc, ffi::AnyBuffer hidden
 // As ffi_ops.h's bindings (ws: a workspace result after the others).
 template <int ws = 0, class B>
 auto linear_loss_binding(B&& ctx) {  // hidden, weight, bias, labels, class weights -> loss, lse
-  return buffers<5, 2 + ws>(std::move(ctx)).template Attrs<loss_attrs>();
+  return buffers<5, 2 + ws>(std::move(ctx)).template Attrs<linear_attrs>();
 }
 
 template <int ws = 0, class B>
 auto linear_backward_binding(B&& ctx) {  // ..., lse, g -> d_hidden, d_weight, d_bias
-  return buffers<7, 3 + ws>(std::move(ctx)).template Attrs<loss_attrs>();
+  return buffers<7, 3 + ws>(std::move(ctx)).template Attrs<linear_attrs>();
 }
 
 template <int ws = 0, class B>
 auto linear_fused_binding(B&& ctx) {  // ... -> loss, lse, d_hidden, d_weight, d_bias
-  return buffers<5, 5 + ws>(std::move(ctx)).template Attrs<loss_attrs>();
+  return buffers<5, 5 + ws>(std::move(ctx)).template Attrs<linear_attrs>();
 }
 
 }  // namespace xent_jax
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(xent_jax::linear_attrs,
+                                      xla::ffi::StructMember<std::int64_t>("ignore_index"),
+                                      xla::ffi::StructMember<std::int32_t>("reduction"),
+                                      xla::ffi::StructMember<float>("label_smoothing"),
+                                      xla::ffi::StructMember<float>("z_loss"),
+                                      xla::ffi::StructMember<float>("softcap"),
+                                      xla::ffi::StructMember<std::int32_t>("order"),
+                                      xla::ffi::StructMember<std::int32_t>("accumulate"),
+                                      xla::ffi::StructMember<float>("sparse_threshold"));

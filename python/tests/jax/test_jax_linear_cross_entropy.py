@@ -1,7 +1,9 @@
 """xent.jax.linear_cross_entropy against the float64 oracle of the logits it never forms
 (hidden @ weight.T + bias): values and the gradients of hidden, weight and bias for every
-option, jit / vmap / checkpoint (on the CPU, and on a GPU when jax sees one), and the errors for
-bad arguments, and float64 (on the CPU device; a GPU's handlers refuse it by name)."""
+option and training choice (order, accumulate; the sparse backward within the bound of the
+probabilities it skips), jit / vmap / checkpoint (on the CPU, and on a GPU when jax sees one),
+the errors for bad arguments, and float64 (on the CPU device; a GPU's handlers refuse it by
+name)."""
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ from test_jax_cross_entropy import (
 )
 
 import xent.jax as xj
+from xent.jax import _core
 
 
 def make(rows, dim, classes, dtype=jnp.float32, seed=0, bias=True):
@@ -147,3 +150,128 @@ def test_bad_arguments_name_themselves():
             xj.linear_cross_entropy(
                 args["hidden"], args["weight"], args["labels"], args["bias"], **change
             )
+
+
+# --- the training choices: order, accumulate, sparse_threshold -----------------------------------
+
+
+@pytest.mark.parametrize("kw", OPTIONS, ids=lambda kw: ",".join(kw) or "defaults")
+@pytest.mark.parametrize(
+    "choice", [{"order": "low_memory"}, {"accumulate": "output"}], ids=["low_memory", "output"]
+)
+def test_training_choices_match_float64_oracle(kw, choice, device):
+    classes = 29
+    h, w, b, y = put(device, *make((3, 5), 16, classes))
+    kw = resolve(kw, classes)
+    if "weight" in kw:
+        kw["class_weight"] = kw.pop("weight")
+    oracle_kw = {("weight" if k == "class_weight" else k): v for k, v in kw.items()}
+    want, want_dh, want_dw, want_db = linear_oracle(h, w, b, y, **oracle_kw)
+
+    def f(h, w, b):
+        return xj.linear_cross_entropy(h, w, y, b, **kw, **choice).sum()
+
+    loss, grads = jax.value_and_grad(f, argnums=(0, 1, 2))(h, w, b)
+    assert_close(loss, want, 2e-5 * max(1.0, abs(want)))
+    for got, expected in zip(grads, (want_dh, want_dw, want_db)):
+        assert_close(got, expected, 2e-5)
+
+
+# Three 64-row tiles and a part, five 256-class blocks and a part (the CPU's and CUDA's tiles).
+SPARSE_N, SPARSE_D, SPARSE_V = 150, 48, 1300
+TAU = 1.0 / 32
+
+
+def trained(dtype=jnp.float32, seed=0):
+    """Each row's hidden state points at its label's weight row (labels among the first 40
+    classes), so its softmax is peaked there and the other blocks' tiles are cold; every seventh
+    row ignored."""
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((SPARSE_V, SPARSE_D)) / np.sqrt(SPARSE_D)
+    labels = rng.integers(0, 40, SPARSE_N)
+    w_y = weight[labels]
+    hidden = 14.0 * w_y / (w_y**2).sum(-1, keepdims=True)
+    hidden += 0.05 * rng.standard_normal((SPARSE_N, SPARSE_D))
+    labels[::7] = -100
+    return jnp.asarray(hidden, dtype), jnp.asarray(weight, dtype), jnp.asarray(labels)
+
+
+def training(h, w, y, reduction, **kw):
+    """Loss and (d_hidden, d_weight) with an upstream gradient of 1 (each row's for none)."""
+    loss, vjp = jax.vjp(
+        lambda h, w: xj.linear_cross_entropy(h, w, y, reduction=reduction, **kw), h, w
+    )
+    return (loss, *vjp(jnp.ones_like(loss)))
+
+
+def skipped_bound(h, w, y, reduction, tau):
+    """What dropping every g_n p_nj with p_nj < tau can move d_hidden and d_weight by (float64)."""
+    h64, w64 = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    z = h64 @ w64.T
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    valid = (np.asarray(y) != -100).astype(np.float64)
+    g = valid / valid.sum() if reduction == "mean" else valid
+    drop = np.where(p < tau, p, 0.0) * g[:, None]
+    return drop @ np.abs(w64), drop.T @ np.abs(h64)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("order", ["automatic", "low_memory"])
+def test_sparse_threshold_keeps_the_loss_and_bounds_the_gradients(reduction, order, device):
+    h, w, y = put(device, *trained())
+    exact = training(h, w, y, reduction, order="low_memory")
+    sparse = training(h, w, y, reduction, order=order, sparse_threshold=TAU)
+    np.testing.assert_array_equal(np.asarray(sparse[0]), np.asarray(exact[0]))
+    moved = False
+    for got, want, bound in zip(sparse[1:], exact[1:], skipped_bound(h, w, y, reduction, TAU)):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        slack = 1e-5 * np.abs(want).max()  # float32 sums over other tile sets
+        assert (np.abs(got - want) <= bound + slack).all()
+        moved |= not np.array_equal(got, want)
+    assert moved, "no gradient moved: no tile was skipped"
+    if order == "automatic":  # a threshold runs the low-memory order
+        named = training(h, w, y, reduction, order="low_memory", sparse_threshold=TAU)
+        for x, z in zip(sparse, named):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(z))
+
+
+def test_sparse_threshold_zero_is_the_exact_call_bit_for_bit(device):
+    h, w, y = put(device, *trained())
+    a = training(h, w, y, "mean", order="low_memory")
+    b = training(h, w, y, "mean", order="low_memory", sparse_threshold=0.0)
+    for x, z in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(z))
+
+
+def test_bad_training_choices_raise_value_error_naming_them():
+    h, w, y = trained()
+    call = xj.linear_cross_entropy
+    cases = [
+        ("order", {"order": "slow"}),
+        ("order", {"order": 2}),
+        ("accumulate", {"accumulate": "bf16"}),
+        ("sparse_threshold", {"sparse_threshold": -0.1}),
+        ("sparse_threshold", {"sparse_threshold": 1.5}),
+        ("sparse_threshold", {"sparse_threshold": float("nan")}),
+        ("sparse_threshold", {"sparse_threshold": "0.1"}),
+        ("sparse_threshold", {"sparse_threshold": True}),
+        ("sparse_threshold", {"sparse_threshold": None}),
+        ("sparse_threshold", {"order": "fast", "sparse_threshold": TAU}),
+    ]
+    for name, kw in cases:
+        with pytest.raises(ValueError, match=name):
+            call(h, w, y, **kw)
+    # The handlers check the choices they are given too (the public call refuses these first).
+    none = (jnp.zeros((0,), h.dtype), jnp.zeros((0,), jnp.float32))  # no bias, no class weights
+    for name, choices in (
+        ("order", {"order": 5}),
+        ("accumulate", {"accumulate": 3}),
+        ("sparse_threshold", {"order": 1, "sparse_threshold": TAU}),
+    ):
+        cfg = _core._Config(-100, 1, 0.0, 0.0, 0.0, **choices)
+        with pytest.raises(jax.errors.JaxRuntimeError, match=name):
+            _core._linear_fused(h, w, none[0], y, none[1], cfg)
+    # What only the backend refuses comes back from the handler, named.
+    with pytest.raises(jax.errors.JaxRuntimeError, match="sparse_threshold"):
+        jax.grad(lambda h: call(h, w, y, label_smoothing=0.1, softcap=5.0, sparse_threshold=TAU))(h)

@@ -24,6 +24,9 @@ from jax import lax
 from . import _ffi
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # torch's enum order, as the handlers read it
+# A fused linear training call's choices, as csrc/jax/ffi_linear.h's linear_attrs reads them.
+_ORDERS = {"automatic": 0, "fast": 1, "low_memory": 2}
+_ACCUMULATIONS = {"fp32": 0, "output": 1}
 _LOGIT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
@@ -36,6 +39,17 @@ class _Config(NamedTuple):
     z_loss: float
     softcap: float
     inplace_backward: bool = True  # the fused pass's gradient over the logits' buffer (ops.py)
+    order: int = 0  # the fused linear calls' training choices (_training_choices)
+    accumulate: int = 0
+    sparse_threshold: float = 0.0
+
+    def training_attrs(self):
+        """The fused linear calls' attributes beyond attrs()."""
+        return {
+            "order": np.int32(self.order),
+            "accumulate": np.int32(self.accumulate),
+            "sparse_threshold": np.float32(self.sparse_threshold),
+        }
 
     def attrs(self):
         return {
@@ -281,13 +295,42 @@ def _linear_forward(h, wt, b, y, w, cfg):
         y,
         w,
         cfg=cfg,
+        attrs=cfg.training_attrs(),
         method="sequential",
-        workspace=_linear_workspace("linear_forward", h, wt),
+        workspace=_linear_workspace("linear_forward", h, wt, cfg),
     )
 
 
-def _linear_workspace(kind, h, wt):
-    return _ffi.workspace_bytes(kind, h.dtype, h.shape[0], h.shape[1], wt.shape[0])
+def _linear_workspace(kind, h, wt, cfg):
+    choices = (cfg.order, cfg.accumulate, cfg.sparse_threshold)
+    return _ffi.workspace_bytes(kind, h.dtype, *h.shape, wt.shape[0], choices=choices)
+
+
+def _training_choices(cfg: _Config, order, accumulate, sparse_threshold) -> _Config:
+    """cfg with a fused linear call's training choices, or ValueError naming the argument."""
+    codes = {}
+    for name, value, table in (
+        ("order", order, _ORDERS),
+        ("accumulate", accumulate, _ACCUMULATIONS),
+    ):
+        codes[name] = table.get(value) if isinstance(value, str) else None
+        if codes[name] is None:
+            raise ValueError(
+                f"xent: {name} must be one of {', '.join(map(repr, table))}, got {value!r}"
+            )
+    if (
+        isinstance(sparse_threshold, bool)
+        or not isinstance(sparse_threshold, (int, float, np.integer, np.floating))
+        or not 0.0 <= sparse_threshold <= 1.0
+    ):
+        raise ValueError(
+            f"xent: sparse_threshold must be a number in [0, 1], got {sparse_threshold!r}"
+        )
+    if sparse_threshold > 0.0 and order == "fast":
+        raise ValueError(
+            "xent: sparse_threshold runs in the low-memory order, which order='fast' excludes"
+        )
+    return cfg._replace(sparse_threshold=float(sparse_threshold), **codes)
 
 
 def _linear_grads(h, wt, b):
@@ -312,8 +355,9 @@ def _linear_fused(h, wt, b, y, w, cfg):
         y,
         w,
         cfg=cfg,
+        attrs=cfg.training_attrs(),
         method="sequential",
-        workspace=_linear_workspace("linear_training", h, wt),
+        workspace=_linear_workspace("linear_training", h, wt, cfg),
     )
 
 
@@ -331,8 +375,9 @@ def _linear_backward(h, wt, b, y, w, lse, g, cfg):
         lse,
         g.astype(lse.dtype),
         cfg=cfg,
+        attrs=cfg.training_attrs(),
         method="sequential",
-        workspace=_linear_workspace("linear_training", h, wt),
+        workspace=_linear_workspace("linear_training", h, wt, cfg),
     )
 
 

@@ -54,22 +54,34 @@ _WORKSPACE_DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}
 if with_cuda:
     _query = _lib.xent_jax_cuda_workspace_bytes
     _query.restype = ctypes.c_int64
-    _query.argtypes = (ctypes.c_int, ctypes.c_int) + (ctypes.c_int64,) * 3
+    _query.argtypes = (
+        (ctypes.c_int, ctypes.c_int)
+        + (ctypes.c_int64,) * 3
+        + (ctypes.c_int, ctypes.c_int, ctypes.c_float)
+    )
 
 
 def workspace_bytes(
-    kind: str, dtype, rows: int, dim: int = 0, vocab: int = 0, *, reduced: bool = True
+    kind: str,
+    dtype,
+    rows: int,
+    dim: int = 0,
+    vocab: int = 0,
+    *,
+    reduced: bool = True,
+    choices: tuple = (0, 0, 0.0),
 ) -> int | None:
     """The bytes of device workspace a CUDA call of `kind` takes as one more result (0 for a
     cross-entropy call whose loss is not reduced), None where the library has no CUDA handlers.
-    0 for what no CUDA call runs (float64, a shape the call refuses): the handler refuses the
+    choices: a fused linear call's (order, accumulate, sparse_threshold) codes (_core's). 0 for
+    what no CUDA call runs (float64, a shape or choice the call refuses): the handler refuses the
     call itself, float64 by name before it looks at the workspace."""
     if not with_cuda:
         return None
     if not reduced:
         return 0
     code = _WORKSPACE_DTYPES.get(str(dtype), -1)
-    return max(0, int(_query(WORKSPACE_KINDS[kind], code, rows, dim, vocab)))
+    return max(0, int(_query(WORKSPACE_KINDS[kind], code, rows, dim, vocab, *choices)))
 
 
 _records_bytes = _lib.xent_jax_records_bytes

@@ -24,6 +24,7 @@ from ._core import (
     _linear_operands,
     _results,
     _scaled_linear_grads,
+    _training_choices,
 )
 
 
@@ -163,6 +164,9 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float = 0.0,
     return_lse: bool = False,
+    order: str = "automatic",
+    accumulate: str = "fp32",
+    sparse_threshold: float = 0.0,
 ):
     """cross_entropy(hidden @ weight.T + bias, labels, ...) without the (..., V) logits.
 
@@ -171,8 +175,30 @@ def linear_cross_entropy(
     cross_entropy's (class_weight is its `weight`). Differentiable in hidden, weight and bias;
     the logits are computed a chunk of rows at a time in a workspace and never kept. Under
     jax.vmap the call runs once per batch element.
+
+    The gradients' memory (the training call's workspace, which XLA allocates with the call):
+      order="automatic"  (default) the fast order: rows outer, three GEMMs; with 16-bit weights
+                         and accumulate="fp32" a V x D float sum of d_weight (4 V D bytes).
+      order="low_memory" the vocabulary outer, in panels: four GEMMs with reduction mean or sum
+                         (three with none), exact as the fast order, no V x D buffer; at most
+                         256 MiB of logit tiles, a panel's buffers and, for 16-bit d_hidden, its
+                         N x D float sum.
+      order="fast"       the fast order by name.
+      accumulate="output"  the fast order adds each chunk's float sum into d_weight and rounds
+                         it, once per chunk: no V x D float buffer, at up to half an ulp of
+                         d_weight's dtype per chunk. "fp32" (default) sums in float and rounds once.
+    sparse_threshold (default 0.0: exact) is the low-memory order's sparse backward (Cut
+    Cross-Entropy's gradient filtering): the gradient GEMMs skip each tile of rows x classes whose
+    probabilities are all below it and that holds no label. The loss is unchanged; each gradient
+    moves by at most the skipped probabilities' terms (docs/numerics.md); 2**-12 is a threshold
+    to start from for bfloat16. A threshold runs the low-memory order (order="fast" raises); on
+    a GPU it takes bfloat16 / float16, no label_smoothing or softcap and D a multiple of 8 (the
+    handler's error names sparse_threshold otherwise). A weight split over devices along
+    the vocabulary (under jit) runs the vocab-parallel scan, which takes none of these three.
+    A value outside these raises ValueError naming the argument.
     """
     cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
+    cfg = _training_choices(cfg, order, accumulate, sparse_threshold)
     hidden, weight, b, labels = _linear_operands(hidden, weight, bias, labels, _check_float, "V")
     w = _class_weights(class_weight, weight.shape[0])
     rows = math.prod(labels.shape)
