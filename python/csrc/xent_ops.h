@@ -31,6 +31,7 @@
 #include <xent/xent.hpp>
 
 #include "layout.h"
+#include "linear_choices.h"
 
 namespace xent_torch {
 
@@ -469,25 +470,17 @@ struct linear_inputs {
   xent::linear_options opts;
 };
 
-// A training call's choices, which the Python side passes as ints, as it does the reduction:
-// order 0 automatic, 1 fast, 2 low_memory (xent::linear_order); accumulate 0 fp32, 1 output
-// (xent::dw_accumulation); and the sparse backward's threshold (0: exact; xent checks it). The
-// schemas take them after every other argument, with defaults.
+// A training call's choices (linear_choices.h), which the schemas take after every other
+// argument, with defaults.
 struct linear_choices {
   std::int64_t order = 0, accumulate = 0;
   double sparse_threshold = 0.0;
 };
 
 inline void set_linear_choices(xent::linear_options& opts, linear_choices c) {
-  TORCH_CHECK_VALUE(c.order >= 0 && c.order <= 2,
-                    "xent: order must be 0 (automatic), 1 (fast) or 2 (low_memory), got ", c.order);
-  TORCH_CHECK_VALUE(c.accumulate == 0 || c.accumulate == 1,
-                    "xent: accumulate must be 0 (fp32) or 1 (output), got ", c.accumulate);
-  opts.order = c.order == 0   ? xent::linear_order::automatic
-               : c.order == 1 ? xent::linear_order::fast
-                              : xent::linear_order::low_memory;
-  opts.accumulate = c.accumulate == 0 ? xent::dw_accumulation::fp32 : xent::dw_accumulation::output;
-  opts.sparse_threshold = static_cast<float>(c.sparse_threshold);
+  const xent_bindings::choice_error e = xent_bindings::check_linear_choices(c.order, c.accumulate);
+  TORCH_CHECK_VALUE(e.argument.empty(), "xent: ", e.argument, " ", e.what);
+  xent_bindings::set_linear_choices(opts, c.order, c.accumulate, c.sparse_threshold);
 }
 
 // A training call without d_weight: its float accumulator would have nothing to sum, so neither

@@ -9,13 +9,12 @@
 #include <cstdint>
 #include <string>
 
+#include "../linear_choices.h"
 #include "ffi_ops.h"
 
 namespace xent_jax {
 
-// The loss attributes and a training call's choices: order 0 automatic, 1 fast, 2 low_memory
-// (xent::linear_order); accumulate 0 fp32, 1 output (xent::dw_accumulation); the sparse
-// backward's threshold (0: exact; xent checks it).
+// The loss attributes and a training call's choices (../linear_choices.h).
 struct linear_attrs {
   std::int64_t ignore_index;
   std::int32_t reduction;
@@ -24,19 +23,12 @@ struct linear_attrs {
   float sparse_threshold;
 
   xent::linear_options options() const {
-    if (order < 0 || order > 2)
-      fail("order",
-           "must be 0 (automatic), 1 (fast) or 2 (low_memory), got " + std::to_string(order));
-    if (accumulate != 0 && accumulate != 1)
-      fail("accumulate", "must be 0 (fp32) or 1 (output), got " + std::to_string(accumulate));
+    const xent_bindings::choice_error e = xent_bindings::check_linear_choices(order, accumulate);
+    if (!e.argument.empty()) fail(e.argument, e.what);
     xent::linear_options o;
     static_cast<xent::options&>(o) =
         loss_attrs{ignore_index, reduction, label_smoothing, z_loss, softcap}.options();
-    o.order = order == 0   ? xent::linear_order::automatic
-              : order == 1 ? xent::linear_order::fast
-                           : xent::linear_order::low_memory;
-    o.accumulate = accumulate == 0 ? xent::dw_accumulation::fp32 : xent::dw_accumulation::output;
-    o.sparse_threshold = sparse_threshold;
+    xent_bindings::set_linear_choices(o, order, accumulate, sparse_threshold);
     return o;
   }
 };

@@ -21,12 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._choices import ACCUMULATIONS, ORDERS, choice_code, sparse_threshold
 from . import _ffi
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}  # torch's enum order, as the handlers read it
-# A fused linear training call's choices, as csrc/jax/ffi_linear.h's linear_attrs reads them.
-_ORDERS = {"automatic": 0, "fast": 1, "low_memory": 2}
-_ACCUMULATIONS = {"fp32": 0, "output": 1}
 _LOGIT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
@@ -306,31 +304,18 @@ def _linear_workspace(kind, h, wt, cfg):
     return _ffi.workspace_bytes(kind, h.dtype, *h.shape, wt.shape[0], choices=choices)
 
 
-def _training_choices(cfg: _Config, order, accumulate, sparse_threshold) -> _Config:
+def _training_choices(cfg: _Config, order, accumulate, threshold) -> _Config:
     """cfg with a fused linear call's training choices, or ValueError naming the argument."""
-    codes = {}
-    for name, value, table in (
-        ("order", order, _ORDERS),
-        ("accumulate", accumulate, _ACCUMULATIONS),
-    ):
-        codes[name] = table.get(value) if isinstance(value, str) else None
-        if codes[name] is None:
-            raise ValueError(
-                f"xent: {name} must be one of {', '.join(map(repr, table))}, got {value!r}"
-            )
-    if (
-        isinstance(sparse_threshold, bool)
-        or not isinstance(sparse_threshold, (int, float, np.integer, np.floating))
-        or not 0.0 <= sparse_threshold <= 1.0
-    ):
-        raise ValueError(
-            f"xent: sparse_threshold must be a number in [0, 1], got {sparse_threshold!r}"
-        )
-    if sparse_threshold > 0.0 and order == "fast":
+    codes = {
+        "order": choice_code("order", order, ORDERS),
+        "accumulate": choice_code("accumulate", accumulate, ACCUMULATIONS),
+    }
+    tau = sparse_threshold(threshold)
+    if tau > 0.0 and order == "fast":
         raise ValueError(
             "xent: sparse_threshold runs in the low-memory order, which order='fast' excludes"
         )
-    return cfg._replace(sparse_threshold=float(sparse_threshold), **codes)
+    return cfg._replace(sparse_threshold=tau, **codes)
 
 
 def _linear_grads(h, wt, b):

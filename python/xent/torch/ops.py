@@ -14,12 +14,13 @@ from typing import NamedTuple, Optional
 import torch
 from torch.nn import _reduction as _Reduction
 
+from .._choices import ACCUMULATIONS as _ACCUMULATIONS
+from .._choices import ORDERS as _ORDERS
+from .._choices import choice_code
+from .._choices import sparse_threshold as _sparse_threshold
 from . import _library
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
-# The linear ops' training choices as their schemas take them (csrc/xent_ops.h, linear_choices).
-_ORDERS = {"automatic": 0, "fast": 1, "low_memory": 2}
-_ACCUMULATIONS = {"fp32": 0, "output": 1}
 # The overloads themselves: a call skips the packet's overload lookup.
 _cross_entropy_fwd = torch.ops.xent.cross_entropy_fwd.default
 _linear_cross_entropy_fwd = torch.ops.xent.linear_cross_entropy_fwd.default
@@ -413,13 +414,6 @@ def _check_linear_choices(choices):
     _sparse_threshold(sparse_threshold)
 
 
-def _sparse_threshold(value):
-    """A sparse-backward threshold as a float in [0, 1], or ValueError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"xent: sparse_threshold must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
 # The linear ops' arguments after reduction: the loss options (label_smoothing, z_loss, softcap),
 # then (linear_cross_entropy_bwd and _fwd_bwd) output_mask, then the training choices.
 _LOSS_OPTIONS = 3
@@ -461,12 +455,7 @@ def _linear_fwd_bwd_fake(
 
 def _linear_choice(name, value, codes):
     """The code of a training choice (order, accumulate), or ValueError naming the argument."""
-    code = codes.get(value) if isinstance(value, str) else None
-    if code is None:
-        raise ValueError(
-            f"xent.torch: {name} must be one of {', '.join(repr(k) for k in codes)}, got {value!r}"
-        )
-    return code
+    return choice_code(name, value, codes, "xent.torch")
 
 
 def linear_cross_entropy(
