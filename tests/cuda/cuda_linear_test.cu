@@ -556,6 +556,14 @@ TEST_F(CudaLinearTest, SparsePanelsAndSubChunksStayWithinTheBound) {
     s.space = space;
     EXPECT_TRUE(run_sparse_case<bf16>(backend_, s)) << static_cast<int>(space);
   }
+  // No hidden columns (D = 0): every logit is its bias, and the hot tiles' gradient is formed
+  // with no k-step.
+  for (bool bias : {true, false}) {
+    lspec s = make_spec(200, 0, 2600);
+    s.ce.sigma = 1.0;
+    s.bias = bias;
+    EXPECT_TRUE(run_sparse_case<bf16>(backend_, s)) << "D = 0, bias " << bias;
+  }
 }
 
 TEST_F(CudaLinearTest, SparseCallsTheKernelsDoNotTakeThrowNamingTheArgument) {

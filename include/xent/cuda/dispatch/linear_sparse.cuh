@@ -219,9 +219,9 @@ inline void clear_flags(const char* fn, const sparse_state& sp, std::int64_t r0,
 }
 
 /// The logit gradient of rows [r0, r0 + n) for the panel call `c` (its weight and bias the
-/// panel's, its first class v0) over the hot tiles, zeros in the cold ones, into the panel's
-/// logits buffer. `rows`: the sub-chunk's rows as the dense gradient pass gets them
-/// (gradient_args).
+/// panel's, its first class v0) over the hot tiles (zeros in the cold ones where d_bias's column
+/// sums read them), into the panel's logits buffer. `rows`: the sub-chunk's rows as the dense
+/// gradient pass gets them (gradient_args).
 template <class T, class G, class Tgt>
 void sparse_gradient(
     const linear_call<T, G>& c, const sparse_state& sp, std::int64_t v0, std::int64_t r0,
@@ -235,7 +235,6 @@ void sparse_gradient(
                                     c.bias,
                                     c.logits(),
                                     c.plan.ld,
-                                    {sp.flags, sp.ld, v0 / sg::flag_cols},
                                     {r0, n},
                                     rows};
   if constexpr (sparse_dtype<DT>) {

@@ -206,11 +206,11 @@ __device__ __forceinline__ tile grouped_tile(std::int64_t id, std::int64_t m_til
   return {first + id % span % rows, id % span / rows};
 }
 
-/// The logit gradient of the hot tiles, 0 in the cold ones (exactly their dropped terms), from
-/// L = X · W_panelᵀ (+ bias) in float: the dense gradient pass's g (alpha p_c - w_y [c = y]) with
-/// backward_row's constants (class ids, no smoothing or softcap: check_sparse), so no logits are
-/// stored and no pass reads them back. Tile (m, n): row tile m of the sub-chunk, block n of the
-/// panel.
+/// The logit gradient of the hot tiles (the cold ones' is 0, exactly their dropped terms: the
+/// dispatch's), from L = X · W_panelᵀ (+ bias) in float: the dense gradient pass's
+/// g (alpha p_c - w_y [c = y]) with backward_row's constants (class ids, no smoothing or softcap:
+/// check_sparse), so no logits are stored and no pass reads them back. Tile (m, n): row tile m of
+/// the sub-chunk, block n of the panel; every tile it is given is hot (list_kernel's list).
 template <class T, class Tgt>
 struct gradient_op {
   static constexpr bool a_kmajor = true, b_kmajor = true;
@@ -219,12 +219,11 @@ struct gradient_op {
   const T* bias;  ///< the panel's, or null
   T* out;         ///< n x P logit gradient, ld_out apart
   std::int64_t ld_out;
-  flags_view flags;
   row_tiles tiles;
   row_args<T, T, Tgt> rows;  ///< the sub-chunk's rows as the dense pass gets them (vp_gradient)
 
-  __device__ int prepare(const tile& t, int*, int*) const {
-    return flags.hot(tiles.first() + t.m, t.n) ? static_cast<int>((x.cols + bk - 1) / bk) : 0;
+  __device__ int prepare(const tile&, int*, int*) const {
+    return static_cast<int>((x.cols + bk - 1) / bk);
   }
   __device__ std::int64_t k_at(int i, const int*) const { return std::int64_t{i} * bk; }
   __device__ std::int64_t m0(const tile& t) const { return tiles.rel_row(t.m); }
@@ -233,9 +232,10 @@ struct gradient_op {
     load_tile<bm, bk>(a, x, m0(t), k);
     load_tile<bn, bk>(b, w, n0(t), k);
   }
-  /// A cold tile's output.
+  /// A tile with no k-step (D = 0): its logits are the bias alone, through store's epilogue.
   __device__ void fill(const tile& t) const {
-    fill_tile(out, ld_out, x.rows, w.rows, m0(t), n0(t), from_float<T>(0.0f));
+    for (int i = static_cast<int>(threadIdx.x); i < bm * bn / 2; i += threads)
+      store(t, i / (bn / 2), i % (bn / 2) * 2, 0.0f, 0.0f);
   }
   /// Elements (row, col) and (row, col + 1) of a hot tile.
   __device__ void store(const tile& t, int row, int col, float v0, float v1) const {
@@ -357,7 +357,8 @@ struct weight_op {
 
 /// Output tile `t` of `op` (a use above) by the whole CTA, `smem` its dynamic shared memory: the
 /// tile's hot k-steps through `stages` cp.async stages. prepare answers the steps: 0 for a tile
-/// whose output is a constant (op.fill), -1 for one that writes nothing.
+/// with none, whose output op.fill writes (what an empty sum gives), -1 for one that writes
+/// nothing.
 template <class T, class Op>
 __device__ void run_tile(const Op& op, const tile& t, unsigned char* smem) {
   namespace wm = warp_mma;
