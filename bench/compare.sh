@@ -5,7 +5,7 @@
 # package (pip install ./python) with its CUDA kernels, and writes compare.md, compare.png and
 # compare.jsonl to $OUT. Then, where the cross-entropy part ran, the native lines
 # (bench/compare_native.py): xent's C++ kernels by CUDA events (xent_bench_cuda, built here in
-# build/compare-native for this GPU; cuda.json) and xent.jax against XLA on the large shapes
+# build/compare-native for this GPU, or XENT_BENCH_CUDA's; cuda.json) and xent.jax against XLA on the large shapes
 # (jax/N-V.jsonl, when jax with a GPU is importable); XENT_COMPARE_NATIVE=0 leaves them out.
 #   bash bench/compare.sh [ce] [lce] [--quick]
 # Fetching the wheels, once, on a machine with network, for the GPU machine's Python (--no-deps:
@@ -57,21 +57,31 @@ else
 fi
 
 # The package with its CUDA kernels (a build error is shown here, not buried in a traceback).
-XENT_CUDA=1 "$python" -m pip install --quiet --no-build-isolation --no-deps "$root/python" ||
-  echo "the xent package did not build with CUDA: its column will be n/a"
+# XENT_COMPARE_INSTALL=0 takes the xent already importable instead: built from this checkout on
+# another machine and put on PYTHONPATH, so a shared GPU's time is not spent compiling.
+if [[ ${XENT_COMPARE_INSTALL:-1} == 1 ]]; then
+  XENT_CUDA=1 "$python" -m pip install --quiet --no-build-isolation --no-deps "$root/python" ||
+    echo "the xent package did not build with CUDA: its column will be n/a"
+fi
 PYTHONUNBUFFERED=1 "$python" bench/compare.py "$@" || exit
 [[ ${XENT_COMPARE_NATIVE:-1} == 1 ]] && grep -q '"kind": "ce"' "$OUT/compare.jsonl" || exit 0
 
-arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d .)
-[[ $arch == 90 ]] && arch=90a
-build=build/compare-native
-if cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DXENT_ENABLE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES="$arch" -DXENT_BUILD_EXAMPLES=OFF >"$OUT/native-build.log" 2>&1 &&
-  cmake --build $build --target xent_bench_cuda >>"$OUT/native-build.log" 2>&1; then
+# XENT_BENCH_CUDA: an xent_bench_cuda built elsewhere from this checkout, for this GPU.
+bench=${XENT_BENCH_CUDA:-build/compare-native/bench/xent_bench_cuda}
+build_bench() {
+  [[ -n ${XENT_BENCH_CUDA:-} ]] && return
+  local arch build=build/compare-native
+  arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d .)
+  [[ $arch == 90 ]] && arch=90a
+  cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DXENT_ENABLE_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="$arch" -DXENT_BUILD_EXAMPLES=OFF >"$OUT/native-build.log" 2>&1 &&
+    cmake --build $build --target xent_bench_cuda >>"$OUT/native-build.log" 2>&1
+}
+if build_bench; then
   # The shapes compare.py ran (N/V|...), each pass, three repetitions (their median).
   ran=$("$python" bench/compare_native.py --shapes filter)
   passes='op::(forward|forward_backward|backward)'
-  $build/bench/xent_bench_cuda --benchmark_repetitions=3 --benchmark_out="$OUT/cuda.json" \
+  "$bench" --benchmark_repetitions=3 --benchmark_out="$OUT/cuda.json" \
     --benchmark_out_format=json \
     --benchmark_filter="BM_copy_roof|BM_cross_entropy<(float|__nv_bfloat16), $passes>/($ran)/" \
     >"$OUT/cuda.log" 2>&1 || echo "xent_bench_cuda failed: $OUT/cuda.log"
