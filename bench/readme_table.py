@@ -1,7 +1,7 @@
 """The README's performance section, made from a bench/compare.sh results folder.
 
-    python3 bench/readme_table.py bench/results/h100-compare              # prints the section
-    python3 bench/readme_table.py bench/results/h100-compare --write README.md
+    python3 bench/readme_table.py bench/results/h200-compare              # prints the section
+    python3 bench/readme_table.py bench/results/h200-compare --write README.md
 
 Reads FOLDER/compare.jsonl (bench/compare.py's JSON lines: the machine first, then one line per
 shape and implementation) and writes the section: the run (GPU, commit, date, library versions),
