@@ -335,16 +335,22 @@ XENT_KERNEL void __launch_bounds__(
       } else {
         loss = class_row_loss(st, r.rg.w_y, a.k);
       }
-      if (rank == 0 && threadIdx.x == 0 && a.records.block) {  // vocab-parallel: a shard's record
-        slice_partial rec;
-        rec.stats = st;
-        rec.argmax = argmax_of(row);
-        if (rec.argmax.index >= 0) rec.argmax.index += a.first;  // a global class id
-        a.records.put(r.n, rec);
-      } else if (rank == 0 && threadIdx.x == 0) {
+      // A vocab-parallel shard's forward writes its record instead (the merge writes the
+      // outputs). Only forwards take records: fused kernels carry none of this code.
+      bool recorded = false;
+      if constexpr (P == pass::forward) {
+        if (rank == 0 && threadIdx.x == 0 && a.records.block) {
+          slice_partial rec;
+          rec.stats = st;
+          rec.argmax = argmax_of(row);
+          if (rec.argmax.index >= 0) rec.argmax.index += a.first;  // a global class id
+          a.records.put(r.n, rec);
+          recorded = true;
+        }
+      }
+      if (!recorded && rank == 0 && threadIdx.x == 0)
         write_row_outputs(a, r.n, loss, r.rg.lse, best_of(row), best_of(row) == r.rg.y,
                           need_reduce);
-      }
     }
     if constexpr (want_grad) {
       r.rg.g = row_scale(a, r.n, scalar);
