@@ -5,8 +5,9 @@
 # package (pip install ./python) with its CUDA kernels, and writes compare.md, compare.png and
 # compare.jsonl to $OUT. Then, where the cross-entropy part ran, the native lines
 # (bench/compare_native.py): xent's C++ kernels by CUDA events (xent_bench_cuda, built here in
-# build/compare-native for this GPU, or XENT_BENCH_CUDA's; cuda.json) and xent.jax against XLA on the large shapes
-# (jax/N-V.jsonl, when jax with a GPU is importable); XENT_COMPARE_NATIVE=0 leaves them out.
+# build/compare-native for this GPU, or XENT_BENCH_CUDA's; cuda.json) and xent.jax against XLA on
+# the large shapes (jax/N-V.jsonl, when jax with a GPU is importable); XENT_COMPARE_NATIVE=0 leaves
+# them out.
 #   bash bench/compare.sh [ce] [lce] [--quick]
 # Fetching the wheels, once, on a machine with network, for the GPU machine's Python (--no-deps:
 # torch, triton and cuda-bindings come from its own environment). quack's `cutlass` package is
