@@ -229,8 +229,10 @@ def test_sparse_threshold_zero_is_the_exact_call_bit_for_bit(device):
     h, w, y = put(device, *trained(jnp.bfloat16 if device.platform != "cpu" else jnp.float32))
     a = training(h, w, y, "mean", order="low_memory")
     b = training(h, w, y, "mean", order="low_memory", sparse_threshold=0.0)
-    for x, z in zip(a, b):
+    c = training(h, w, y, "mean", order="low_memory", sparse_threshold=np.float32(0.0))
+    for x, z, u in zip(a, b, c):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(z))
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(u))
 
 
 def test_bad_training_choices_raise_value_error_naming_them():
