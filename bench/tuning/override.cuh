@@ -1,10 +1,12 @@
 // The tuning override of xent's benchmark and test builds (XENT_CUDA_TUNING in CMake,
 // bench/cuda_variants.sh): the row the build is tuned for (XENT_CUDA_TUNED_MAJOR) with each
 // number whose XENT_CUDA_<NAME> macro is defined replaced by it.
-// include/xent/cuda/tuning/policy.cuh includes it through XENT_CUDA_TUNING_OVERRIDE.
+// include/xent/cuda/tuning/policy.cuh includes it through XENT_CUDA_TUNING_OVERRIDE. It takes the
+// table from the include path, never by a path relative to itself: a build of another include/
+// tree (bench/cuda_variants.sh's @DIR) then sees that tree's table alone, once.
 #pragma once
 
-#include "../../include/xent/cuda/tuning/policy.cuh"
+#include <xent/cuda/tuning/policy.cuh>
 
 namespace xent {
 namespace cuda_detail {
