@@ -99,42 +99,21 @@ XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
       tiles > blockIdx.x ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   // Tile k's row, first element (-lead for a shifted row's first tile), elements from there (0 or
   // less: a shifted row's tile to spare), and how many of its first vector lie before the row.
-  // Tiles are walked in order (k, k + 1, ...), each walker stepping gridDim.x tiles: a row and a
-  // tile within it advanced by a fixed (rows, tiles) step, no division per tile.
-  const std::int64_t step_rows = gridDim.x / tiles_per_row;
-  const std::int64_t step_tiles = gridDim.x - step_rows * tiles_per_row;
-  struct walker {
-    std::int64_t n, p;
-  };
-  auto start = [&](std::int64_t k) {
+  auto tile_of = [&](std::int64_t k, std::int64_t& n, std::int64_t& base, int& count, int& lead) {
     const std::int64_t t = blockIdx.x + k * gridDim.x;
-    const std::int64_t n = t / tiles_per_row;
-    return walker{n, t - n * tiles_per_row};
-  };
-  auto advance = [&](walker& w) {
-    w.n += step_rows;
-    w.p += step_tiles;
-    if (w.p >= tiles_per_row) {
-      w.p -= tiles_per_row;
-      ++w.n;
-    }
-  };
-  auto tile_at = [&](const walker& w, std::int64_t& n, std::int64_t& base, int& count, int& lead) {
-    n = w.n;
+    n = t / tiles_per_row;
     const int row_lead = Shifted ? lead_of(a.logits + n * a.ld) : 0;
-    base = w.p * span - row_lead;
+    base = (t - n * tiles_per_row) * span - row_lead;
     count = static_cast<int>(a.cols - base < span ? a.cols - base : span);
     lead = Shifted && base < 0 ? row_lead : 0;
   };
-  walker load_walk = start(0);  // thread 0: the next tile to load
   // Thread 0: tile k into its stage, the bytes outside its whole vectors by plain loads (visible
   // to the other threads through the barriers between now and tile k's turn).
   auto issue_load = [&](std::int64_t k) {
     if (k >= my_tiles) return;
     std::int64_t n, base;
     int count, lead, first, whole;
-    tile_at(load_walk, n, base, count, lead);
-    advance(load_walk);
+    tile_of(k, n, base, count, lead);
     bulk_span<vec, Shifted>(count, lead, first, whole);
     const T* src = a.logits + n * a.ld + base;
     T* st = stage(k);
@@ -154,11 +133,10 @@ XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
     for (int k = 0; k < Stages - 1; ++k) issue_load(k);
   const double scalar = backward_constants<Block>(a);
 
-  walker walk = start(0);
-  for (std::int64_t k = 0; k < my_tiles; ++k, advance(walk)) {
+  for (std::int64_t k = 0; k < my_tiles; ++k) {
     std::int64_t n, base;
     int count, lead;
-    tile_at(walk, n, base, count, lead);
+    tile_of(k, n, base, count, lead);
     // The row's scalars before the wait, so their latencies overlap it.
     const auto y = static_cast<std::int64_t>(a.targets.ids[n]);
     const float lse = a.lse_in[n];
