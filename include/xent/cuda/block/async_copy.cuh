@@ -123,12 +123,10 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned 
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
                                           unsigned long long* bar) {
 #if XENT_CUDA_SM90_PTX
-  unsigned long long policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
-      "[%1], %2, [%3], %4;" ::"r"(shared_address(dst)),
-      "l"(src), "r"(bytes), "r"(shared_address(bar)), "l"(policy)
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(bar))
       : "memory");
 #else
   (void)dst;
@@ -145,12 +143,9 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 /// shared-memory stores to the async proxy (fence_async_shared) and meet at a barrier first.
 __device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
 #if XENT_CUDA_SM90_PTX
-  unsigned long long policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile(
-      "cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;" ::"l"(dst),
-      "r"(shared_address(src)), "r"(bytes), "l"(policy)
-      : "memory");
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(shared_address(src)), "r"(bytes)
+               : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 #else
   (void)dst;
