@@ -119,7 +119,7 @@ struct sparse_judged {
              : ce.reduce == oracle::reduction::mean ? up.scale / r.ce.normalizer
                                                     : up.scale;
       double mass = 0.0;
-      for (std::int64_t c = 0; c < V; ++c) mass += ce.weight(c) * oracle::smoothed_target(ce, n, c);
+      for (std::int64_t c = 0; c < V; ++c) mass += oracle::weighted_target(ce, n, c);
       ga[n] = std::fabs(g[n] * (mass + 2.0 * ce.z_loss * r.ce.lse[n]));
     }
     for (std::int64_t c0 = 0; c0 < N; c0 += chunk_rows) {

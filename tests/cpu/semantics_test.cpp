@@ -137,6 +137,34 @@ TEST(CpuEdge, ClassWeightsWithIgnoredRowsDivideByTheWeightsOfRowsKept) {
   EXPECT_TRUE(xt::run_case<float>(d));
 }
 
+// PyTorch's nll_loss reads each row's w_y alone: an inf or NaN weight on a class no row targets
+// leaves every loss and gradient finite. Only smoothing weighs every class (then it is +inf or
+// NaN, in PyTorch too).
+TEST(CpuEdge, NonFiniteWeightOfAClassNoRowTargetsChangesNothing) {
+  for (float bad : {kInf, kNaN})
+    for (reduction red : {reduction::mean, reduction::sum, reduction::none})
+      for (float z : {0.0f, 1e-3f}) {
+        spec s = base(6, 9, 11);
+        s.weights = true;
+        s.reduce = red;
+        s.z_loss = z;
+        auto d = xt::make_dataset<float>(s);
+        for (std::int64_t n = 0; n < s.rows; ++n) d.set_target(n, n % 4 == 3 ? -100 : n % 8);
+        auto finite = d;
+        finite.weights[8] = 1.0f;
+        d.weights[8] = bad;  // class 8: no row's target
+        for (bool fused : {true, false}) {
+          const auto r = xt::call(d, fused);
+          const auto want = xt::call(finite, fused);
+          for (std::size_t i = 0; i < r.grad.size(); ++i)
+            ASSERT_EQ(r.grad[i], want.grad[i]) << "element " << i << " fused " << fused;
+          for (std::int64_t n = 0; n < s.rows; ++n) ASSERT_EQ(r.row_loss[n], want.row_loss[n]);
+          if (red != reduction::none) ASSERT_EQ(r.loss, want.loss);
+        }
+        EXPECT_TRUE(xt::run_case<float>(d));
+      }
+}
+
 TEST(CpuEdge, SingleClassRowsHaveZeroLossAndGradient) {
   for (float eps : {0.0f, 0.3f}) {
     spec s = base(3, 1, 6);

@@ -88,6 +88,14 @@ inline double smoothed_target(const problem& pb, std::int64_t n, std::int64_t c)
   return (1.0 - eps) * t + eps / static_cast<double>(pb.cols);
 }
 
+/// w_c t'_c of row n as PyTorch forms it: class ids without smoothing are nll_loss, which reads
+/// w_y alone, so another class adds nothing whatever its weight (inf and NaN included); soft
+/// targets and smoothing weigh every class.
+inline double weighted_target(const problem& pb, std::int64_t n, std::int64_t c) {
+  if (!pb.soft && pb.label_smoothing == 0.0 && c != pb.targets[n]) return 0.0;
+  return pb.weight(c) * smoothed_target(pb, n, c);
+}
+
 /// Evaluates everything; the gradient too when `up` is given.
 inline result evaluate(const problem& pb, const upstream* up = nullptr) {
   const std::int64_t N = pb.rows, V = pb.cols;
@@ -165,7 +173,7 @@ inline result evaluate(const problem& pb, const upstream* up = nullptr) {
       }
     }
     for (std::int64_t c = 0; c < V; ++c) {
-      const double a = pb.weight(c) * smoothed_target(pb, n, c);
+      const double a = weighted_target(pb, n, c);
       mass += a;
       if (a != 0.0) magnitude += std::fabs(a) * (std::fabs(z[c]) + std::fabs(lse));
     }
@@ -186,7 +194,7 @@ inline result evaluate(const problem& pb, const upstream* up = nullptr) {
       const double alpha = mass + 2.0 * pb.z_loss * lse;
       for (std::int64_t j = 0; j < V; ++j) {
         const double p = std::exp(logp[j]);
-        const double a = pb.weight(j) * smoothed_target(pb, n, j);
+        const double a = weighted_target(pb, n, j);
         const double slope = capped_slope(pb, pb.x(n, j));
         r.grad[n * V + j] = g * (alpha * p - a) * slope;
         // p = exp(z - lse) with z - lse formed in float carries about |z| + 2 |lse| roundings

@@ -104,9 +104,11 @@ double check_targets_and_weigh(const char*, const soft_targets<S>& targets, std:
 template <class T, class Tgt>
 problem<T, Tgt> make_problem(const cpu& exec, matrix_view<const T> logits, const Tgt& targets,
                              const options& opts, vocab_shard shard) {
+  // sum_c w_c enters only the smoothing term: without smoothing it is not formed, so a weight of
+  // inf or NaN on a class no row targets stays out of every row (0 * inf would be NaN).
   double weight_sum = static_cast<double>(shard.vocab);
   const float* w = opts.class_weights.data;
-  if (w) {
+  if (w && opts.label_smoothing > 0.0f) {
     weight_sum = 0.0;
     for (std::int64_t c = 0; c < opts.class_weights.size; ++c) weight_sum += w[c];
   }
