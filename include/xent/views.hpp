@@ -198,14 +198,18 @@ namespace detail {
 
 /// An optional input or output (class weights, per-row outputs and upstream, linear gradients)
 /// as the run-time sized view the backends take: a static view with null data has no other way
-/// to say it is absent, so it becomes the empty view (null data, size 0).
+/// to say it is absent, so it becomes the empty view (null data, size 0). Null data with a
+/// run-time size other than 0 passes unchanged, for the checks to refuse: it is a caller's
+/// mistake, not an absent view (taken as one, a per-row upstream was silently dropped).
 template <class T, class E>
 vector_view<T> optional_view(const vector_view<T, E>& v) {
-  return v.data ? vector_view<T>(v) : vector_view<T>();
+  const bool sized = E::size == dynamic && v.size != 0;
+  return v.data || sized ? vector_view<T>(v) : vector_view<T>();
 }
 template <class T, class E>
 matrix_view<T> optional_view(const matrix_view<T, E>& m) {
-  return m.data ? matrix_view<T>(m) : matrix_view<T>();
+  const bool sized = (E::rows == dynamic && m.rows != 0) || (E::cols == dynamic && m.cols != 0);
+  return m.data || sized ? matrix_view<T>(m) : matrix_view<T>();
 }
 
 }  // namespace detail

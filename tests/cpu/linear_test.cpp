@@ -349,6 +349,15 @@ TEST(CpuLinearValidation, BadArgumentsThrowNamingThemBeforeWriting) {
   in_ws.d_hidden.data = static_cast<float*>(ws.ws.data) + 16;
   expect_error("grads.d_hidden", "overlaps workspace", fb(X, W, B, t, opts, up, in_ws, ws.ws));
   expect_error("workspace", "null data", fb(X, W, B, t, opts, up, G, {nullptr, 64}));
+  // A gradient with a size and no data is a mistake, not a gradient nobody asked for.
+  for (int k = 0; k < 3; ++k) {
+    auto null_grad = G;
+    if (k == 0) null_grad.d_hidden.data = nullptr;
+    if (k == 1) null_grad.d_weight.data = nullptr;
+    if (k == 2) null_grad.d_bias.data = nullptr;
+    const char* names[] = {"grads.d_hidden", "grads.d_weight", "grads.d_bias"};
+    expect_error(names[k], "null data", fb(X, W, B, t, opts, up, null_grad, ws.ws));
+  }
   // Class ids, outputs, a saved LSE and upstream gradients are read again after the call has
   // started writing: none may lie in what it writes.
   const auto* ids_in_ws = static_cast<const std::int64_t*>(ws.ws.data);

@@ -196,6 +196,23 @@ TEST(CpuValidation, NullDataWithNonZeroSize) {
       kBackward | kFused, "grad", [](setup& s) { s.G.data = nullptr; }, "null data");
   expect_rejected(
       kBackward, "lse", [](setup& s) { s.lse_in.data = nullptr; }, "null data");
+  // Optional outputs and the per-row upstream: null data with a size is a mistake, not an
+  // output nobody asked for (taken as one, the per-row upstream was dropped without a word).
+  expect_rejected(
+      kForward | kFused, "outputs.row_loss", [](setup& s) { s.out.row_loss.data = nullptr; },
+      "null data");
+  expect_rejected(
+      kForward | kFused, "outputs.lse", [](setup& s) { s.out.lse.data = nullptr; }, "null data");
+  expect_rejected(
+      kForward | kFused, "outputs.argmax", [](setup& s) { s.out.argmax.data = nullptr; },
+      "null data");
+  expect_rejected(
+      kBackward | kFused, "upstream.rows",
+      [](setup& s) {
+        s.opts.reduce = xent::reduction::none;
+        s.up.rows = {nullptr, kRows};
+      },
+      "null data");
 }
 
 TEST(CpuValidation, SizesBeyondWhatSizeArithmeticHolds) {
