@@ -43,10 +43,12 @@ inline xent::reduction to_reduction(std::int64_t r) {
   return r == 0 ? xent::reduction::none : (r == 1 ? xent::reduction::mean : xent::reduction::sum);
 }
 
-// Logits as a 2-D tensor whose last dimension is contiguous (a copy only when it is not), so the
-// row stride can be xent's leading dimension.
-inline at::Tensor rows_view(const at::Tensor& input) {
-  TORCH_CHECK_VALUE(input.dim() == 2, "xent: input must be 2-D (N, C), got ", input.dim(), "-D");
+// A matrix (logits by default) as a 2-D tensor whose last dimension is contiguous (a copy only
+// when it is not), so the row stride can be xent's leading dimension; errors name the argument.
+inline at::Tensor rows_view(const at::Tensor& input, const char* name = "input",
+                            const char* dims = "(N, C)") {
+  TORCH_CHECK_VALUE(input.dim() == 2, "xent: ", name, " must be 2-D ", dims, ", got ", input.dim(),
+                    "-D");
   return rows_readable_in_place(input) ? input : input.contiguous();
 }
 
@@ -128,11 +130,11 @@ inline targets targets_of(const at::Tensor& target, const at::Tensor& x, std::in
 // Class weights as C float32 values (empty when absent): xent::options' weights are float for
 // every dtype, float64 included (a float64 weight is rounded to float32).
 inline at::Tensor weights_of(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                             std::int64_t cols) {
+                             std::int64_t cols, const char* name = "weight") {
   if (!weight.has_value() || !weight->defined()) return {};
-  check_same_device(input, *weight, "weight");
-  TORCH_CHECK_VALUE(weight->dim() == 1 && weight->size(0) == cols,
-                    "xent: weight must be (C,) with C = ", cols, ", got ", weight->sizes());
+  check_same_device(input, *weight, name);
+  TORCH_CHECK_VALUE(weight->dim() == 1 && weight->size(0) == cols, "xent: ", name,
+                    " must be (C,) with C = ", cols, ", got ", weight->sizes());
   return weight->to(at::kFloat).contiguous();
 }
 
@@ -501,14 +503,15 @@ inline linear_inputs linear_inputs_of(const at::Tensor& hidden, const at::Tensor
                    "xent: weight must have hidden's dtype ", hidden.scalar_type(), ", got ",
                    weight.scalar_type());
   linear_inputs in;
-  in.hidden = rows_view(hidden);
-  in.weight = rows_view(weight);
+  in.hidden = rows_view(hidden, "hidden", "(N, D)");
+  in.weight = rows_view(weight, "weight", "(V, D)");
   TORCH_CHECK_VALUE(in.weight.size(1) == in.hidden.size(1), "xent: weight is ", weight.sizes(),
                     ", hidden is ", hidden.sizes(), ": their last dimensions must agree");
   const std::int64_t vocab = in.weight.size(0);
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK_TYPE(bias->scalar_type() == hidden.scalar_type(),
-                     "xent: bias must have hidden's dtype");
+                     "xent: bias must have hidden's dtype ", hidden.scalar_type(), ", got ",
+                     bias->scalar_type());
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == vocab,
                       "xent: bias must be (V,) with V = ", vocab, ", got ", bias->sizes());
     check_same_device(hidden, *bias, "bias");
@@ -516,7 +519,7 @@ inline linear_inputs linear_inputs_of(const at::Tensor& hidden, const at::Tensor
   }
   check_same_device(hidden, weight, "weight");
   in.tg = targets_of(target, in.hidden, vocab);
-  in.class_weights = weights_of(in.hidden, class_weight, vocab);
+  in.class_weights = weights_of(in.hidden, class_weight, vocab, "class_weight");
   static_cast<xent::options&>(in.opts) =
       options_of(in.class_weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
   set_linear_choices(in.opts, choices);

@@ -283,7 +283,7 @@ inline vp_linear_inputs vp_linear_inputs_of(const at::Tensor& hidden, const at::
   in.shard = shard;
   in.lin = linear_inputs_of(hidden, weight, bias, target, std::nullopt, ignore_index, reduction,
                             label_smoothing, z_loss, softcap);
-  in.lin.class_weights = weights_of(in.lin.hidden, class_weight, shard.vocab);
+  in.lin.class_weights = weights_of(in.lin.hidden, class_weight, shard.vocab, "class_weight");
   static_cast<xent::options&>(in.lin.opts) =
       options_of(in.lin.class_weights, ignore_index, reduction, label_smoothing, z_loss, softcap);
   in.digest = call_digest_of(shard, {in.lin.tg, in.lin.class_weights, in.lin.opts})

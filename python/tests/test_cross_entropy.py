@@ -326,6 +326,55 @@ def test_inplace_backward_refuses_to_corrupt_saved_logits():
         loss.backward()
 
 
+def test_inplace_backward_refuses_a_leaf_that_requires_grad():
+    # Its values would become the gradient and its .grad would share their memory: an optimizer
+    # step would read garbage. torch refuses in-place writes to such a leaf too.
+    x, t = make()
+    leaf = x.clone().requires_grad_()
+    for reduction in ("mean", "none"):
+        with pytest.raises(RuntimeError, match="inplace_backward"):
+            xent.torch.cross_entropy(leaf, t, reduction=reduction, inplace_backward=True)
+    assert torch.equal(leaf.detach(), x)
+    with torch.no_grad():  # nothing is written without a gradient
+        xent.torch.cross_entropy(leaf, t, inplace_backward=True)
+    assert torch.equal(leaf.detach(), x)
+
+
+@pytest.mark.parametrize(
+    "shape, target_shape, layout",
+    [
+        ((C,), (), lambda x: x),
+        ((N, C, 1), (N, 1), lambda x: x),
+        ((3, 4, C), (3, 4), lambda x: x.movedim(-1, 1)),  # (N, C, d1), classes innermost
+    ],
+    ids=["(C)", "(N, C, 1)", "(N, C, d1) channels-last"],
+)
+def test_inplace_backward_overwrites_logits_laid_out_as_rows(shape, target_shape, layout):
+    # As documented: layouts whose rows xent reads where they lie take the gradient in place.
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(shape, generator=g)
+    t = torch.randint(0, C, target_shape, generator=g)
+    leaf = base.clone().requires_grad_()
+    logits = layout(leaf * 1.0)
+    xent.torch.cross_entropy(logits, t, reduction="sum", inplace_backward=True).backward()
+    want = plain_grad(F.cross_entropy, layout(base), t, reduction="sum")
+    torch.testing.assert_close(logits.detach(), want)
+    torch.testing.assert_close(layout(leaf.grad), want)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_non_finite_weight_of_a_class_no_row_targets(bad, reduction):
+    # torch's nll_loss reads each row's own class weight: a non-finite weight elsewhere changes
+    # nothing (the core once formed sum_c w_c without smoothing: every gradient became NaN).
+    x, t = make()
+    t = t % (C - 1)
+    t[2] = -100
+    w = weights()
+    w[C - 1] = bad
+    assert_matches_torch(x, t, weight=w, reduction=reduction)
+
+
 def test_inplace_backward_with_strided_classes_falls_back_to_a_new_gradient():
     xt, _ = make(n=C, c=N)
     leaf = xt.clone().requires_grad_()

@@ -226,6 +226,38 @@ def test_bad_arguments():
         xent.torch.linear_cross_entropy(hidden, weight.to(torch.bfloat16), target)
     with pytest.raises(ValueError, match="bias must be"):
         xent.torch.linear_cross_entropy(hidden, weight, target, bias[:-1])
+    with pytest.raises(TypeError, match="bias must have hidden's dtype Float, got BFloat16"):
+        xent.torch.linear_cross_entropy(hidden, weight, target, bias.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"weight must be 2-D \(V, D\), got 1-D"):
+        xent.torch.linear_cross_entropy(hidden, weight[0], target)
+    with pytest.raises(ValueError, match=r"class_weight must be \(C,\) with C = 41"):
+        xent.torch.linear_cross_entropy(hidden, weight, target, class_weight=torch.ones(5))
+
+
+@pytest.mark.parametrize("label_smoothing", [-0.5, float("nan")])
+def test_label_smoothing_follows_cross_entropy(label_smoothing):
+    # torch smooths only for a value > 0 (a negative one or NaN is none) and raises RuntimeError
+    # above 1; cross_entropy and linear_cross_entropy take it alike.
+    hidden, weight, bias, target = make()
+    got = losses_and_grads(
+        xent.torch.linear_cross_entropy,
+        hidden,
+        weight,
+        target,
+        bias,
+        label_smoothing=label_smoothing,
+    )
+    want = losses_and_grads(torch_linear_ce, hidden, weight, target, bias)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match="label_smoothing must be between 0.0 and 1.0"):
+        xent.torch.linear_cross_entropy(hidden, weight, target, label_smoothing=1.5)
+
+
+def test_a_float_ignore_index_raises_type_error():
+    hidden, weight, _, target = make()
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        xent.torch.linear_cross_entropy(hidden, weight, target, ignore_index=1.5)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

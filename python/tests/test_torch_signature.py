@@ -138,6 +138,7 @@ def _bad_calls():
         "float class ids": ((x, t.float()), {}),
         "probabilities with ignore_index": ((x, torch.rand(3, 5)), dict(ignore_index=1)),
         "target on meta": ((x, t.to("meta")), {}),
+        "float ignore_index": ((x, t), dict(ignore_index=1.5)),
     }
 
 
@@ -148,6 +149,7 @@ OWN_MESSAGE = {
     "negative target",
     "target on meta",
     "weight requires grad",
+    "float ignore_index",
 }
 
 

@@ -9,6 +9,7 @@ registers the fake (meta) kernels torch.compile traces with, and casts the loss 
 for float64 inputs, which run on the CPU only) to the input's dtype.
 """
 
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -241,6 +242,23 @@ def _rows(input, target):
     return input.movedim(1, -1).reshape(-1, shape[1]), target.reshape(-1), rows
 
 
+def _smoothing(label_smoothing):
+    """torch's label_smoothing: above 1 raises RuntimeError; only a value > 0 smooths (a negative
+    value, or NaN, is no smoothing)."""
+    if label_smoothing > 1.0:
+        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    return float(label_smoothing) if label_smoothing > 0.0 else 0.0
+
+
+def _ignore_index(ignore_index):
+    """ignore_index as an int: an integer of any kind (a NumPy or 0-d tensor integer too); torch
+    raises TypeError for anything else (1.5 is not row 1)."""
+    try:
+        return operator.index(ignore_index)
+    except TypeError:
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}") from None
+
+
 def _z_loss_term(lse, target, weight, ignore_index, code, z_loss, rows_shape):
     """z_loss * lse^2 per row (0 on ignored rows, whose lse is 0), reduced as the loss is."""
     term = lse.square().mul_(z_loss)
@@ -294,7 +312,8 @@ def cross_entropy(
     smoothing mixes them with the uniform distribution, mean divides by the row count,
     ignore_index must be negative), given no gradient. size_average and reduce are torch's
     deprecated arguments, mapped to `reduction` as torch maps them. (N, C) is read where it lies;
-    (N, C, d1, ...) is copied with the class dimension last (xent reads rows of classes).
+    (N, C, d1, ...) is read with the class dimension last (xent reads rows of classes), through a
+    copy unless it is laid out so already.
     Extensions (keyword-only):
       z_loss            adds z_loss * logsumexp(x)^2 per row not ignored (PaLM)
       softcap           logits become softcap * tanh(x / softcap) first (Gemma 2); None is off
@@ -304,8 +323,12 @@ def cross_entropy(
                         gradient. With reduction mean or sum under grad mode the FORWARD itself
                         overwrites them (as Liger does: see below), so they are gone as soon as
                         this call returns; with reduction none, backward does. Off by default
-                        (Liger #272). Only (N, C) logits with a contiguous last dimension are
-                        overwritten; other layouts get an out-of-place gradient.
+                        (Liger #272). Logits xent reads where they lie are overwritten: (C)
+                        and (N, C) with contiguous classes, and (N, C, d1, ...) laid out as rows
+                        of contiguous classes (input.movedim(1, -1).reshape(-1, C) is a view);
+                        other layouts are copied, and the copy takes the gradient. A leaf that
+                        requires grad raises RuntimeError (its values and .grad would share
+                        memory).
       return_lse, return_z_loss  return a CrossEntropyOutput (loss, lse, z_loss) instead of the
                         loss alone: the per-row log-sum-exp, and the z-loss term reduced on its
                         own for logging (a few small ops over the per-row results, not the
@@ -334,10 +357,8 @@ def cross_entropy(
     code = _REDUCTIONS.get(reduction)
     if code is None:
         raise ValueError(f"{reduction} is not a valid value for reduction")
-    if label_smoothing > 1.0:
-        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
-    # torch smooths only for label_smoothing > 0: a negative value (or NaN) is no smoothing.
-    smoothing = float(label_smoothing) if label_smoothing > 0.0 else 0.0
+    ignore_index = _ignore_index(ignore_index)
+    smoothing = _smoothing(label_smoothing)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     _check_devices("cross_entropy", input, "the input", (("target", target), ("weight", weight)))
@@ -360,6 +381,12 @@ def cross_entropy(
             "xent.torch.cross_entropy: return_token_accuracy needs class ids as target "
             "(class probabilities have no correct class)"
         )
+    if inplace_backward and input.is_leaf and input.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            "xent.torch.cross_entropy: inplace_backward=True would write the gradient over "
+            "input, a leaf tensor that requires grad (a parameter, say), so that its values and "
+            "its .grad share memory; pass logits computed from it, or inplace_backward=False"
+        )
     # The kernel's side outputs: each row's argmax (predicted tokens; per-row accuracy under
     # reduction none) and the count of rows predicted right (accuracy under mean or sum).
     want_argmax = return_predicted_tokens or (return_token_accuracy and code == 0)
@@ -368,7 +395,7 @@ def cross_entropy(
         x,
         t,
         weight,
-        int(ignore_index),
+        ignore_index,
         code,
         smoothing,
         float(z_loss),
@@ -524,7 +551,8 @@ def linear_cross_entropy(
     for bfloat16. A training call with a threshold runs the low-memory order (order="fast"
     raises). CUDA takes it with bfloat16 / float16 inputs, class-id targets, no label_smoothing
     or softcap and D a multiple of 8; the CPU with every option but softcap with label_smoothing.
-    Elsewhere ValueError names sparse_threshold. A forward without gradients ignores it.
+    Elsewhere ValueError names sparse_threshold. A forward without gradients ignores it, but
+    order="fast" with a threshold raises in every call.
     """
     loss = _linear_loss(
         hidden,
@@ -592,6 +620,8 @@ def _linear_loss(
     code = _REDUCTIONS.get(reduction)
     if code is None:
         raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
+    ignore_index = _ignore_index(ignore_index)
+    smoothing = _smoothing(label_smoothing)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     order_code = _linear_choice("order", order, _ORDERS)
@@ -623,9 +653,9 @@ def _linear_loss(
         bias,
         t,
         class_weight,
-        int(ignore_index),
+        ignore_index,
         code,
-        float(label_smoothing),
+        smoothing,
         float(z_loss),
         0.0 if softcap is None else float(softcap),
         order_code,
