@@ -2,11 +2,14 @@
 Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and GPT-2: tiny random configs on the CPU in
 float32, the patched model against an unpatched copy (the same weights): loss and every
 parameter's gradient, 20 optimizer steps, gradient accumulation (num_items_in_batch), calls
-without labels (logits, logits_to_keep), tuple outputs, and no N x V tensor in the patched
-training step (every op's output seen by a dispatch mode).
+without labels (logits, logits_to_keep), tuple outputs, no N x V tensor in the patched training
+step (every op's output seen by a dispatch mode), a deepcopy of a patched model and the
+softcapping changed after patching.
 """
 
 import copy
+import inspect
+import math
 
 import pytest
 import torch
@@ -199,3 +202,32 @@ def test_patching_twice_and_generation(family):
     ids, _ = batch()
     kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     torch.testing.assert_close(mine.generate(ids[:, :8], **kw), ref.generate(ids[:, :8], **kw))
+
+
+def test_a_copy_of_a_patched_model_runs_its_own_weights(family):
+    ref, mine = make_pair(family)
+    ids, labels = batch()
+    clone = copy.deepcopy(mine)
+    assert inspect.signature(clone.forward) == inspect.signature(ref.forward)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.zero_()
+    loss = clone(ids, labels=labels).loss
+    # Every logit 0: the uniform distribution's loss, whatever the original's weights.
+    torch.testing.assert_close(loss, torch.tensor(math.log(V)), rtol=1e-6, atol=0)
+    loss.backward()
+    assert not grads(mine) and grads(clone)
+    torch.testing.assert_close(mine(ids, labels=labels).loss, ref(ids, labels=labels).loss)
+
+
+def test_the_softcapping_is_read_at_each_call(family):
+    ref, mine = make_pair(family)
+    if getattr(ref.config, "final_logit_softcapping", None) is None:
+        pytest.skip("no final logit softcapping in this family")
+    ids, labels = batch()
+    for cap in (None, 0.5):
+        ref.config.final_logit_softcapping = cap
+        mine.config.final_logit_softcapping = cap
+        torch.testing.assert_close(
+            mine(ids, labels=labels).loss, ref(ids, labels=labels).loss, rtol=1e-5, atol=0
+        )

@@ -16,8 +16,8 @@ xent.torch.linear_cross_entropy, a chunk of rows at a time, softcap included. Ev
 The output then has no logits. A call without labels is the unpatched forward, logits and all.
 """
 
-import functools
 import inspect
+import types
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,69 @@ def _causal_lm_loss(
     return loss
 
 
+def _checked_probe(logits, probe, softcap):
+    """The forward's logits ops ran on `probe` (ones standing in for lm_head's output): only the
+    final logit softcapping may have changed it, else the fused loss would not be the model's."""
+    want = probe if softcap is None else torch.tanh(probe / softcap) * softcap
+    if logits.shape != probe.shape or not torch.allclose(
+        logits.float(), want.float(), rtol=1e-2, atol=0.0
+    ):
+        raise TypeError(
+            "xent.torch.patch: the model's forward transforms lm_head's output beyond the "
+            "config's final_logit_softcapping (a logit scale such as Cohere's logit_scale or "
+            "Granite's logits_scaling), which the fused loss cannot apply: use the unpatched model"
+        )
+
+
+def _fused_forward(self, *args, **kwargs):
+    """A patched model's forward (bound to the model, so a deepcopy's forward is the copy's): with
+    labels, the model's own forward with lm_head and the loss function stood in for."""
+    forward = self._xent_forward
+    bound = inspect.signature(forward).bind(*args, **kwargs)
+    if bound.arguments.get("labels") is None:
+        return forward(*args, **kwargs)
+    head = self.get_output_embeddings()
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+    captured = []
+
+    def keep_hidden(hidden):
+        captured.append(hidden)
+        # What the forward's logit ops then run on (checked in loss_function).
+        captured.append(hidden.new_ones((1,) * hidden.dim()))
+        return captured[1]
+
+    def loss_function(logits, labels, vocab_size=None, **loss_kwargs):
+        hidden, probe = captured
+        _checked_probe(logits, probe, softcap)
+        loss_kwargs = {
+            k: loss_kwargs[k]
+            for k in ("num_items_in_batch", "ignore_index", "shift_labels")
+            if k in loss_kwargs
+        }
+        return _causal_lm_loss(hidden, head, softcap, self._xent_options, labels, **loss_kwargs)
+
+    # Instance attributes, restored afterwards: the module's own forward (or one a hook library
+    # installed) and the model's loss function come back unchanged.
+    saved_forward = head.__dict__.get("forward")
+    saved_loss = self.__dict__.get("_loss_function")
+    head.forward = keep_hidden
+    self._loss_function = loss_function
+    try:
+        out = forward(*bound.args, **bound.kwargs)
+    finally:
+        if saved_forward is None:
+            del head.forward
+        else:
+            head.forward = saved_forward
+        if saved_loss is None:
+            del self._loss_function
+        else:
+            self._loss_function = saved_loss
+    if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...) without the logits
+        return (out[0],) + tuple(out[2:])
+    return type(out)(**{k: v for k, v in out.items() if k != "logits"})
+
+
 def patch(model, *, order="automatic", accumulate="fp32", sparse_threshold=0.0):
     """Makes `model` (a transformers causal LM: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
     Phi-3, GPT-2 and others whose forward is `loss_function(lm_head(hidden), labels, ...)`)
@@ -75,12 +138,15 @@ def patch(model, *, order="automatic", accumulate="fp32", sparse_threshold=0.0):
     With labels, the loss and every gradient are the unpatched model's (within float32
     rounding), output.logits is None and no N x V tensor is allocated (the logits exist a chunk
     of rows at a time inside the op); label shift, ignore_index, num_items_in_batch, shift_labels,
-    logits_to_keep and the config's final_logit_softcapping behave as in the unpatched model.
-    Without labels (evaluation, generation) the call is the unpatched forward. The output
-    embedding must be a linear layer (a `weight` of (vocab, hidden), optionally a `bias`);
-    patching twice changes nothing (the first patch's options stay). order, accumulate and
-    sparse_threshold are linear_cross_entropy's training choices (order="low_memory": no V x D
-    float buffer; sparse_threshold: the sparse backward), checked here.
+    logits_to_keep and the config's final_logit_softcapping (read at each call) behave as in the
+    unpatched model. Without labels (evaluation, generation) the call is the unpatched forward.
+    The output embedding must be a torch.nn.Linear with its own forward (a quantised or adapter
+    layer is refused: its output is not hidden @ weight.T); a forward that changes the logits
+    beyond the softcapping (a logit scale) raises TypeError at its first call with labels. A copy
+    (copy.deepcopy) of a patched model is patched and runs its own weights. Patching twice changes
+    nothing (the first patch's options stay). order, accumulate and sparse_threshold are
+    linear_cross_entropy's training choices (order="low_memory": no V x D float buffer;
+    sparse_threshold: the sparse backward), checked here.
     """
     _linear_choice("order", order, _ORDERS)
     _linear_choice("accumulate", accumulate, _ACCUMULATIONS)
@@ -88,59 +154,36 @@ def patch(model, *, order="automatic", accumulate="fp32", sparse_threshold=0.0):
     if getattr(model, "_xent_patched", False):
         return model
     head = model.get_output_embeddings()
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
         raise TypeError(
-            f"xent.torch.patch: {type(model).__name__} has no linear output embedding "
-            "(get_output_embeddings() with a weight) to fuse with its loss"
+            f"xent.torch.patch: {type(model).__name__}'s output embedding is "
+            f"{type(head).__name__}, not a torch.nn.Linear computing hidden @ weight.T (+ bias) "
+            "to fuse with its loss"
         )
-    forward = model.forward
-    signature = inspect.signature(forward)
-    if "labels" not in signature.parameters:
+    if "labels" not in inspect.signature(model.forward).parameters:
         raise TypeError(f"xent.torch.patch: {type(model).__name__}.forward takes no labels")
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    memory = dict(order=order, accumulate=accumulate, sparse_threshold=sparse_threshold)
-
-    @functools.wraps(forward)
-    def fused_forward(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("labels") is None:
-            return forward(*args, **kwargs)
-        captured = []
-
-        def keep_hidden(hidden):
-            captured.append(hidden)
-            return hidden.new_empty(0)  # what the forward's logit ops then run on
-
-        def loss_function(logits, labels, vocab_size=None, **loss_kwargs):
-            (hidden,) = captured
-            loss_kwargs = {
-                k: loss_kwargs[k]
-                for k in ("num_items_in_batch", "ignore_index", "shift_labels")
-                if k in loss_kwargs
-            }
-            return _causal_lm_loss(hidden, head, softcap, memory, labels, **loss_kwargs)
-
-        # Instance attributes, restored afterwards: the module's own forward (or one a hook
-        # library installed) and the model's loss function come back unchanged.
-        saved_forward = head.__dict__.get("forward")
-        saved_loss = model.__dict__.get("_loss_function")
-        head.forward = keep_hidden
-        model._loss_function = loss_function
-        try:
-            out = forward(*bound.args, **bound.kwargs)
-        finally:
-            if saved_forward is None:
-                del head.forward
-            else:
-                head.forward = saved_forward
-            if saved_loss is None:
-                del model._loss_function
-            else:
-                model._loss_function = saved_loss
-        if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...) without the logits
-            return (out[0],) + tuple(out[2:])
-        return type(out)(**{k: v for k, v in out.items() if k != "logits"})
-
-    model.forward = fused_forward
+    # The forward being patched (the class's, or one a hook library installed): a bound method,
+    # which copy.deepcopy binds to the copy.
+    model._xent_forward = model.forward
+    model._xent_options = dict(
+        order=order, accumulate=accumulate, sparse_threshold=sparse_threshold
+    )
+    model.forward = types.MethodType(_forward_like(model.forward), model)
     model._xent_patched = True
     return model
+
+
+def _forward_like(forward):
+    """_fused_forward as a function with `forward`'s name, doc and signature (a self before its
+    parameters), which inspect reports for the patched model's bound forward (Trainer reads it),
+    holding no reference to the model."""
+
+    def fused_forward(self, *args, **kwargs):
+        return _fused_forward(self, *args, **kwargs)
+
+    for name in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(fused_forward, name, getattr(forward, name, None))
+    sig = inspect.signature(forward)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    fused_forward.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+    return fused_forward
