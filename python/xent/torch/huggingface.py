@@ -9,8 +9,9 @@ logits_to_keep), applies the final logit softcapping where the model has one, an
 logits to `loss_function(logits, labels, vocab_size, **kwargs)`, which shifts the labels, ignores
 -100 and divides a sum by num_items_in_batch when given (gradient accumulation). The patched
 forward runs the model's own forward with two stand-ins for a call with labels: the output
-embedding keeps its input (the last hidden states) and returns an empty tensor, and the loss
-function computes the same loss from those hidden states and the output embedding's weight with
+embedding keeps its input (the last hidden states) and returns a single 1 (the loss function
+checks that the forward's logit ops changed it only by the softcapping), and the loss function
+computes the same loss from those hidden states and the output embedding's weight with
 xent.torch.linear_cross_entropy, a chunk of rows at a time, softcap included. Everything else
 (the decoder, the label handling the forward does itself, the keyword arguments) is the model's.
 The output then has no logits. A call without labels is the unpatched forward, logits and all.
