@@ -68,10 +68,28 @@ class torch_group {
         device_(device),
         rows_(rows),
         digest_(digest),
-        check_(device.is_cpu() || checks_requested()) {}
+        check_(checks(device)) {}
 
   int rank() const { return pg_->getRank(); }
   int size() const { return pg_->getSize(); }
+
+  // Whether calls on `device` compare the ranks' (rows, digest) before their first exchange.
+  static bool checks(const at::Device& device) { return device.is_cpu() || checks_requested(); }
+
+  // The agreement exchanges this thread has made: a call that raises with none made has left the
+  // other ranks waiting in theirs.
+  static std::uint64_t& agreements() {
+    thread_local std::uint64_t count = 0;
+    return count;
+  }
+
+  // This rank's part in the agreement exchange of a call that it refuses (a bad argument of its
+  // own): rows -1, so that every other rank raises instead of waiting. Its own error is the
+  // caller's to raise, so one from the exchange itself is dropped.
+  static void refuse(const std::string& group_name, const at::Device& device) try {
+    torch_group(group_name, device, -1, 0).gather_agreement();
+  } catch (...) {
+  }
 
   void all_gather(const void* send, void* recv, std::size_t bytes) const {
     if (check_) check_agreement();
@@ -99,12 +117,20 @@ class torch_group {
   // Rows first: the options and the kind of targets decide a record's size, so the byte counts of
   // ranks that disagree on them differ too, and a fused linear call's chunks have the same size on
   // ranks of different N until the last.
-  void check_agreement() const {
+  at::Tensor gather_agreement() const {
     const at::Tensor mine = at::tensor({rows_, digest_}, at::kLong).to(device_);
     at::Tensor all = at::empty({2 * size()}, mine.options());
     gather(mine, all);
-    const at::Tensor got = all.cpu();  // on CUDA, the host waits here (XENT_CHECK_RANKS=1 only)
+    ++agreements();
+    return all.cpu();  // on CUDA, the host waits here (XENT_CHECK_RANKS=1 only)
+  }
+
+  void check_agreement() const {
+    const at::Tensor got = gather_agreement();
     const std::int64_t* h = got.data_ptr<std::int64_t>();
+    for (int r = 0; r < size(); ++r)
+      TORCH_CHECK_VALUE(h[2 * r] >= 0, "xent: rank ", r,
+                        " of a vocab-parallel call refused its arguments (its own error says why)");
     for (int r = 0; r < size(); ++r)
       TORCH_CHECK_VALUE(h[2 * r] == h[0],
                         "xent: the ranks of a vocab-parallel call disagree on the number of rows "
@@ -167,6 +193,21 @@ inline vp_inputs vp_inputs_of(const at::Tensor& input, const at::Tensor& target,
   return in;
 }
 
+// An op's body, `body()`. Where the ranks' agreement is checked, an error this rank raises before
+// its first exchange (a bad argument of its own: the dtype, a class weight count, its shard) is
+// raised on every rank: this rank still takes part in the agreement exchange, refusing.
+template <class F>
+decltype(auto) agreeing(const std::string& group_name, const at::Device& device, F&& body) {
+  const std::uint64_t before = torch_group::agreements();
+  try {
+    return body();
+  } catch (...) {
+    if (torch_group::agreements() == before && torch_group::checks(device))
+      torch_group::refuse(group_name, device);
+    throw;
+  }
+}
+
 // One vocab-parallel call on backend B: `run(exec, group, T{}, targets, shard)`, xent's errors as
 // torch's.
 template <class B, class Run>
@@ -196,17 +237,19 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy_fwd(
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
     double softcap) {
   const typename B::guard device_guard(input.device());
-  const vp_inputs in = vp_inputs_of(input, target, weight, {vocab_start, vocab_size}, ignore_index,
-                                    reduction, label_smoothing, z_loss, softcap);
-  const at::Tensor& x = in.x;
-  const loss_outputs out(x, in.ce.opts.reduce);
-  run_vocab_parallel<B>(in, group_name,
-                        [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
-                          using T = decltype(tag);
-                          xent::vocab_parallel_forward(exec, group, matrix_of<const T>(x), s, tv,
-                                                       in.ce.opts, out.view<float>());
-                        });
-  return {out.loss, out.lse};
+  return agreeing(group_name, input.device(), [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    const vp_inputs in = vp_inputs_of(input, target, weight, {vocab_start, vocab_size},
+                                      ignore_index, reduction, label_smoothing, z_loss, softcap);
+    const at::Tensor& x = in.x;
+    const loss_outputs out(x, in.ce.opts.reduce);
+    run_vocab_parallel<B>(in, group_name,
+                          [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
+                            using T = decltype(tag);
+                            xent::vocab_parallel_forward(exec, group, matrix_of<const T>(x), s, tv,
+                                                         in.ce.opts, out.view<float>());
+                          });
+    return {out.loss, out.lse};
+  });
 }
 
 // Backward: this rank's shard of the gradient from the saved LSE, scaled by grad_output.
@@ -219,22 +262,24 @@ at::Tensor vocab_parallel_cross_entropy_bwd(const at::Tensor& grad_output, const
                                             std::int64_t ignore_index, std::int64_t reduction,
                                             double label_smoothing, double z_loss, double softcap) {
   const typename B::guard device_guard(input.device());
-  const vp_inputs in = vp_inputs_of(input, target, weight, {vocab_start, vocab_size}, ignore_index,
-                                    reduction, label_smoothing, z_loss, softcap);
-  const at::Tensor& x = in.x;
-  const std::int64_t n = x.size(0);
-  const at::Tensor g_out = upstream_tensor(x, grad_output);
-  const at::Tensor saved = saved_lse(x, lse, n);
-  at::Tensor grad = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  run_vocab_parallel<B>(
-      in, group_name, [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
-        using T = decltype(tag);
-        xent::vocab_parallel_backward(exec, group, matrix_of<const T>(x), s, tv, in.ce.opts,
-                                      xent::vector_view<const float>(saved.data_ptr<float>(), n),
-                                      upstream_of<float>(g_out, in.ce.opts.reduce, n),
-                                      matrix_of<T>(grad));
-      });
-  return grad;
+  return agreeing(group_name, input.device(), [&]() -> at::Tensor {
+    const vp_inputs in = vp_inputs_of(input, target, weight, {vocab_start, vocab_size},
+                                      ignore_index, reduction, label_smoothing, z_loss, softcap);
+    const at::Tensor& x = in.x;
+    const std::int64_t n = x.size(0);
+    const at::Tensor g_out = upstream_tensor(x, grad_output);
+    const at::Tensor saved = saved_lse(x, lse, n);
+    at::Tensor grad = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    run_vocab_parallel<B>(
+        in, group_name, [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
+          using T = decltype(tag);
+          xent::vocab_parallel_backward(exec, group, matrix_of<const T>(x), s, tv, in.ce.opts,
+                                        xent::vector_view<const float>(saved.data_ptr<float>(), n),
+                                        upstream_of<float>(g_out, in.ce.opts.reduce, n),
+                                        matrix_of<T>(grad));
+        });
+    return grad;
+  });
 }
 
 // Training in one call (reduction mean or sum, upstream 1: the autograd node scales the gradient
@@ -246,20 +291,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> vocab_parallel_cross_entropy_fwd_
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
     double softcap) {
   const typename B::guard device_guard(input.device());
-  const vp_inputs in = vp_inputs_of(input, target, weight, {vocab_start, vocab_size}, ignore_index,
-                                    reduction, label_smoothing, z_loss, softcap);
-  const at::Tensor& x = in.x;
-  check_fused_reduction(in.ce.opts);
-  const loss_outputs out(x, in.ce.opts.reduce);
-  at::Tensor grad = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  run_vocab_parallel<B>(
-      in, group_name, [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
-        using T = decltype(tag);
-        xent::vocab_parallel_forward_backward(exec, group, matrix_of<const T>(x), s, tv, in.ce.opts,
-                                              xent::upstream{}, out.view<float>(),
-                                              matrix_of<T>(grad));
+  return agreeing(
+      group_name, input.device(), [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
+        const vp_inputs in =
+            vp_inputs_of(input, target, weight, {vocab_start, vocab_size}, ignore_index, reduction,
+                         label_smoothing, z_loss, softcap);
+        const at::Tensor& x = in.x;
+        check_fused_reduction(in.ce.opts);
+        const loss_outputs out(x, in.ce.opts.reduce);
+        at::Tensor grad =
+            at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+        run_vocab_parallel<B>(
+            in, group_name, [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s) {
+              using T = decltype(tag);
+              xent::vocab_parallel_forward_backward(exec, group, matrix_of<const T>(x), s, tv,
+                                                    in.ce.opts, xent::upstream{}, out.view<float>(),
+                                                    matrix_of<T>(grad));
+            });
+        return {out.loss, out.lse, grad};
       });
-  return {out.loss, out.lse, grad};
 }
 
 // --- fused linear: logits = hidden weight_shard^T (+ bias_shard), never materialised ------------
@@ -335,20 +385,22 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_linear_cross_entropy_fwd(
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
     double softcap) {
   const typename B::guard device_guard(hidden.device());
-  const vp_linear_inputs in =
-      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, {vocab_start, vocab_size},
-                          ignore_index, reduction, label_smoothing, z_loss, softcap);
-  const linear_inputs& lin = in.lin;
-  const loss_outputs out(lin.hidden, lin.opts.reduce);
-  run_vocab_parallel_linear<B>(
-      in, group_name, xent::linear_pass::forward,
-      [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
-        using T = decltype(tag);
-        xent::vocab_parallel_linear_forward(
-            exec, group, matrix_of<const T>(lin.hidden), matrix_of<const T>(lin.weight),
-            vector_of<const T>(lin.bias), s, tv, lin.opts, out.view<float>(), ws);
-      });
-  return {out.loss, out.lse};
+  return agreeing(group_name, hidden.device(), [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    const vp_linear_inputs in =
+        vp_linear_inputs_of(hidden, weight, bias, target, class_weight, {vocab_start, vocab_size},
+                            ignore_index, reduction, label_smoothing, z_loss, softcap);
+    const linear_inputs& lin = in.lin;
+    const loss_outputs out(lin.hidden, lin.opts.reduce);
+    run_vocab_parallel_linear<B>(
+        in, group_name, xent::linear_pass::forward,
+        [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
+          using T = decltype(tag);
+          xent::vocab_parallel_linear_forward(
+              exec, group, matrix_of<const T>(lin.hidden), matrix_of<const T>(lin.weight),
+              vector_of<const T>(lin.bias), s, tv, lin.opts, out.view<float>(), ws);
+        });
+    return {out.loss, out.lse};
+  });
 }
 
 // This rank's gradients from the saved LSE: d_hidden is its partial, G_shard W_shard, which the
@@ -362,25 +414,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> vocab_parallel_linear_cross_entro
     std::int64_t reduction, double label_smoothing, double z_loss, double softcap,
     std::array<bool, 3> output_mask) {
   const typename B::guard device_guard(hidden.device());
-  vp_linear_inputs in =
-      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, {vocab_start, vocab_size},
-                          ignore_index, reduction, label_smoothing, z_loss, softcap);
-  const linear_inputs& lin = in.lin;
-  const std::int64_t n = lin.hidden.size(0);
-  const at::Tensor g_out = upstream_tensor(lin.hidden, grad_output);
-  const at::Tensor saved = saved_lse(lin.hidden, lse, n);
-  const linear_grad_tensors grads(lin, output_mask);
-  run_vocab_parallel_linear<B>(
-      in, group_name, xent::linear_pass::training,
-      [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
-        using T = decltype(tag);
-        xent::vocab_parallel_linear_backward(
-            exec, group, matrix_of<const T>(lin.hidden), matrix_of<const T>(lin.weight),
-            vector_of<const T>(lin.bias), s, tv, lin.opts,
-            xent::vector_view<const float>(saved.data_ptr<float>(), n),
-            upstream_of<float>(g_out, lin.opts.reduce, n), grads.view<T>(), ws);
+  return agreeing(
+      group_name, hidden.device(), [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
+        vp_linear_inputs in = vp_linear_inputs_of(hidden, weight, bias, target, class_weight,
+                                                  {vocab_start, vocab_size}, ignore_index,
+                                                  reduction, label_smoothing, z_loss, softcap);
+        const linear_inputs& lin = in.lin;
+        const std::int64_t n = lin.hidden.size(0);
+        const at::Tensor g_out = upstream_tensor(lin.hidden, grad_output);
+        const at::Tensor saved = saved_lse(lin.hidden, lse, n);
+        const linear_grad_tensors grads(lin, output_mask);
+        run_vocab_parallel_linear<B>(
+            in, group_name, xent::linear_pass::training,
+            [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
+              using T = decltype(tag);
+              xent::vocab_parallel_linear_backward(
+                  exec, group, matrix_of<const T>(lin.hidden), matrix_of<const T>(lin.weight),
+                  vector_of<const T>(lin.bias), s, tv, lin.opts,
+                  xent::vector_view<const float>(saved.data_ptr<float>(), n),
+                  upstream_of<float>(g_out, lin.opts.reduce, n), grads.view<T>(), ws);
+            });
+        return {grads.d_hidden, grads.d_weight, grads.d_bias};
       });
-  return {grads.d_hidden, grads.d_weight, grads.d_bias};
 }
 
 // Training in one call (upstream 1, see check_fused_reduction): (loss, lse, d_hidden partial,
@@ -394,23 +449,27 @@ vocab_parallel_linear_cross_entropy_fwd_bwd(
     std::int64_t ignore_index, std::int64_t reduction, double label_smoothing, double z_loss,
     double softcap, std::array<bool, 3> output_mask) {
   const typename B::guard device_guard(hidden.device());
-  const vp_linear_inputs in =
-      vp_linear_inputs_of(hidden, weight, bias, target, class_weight, {vocab_start, vocab_size},
-                          ignore_index, reduction, label_smoothing, z_loss, softcap);
-  const linear_inputs& lin = in.lin;
-  check_fused_reduction(lin.opts);
-  const loss_outputs out(lin.hidden, lin.opts.reduce);
-  const linear_grad_tensors grads(lin, output_mask);
-  run_vocab_parallel_linear<B>(
-      in, group_name, xent::linear_pass::training,
-      [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
-        using T = decltype(tag);
-        xent::vocab_parallel_linear_forward_backward(
-            exec, group, matrix_of<const T>(lin.hidden), matrix_of<const T>(lin.weight),
-            vector_of<const T>(lin.bias), s, tv, lin.opts, xent::upstream{}, out.view<float>(),
-            grads.view<T>(), ws);
+  return agreeing(
+      group_name, hidden.device(),
+      [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+        const vp_linear_inputs in = vp_linear_inputs_of(
+            hidden, weight, bias, target, class_weight, {vocab_start, vocab_size}, ignore_index,
+            reduction, label_smoothing, z_loss, softcap);
+        const linear_inputs& lin = in.lin;
+        check_fused_reduction(lin.opts);
+        const loss_outputs out(lin.hidden, lin.opts.reduce);
+        const linear_grad_tensors grads(lin, output_mask);
+        run_vocab_parallel_linear<B>(
+            in, group_name, xent::linear_pass::training,
+            [&](auto& exec, auto& group, auto tag, auto tv, xent::vocab_shard s, const auto& ws) {
+              using T = decltype(tag);
+              xent::vocab_parallel_linear_forward_backward(
+                  exec, group, matrix_of<const T>(lin.hidden), matrix_of<const T>(lin.weight),
+                  vector_of<const T>(lin.bias), s, tv, lin.opts, xent::upstream{},
+                  out.view<float>(), grads.view<T>(), ws);
+            });
+        return {out.loss, out.lse, grads.d_hidden, grads.d_weight, grads.d_bias};
       });
-  return {out.loss, out.lse, grads.d_hidden, grads.d_weight, grads.d_bias};
 }
 
 // The six ops' kernels on backend B, under the dispatch key of the library `m` was made for.

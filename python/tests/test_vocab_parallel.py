@@ -259,6 +259,96 @@ def _bad_inputs(rank, world):
     return got
 
 
+def _one_rank_wrong(rank, world):
+    """Calls that only the last rank makes wrongly, each followed by a right one: (exception type
+    name, message) of each wrong call on this rank, and the right calls' losses. The ranks that
+    did nothing wrong raise too, instead of waiting for the last in their exchange."""
+    sizes = SPLITS[world]
+    start = sum(sizes[:rank])
+    torch.manual_seed(3)
+    x = torch.randn(4, 37, device=DEVICE)[:, start : start + sizes[rank]]
+    y = torch.arange(4, device=DEVICE)
+    h, w = torch.randn(4, 8, device=DEVICE), torch.randn(37, 8, device=DEVICE)
+    last = rank == world - 1
+    where = dict(vocab_start=start, vocab_size=37)
+    calls = {
+        "outside": lambda: xd.vocab_parallel_cross_entropy(
+            x, y, vocab_start=start + 40 * last, vocab_size=37
+        ),
+        "weight": lambda: xd.vocab_parallel_cross_entropy(
+            x, y, weight=x.new_ones(37 + last), **where
+        ),
+        "float64": lambda: xd.vocab_parallel_cross_entropy(x.double() if last else x, y, **where),
+        "linear_class_weight": lambda: xd.vocab_parallel_linear_cross_entropy(
+            h, w[start : start + sizes[rank]], y, class_weight=h.new_ones(37 + last), **where
+        ),
+    }
+    got, losses = {}, []
+    for name, call in calls.items():
+        try:
+            call()
+            got[name] = (None, "")
+        except Exception as e:  # noqa: BLE001 - the type is what the test checks
+            got[name] = (type(e).__name__, str(e))
+        losses.append(xd.vocab_parallel_cross_entropy(x, y, reduction="sum", **where).item())
+    return got, losses
+
+
+def _autograd_cases(rank, world):
+    """A second backward through a kept graph (reduction mean and none, logits and linear), and a
+    gradient differentiated again: (first gradients, second gradients, the error of the latter)."""
+    sizes = SPLITS[world]
+    start = sum(sizes[:rank])
+    where = dict(vocab_start=start, vocab_size=37)
+    torch.manual_seed(4)
+    full, h, w = torch.randn(5, 37), torch.randn(5, 8), torch.randn(37, 8)
+    y = torch.tensor([0, 3, 36, 20, 9])
+    x = full[:, start : start + sizes[rank]].to(DEVICE).requires_grad_()
+    h = h.to(DEVICE).requires_grad_()
+    ws = w[start : start + sizes[rank]].to(DEVICE).requires_grad_()
+    y = y.to(DEVICE)
+    out = {}
+    for reduction in ("mean", "none"):
+        loss = xd.vocab_parallel_cross_entropy(x, y, reduction=reduction, **where).sum()
+        (g1,) = torch.autograd.grad(loss, x, retain_graph=True)
+        (g2,) = torch.autograd.grad(loss, x)
+        out[reduction] = (g1.cpu(), g2.cpu())
+        lin = xd.vocab_parallel_linear_cross_entropy(h, ws, y, reduction=reduction, **where).sum()
+        first = torch.autograd.grad(lin, (h, ws), retain_graph=True)
+        second = torch.autograd.grad(lin, (h, ws))
+        out["linear_" + reduction] = ([g.cpu() for g in first], [g.cpu() for g in second])
+    errors = {}
+    for name, make in {
+        "logits": lambda: (xd.vocab_parallel_cross_entropy(x, y, **where).sum(), x),
+        "linear": lambda: (xd.vocab_parallel_linear_cross_entropy(h, ws, y, **where).sum(), h),
+    }.items():
+        loss, wrt = make()
+        (g,) = torch.autograd.grad(loss, wrt, create_graph=True)
+        try:
+            (g * g).sum().backward()
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+    return out, errors
+
+
+def _options_as_cross_entropy(rank, world):
+    """softcap None and 0 (off), a negative label smoothing (none, as in torch): each call's loss
+    beside the plain call's."""
+    sizes = SPLITS[world]
+    start = sum(sizes[:rank])
+    where = dict(vocab_start=start, vocab_size=37, reduction="sum")
+    torch.manual_seed(5)
+    x = torch.randn(4, 37, device=DEVICE)[:, start : start + sizes[rank]]
+    y = torch.arange(4, device=DEVICE)
+    plain = xd.vocab_parallel_cross_entropy(x, y, **where).item()
+    return plain, [
+        xd.vocab_parallel_cross_entropy(x, y, softcap=None, **where).item(),
+        xd.vocab_parallel_cross_entropy(x, y, softcap=0, **where).item(),
+        xd.vocab_parallel_cross_entropy(x, y, label_smoothing=-0.1, **where).item(),
+    ]
+
+
 def _worker(rank, world, init_file, out_dir, backend):
     global DEVICE
     torch.set_num_threads(1)
@@ -285,6 +375,9 @@ def _worker(rank, world, init_file, out_dir, backend):
             results["unsharded:linear:" + name] = _linear_unsharded(name)
     results["__disagreement__"] = _disagreement(rank, world)
     results["__bad__"] = _bad_inputs(rank, world)
+    results["__one_wrong__"] = _one_rank_wrong(rank, world)
+    results["__autograd__"] = _autograd_cases(rank, world)
+    results["__options__"] = _options_as_cross_entropy(rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -423,6 +516,54 @@ def test_bad_inputs_raise_torchs_error_types_naming_the_argument(ranks):
         for name, (kind, words) in want.items():
             got_kind, message = results[r]["__bad__"][name]
             assert got_kind == kind and words in message, (r, name, got_kind, message)
+
+
+def test_one_rank_with_a_bad_argument_makes_every_rank_raise(ranks):
+    world, results = ranks
+    own = {
+        "outside": ("ValueError", "shard.first"),
+        "weight": ("ValueError", "weight"),
+        "float64": ("TypeError", "float64"),
+        "linear_class_weight": ("ValueError", "class_weight"),
+    }
+    for r in range(world):
+        got, losses = results[r]["__one_wrong__"]
+        for name, (kind, words) in own.items():
+            got_kind, message = got[name]
+            if r == world - 1:
+                assert got_kind == kind and words in message, (r, name, got_kind, message)
+            else:
+                assert got_kind == "ValueError" and "refused its arguments" in message, (r, name)
+        # The right call after each wrong one pairs with the other ranks' (no exchange left over).
+        assert losses == results[0]["__one_wrong__"][1]
+
+
+def test_a_kept_graph_gives_a_second_backward_and_no_second_derivative(ranks):
+    world, results = ranks
+    for r in range(world):
+        grads, errors = results[r]["__autograd__"]
+        for name, (first, second) in grads.items():
+            if not isinstance(first, list):
+                first, second = [first], [second]
+            for a, b in zip(first, second):
+                assert a.numel() == 0 or a.abs().sum() > 0, (r, name)
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} rank {r}")
+        for name, error in errors.items():
+            assert error is not None and "second derivative" in error, (r, name, error)
+
+
+def test_options_are_taken_as_cross_entropys(ranks):
+    world, results = ranks
+    for r in range(world):
+        plain, others = results[r]["__options__"]
+        assert others == [plain] * 3, r
+    x, y = torch.randn(2, 5), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(TypeError, match="ignore_index"):
+        xd.vocab_parallel_cross_entropy(x, y, ignore_index=1.5)
+    with pytest.raises(RuntimeError, match="label_smoothing"):
+        xd.vocab_parallel_cross_entropy(x, y, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="softcap"):
+        xd.vocab_parallel_linear_cross_entropy(torch.randn(2, 3), torch.randn(5, 3), y, softcap=-1)
 
 
 def test_target_shape_and_reduction_are_checked_before_any_exchange():

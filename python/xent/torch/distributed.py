@@ -13,6 +13,7 @@ each, and the gradient of its own slice. The ops exchange a few floats per row t
 group's own all-gather (gloo on the CPU, NCCL on CUDA), once per call.
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -20,7 +21,15 @@ import torch
 import torch.distributed as dist
 
 from . import _library  # noqa: F401  (loads the ops)
-from .ops import _REDUCTIONS, _accumulator, _check_fused, _check_like_torch, _result
+from .ops import (
+    _REDUCTIONS,
+    _accumulator,
+    _check_fused,
+    _check_like_torch,
+    _ignore_index,
+    _result,
+    _smoothing,
+)
 
 _fwd = torch.ops.xent.vocab_parallel_cross_entropy_fwd.default
 _bwd = torch.ops.xent.vocab_parallel_cross_entropy_bwd.default
@@ -98,15 +107,45 @@ def _linear_fwd_bwd_fake(
     )
 
 
-def _consume_once(ctx):
-    """A gradient saved by a fused forward is scaled where it lies: one backward only."""
-    if ctx.scaled:
-        raise RuntimeError(
-            "xent.torch.distributed: a training call with a reduced loss keeps only the "
-            "gradients, which one backward consumes; for a second backward through it, "
-            "use reduction='none' and reduce the loss yourself"
+def _first_derivative_only(backward):
+    """A backward whose gradients, under backward(create_graph=True), carry a node that raises
+    when anything differentiates through them (as the single-device ops' do): xent has no second
+    derivative, and without the node a gradient penalty would take xent's gradient as a constant
+    (torch's once_differentiable marks them only when the loss's gradient requires grad)."""
+
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return out
+        marked = [g.detach().requires_grad_() for g in out if isinstance(g, torch.Tensor)]
+        if not marked:
+            return out
+        error = torch._C._functions.DelayedError(
+            "xent.torch.distributed: cross-entropy has no second derivative (a backward reached "
+            "a gradient that xent computed under create_graph=True)",
+            len(marked),
         )
-    ctx.scaled = True
+        marked = error(*marked)
+        marked = iter((marked,) if isinstance(marked, torch.Tensor) else marked)
+        return tuple(next(marked) if isinstance(g, torch.Tensor) else g for g in out)
+
+    return wrapped
+
+
+# Whether the running backward keeps the graph for another (retain_graph, create_graph); where
+# torch lacks the query, every backward is taken to keep it.
+_keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
+
+
+def _scaled(grad, grad_loss):
+    """A gradient a fused forward saved (upstream 1) times the loss's gradient, as the
+    single-device ops scale it: in place, unless the graph is kept for another backward, which
+    needs the saved gradient unscaled, so a copy is scaled."""
+    g = grad.clone() if _keeps_graph() else grad
+    _scale_grad(g, grad_loss)
+    return g
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -121,7 +160,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.fused:
             loss, lse, grad = _fwd_bwd(logits, target, weight, *args)
             ctx.save_for_backward(grad)
-            ctx.scaled = False
         else:
             loss, lse = _fwd(logits, target, weight, *args)
             ctx.save_for_backward(logits, target, weight, lse)
@@ -130,14 +168,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
+    @_first_derivative_only
     def backward(ctx, grad_loss, grad_lse):
         if grad_loss is None:
             return None, None, None, None
         if ctx.fused:
-            _consume_once(ctx)
             (grad,) = ctx.saved_tensors
-            _scale_grad(grad, grad_loss)
-            return grad, None, None, None
+            return _scaled(grad, grad_loss), None, None, None
         logits, target, weight, lse = ctx.saved_tensors
         grad = _bwd(grad_loss.contiguous(), logits, target, weight, lse, *ctx.args)
         return grad, None, None, None
@@ -166,7 +203,6 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 hidden, weight, bias, target, class_weight, *args, mask
             )
             ctx.save_for_backward(_sum_over_group(ctx, dh), dw, db)
-            ctx.scaled = False
         else:
             loss, lse = _linear_fwd(hidden, weight, bias, target, class_weight, *args)
             ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
@@ -175,15 +211,15 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         return loss, lse
 
     @staticmethod
+    @_first_derivative_only
     def backward(ctx, grad_loss, grad_lse):
         if grad_loss is None:
             return (None,) * 8
         if ctx.fused:
-            _consume_once(ctx)
-            grads = ctx.saved_tensors
-            for g, wanted in zip(grads, ctx.mask):
-                if wanted:
-                    _scale_grad(g, grad_loss)
+            grads = [
+                _scaled(g, grad_loss) if wanted else None
+                for g, wanted in zip(ctx.saved_tensors, ctx.mask)
+            ]
         else:
             hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
             dh, dw, db = _linear_bwd(
@@ -221,12 +257,22 @@ def _group_and_shard(group, v_local, vocab_start, vocab_size):
     return group.group_name, int(vocab_start), int(vocab_size)
 
 
+def _options(ignore_index, reduction, label_smoothing, z_loss, softcap):
+    """The options as xent.torch.cross_entropy takes them (ignore_index an integer, torch's
+    label_smoothing), softcap None or 0 off; the ops' values."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if softcap is None:
+        softcap = 0.0
+    elif not softcap >= 0:
+        raise ValueError(f"softcap must be > 0, 0 or None (off), got {softcap}")
+    return _ignore_index(ignore_index), reduction, _smoothing(label_smoothing), z_loss, softcap
+
+
 def _rows_and_args(fn, rows_shape, v_local, target, group, vocab_start, vocab_size, options):
     """The targets as rows ((N,) class ids or (N, V_local) probabilities, checked against the
     rows' shape) and the ops' trailing arguments: the shard, the group's name and the options."""
     ignore_index, reduction, label_smoothing, z_loss, softcap = options
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{reduction} is not a valid value for reduction")
     n = math.prod(rows_shape)  # not reshape(-1, ...): a slice may hold no class
     soft = target.is_floating_point()
     want = tuple(rows_shape) + ((v_local,) if soft else ())
@@ -251,7 +297,7 @@ def vocab_parallel_cross_entropy(
     reduction: str = "none",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
-    softcap: float = 0.0,
+    softcap: Optional[float] = None,
     vocab_start: Optional[int] = None,
     vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
@@ -264,7 +310,8 @@ def vocab_parallel_cross_entropy(
                  class probabilities of this rank's classes
     weight       (V,) class weights of the whole vocabulary, the same on every rank
     reduction    'none' (the default, Megatron's: one loss per token, of target's shape), 'mean'
-                 or 'sum'; the other options are xent.torch.cross_entropy's
+                 or 'sum'; the other options are xent.torch.cross_entropy's (softcap None or 0
+                 is off)
     vocab_start, vocab_size
                  this rank's first class and the vocabulary size, for an uneven split; by default
                  the split is even, Megatron's: rank r holds [r * V_local, (r + 1) * V_local)
@@ -274,11 +321,11 @@ def vocab_parallel_cross_entropy(
     only under the environment variable XENT_CHECK_RANKS=1; otherwise agreement is the caller's
     contract, as for torch's own collectives).
     """
-    _check_like_torch("vocab_parallel_cross_entropy", weight, "weight", target, ignore_index)
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+    _check_like_torch("vocab_parallel_cross_entropy", weight, "weight", target, options[0])
     if logits.dim() < 1:
         raise ValueError("xent.torch.distributed: logits must have a class dimension (the last)")
     v_local, rows_shape = logits.shape[-1], logits.shape[:-1]
-    options = (ignore_index, reduction, label_smoothing, z_loss, softcap)
     t, args = _rows_and_args(
         "vocab_parallel_cross_entropy",
         rows_shape,
@@ -291,7 +338,7 @@ def vocab_parallel_cross_entropy(
     )
     x = logits.reshape(t.shape[0], v_local)
     loss, _ = _VocabParallelCrossEntropy.apply(x, t, weight, args)
-    if reduction == "none":
+    if options[1] == "none":
         loss = loss.reshape(rows_shape)
     return _result(loss, logits)
 
@@ -308,7 +355,7 @@ def vocab_parallel_linear_cross_entropy(
     reduction: str = "none",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
-    softcap: float = 0.0,
+    softcap: Optional[float] = None,
     vocab_start: Optional[int] = None,
     vocab_size: Optional[int] = None,
     reduce_hidden_grad: bool = True,
@@ -331,8 +378,9 @@ def vocab_parallel_linear_cross_entropy(
 
     The other options and the result are vocab_parallel_cross_entropy's.
     """
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap)
     _check_like_torch(
-        "vocab_parallel_linear_cross_entropy", class_weight, "class_weight", target, ignore_index
+        "vocab_parallel_linear_cross_entropy", class_weight, "class_weight", target, options[0]
     )
     if hidden.dim() < 1 or weight_shard.dim() != 2:
         raise ValueError(
@@ -340,7 +388,6 @@ def vocab_parallel_linear_cross_entropy(
             f"{tuple(hidden.shape)} and {tuple(weight_shard.shape)}"
         )
     v_local, rows_shape = weight_shard.shape[0], hidden.shape[:-1]
-    options = (ignore_index, reduction, label_smoothing, z_loss, softcap)
     t, args = _rows_and_args(
         "vocab_parallel_linear_cross_entropy",
         rows_shape,
@@ -363,6 +410,6 @@ def vocab_parallel_linear_cross_entropy(
         dist.group.WORLD if group is None else group,
         reduce_hidden_grad,
     )
-    if reduction == "none":
+    if options[1] == "none":
         loss = loss.reshape(rows_shape)
     return _result(loss, hidden)
