@@ -458,8 +458,14 @@ def test_bad_arguments_name_themselves():
         (ValueError, "label_smoothing", {"label_smoothing": 1.5}),
         (ValueError, "label_smoothing", {"label_smoothing": float("nan")}),
         (ValueError, "z_loss", {"z_loss": -1.0}),
+        (ValueError, "z_loss", {"z_loss": float("inf")}),
+        (ValueError, "z_loss", {"z_loss": 1e39}),  # inf as the float32 the handlers take
         (ValueError, "softcap", {"softcap": -2.0}),
+        (ValueError, "softcap", {"softcap": float("inf")}),
         (TypeError, "ignore_index", {"ignore_index": 1.5}),
+        (ValueError, "ignore_index", {"ignore_index": 2**63}),
+        # No int32 label can equal it (the sharded calls compare labels with it in int32).
+        (ValueError, "ignore_index", {"ignore_index": 2**31}),
         (TypeError, "label_smoothing", {"label_smoothing": jnp.ones(3)}),
         (TypeError, "inplace_backward", {"inplace_backward": 1}),
     ]

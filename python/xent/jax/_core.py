@@ -214,6 +214,8 @@ def _check_options(
         )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
         raise TypeError(f"xent: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not _INT64.min <= ignore_index <= _INT64.max:
+        raise ValueError(f"xent: ignore_index must fit in int64, got {ignore_index}")
     values = {}
     for name, value in (
         ("label_smoothing", label_smoothing),
@@ -228,6 +230,9 @@ def _check_options(
             ) from None
         if math.isnan(values[name]):
             raise ValueError(f"xent: {name} is NaN")
+        with np.errstate(over="ignore"):  # the handlers take float32 values
+            if not math.isfinite(np.float32(values[name])):
+                raise ValueError(f"xent: {name} must be finite as a float32, got {value}")
     if not 0.0 <= values["label_smoothing"] <= 1.0:
         raise ValueError(f"xent: label_smoothing must be in [0, 1], got {label_smoothing}")
     if values["z_loss"] < 0.0:
@@ -243,6 +248,20 @@ def _check_float(name, x):
     if x.dtype not in _LOGIT_DTYPES:
         raise TypeError(
             f"xent: {name} must be float32, bfloat16, float16 or float64, got {x.dtype}"
+        )
+
+
+_INT64 = np.iinfo(np.int64)
+
+
+def _check_ignore_index(cfg, labels):
+    """An ignore_index that the labels' dtype holds: no label could equal another, and the
+    sharded and vocab-parallel calls compare and pad labels with it in the labels' dtype."""
+    info = np.iinfo(labels.dtype)
+    if not info.min <= cfg.ignore_index <= info.max:
+        raise ValueError(
+            f"xent: ignore_index {cfg.ignore_index} is outside the range of the labels' dtype "
+            f"{labels.dtype}, so no label can equal it: pass one within it (e.g. -100)"
         )
 
 

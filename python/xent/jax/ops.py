@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from . import _sharding
 from ._core import (
     _check_float,
+    _check_ignore_index,
     _check_labels,
     _check_options,
     _class_weights,
@@ -111,6 +112,7 @@ def cross_entropy(
     if logits.ndim < 1:
         raise ValueError("xent: logits must have a class dimension (..., V), got a scalar")
     _check_labels(labels, logits.shape[:-1], "logits.shape[:-1]")
+    _check_ignore_index(cfg, labels)
     classes = logits.shape[-1]
     w = _class_weights(weight, classes)
     rows = math.prod(labels.shape)
@@ -200,6 +202,7 @@ def linear_cross_entropy(
     cfg = _check_options(ignore_index, label_smoothing, reduction, z_loss, softcap)
     cfg = _training_choices(cfg, order, accumulate, sparse_threshold)
     hidden, weight, b, labels = _linear_operands(hidden, weight, bias, labels, _check_float, "V")
+    _check_ignore_index(cfg, labels)
     w = _class_weights(class_weight, weight.shape[0])
     rows = math.prod(labels.shape)
     loss, lse = _linear_cross_entropy(

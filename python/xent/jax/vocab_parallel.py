@@ -40,6 +40,7 @@ from jax import lax
 from . import _ffi
 from ._core import (
     _call,
+    _check_ignore_index,
     _check_labels,
     _check_options,
     _class_weights,
@@ -346,6 +347,7 @@ def vocab_parallel_cross_entropy(
     if logits.ndim < 1:
         raise ValueError("xent: logits must have a class dimension (..., C), got a scalar")
     _check_labels(labels, logits.shape[:-1], "logits.shape[:-1]")
+    _check_ignore_index(cfg, labels)
     shard = _make_shard(axis_name, logits.shape[-1], vocab_size, "logits")
     w = _class_weights(weight, shard.vocab)
     rows = math.prod(labels.shape)
@@ -521,6 +523,7 @@ def vocab_parallel_linear_cross_entropy(
     hidden, weight, b, labels = _linear_operands(
         hidden, weight, bias, labels, _check_shard_dtype, "C"
     )
+    _check_ignore_index(cfg, labels)
     shard = _make_shard(axis_name, weight.shape[0], vocab_size, "weight")
     w = _class_weights(class_weight, shard.vocab)
     if chunk_rows is None:
