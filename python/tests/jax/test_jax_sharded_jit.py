@@ -201,3 +201,24 @@ def test_linear_matches_unsharded_without_gathering_the_weight(shape, hspec, wsp
         check(g, w)
     assert grads[1].sharding.is_equivalent_to(ws.sharding, 2)
     assert_gathers_records_only(f, hs, ws, bs, vocab_split=wspec != P())
+
+
+@pytest.mark.parametrize("spec", [P("b", None), P("b", "v")], ids=["rows", "rows_vocab"])
+def test_a_bad_label_on_one_row_shard_raises_on_every_device(spec):
+    # Only the devices holding row 5 meet it; without the shared check the others waited for
+    # them in a row sum until XLA ended the process.
+    x, y = make((8,), 16)
+    y = y.at[5].set(-1)
+    h, wt = jax.random.normal(jax.random.PRNGKey(2), (8, 4)), jnp.ones((16, 4))
+    mesh = mesh_of(2, 2)
+    xs = jax.device_put(x, NamedSharding(mesh, spec))
+    hs = jax.device_put(h, NamedSharding(mesh, P("b", None)))
+    calls = [
+        (lambda x: xj.cross_entropy(x, y), xs),
+        (jax.grad(lambda x: xj.cross_entropy(x, y)), xs),
+        (lambda h: xj.linear_cross_entropy(h, wt, y), hs),
+        (jax.grad(lambda h: xj.linear_cross_entropy(h, wt, y)), hs),
+    ]
+    for f, arg in calls:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="targets"):
+            jax.block_until_ready(jax.jit(f)(arg))

@@ -173,6 +173,20 @@ def _partitioned(
     return batched
 
 
+def _failing_together(layout: _Layout, cfg: _Config, y, vocab: int):
+    """The labels of a call whose rows are split over devices, on the CPU: where any device holds
+    a class id outside [0, V) that is not ignore_index, every device's first label becomes one, so
+    that every handler raises. Otherwise only the handlers meeting one raise, and the others wait
+    for them in a row sum until XLA ends the process. CUDA handlers raise nothing (such a row's
+    loss is NaN), so their labels pass unchanged."""
+    if not layout.rows or not y.shape[0] or layout.mesh.devices.flat[0].platform != "cpu":
+        return y
+    bad = (y != cfg.ignore_index) & ((y < 0) | (y >= vocab))
+    anywhere = layout.psum_rows(bad.sum(dtype=jnp.int32))
+    poison = jnp.asarray(vocab if cfg.ignore_index != vocab else vocab + 1, y.dtype)
+    return y.at[0].set(jnp.where(anywhere > 0, poison, y[0]))
+
+
 def _loss_dims(cfg: _Config) -> str:
     return "n" if cfg.reduction == 0 else ""
 
@@ -204,6 +218,7 @@ def forward(x, y, w, cfg: _Config):
     """_core._forward partitioned: loss and LSE."""
 
     def local(layout, x, y, w):
+        y = _failing_together(layout, cfg, y, vocab)
         lc = _local_config(layout, cfg)
         if layout.vocab:
             loss, lse, _, _ = _merged(layout.shard(x.shape[1], vocab), lc, x, y, w)
@@ -225,6 +240,7 @@ def fused(x, y, w, cfg: _Config):
     """_core._fused partitioned: loss, LSE and the gradient for an upstream gradient of 1."""
 
     def local(layout, x, y, w):
+        y = _failing_together(layout, cfg, y, vocab)
         lc = _local_config(layout, cfg)
         scale = 1.0 / _normaliser(layout, cfg, y, w) if lc.reduction != cfg.reduction else None
         if layout.vocab:
@@ -323,6 +339,7 @@ def linear_forward(h, wt, b, y, w, cfg: _Config):
     """_core._linear_forward partitioned: loss and LSE."""
 
     def local(layout, h, wt, b, y, w):
+        y = _failing_together(layout, cfg, y, vocab)
         if layout.vocab:
             lin = _linear_shard(layout, wt, vocab, h.shape[0])
             row_loss, lse, _ = _linear_pass(lin, cfg, h, wt, b, y, w)
@@ -343,6 +360,7 @@ def linear_fused(h, wt, b, y, w, cfg: _Config):
     gradient of 1."""
 
     def local(layout, h, wt, b, y, w):
+        y = _failing_together(layout, cfg, y, vocab)
         scale = None
         if cfg.reduction == 1 and (layout.rows or layout.vocab):
             scale = 1.0 / _normaliser(layout, cfg, y, w)
@@ -369,6 +387,7 @@ def linear_backward(h, wt, b, y, w, lse, g, cfg: _Config):
     """_core._linear_backward partitioned (reduction none): the three gradients."""
 
     def local(layout, h, wt, b, y, w, lse, g):
+        y = _failing_together(layout, cfg, y, vocab)
         if layout.vocab:
             lin = _linear_shard(layout, wt, vocab, h.shape[0])
             _, _, (dh, dw, db) = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=g, lse=lse)
