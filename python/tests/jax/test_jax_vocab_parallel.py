@@ -375,3 +375,64 @@ def test_linear_errors_name_the_argument():
         call(jnp.ones((8, 4)), axis_name="vocab")
     with pytest.raises(ValueError, match="chunk_rows must be >= 1"):
         call(jnp.ones((8, 4)), axis_name="model", chunk_rows=0)
+
+
+# --- rows split over a second mesh axis (data parallelism) ------------------------------------------
+
+
+def data_model_mesh(model):
+    cpus = jax.devices("cpu")
+    return Mesh(np.array(cpus[: 4 // model * model]).reshape(4 // model, model), ("data", "model"))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("model", [1, 2], ids=["data", "data_model"])
+def test_rows_over_another_axis_train_inside_shard_map(model, reduction):
+    # Each device's loss and gradients vary along "data" too: jax types xent's results so, and the
+    # replicated weight's gradient is summed over "data" as jax's own shard_map would sum it.
+    mesh = data_model_mesh(model)
+    h, wt, _, y = linear_inputs(8, 4, 16, bias=False)
+    x = h @ wt.T
+    vocab = dict(axis_name="model") if model > 1 else {}
+    ce = xj.vocab_parallel_cross_entropy if model > 1 else xj.cross_entropy
+    lce = xj.vocab_parallel_linear_cross_entropy if model > 1 else xj.linear_cross_entropy
+    x_spec, w_spec = (P("data", "model"), P("model")) if model > 1 else (P("data"), P())
+
+    def logits_step(x, y):
+        loss, g = jax.value_and_grad(lambda x: ce(x, y, reduction=reduction, **vocab).sum())(x)
+        return jax.lax.psum(loss, "data"), g
+
+    def linear_step(h, wt, y):
+        f = lambda h, wt: lce(h, wt, y, reduction=reduction, **vocab).sum()  # noqa: E731
+        loss, grads = jax.value_and_grad(f, argnums=(0, 1))(h, wt)
+        return jax.lax.psum(loss, "data"), *grads
+
+    want_loss, _, want_dx = oracle(x, y, reduction="sum")
+    loss, dx = jax.jit(
+        jax.shard_map(logits_step, mesh=mesh, in_specs=(x_spec, P("data")), out_specs=(P(), x_spec))
+    )(x, y)
+    check(loss, want_loss, 1e-6)
+    check(dx, want_dx, 1e-6)
+    want_loss, (want_dh, want_dw, _) = linear_oracle(h, wt, None, y, reduction="sum")
+    loss, dh, dw = jax.jit(
+        jax.shard_map(
+            linear_step,
+            mesh=mesh,
+            in_specs=(P("data"), w_spec, P("data")),
+            out_specs=(P(), P("data"), w_spec),
+        )
+    )(h, wt, y)
+    check(loss, want_loss, 1e-6)
+    check(dh, want_dh, 1e-6)
+    check(dw, want_dw, 1e-6)
+    # Without the psum the loss differs between devices: a replicated output is refused, as for
+    # jax's own ops.
+    with pytest.raises(ValueError):
+        jax.jit(
+            jax.shard_map(
+                lambda x, y: ce(x, y, **vocab),
+                mesh=mesh,
+                in_specs=(x_spec, P("data")),
+                out_specs=P(),
+            )
+        )(x, y)

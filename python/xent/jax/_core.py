@@ -64,10 +64,22 @@ def _accumulator(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if dtype == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-def _call(target, results, *args, cfg=None, attrs=None, aliases=None, method=None, workspace=None):
+def _call(
+    target,
+    results,
+    *args,
+    cfg=None,
+    attrs=None,
+    aliases=None,
+    method=None,
+    workspace=None,
+    invariant=frozenset(),
+):
     """ffi_call of `target` with the options of `cfg` (and `attrs`) as attributes. workspace: the
     bytes of device workspace its CUDA handler takes as one more result (_ffi.workspace_bytes),
-    allocated by XLA with the call's other buffers and dropped here; None for none."""
+    allocated by XLA with the call's other buffers and dropped here; None for none. invariant:
+    mesh axes along which the results are the same on every device whatever the operands (the
+    vocab-parallel merge's)."""
     # A call writing over an input (aliases) needs that input of the result's shape under vmap:
     # broadcast_all copies an unbatched one to the batch, which is the result's memory anyway.
     if method is None:
@@ -80,8 +92,59 @@ def _call(target, results, *args, cfg=None, attrs=None, aliases=None, method=Non
         "method": method,
     }
     if workspace is None:
-        return _ffi_call(*args, **static)
-    return _per_platform(*args, workspace=workspace, **static)
+        out = _ffi_call(*args, **static)
+    else:
+        out = _per_platform(*args, workspace=workspace, **static)
+    return _varying_as(out, _varying_axes(*args) - invariant)
+
+
+# --- types under shard_map ------------------------------------------------------------------------
+# Inside jax.shard_map jax types each value with the mesh axes along which it differs between
+# devices; an ffi_call's results come out typed as the same on every device whatever its operands.
+# So each result is typed as varying along every axis an operand varies along, and a custom VJP's
+# backward returns each cotangent typed as its primal (_cotangent_as). Outside shard_map no value
+# varies and these change nothing.
+
+
+def _varying_axes(*xs) -> frozenset:
+    """The mesh axes along which jax types any of xs as varying (jax.typeof(x).mat.varying; .vma
+    in the jax releases before it)."""
+    axes = frozenset()
+    for x in xs:
+        t = jax.typeof(x)
+        mat = getattr(t, "mat", None)
+        axes |= frozenset(getattr(mat, "varying", None) or getattr(t, "vma", None) or ())
+    return axes
+
+
+def _varying_as(out, axes):
+    """out (an array or a tuple of them) typed as varying along `axes` too."""
+    if not axes:
+        return out
+
+    def cast(r):
+        missing = tuple(sorted(axes - _varying_axes(r)))
+        return lax.pcast(r, missing, to="varying") if missing else r
+
+    return tuple(map(cast, out)) if isinstance(out, (tuple, list)) else cast(out)
+
+
+def _type_of(x):
+    """A custom_vjp residual carrying the axes x varies along: a scalar typed so, None where x
+    varies along none."""
+    axes = _varying_axes(x)
+    return _varying_as(jnp.zeros((), jnp.int8), axes) if axes else None
+
+
+def _cotangent_as(ct, primal_type):
+    """ct typed as the primal whose _type_of is primal_type: summed over the axes along which ct
+    varies and the primal does not (the devices along them share the primal and each used it),
+    cast to varying along those the primal varies along and ct does not."""
+    want = _varying_axes(primal_type) if primal_type is not None else frozenset()
+    extra = tuple(sorted(_varying_axes(ct) - want))
+    if extra:
+        ct = lax.psum(ct, extra)
+    return _varying_as(ct, want)
 
 
 def _ffi_call(*operands, target, results, attrs, aliases, method, workspace=None):

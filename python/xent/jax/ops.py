@@ -20,8 +20,10 @@ from ._core import (
     _check_labels,
     _check_options,
     _class_weights,
+    _cotangent_as,
     _keep,
     _kept,
+    _type_of,
     _linear_operands,
     _results,
     _scaled_linear_grads,
@@ -45,20 +47,22 @@ def _cross_entropy(x, y, w, cfg):
 def _cross_entropy_fwd(x, y, w, cfg):
     if cfg.reduction == 0:
         loss, lse = _sharding.forward(x, y, w, cfg)
-        return (loss, lse), (x, y, _keep(w), lse)
+        return (loss, lse), (_type_of(x), x, y, _keep(w), lse)
     loss, lse, grad = _sharding.fused(x, y, w, cfg)
-    return (loss, lse), (grad,)
+    return (loss, lse), (_type_of(x), grad)
 
 
 def _cross_entropy_bwd(cfg, saved, cotangents):
     g = cotangents[0]  # the LSE leaves the custom VJP through stop_gradient: its cotangent is 0
+    x_type, *saved = saved
     if cfg.reduction == 0:
         x, y, w, lse = saved
         grad = _sharding.backward(x, y, _kept(w, jnp.float32), lse, g, cfg)
     else:
         (grad,) = saved
         grad = _sharding.scale(grad, g)
-    return grad, None, None  # labels and class weights are not differentiated
+    # Labels and class weights are not differentiated.
+    return _cotangent_as(grad, x_type), None, None
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
@@ -132,22 +136,24 @@ def _linear_cross_entropy(h, wt, b, y, w, cfg):
 # pass (each chunk's logits once; linear_backward would compute every chunk's logits again), and
 # backward scales them; with none the forward saves the LSE and backward recomputes the logits.
 def _linear_cross_entropy_fwd(h, wt, b, y, w, cfg):
+    types = (_type_of(h), _type_of(wt), _type_of(b))
     if cfg.reduction == 0:
         loss, lse = _sharding.linear_forward(h, wt, b, y, w, cfg)
-        return (loss, lse), (h, wt, _keep(b), y, _keep(w), lse)
+        return (loss, lse), (types, (h, wt, _keep(b), y, _keep(w), lse))
     loss, lse, dh, dw, db = _sharding.linear_fused(h, wt, b, y, w, cfg)
-    return (loss, lse), (dh, dw, _keep(db))
+    return (loss, lse), (types, (dh, dw, _keep(db)))
 
 
 def _linear_cross_entropy_bwd(cfg, saved, cotangents):
     g = cotangents[0]
+    types, saved = saved
     if cfg.reduction == 0:
         h, wt, b, y, w, lse = saved
         b, w = _kept(b, h.dtype), _kept(w, jnp.float32)
         dh, dw, db = _sharding.linear_backward(h, wt, b, y, w, lse, g, cfg)
     else:
         dh, dw, db = _scaled_linear_grads(saved, g)
-    return dh, dw, db, None, None
+    return (*(_cotangent_as(d, t) for d, t in zip((dh, dw, db), types)), None, None)
 
 
 _linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)

@@ -40,6 +40,7 @@ from jax import lax
 from . import _ffi
 from ._core import (
     _call,
+    _cotangent_as,
     _check_ignore_index,
     _check_labels,
     _check_options,
@@ -47,6 +48,9 @@ from ._core import (
     _Config,
     _keep,
     _kept,
+    _type_of,
+    _varying_as,
+    _varying_axes,
     _linear_operands,
     _results,
     _scaled_linear_grads,
@@ -127,7 +131,7 @@ def _rotate(shard: _Shard, cfg: _Config, y, w):
 # --- the handlers ---------------------------------------------------------------------------------
 
 
-def _vp_call(target, results, *args, cfg, vocab, aliases=None, workspace=None):
+def _vp_call(target, results, *args, cfg, vocab, aliases=None, workspace=None, invariant=()):
     return _call(
         target,
         results,
@@ -137,6 +141,7 @@ def _vp_call(target, results, *args, cfg, vocab, aliases=None, workspace=None):
         aliases=aliases,
         method="sequential",
         workspace=workspace,
+        invariant=frozenset(invariant),
     )
 
 
@@ -196,16 +201,10 @@ def _merged(shard: _Shard, cfg: _Config, x, y, w):
         cfg=cfg,
         vocab=shard.vocab,
         workspace=_ffi.workspace_bytes("vocab_parallel_merge", x.dtype, rows),
+        # Every device merges the same records: equal along the vocabulary's axes.
+        invariant=shard.axis_name if isinstance(shard.axis_name, tuple) else (shard.axis_name,),
     )
     return loss, lse, yr, wr
-
-
-def _varying_axes(x) -> frozenset:
-    """The mesh axes along which jax types x as varying (jax.typeof(x).mat.varying; .vma in the
-    jax releases before it)."""
-    t = jax.typeof(x)
-    mat = getattr(t, "mat", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(t, "vma", None) or ())
 
 
 def _replicated(shard: _Shard, x):
@@ -268,14 +267,15 @@ def _vp_cross_entropy_fwd(x, y, w, cfg, shard):
     loss, lse, yr, wr = _merged(shard, cfg, x, y, w)
     out = (_replicated(shard, loss), lse)
     if cfg.reduction == 0:
-        return out, (x, yr, _keep(wr), lse)
+        return out, (_type_of(x), x, yr, _keep(wr), lse)
     one = jnp.ones((), jnp.float32)
     grad = _local_grad(shard, cfg, x, yr, wr, lse, one, in_place=cfg.inplace_backward)
-    return out, (grad,)
+    return out, (_type_of(x), grad)
 
 
 def _vp_cross_entropy_bwd(cfg, shard, saved, cotangents):
     g = cotangents[0].astype(jnp.float32)
+    x_type, *saved = saved
     if cfg.reduction == 0:
         x, yr, wr, lse = saved
         grad = _local_grad(shard, cfg, x, yr, _kept(wr, jnp.float32), lse, g)
@@ -284,7 +284,7 @@ def _vp_cross_entropy_bwd(cfg, shard, saved, cotangents):
         grad = _call(
             "xent_scale_grad", jax.ShapeDtypeStruct(grad.shape, grad.dtype), grad, g, aliases={0: 0}
         )
-    return _varying(shard, grad), None, None
+    return _cotangent_as(_varying(shard, grad), x_type), None, None
 
 
 _vp_cross_entropy.defvjp(_vp_cross_entropy_fwd, _vp_cross_entropy_bwd)
@@ -437,7 +437,10 @@ def _linear_pass(lin: _Linear, cfg: _Config, h, wt, b, y, w, upstream=None, lse=
         return (acc[0] + dw, acc[1] + db), (loss_c, lse_c, dh)
 
     acc0 = (jnp.zeros(wt.shape, jnp.float32), jnp.zeros((wt.shape[0],), jnp.float32))
-    acc0 = tuple(_varying(shard, a) for a in acc0) if grads else ()
+    # The sums typed as the steps' terms: varying along the vocabulary's axis and every axis an
+    # operand varies along.
+    axes = _varying_axes(h, wt, b, y, w, per_row)
+    acc0 = tuple(_varying_as(_varying(shard, a), axes) for a in acc0) if grads else ()
     (acc, (loss, lse_out, dh)) = lax.scan(step, acc0, (hc, yc, up, saved))
     loss, lse_out = loss.reshape(-1)[:rows], lse_out.reshape(-1)[:rows]
     if not grads:
@@ -464,24 +467,28 @@ def _vp_linear(h, wt, b, y, w, cfg, lin):
 # chunk's logits once) for an upstream gradient of 1, and backward scales them; with none the
 # forward keeps the LSE and backward computes every chunk's logits again.
 def _vp_linear_fwd(h, wt, b, y, w, cfg, lin):
+    types = (_type_of(h), _type_of(wt), _type_of(b))
     if cfg.reduction == 0:
         row_loss, lse, _ = _linear_pass(lin, cfg, h, wt, b, y, w)
-        return (_replicated(lin.shard, row_loss), lse), (h, wt, _keep(b), y, _keep(w), lse)
+        saved = (h, wt, _keep(b), y, _keep(w), lse)
+        return (_replicated(lin.shard, row_loss), lse), (types, saved)
     scale = 1.0 / _mean_normaliser(cfg, y, w) if cfg.reduction == 1 else jnp.ones((), jnp.float32)
     row_loss, lse, grads = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=scale)
     dh, dw, db = grads
-    return (_replicated(lin.shard, _reduce(cfg, row_loss, y, w)), lse), (dh, dw, _keep(db))
+    out = (_replicated(lin.shard, _reduce(cfg, row_loss, y, w)), lse)
+    return out, (types, (dh, dw, _keep(db)))
 
 
 def _vp_linear_bwd(cfg, lin, saved, cotangents):
     g = cotangents[0].astype(jnp.float32)
+    types, saved = saved
     if cfg.reduction == 0:
         h, wt, b, y, w, lse = saved
         b, w = _kept(b, h.dtype), _kept(w, jnp.float32)
         _, _, (dh, dw, db) = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=g, lse=lse)
     else:
         dh, dw, db = _scaled_linear_grads(saved, g)
-    return dh, dw, db, None, None
+    return (*(_cotangent_as(d, t) for d, t in zip((dh, dw, db), types)), None, None)
 
 
 _vp_linear.defvjp(_vp_linear_fwd, _vp_linear_bwd)
