@@ -249,14 +249,16 @@ def _bad_inputs(rank, world):
         ),
         "half_shard": lambda: xd.vocab_parallel_cross_entropy(x, y, vocab_start=start),
     }
-    got = {}
-    for name, call in calls.items():
-        try:
-            call()
-            got[name] = (None, "")
-        except Exception as e:  # noqa: BLE001 - the type is what the test checks
-            got[name] = (type(e).__name__, str(e))
-    return got
+    return {name: _outcome(call) for name, call in calls.items()}
+
+
+def _outcome(call):
+    """(exception type name, message) of what call() raises, (None, "") if nothing."""
+    try:
+        call()
+        return None, ""
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        return type(e).__name__, str(e)
 
 
 def _one_rank_wrong(rank, world):
@@ -285,11 +287,7 @@ def _one_rank_wrong(rank, world):
     }
     got, losses = {}, []
     for name, call in calls.items():
-        try:
-            call()
-            got[name] = (None, "")
-        except Exception as e:  # noqa: BLE001 - the type is what the test checks
-            got[name] = (type(e).__name__, str(e))
+        got[name] = _outcome(call)
         losses.append(xd.vocab_parallel_cross_entropy(x, y, reduction="sum", **where).item())
     return got, losses
 
@@ -504,32 +502,33 @@ def test_ranks_that_disagree_all_raise(ranks):
     assert all(e is not None and "options" in e for e in options), options
 
 
+# Each bad call's exception type and a word of its message.
+ERRORS = {
+    "float64": ("TypeError", "float64"),
+    "outside": ("ValueError", "shard.first"),
+    "weight": ("ValueError", "weight"),
+    "half_shard": ("ValueError", "vocab_size"),
+    "linear_class_weight": ("ValueError", "class_weight"),
+}
+
+
 def test_bad_inputs_raise_torchs_error_types_naming_the_argument(ranks):
     world, results = ranks
-    want = {
-        "float64": ("TypeError", "float64"),
-        "outside": ("ValueError", "shard.first"),
-        "weight": ("ValueError", "weight"),
-        "half_shard": ("ValueError", "vocab_size"),
-    }
     for r in range(world):
-        for name, (kind, words) in want.items():
+        assert set(results[r]["__bad__"]) == {"float64", "outside", "weight", "half_shard"}
+        for name in results[r]["__bad__"]:
+            kind, words = ERRORS[name]
             got_kind, message = results[r]["__bad__"][name]
             assert got_kind == kind and words in message, (r, name, got_kind, message)
 
 
 def test_one_rank_with_a_bad_argument_makes_every_rank_raise(ranks):
     world, results = ranks
-    own = {
-        "outside": ("ValueError", "shard.first"),
-        "weight": ("ValueError", "weight"),
-        "float64": ("TypeError", "float64"),
-        "linear_class_weight": ("ValueError", "class_weight"),
-    }
     for r in range(world):
         got, losses = results[r]["__one_wrong__"]
-        for name, (kind, words) in own.items():
-            got_kind, message = got[name]
+        assert set(got) == {"float64", "outside", "weight", "linear_class_weight"}
+        for name, (got_kind, message) in got.items():
+            kind, words = ERRORS[name]
             if r == world - 1:
                 assert got_kind == kind and words in message, (r, name, got_kind, message)
             else:
