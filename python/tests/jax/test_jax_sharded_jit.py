@@ -205,8 +205,8 @@ def test_linear_matches_unsharded_without_gathering_the_weight(shape, hspec, wsp
 
 @pytest.mark.parametrize("spec", [P("b", None), P("b", "v")], ids=["rows", "rows_vocab"])
 def test_a_bad_label_on_one_row_shard_raises_on_every_device(spec):
-    # Only the devices holding row 5 meet it; without the shared check the others waited for
-    # them in a row sum until XLA ended the process.
+    # Only the devices holding row 5 meet it: unless every device raises, the others wait for them
+    # in a row sum until XLA ends the process.
     x, y = make((8,), 16)
     y = y.at[5].set(-1)
     h, wt = jax.random.normal(jax.random.PRNGKey(2), (8, 4)), jnp.ones((16, 4))
