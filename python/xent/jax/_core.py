@@ -107,8 +107,8 @@ def _call(
 
 
 def _varying_axes(*xs) -> frozenset:
-    """The mesh axes along which jax types any of xs as varying (jax.typeof(x).mat.varying; .vma
-    in the jax releases before it)."""
+    """The mesh axes along which jax types any of xs as varying (jax.typeof(x).mat.varying, or
+    .vma where the type has no .mat)."""
     axes = frozenset()
     for x in xs:
         t = jax.typeof(x)
