@@ -10,9 +10,10 @@ logits to `loss_function(logits, labels, vocab_size, **kwargs)`, which shifts th
 -100 and divides a sum by num_items_in_batch when given (gradient accumulation). The patched
 forward runs the model's own forward with two stand-ins for a call with labels: the output
 embedding keeps its input (the last hidden states) and returns a single 1 (the loss function
-checks that the forward's logit ops changed it only by the softcapping), and the loss function
-computes the same loss from those hidden states and the output embedding's weight with
-xent.torch.linear_cross_entropy, a chunk of rows at a time, softcap included. Everything else
+checks, at the first call and after the softcapping changes, that the forward's logit ops
+changed it only by the softcapping), and the loss function computes the same loss from those
+hidden states and the output embedding's weight with xent.torch.linear_cross_entropy, a chunk of
+rows at a time, softcap included. Everything else
 (the decoder, the label handling the forward does itself, the keyword arguments) is the model's.
 The output then has no logits. A call without labels is the unpatched forward, logits and all.
 """
@@ -101,7 +102,10 @@ def _fused_forward(self, *args, **kwargs):
 
     def loss_function(logits, labels, vocab_size=None, **loss_kwargs):
         hidden, probe = captured
-        _checked_probe(logits, probe, softcap)
+        # Once per model and softcap: the comparison waits for the device.
+        if self.__dict__.get("_xent_probed", ()) != (softcap,):
+            _checked_probe(logits, probe, softcap)
+            self._xent_probed = (softcap,)
         loss_kwargs = {
             k: loss_kwargs[k]
             for k in ("num_items_in_batch", "ignore_index", "shift_labels")
