@@ -18,6 +18,13 @@ struct cpu_vp_backend : cpu_backend {
 };
 
 }  // namespace
+
+// A call refused by the Python side's checks on this rank alone: its part in the agreement
+// exchange that the other ranks' calls start with (where calls make one), so that they raise too.
+void vocab_parallel_refuse(const std::string& group, c10::Device device) {
+  if (torch_group::checks(device)) torch_group::refuse(group, device);
+}
+
 }  // namespace xent_torch
 
 TORCH_LIBRARY_FRAGMENT(xent, m) {
@@ -55,6 +62,8 @@ TORCH_LIBRARY_FRAGMENT(xent, m) {
       "int ignore_index, int reduction, float label_smoothing, float z_loss, float softcap, "
       "bool[3] output_mask) "
       "-> (Tensor loss, Tensor lse, Tensor d_hidden, Tensor d_weight, Tensor d_bias)");
+  m.def("vocab_parallel_refuse(str group, Device device) -> ()",
+        &xent_torch::vocab_parallel_refuse);
 }
 
 TORCH_LIBRARY_IMPL(xent, CPU, m) {

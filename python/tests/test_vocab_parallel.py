@@ -8,6 +8,7 @@ relative) and to a float64 reference written out with torch's own ops, for every
 and uneven splits, an empty slice, all rows ignored, soft targets and bfloat16.
 """
 
+import datetime
 import os
 import traceback
 
@@ -284,6 +285,17 @@ def _one_rank_wrong(rank, world):
         "linear_class_weight": lambda: xd.vocab_parallel_linear_cross_entropy(
             h, w[start : start + sizes[rank]], y, class_weight=h.new_ones(37 + last), **where
         ),
+        # Refused by the Python side, before the op.
+        "target_shape": lambda: xd.vocab_parallel_cross_entropy(x, y[: 4 - last], **where),
+        "linear_target_shape": lambda: xd.vocab_parallel_linear_cross_entropy(
+            h, w[start : start + sizes[rank]], y[: 4 - last], **where
+        ),
+        "half_shard": lambda: xd.vocab_parallel_cross_entropy(
+            x, y, vocab_start=start, vocab_size=None if last else 37
+        ),
+        "reduction": lambda: xd.vocab_parallel_cross_entropy(
+            x, y, reduction="avg" if last else "sum", **where
+        ),
     }
     got, losses = {}, []
     for name, call in calls.items():
@@ -354,7 +366,14 @@ def _worker(rank, world, init_file, out_dir, backend):
         DEVICE = f"cuda:{rank}"
         torch.cuda.set_device(rank)
         os.environ["XENT_CHECK_RANKS"] = "1"  # the disagreement cases need the checked exchange
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # A rank left waiting in an exchange fails in minutes instead of hanging the run (gloo: 30).
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
     results = {}
     for name in CASES:
         try:
@@ -509,6 +528,9 @@ ERRORS = {
     "weight": ("ValueError", "weight"),
     "half_shard": ("ValueError", "vocab_size"),
     "linear_class_weight": ("ValueError", "class_weight"),
+    "target_shape": ("ValueError", "target must be"),
+    "linear_target_shape": ("ValueError", "target must be"),
+    "reduction": ("ValueError", "reduction"),
 }
 
 
@@ -526,7 +548,16 @@ def test_one_rank_with_a_bad_argument_makes_every_rank_raise(ranks):
     world, results = ranks
     for r in range(world):
         got, losses = results[r]["__one_wrong__"]
-        assert set(got) == {"float64", "outside", "weight", "linear_class_weight"}
+        assert set(got) == {
+            "float64",
+            "outside",
+            "weight",
+            "linear_class_weight",
+            "target_shape",
+            "linear_target_shape",
+            "half_shard",
+            "reduction",
+        }
         for name, (got_kind, message) in got.items():
             kind, words = ERRORS[name]
             if r == world - 1:

@@ -38,6 +38,7 @@ _linear_fwd = torch.ops.xent.vocab_parallel_linear_cross_entropy_fwd.default
 _linear_bwd = torch.ops.xent.vocab_parallel_linear_cross_entropy_bwd.default
 _linear_fwd_bwd = torch.ops.xent.vocab_parallel_linear_cross_entropy_fwd_bwd.default
 _scale_grad = torch.ops.xent.scale_grad_.default
+_refuse = torch.ops.xent.vocab_parallel_refuse.default
 
 
 def _loss_and_lse_fake(x, reduction):
@@ -238,6 +239,20 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         return out + (None,) * 5
 
 
+def _refused_on_every_rank(group, like, check):
+    """`check()`, whose argument errors are this rank's alone: before raising one, this rank takes
+    its part in the agreement exchange that the other ranks' calls start with (where calls make
+    one: on the CPU, and on CUDA under XENT_CHECK_RANKS=1), so that they raise too instead of
+    waiting in it."""
+    try:
+        return check()
+    except Exception:
+        g = dist.group.WORLD if group is None and dist.is_initialized() else group
+        if isinstance(g, dist.ProcessGroup) and isinstance(like, torch.Tensor):
+            _refuse(g.group_name, like.device)
+        raise
+
+
 def _group_and_shard(group, v_local, vocab_start, vocab_size):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -321,21 +336,28 @@ def vocab_parallel_cross_entropy(
     only under the environment variable XENT_CHECK_RANKS=1; otherwise agreement is the caller's
     contract, as for torch's own collectives).
     """
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap)
-    _check_like_torch("vocab_parallel_cross_entropy", weight, "weight", target, options[0])
-    if logits.dim() < 1:
-        raise ValueError("xent.torch.distributed: logits must have a class dimension (the last)")
+
+    def check():
+        options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+        _check_like_torch("vocab_parallel_cross_entropy", weight, "weight", target, options[0])
+        if logits.dim() < 1:
+            raise ValueError(
+                "xent.torch.distributed: logits must have a class dimension (the last)"
+            )
+        t, args = _rows_and_args(
+            "vocab_parallel_cross_entropy",
+            logits.shape[:-1],
+            logits.shape[-1],
+            target,
+            group,
+            vocab_start,
+            vocab_size,
+            options,
+        )
+        return options, t, args
+
+    options, t, args = _refused_on_every_rank(group, logits, check)
     v_local, rows_shape = logits.shape[-1], logits.shape[:-1]
-    t, args = _rows_and_args(
-        "vocab_parallel_cross_entropy",
-        rows_shape,
-        v_local,
-        target,
-        group,
-        vocab_start,
-        vocab_size,
-        options,
-    )
     x = logits.reshape(t.shape[0], v_local)
     loss, _ = _VocabParallelCrossEntropy.apply(x, t, weight, args)
     if options[1] == "none":
@@ -378,26 +400,31 @@ def vocab_parallel_linear_cross_entropy(
 
     The other options and the result are vocab_parallel_cross_entropy's.
     """
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap)
-    _check_like_torch(
-        "vocab_parallel_linear_cross_entropy", class_weight, "class_weight", target, options[0]
-    )
-    if hidden.dim() < 1 or weight_shard.dim() != 2:
-        raise ValueError(
-            "xent.torch.distributed: hidden must be (..., D) and weight_shard (V_local, D), got "
-            f"{tuple(hidden.shape)} and {tuple(weight_shard.shape)}"
+
+    def check():
+        options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+        _check_like_torch(
+            "vocab_parallel_linear_cross_entropy", class_weight, "class_weight", target, options[0]
         )
-    v_local, rows_shape = weight_shard.shape[0], hidden.shape[:-1]
-    t, args = _rows_and_args(
-        "vocab_parallel_linear_cross_entropy",
-        rows_shape,
-        v_local,
-        target,
-        group,
-        vocab_start,
-        vocab_size,
-        options,
-    )
+        if hidden.dim() < 1 or weight_shard.dim() != 2:
+            raise ValueError(
+                "xent.torch.distributed: hidden must be (..., D) and weight_shard (V_local, D), "
+                f"got {tuple(hidden.shape)} and {tuple(weight_shard.shape)}"
+            )
+        t, args = _rows_and_args(
+            "vocab_parallel_linear_cross_entropy",
+            hidden.shape[:-1],
+            weight_shard.shape[0],
+            target,
+            group,
+            vocab_start,
+            vocab_size,
+            options,
+        )
+        return options, t, args
+
+    options, t, args = _refused_on_every_rank(group, hidden, check)
+    rows_shape = hidden.shape[:-1]
     n = t.shape[0]
     x = hidden.reshape(n, hidden.shape[-1])
     loss, _ = _VocabParallelLinearCrossEntropy.apply(
