@@ -66,6 +66,15 @@ constexpr tuning overridden(tuning r) {
 #ifdef XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS
   r.bulk_backward_min_blocks = XENT_CUDA_BULK_BACKWARD_MIN_BLOCKS;
 #endif
+#ifdef XENT_CUDA_BULK_BACKWARD_LONG_FROM_KIB
+  r.bulk_backward_long_from_kib = XENT_CUDA_BULK_BACKWARD_LONG_FROM_KIB;
+#endif
+#ifdef XENT_CUDA_BULK_BACKWARD_LONG_STAGES
+  r.bulk_backward_long_stages = XENT_CUDA_BULK_BACKWARD_LONG_STAGES;
+#endif
+#ifdef XENT_CUDA_BULK_BACKWARD_LONG_MIN_BLOCKS
+  r.bulk_backward_long_min_blocks = XENT_CUDA_BULK_BACKWARD_LONG_MIN_BLOCKS;
+#endif
 #ifdef XENT_CUDA_BULK_GRADIENT
   r.bulk_gradient = XENT_CUDA_BULK_GRADIENT;
 #endif

@@ -329,35 +329,50 @@ bool launch_stream_forward(const char* fn, const cuda& exec, const row_args<T, G
   return launch_stream_forward_as<block, blocks, Shifted>(fn, exec, args, dev);
 }
 
-/// Backward of plain class-id rows by the bulk backward kernel (policy::bulk_backward): persistent
-/// CTAs, as many as its register and shared-memory bounds let every SM hold; false, launching
-/// nothing, where its code has no bulk copies (below sm_90) or the gradient's type differs in
-/// size from the logits' (it is written over them in the stage). `Shifted`: rows cut at their
-/// own 16-byte boundaries (one tile more per row allowed for).
-template <bool Shifted, class T, class G, class Tgt>
-bool launch_bulk_backward(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
-                          const device_facts& dev) {
+/// Backward of plain class-id rows by the bulk backward kernel (policy::bulk_backward) of Stages
+/// stages: persistent CTAs, at most MinBlocks per SM; false, launching nothing, where its code has
+/// no bulk copies (below sm_90) or the gradient's type differs in size from the logits' (it is
+/// written over them in the stage). `Shifted`: rows cut at their own 16-byte boundaries (one tile
+/// more per row allowed for).
+template <int Stages, int MinBlocks, bool Shifted, class T, class G, class Tgt>
+bool launch_bulk_backward_as(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
+                             const device_facts& dev) {
   if constexpr (sizeof(T) != sizeof(G)) {
     return false;
   } else {
-    constexpr int block = policy::block, regs = policy::bulk_backward_regs,
-                  stages = policy::bulk_backward_stages;
-    auto kernel = bulk_backward_kernel<block, regs, stages, Shifted, T, G, Tgt>;
+    constexpr int block = policy::block, regs = policy::bulk_backward_regs;
+    auto kernel = bulk_backward_kernel<block, regs, Stages, MinBlocks, Shifted, T, G, Tgt>;
     constexpr int vec = 16 / static_cast<int>(sizeof(T));
     constexpr std::int64_t span = std::int64_t{regs} * block * vec;
-    const int smem = static_cast<int>(stages * span * sizeof(T));
+    const int smem = static_cast<int>(Stages * span * sizeof(T));
     if (!tuning_for(dev.major).bulk_copy ||
         !prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), dev.id, smem))
       return false;
     const std::int64_t tiles =
         args.rows * ((args.cols + (Shifted ? vec - 1 : 0) + span - 1) / span);
     if (tiles == 0) return true;
-    const std::int64_t most = std::int64_t{dev.sms} * policy::bulk_backward_min_blocks;
+    const std::int64_t most = std::int64_t{dev.sms} * MinBlocks;
     const auto grid = static_cast<unsigned>(persistent_grid(tiles, most));
     kernel<<<grid, block, smem, exec.stream>>>(args);
     check_cuda(fn, cudaGetLastError());
     return true;
   }
+}
+
+/// The bulk backward's form for the row's length: rows longer than
+/// policy::bulk_backward_long_from_kib KiB (when set) take its long form, the others its default.
+template <bool Shifted, class T, class G, class Tgt>
+bool launch_bulk_backward(const char* fn, const cuda& exec, const row_args<T, G, Tgt>& args,
+                          const device_facts& dev) {
+  if constexpr (policy::bulk_backward_long_from_kib > 0) {
+    if (args.cols * static_cast<std::int64_t>(sizeof(T)) >
+        std::int64_t{policy::bulk_backward_long_from_kib} * 1024)
+      return launch_bulk_backward_as<policy::bulk_backward_long_stages,
+                                     policy::bulk_backward_long_min_blocks, Shifted>(fn, exec, args,
+                                                                                     dev);
+  }
+  return launch_bulk_backward_as<policy::bulk_backward_stages, policy::bulk_backward_min_blocks,
+                                 Shifted>(fn, exec, args, dev);
 }
 
 /// Backward of class-id rows by the streaming kernel (policy::stream_backward): persistent CTAs,

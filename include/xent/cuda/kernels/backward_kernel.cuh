@@ -78,10 +78,9 @@ XENT_KERNEL void __launch_bounds__(Block, policy::stream_min_blocks(Plain))
 /// past its whole 16-byte vectors are moved by thread 0 alone. `Shifted`: rows cut at their own
 /// 16-byte boundaries, as in the streaming backward; thread 0 also moves the row's first vector,
 /// from its `lead`-th element, so no copy touches another row's bytes (in place, the row before
-/// is another CTA's).
-template <int Block, int Regs, int Stages, bool Shifted, class T, class G, class Tgt>
-XENT_KERNEL void __launch_bounds__(Block, policy::bulk_backward_min_blocks)
-    bulk_backward_kernel(row_args<T, G, Tgt> a) {
+/// is another CTA's). `MinBlocks`: the CTAs per SM its registers are bounded for.
+template <int Block, int Regs, int Stages, int MinBlocks, bool Shifted, class T, class G, class Tgt>
+XENT_KERNEL void __launch_bounds__(Block, MinBlocks) bulk_backward_kernel(row_args<T, G, Tgt> a) {
   static_assert(!Tgt::soft && sizeof(T) == sizeof(G),
                 "class ids; the gradient in the logits' type");
 #if XENT_CUDA_SM90_PTX

@@ -67,10 +67,13 @@ struct tuning {
   int small_ctas_per_sm;  ///< the most CTAs per SM a launch of it may span
 
   // The bulk backward and the gradient stage.
-  int bulk_backward;             ///< 1: plain aligned backward by bulk copies both ways
-  int bulk_backward_regs;        ///< 16-byte vectors per thread of its tiles
-  int bulk_backward_stages;      ///< its shared-memory stages
-  int bulk_backward_min_blocks;  ///< its CTAs per SM
+  int bulk_backward;                  ///< 1: plain aligned backward by bulk copies both ways
+  int bulk_backward_regs;             ///< 16-byte vectors per thread of its tiles
+  int bulk_backward_stages;           ///< its shared-memory stages
+  int bulk_backward_min_blocks;       ///< its CTAs per SM
+  int bulk_backward_long_from_kib;    ///< longer rows take its long form (0: none)
+  int bulk_backward_long_stages;      ///< the long form's shared-memory stages
+  int bulk_backward_long_min_blocks;  ///< the long form's CTAs per SM
   int bulk_gradient;  ///< fused resident rows' gradient by bulk copy: 2 all, 1 keep_exps, 0 none
 
   // The row kernel's wide shape.
@@ -170,10 +173,18 @@ constexpr tuning sm90_row = {
     /*bulk_backward=*/1,
     // bf16 backward 8192 x 32000: 16 KiB tiles 275 us, 8 KiB 271-272 (H200)
     /*bulk_backward_regs=*/2,
-    // bf16 backward 16384 x 128256: 4 x 16 KiB 2.185 ms, 8 x 8 KiB 2.106-2.122 (H200)
-    /*bulk_backward_stages=*/8,
+    // bf16 backward 16384 x 128256: 4 x 16 KiB 2.185 ms, 8 x 8 KiB 2.106-2.122 (H200);
+    // 8192 x 32000 at eight 361.3-362.0 us, nine 350.4-350.7 (H100)
+    /*bulk_backward_stages=*/9,
     // bf16 backward 16384 x 128256: four CTAs x 3 stages 2.291 ms, three x 4 2.197 (H200)
     /*bulk_backward_min_blocks=*/3,
+    // bf16 backward 16384 x 128256 (250 KiB rows) at nine x three 2959.9-2967.6 us, twelve x two
+    // 2893.5-2914.4; 8192 x 32000 (62.5 KiB) at twelve x two 377.7-377.8 (H100)
+    /*bulk_backward_long_from_kib=*/128,
+    // With the next: 4096 x 262144 at twelve x two 1467.7-1469.0 us, nine x three 1462.0-1462.5,
+    // eight x three 1466.2-1467.8 (H100)
+    /*bulk_backward_long_stages=*/12,
+    /*bulk_backward_long_min_blocks=*/2,
     // fp32 fused 8192 x 128256 2.355 -> 2.181 ms with whole tiles (H200)
     /*bulk_gradient=*/2,
 
@@ -479,6 +490,12 @@ struct policy {
   static constexpr int bulk_backward_regs = tuned.bulk_backward_regs;
   static constexpr int bulk_backward_stages = tuned.bulk_backward_stages;
   static constexpr int bulk_backward_min_blocks = tuned.bulk_backward_min_blocks;
+  /// Rows longer than bulk_backward_long_from_kib KiB (0: none) take the bulk backward with
+  /// bulk_backward_long_stages stages at bulk_backward_long_min_blocks CTAs per SM: on an H100 the
+  /// long rows ran faster with fewer, deeper CTAs and the short ones slower.
+  static constexpr int bulk_backward_long_from_kib = tuned.bulk_backward_long_from_kib;
+  static constexpr int bulk_backward_long_stages = tuned.bulk_backward_long_stages;
+  static constexpr int bulk_backward_long_min_blocks = tuned.bulk_backward_long_min_blocks;
   /// Whether plain fused resident rows on sm_90 write their gradient into a shared-memory stage
   /// of its own (one chunk more per CTA) and store it by one bulk copy, instead of 16-byte stores
   /// from registers. 2: every such row whose gradient has the logits' type (two CTAs per SM:
