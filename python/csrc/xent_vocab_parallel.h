@@ -83,6 +83,13 @@ class torch_group {
     return count;
   }
 
+  // The end of a call: one that made no exchange (a backward from class ids, a linear call of no
+  // rows) still makes the agreement exchange, so that every call makes one and a rank refusing
+  // its arguments (below) always meets the other ranks' calls in it.
+  void finish() const {
+    if (check_ && !exchanged_) check_agreement();
+  }
+
   // This rank's part in the agreement exchange of a call that it refuses (a bad argument of its
   // own): rows -1, so that every other rank raises instead of waiting. Its own error is the
   // caller's to raise, so one from the exchange itself is dropped.
@@ -93,6 +100,7 @@ class torch_group {
 
   void all_gather(const void* send, void* recv, std::size_t bytes) const {
     if (check_) check_agreement();
+    exchanged_ = true;
     const auto opts = at::TensorOptions().dtype(at::kByte).device(device_);
     const auto n = static_cast<std::int64_t>(bytes);
     gather(at::from_blob(const_cast<void*>(send), {n}, opts),
@@ -147,6 +155,7 @@ class torch_group {
   std::int64_t rows_;
   std::int64_t digest_;
   bool check_;
+  mutable bool exchanged_ = false;
 };
 
 // This rank's shard: classes [vocab_start, vocab_start + V_local) of vocab_size.
@@ -225,6 +234,7 @@ void run_vocab_parallel(const vp_inputs& in, const std::string& group_name, Run&
       call_xent([&] {
         run(call.exec, group, tag, tv, xent::vocab_shard{shard.start, shard.vocab});
       });
+      group.finish();
     }
   });
 }
@@ -372,6 +382,7 @@ void run_vocab_parallel_linear(const vp_linear_inputs& in, const std::string& gr
         w.chunk_rows = size.chunk_rows;
         run(call.exec, group, tag, tv, xent::vocab_shard{shard.start, shard.vocab}, w);
       });
+      group.finish();
     }
   });
 }

@@ -296,6 +296,39 @@ def _one_rank_wrong(rank, world):
         "reduction": lambda: xd.vocab_parallel_cross_entropy(
             x, y, reduction="avg" if last else "sum", **where
         ),
+        "z_loss": lambda: xd.vocab_parallel_cross_entropy(
+            x, y, z_loss=None if last else 0.0, **where
+        ),
+        "vocab_size_range": lambda: xd.vocab_parallel_cross_entropy(
+            x, y, vocab_start=start, vocab_size=2**64 if last else 37
+        ),
+        "logits_list": lambda: xd.vocab_parallel_cross_entropy(
+            x.tolist() if last else x, y, **where
+        ),
+        # A linear call of no rows makes no exchange of records: its agreement exchange still.
+        "linear_zero_rows": lambda: xd.vocab_parallel_linear_cross_entropy(
+            h[:0],
+            w[start : start + sizes[rank]],
+            y[:0],
+            reduction="avg" if last else "sum",
+            **where,
+        ),
+        # A backward from class ids exchanges nothing but its agreement.
+        "bwd_lse": lambda: torch.ops.xent.vocab_parallel_cross_entropy_bwd(
+            x.new_ones(()),
+            x,
+            y,
+            None,
+            x.new_zeros(4 - last),
+            start,
+            37,
+            dist.group.WORLD.group_name,
+            -100,
+            2,
+            0.0,
+            0.0,
+            0.0,
+        ),
     }
     got, losses = {}, []
     for name, call in calls.items():
@@ -531,6 +564,11 @@ ERRORS = {
     "target_shape": ("ValueError", "target must be"),
     "linear_target_shape": ("ValueError", "target must be"),
     "reduction": ("ValueError", "reduction"),
+    "z_loss": ("TypeError", "z_loss"),
+    "vocab_size_range": ("ValueError", "64 bits"),
+    "logits_list": ("TypeError", "logits"),
+    "linear_zero_rows": ("ValueError", "reduction"),
+    "bwd_lse": ("ValueError", "lse"),
 }
 
 
@@ -557,6 +595,11 @@ def test_one_rank_with_a_bad_argument_makes_every_rank_raise(ranks):
             "linear_target_shape",
             "half_shard",
             "reduction",
+            "z_loss",
+            "vocab_size_range",
+            "logits_list",
+            "linear_zero_rows",
+            "bwd_lse",
         }
         for name, (got_kind, message) in got.items():
             kind, words = ERRORS[name]

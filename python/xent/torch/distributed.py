@@ -15,6 +15,8 @@ group's own all-gather (gloo on the CPU, NCCL on CUDA), once per call.
 
 import functools
 import math
+import numbers
+import operator
 from typing import Optional
 
 import torch
@@ -239,18 +241,38 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         return out + (None,) * 5
 
 
-def _refused_on_every_rank(group, like, check):
+def _refused_on_every_rank(group, tensors, check):
     """`check()`, whose argument errors are this rank's alone: before raising one, this rank takes
-    its part in the agreement exchange that the other ranks' calls start with (where calls make
+    its part in the agreement exchange that every call of the other ranks makes (where calls make
     one: on the CPU, and on CUDA under XENT_CHECK_RANKS=1), so that they raise too instead of
-    waiting in it."""
+    waiting in it. The device is the first of `tensors` that is a tensor."""
     try:
         return check()
     except Exception:
         g = dist.group.WORLD if group is None and dist.is_initialized() else group
-        if isinstance(g, dist.ProcessGroup) and isinstance(like, torch.Tensor):
-            _refuse(g.group_name, like.device)
+        device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+        if isinstance(g, dist.ProcessGroup) and device is not None:
+            _refuse(g.group_name, device)
         raise
+
+
+def _as_int64(name, value):
+    """An integer argument as the ops' int64 takes it, checked here (a value the op's argument
+    conversion refuses would be refused past the agreement)."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if not -(2**63) <= v < 2**63:
+        raise ValueError(f"{name} must fit in 64 bits, got {v}")
+    return v
+
+
+def _as_float(name, value):
+    """A float argument as the ops take it, checked here as _as_int64's."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    return float(value)
 
 
 def _group_and_shard(group, v_local, vocab_start, vocab_size):
@@ -269,7 +291,11 @@ def _group_and_shard(group, v_local, vocab_start, vocab_size):
     if vocab_start is None:
         rank, ranks = dist.get_rank(group), dist.get_world_size(group)
         vocab_start, vocab_size = rank * v_local, ranks * v_local
-    return group.group_name, int(vocab_start), int(vocab_size)
+    return (
+        group.group_name,
+        _as_int64("vocab_start", vocab_start),
+        _as_int64("vocab_size", vocab_size),
+    )
 
 
 def _options(ignore_index, reduction, label_smoothing, z_loss, softcap):
@@ -281,7 +307,13 @@ def _options(ignore_index, reduction, label_smoothing, z_loss, softcap):
         softcap = 0.0
     elif not softcap >= 0:
         raise ValueError(f"softcap must be > 0, 0 or None (off), got {softcap}")
-    return _ignore_index(ignore_index), reduction, _smoothing(label_smoothing), z_loss, softcap
+    return (
+        _as_int64("ignore_index", _ignore_index(ignore_index)),
+        reduction,
+        _smoothing(label_smoothing),
+        _as_float("z_loss", z_loss),
+        _as_float("softcap", softcap),
+    )
 
 
 def _rows_and_args(fn, rows_shape, v_local, target, group, vocab_start, vocab_size, options):
@@ -340,6 +372,8 @@ def vocab_parallel_cross_entropy(
     def check():
         options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap)
         _check_like_torch("vocab_parallel_cross_entropy", weight, "weight", target, options[0])
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"logits must be a tensor, got {type(logits).__name__}")
         if logits.dim() < 1:
             raise ValueError(
                 "xent.torch.distributed: logits must have a class dimension (the last)"
@@ -356,7 +390,7 @@ def vocab_parallel_cross_entropy(
         )
         return options, t, args
 
-    options, t, args = _refused_on_every_rank(group, logits, check)
+    options, t, args = _refused_on_every_rank(group, (logits, target), check)
     v_local, rows_shape = logits.shape[-1], logits.shape[:-1]
     x = logits.reshape(t.shape[0], v_local)
     loss, _ = _VocabParallelCrossEntropy.apply(x, t, weight, args)
@@ -406,6 +440,8 @@ def vocab_parallel_linear_cross_entropy(
         _check_like_torch(
             "vocab_parallel_linear_cross_entropy", class_weight, "class_weight", target, options[0]
         )
+        if not isinstance(hidden, torch.Tensor) or not isinstance(weight_shard, torch.Tensor):
+            raise TypeError("hidden and weight_shard must be tensors")
         if hidden.dim() < 1 or weight_shard.dim() != 2:
             raise ValueError(
                 "xent.torch.distributed: hidden must be (..., D) and weight_shard (V_local, D), "
@@ -423,7 +459,7 @@ def vocab_parallel_linear_cross_entropy(
         )
         return options, t, args
 
-    options, t, args = _refused_on_every_rank(group, hidden, check)
+    options, t, args = _refused_on_every_rank(group, (hidden, weight_shard, target), check)
     rows_shape = hidden.shape[:-1]
     n = t.shape[0]
     x = hidden.reshape(n, hidden.shape[-1])
