@@ -600,6 +600,28 @@ TYPED_TEST(CudaBackend, PlainFusedLongRowsTakeTheWideShape) {
   check_spec<TypeParam>(s);
 }
 
+// Plain aligned rows 4 KiB longer than policy::bulk_backward_long_from_kib: the bulk backward's
+// long form, over enough rows that every CTA walks more tiles than it has stages (each stage
+// refilled), in place and not.
+TYPED_TEST(CudaBackend, PlainLongRowsRefillEveryStageOfTheBulkBackward) {
+  using xent::cuda_detail::policy;
+  if constexpr (policy::bulk_backward_long_from_kib > 0) {
+    constexpr std::int64_t bytes = sizeof(TypeParam),
+                           tile = std::int64_t{policy::bulk_backward_regs} * policy::block * 16;
+    const std::int64_t row = (std::int64_t{policy::bulk_backward_long_from_kib} << 10) + 4096;
+    const std::int64_t tiles_per_row = (row + tile - 1) / tile;
+    const std::int64_t ctas = std::int64_t{policy::bulk_backward_long_min_blocks} * sm_count();
+    const std::int64_t rows =
+        2 * (policy::bulk_backward_long_stages + 1) * ctas / tiles_per_row + 3;
+    for (bool in_place : {false, true}) {
+      spec s = plain_rows(rows, {row / bytes, 0}, xent::reduction::sum);
+      s.in_place = in_place;
+      s.seed = 4242 + in_place;
+      check_spec<TypeParam>(s);
+    }
+  }
+}
+
 /// Small cases that compute-sanitizer memcheck / racecheck run (bench/gpu/run.sh sanitize).
 TEST(CudaSanitizer, SmallCasesOfEveryPath) {
   REQUIRE_GPU();
