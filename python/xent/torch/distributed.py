@@ -241,21 +241,6 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         return out + (None,) * 5
 
 
-def _refused_on_every_rank(group, tensors, check):
-    """`check()`, whose argument errors are this rank's alone: before raising one, this rank takes
-    its part in the agreement exchange that every call of the other ranks makes (where calls make
-    one: on the CPU, and on CUDA under XENT_CHECK_RANKS=1), so that they raise too instead of
-    waiting in it. The device is the first of `tensors` that is a tensor."""
-    try:
-        return check()
-    except Exception:
-        g = dist.group.WORLD if group is None and dist.is_initialized() else group
-        device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
-        if isinstance(g, dist.ProcessGroup) and device is not None:
-            _refuse(g.group_name, device)
-        raise
-
-
 def _as_int64(name, value):
     """An integer argument as the ops' int64 takes it, checked here (a value the op's argument
     conversion refuses would be refused past the agreement)."""
@@ -316,22 +301,39 @@ def _options(ignore_index, reduction, label_smoothing, z_loss, softcap):
     )
 
 
-def _rows_and_args(fn, rows_shape, v_local, target, group, vocab_start, vocab_size, options):
-    """The targets as rows ((N,) class ids or (N, V_local) probabilities, checked against the
-    rows' shape) and the ops' trailing arguments: the shard, the group's name and the options."""
-    ignore_index, reduction, label_smoothing, z_loss, softcap = options
-    n = math.prod(rows_shape)  # not reshape(-1, ...): a slice may hold no class
-    soft = target.is_floating_point()
-    want = tuple(rows_shape) + ((v_local,) if soft else ())
-    if tuple(target.shape) != want:
-        raise ValueError(
-            f"xent.torch.distributed.{fn}: target must be {want} (class ids of every row, or "
-            f"class probabilities of this rank's classes), got {tuple(target.shape)}"
-        )
-    t = target.reshape(n, v_local) if soft else target.reshape(n)
-    name, start, vocab = _group_and_shard(group, v_local, vocab_start, vocab_size)
+def _checked_call(fn, tensors, shape, target, weight, weight_name, group, shard, option_values):
+    """A call's arguments checked on this rank: the options, class weights as torch takes them,
+    `shape()` (the rows' shape and V_local, once the tensors are checked), the targets as rows ((N,)
+    class ids or (N, V_local) probabilities) and the shard. Returns the options, the target rows and
+    the ops' trailing arguments (the shard, the group's name and the options).
+
+    An argument error here is this rank's alone: before raising it, this rank takes its part in
+    the agreement exchange that every call of the other ranks makes (where calls make one: on the
+    CPU, and on CUDA under XENT_CHECK_RANKS=1), so that they raise too instead of waiting in it;
+    the device is the first of `tensors` that is a tensor."""
+    try:
+        options = _options(*option_values)
+        ignore_index, reduction, label_smoothing, z_loss, softcap = options
+        _check_like_torch(fn, weight, weight_name, target, ignore_index)
+        rows_shape, v_local = shape()
+        n = math.prod(rows_shape)  # not reshape(-1, ...): a slice may hold no class
+        soft = target.is_floating_point()
+        want = tuple(rows_shape) + ((v_local,) if soft else ())
+        if tuple(target.shape) != want:
+            raise ValueError(
+                f"xent.torch.distributed.{fn}: target must be {want} (class ids of every row, or "
+                f"class probabilities of this rank's classes), got {tuple(target.shape)}"
+            )
+        t = target.reshape(n, v_local) if soft else target.reshape(n)
+        name, start, vocab = _group_and_shard(group, v_local, *shard)
+    except Exception:
+        g = dist.group.WORLD if group is None and dist.is_initialized() else group
+        device = next((x.device for x in tensors if isinstance(x, torch.Tensor)), None)
+        if isinstance(g, dist.ProcessGroup) and device is not None:
+            _refuse(g.group_name, device)
+        raise
     code = _REDUCTIONS[reduction]
-    return t, (start, vocab, name, ignore_index, code, label_smoothing, z_loss, softcap)
+    return options, t, (start, vocab, name, ignore_index, code, label_smoothing, z_loss, softcap)
 
 
 def vocab_parallel_cross_entropy(
@@ -369,28 +371,26 @@ def vocab_parallel_cross_entropy(
     contract, as for torch's own collectives).
     """
 
-    def check():
-        options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap)
-        _check_like_torch("vocab_parallel_cross_entropy", weight, "weight", target, options[0])
+    def shape():
         if not isinstance(logits, torch.Tensor):
             raise TypeError(f"logits must be a tensor, got {type(logits).__name__}")
         if logits.dim() < 1:
             raise ValueError(
                 "xent.torch.distributed: logits must have a class dimension (the last)"
             )
-        t, args = _rows_and_args(
-            "vocab_parallel_cross_entropy",
-            logits.shape[:-1],
-            logits.shape[-1],
-            target,
-            group,
-            vocab_start,
-            vocab_size,
-            options,
-        )
-        return options, t, args
+        return logits.shape[:-1], logits.shape[-1]
 
-    options, t, args = _refused_on_every_rank(group, (logits, target), check)
+    options, t, args = _checked_call(
+        "vocab_parallel_cross_entropy",
+        (logits, target),
+        shape,
+        target,
+        weight,
+        "weight",
+        group,
+        (vocab_start, vocab_size),
+        (ignore_index, reduction, label_smoothing, z_loss, softcap),
+    )
     v_local, rows_shape = logits.shape[-1], logits.shape[:-1]
     x = logits.reshape(t.shape[0], v_local)
     loss, _ = _VocabParallelCrossEntropy.apply(x, t, weight, args)
@@ -435,11 +435,7 @@ def vocab_parallel_linear_cross_entropy(
     The other options and the result are vocab_parallel_cross_entropy's.
     """
 
-    def check():
-        options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap)
-        _check_like_torch(
-            "vocab_parallel_linear_cross_entropy", class_weight, "class_weight", target, options[0]
-        )
+    def shape():
         if not isinstance(hidden, torch.Tensor) or not isinstance(weight_shard, torch.Tensor):
             raise TypeError("hidden and weight_shard must be tensors")
         if hidden.dim() < 1 or weight_shard.dim() != 2:
@@ -447,19 +443,19 @@ def vocab_parallel_linear_cross_entropy(
                 "xent.torch.distributed: hidden must be (..., D) and weight_shard (V_local, D), "
                 f"got {tuple(hidden.shape)} and {tuple(weight_shard.shape)}"
             )
-        t, args = _rows_and_args(
-            "vocab_parallel_linear_cross_entropy",
-            hidden.shape[:-1],
-            weight_shard.shape[0],
-            target,
-            group,
-            vocab_start,
-            vocab_size,
-            options,
-        )
-        return options, t, args
+        return hidden.shape[:-1], weight_shard.shape[0]
 
-    options, t, args = _refused_on_every_rank(group, (hidden, weight_shard, target), check)
+    options, t, args = _checked_call(
+        "vocab_parallel_linear_cross_entropy",
+        (hidden, weight_shard, target),
+        shape,
+        target,
+        class_weight,
+        "class_weight",
+        group,
+        (vocab_start, vocab_size),
+        (ignore_index, reduction, label_smoothing, z_loss, softcap),
+    )
     rows_shape = hidden.shape[:-1]
     n = t.shape[0]
     x = hidden.reshape(n, hidden.shape[-1])
