@@ -112,17 +112,19 @@ def _rotated_config(cfg: _Config, vocab: int) -> _Config:
     return cfg
 
 
-def _rotate(shard: _Shard, cfg: _Config, y, w):
+def _rotate(shard: _Shard, cfg: _Config, y, w, merged=False):
     """Class ids and class weights as this device's rotated calls see them: class k is
     (k - first) mod V, so the shard is classes [0, C). Ignored rows keep an ignore_index that no
-    rotated id takes; ids out of range stay out of range (V for one that would read as ignored)."""
+    rotated id takes; ids out of range stay out of range (V for one that would read as ignored),
+    or, for calls whose merge reads the global ids (`merged`), are ignored here: the merge then
+    reports them as the caller gave them, ignore_index too."""
     v = shard.vocab
     first = (shard.first() % v).astype(y.dtype)
     sentinel = _rotated_config(cfg, v).ignore_index
     valid = (y >= 0) & (y < v)
     shifted = y - first
     shifted = jnp.where(shifted < 0, shifted + v, shifted)
-    bad = jnp.where(y == sentinel, v, y)
+    bad = jnp.full_like(y, sentinel) if merged else jnp.where(y == sentinel, v, y)
     yr = jnp.where(y == cfg.ignore_index, sentinel, jnp.where(valid, shifted, bad)).astype(y.dtype)
     wr = jnp.roll(w, -shard.first()) if w.shape[0] else w
     return yr, wr
@@ -184,7 +186,7 @@ def _records(shard: _Shard, cfg_r: _Config, x, yr, wr):
 def _merged(shard: _Shard, cfg: _Config, x, y, w):
     """Records, the all-gather and the merge: the loss and every row's LSE (float32), equal on
     every device, and the rotated class ids and weights for the gradient."""
-    yr, wr = _rotate(shard, cfg, y, w)
+    yr, wr = _rotate(shard, cfg, y, w, merged=True)
     recv = lax.all_gather(
         _records(shard, _rotated_config(cfg, shard.vocab), x, yr, wr), shard.axis_name, tiled=True
     )
