@@ -20,7 +20,7 @@ struct cpu_vp_backend : cpu_backend {
 }  // namespace
 
 // A call refused by the Python side's checks on this rank alone: its part in the agreement
-// exchange that the other ranks' calls start with (where calls make one), so that they raise too.
+// exchange that every call of the other ranks makes (where calls make one), so they raise too.
 void vocab_parallel_refuse(const std::string& group, c10::Device device) {
   if (torch_group::checks(device)) torch_group::refuse(group, device);
 }

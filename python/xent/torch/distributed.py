@@ -28,7 +28,6 @@ from .ops import (
     _accumulator,
     _check_fused,
     _check_like_torch,
-    _ignore_index,
     _result,
     _smoothing,
 )
@@ -293,7 +292,7 @@ def _options(ignore_index, reduction, label_smoothing, z_loss, softcap):
     elif not softcap >= 0:
         raise ValueError(f"softcap must be > 0, 0 or None (off), got {softcap}")
     return (
-        _as_int64("ignore_index", _ignore_index(ignore_index)),
+        _as_int64("ignore_index", ignore_index),
         reduction,
         _smoothing(label_smoothing),
         _as_float("z_loss", z_loss),
