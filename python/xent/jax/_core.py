@@ -90,11 +90,10 @@ def _call(
         "attrs": tuple({**(cfg.attrs() if cfg is not None else {}), **(attrs or {})}.items()),
         "aliases": tuple((aliases or {}).items()),
         "method": method,
+        "workspace": workspace,
+        "empty": tuple((i, a.shape, a.dtype) for i, a in enumerate(args) if a.size == 0),
     }
-    if workspace is None:
-        out = _ffi_call(*args, **static)
-    else:
-        out = _per_platform(*args, workspace=workspace, **static)
+    out = _staged(*(a for a in args if a.size != 0), **static)
     return _varying_as(out, _varying_axes(*args) - invariant)
 
 
@@ -161,16 +160,28 @@ def _ffi_call(*operands, target, results, attrs, aliases, method, workspace=None
     return tuple(out[:-1]) if isinstance(results, (tuple, list)) else out[0]
 
 
-# The workspace result exists on CUDA only: lax.platform_dependent makes the choice when lowering,
-# for the platform lowered for. Called outside any trace (an eager call, or the eager vmap that
-# _sharding's batching rule runs) it would choose at once, for the default backend whatever device
-# holds the operands, and hand a CPU handler on a GPU machine one result too many: under jit it is
-# always staged, and lowered for the operands' device.
-@partial(jax.jit, static_argnames=("target", "results", "attrs", "aliases", "method", "workspace"))
-def _per_platform(*operands, target, results, attrs, aliases, method, workspace):
+# Every call is staged in a jit of its own, which a caller's jit inlines, for two reasons:
+# - The workspace result exists on CUDA only: lax.platform_dependent makes the choice when
+#   lowering, for the platform lowered for. Called outside any trace (an eager call, or the eager
+#   vmap that _sharding's batching rule runs) it would choose at once, for the default backend
+#   whatever device holds the operands, and hand a CPU handler on a GPU machine one result too
+#   many: staged, it is lowered for the operands' device.
+# - Absent operands (no class weights, no bias) are empty arrays, made inside (`empty`: their
+#   positions, shapes and dtypes): an eager jax.shard_map wraps each call in a manual computation
+#   of its operands, and jaxlib 0.11.2's Shardy canonicaliser crashed the process on an empty one.
+@partial(
+    jax.jit,
+    static_argnames=("target", "results", "attrs", "aliases", "method", "workspace", "empty"),
+)
+def _staged(*operands, target, results, attrs, aliases, method, workspace, empty):
+    operands = list(operands)
+    for i, shape, dtype in empty:
+        operands.insert(i, jnp.zeros(shape, dtype))
     call = partial(
         _ffi_call, target=target, results=results, attrs=attrs, aliases=aliases, method=method
     )
+    if workspace is None:
+        return call(*operands)
     return lax.platform_dependent(*operands, cuda=partial(call, workspace=workspace), default=call)
 
 
