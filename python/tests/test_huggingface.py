@@ -113,6 +113,18 @@ def test_loss_and_every_gradient_match_the_unpatched_model(family):
     assert_same_grads(ref, mine)
 
 
+def test_labels_given_by_position(family):
+    ref, mine = make_pair(family)
+    ids, labels = batch()
+    params = inspect.signature(ref.forward).parameters
+    if params["labels"].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        pytest.skip(f"{family}'s forward takes labels by name only")
+    args = [ids] + [None] * (list(params).index("labels") - 1) + [labels]
+    out = mine(*args)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref(ids, labels=labels).loss, rtol=1e-5, atol=0)
+
+
 def test_twenty_optimizer_steps_give_the_same_losses(family):
     ref, mine = make_pair(family)
     losses = []

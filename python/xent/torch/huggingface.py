@@ -87,8 +87,13 @@ def _fused_forward(self, *args, **kwargs):
     """A patched model's forward (bound to the model, so a deepcopy's forward is the copy's): with
     labels, the model's own forward with lm_head and the loss function stood in for."""
     forward = self._xent_forward
-    bound = inspect.signature(forward).bind(*args, **kwargs)
-    if bound.arguments.get("labels") is None:
+    # Trainer passes labels by name; binding to the signature (tens of microseconds) only finds
+    # labels given by position.
+    if "labels" in kwargs:
+        labels = kwargs["labels"]
+    else:
+        labels = inspect.signature(forward).bind(*args, **kwargs).arguments.get("labels")
+    if labels is None:
         return forward(*args, **kwargs)
     head = self.get_output_embeddings()
     softcap = getattr(self.config, "final_logit_softcapping", None)
@@ -120,7 +125,7 @@ def _fused_forward(self, *args, **kwargs):
     head.forward = keep_hidden
     self._loss_function = loss_function
     try:
-        out = forward(*bound.args, **bound.kwargs)
+        out = forward(*args, **kwargs)
     finally:
         if saved_forward is None:
             del head.forward
