@@ -409,6 +409,16 @@ def test_no_rows(device, reduction):
         assert loss.shape == (0,)
 
 
+def test_no_rows_run_where_their_operands_are():
+    # Every operand empty (no rows, no class weights): still run on their device, not the default.
+    cpu1 = jax.devices("cpu")[1]
+    x, y = put(cpu1, jnp.zeros((0, 7)), jnp.zeros((0,), jnp.int32))
+    for reduction in ("mean", "sum", "none"):
+        assert xj.cross_entropy(x, y, reduction=reduction).devices() == {cpu1}
+    grad = jax.grad(lambda x: xj.cross_entropy(x, y, reduction="sum"))(x)
+    assert grad.devices() == {cpu1}
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_every_row_ignored(device, reduction):
     x, _ = make((2, 3), 8)

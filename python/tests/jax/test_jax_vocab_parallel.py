@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from test_jax_cross_entropy import OPTIONS, make, oracle, put, resolve
@@ -195,20 +196,32 @@ def call_in_mesh(x, y, devices=2, **kw):
 
 
 def test_eager_shard_map_of_calls_with_absent_operands():
-    # Not jitted: jax.shard_map then wraps each FFI call in a manual computation of its operands,
-    # and jaxlib 0.11's Shardy crashed the process on an empty one (no class weights, no bias).
+    # Not jitted: jax.shard_map then wraps each call in a manual computation of its operands, and
+    # jaxlib 0.11's Shardy crashed the process on an empty one (no class weights, no bias).
     x, y = make((6,), 8)
     h, wt, _, yl = linear_inputs(6, 3, 8, False)
     rows = partial(jax.shard_map, mesh=mesh_of(2), in_specs=P("model"), out_specs=P("model"))
     got = rows(lambda x, y: xj.cross_entropy(x, y, reduction="none"))(x, y)
     check(got, xj.cross_entropy(x, y, reduction="none"), 1e-6)
+    summed = jax.shard_map(
+        lambda x, y: lax.psum(xj.cross_entropy(x, y, reduction="sum"), "model"),
+        mesh=mesh_of(2),
+        in_specs=P("model"),
+        out_specs=P(),
+    )
+    grad = jax.grad(lambda x: summed(x, y))(x)  # the fused forward+backward
+    check(grad, jax.grad(lambda x: xj.cross_entropy(x, y, reduction="sum"))(x), 1e-6)
     linear = partial(jax.shard_map, mesh=mesh_of(2), in_specs=(P("model"), P(), P("model")))
     got = linear(
         lambda h, wt, y: xj.linear_cross_entropy(h, wt, y, reduction="none"), out_specs=P("model")
     )(h, wt, yl)
     check(got, xj.linear_cross_entropy(h, wt, yl, reduction="none"), 1e-6)
-    grad = jax.grad(lambda x: call_in_mesh(x, y, axis_name="model"))(x)  # vocab-parallel
-    check(grad, jax.grad(lambda x: xj.cross_entropy(x, y))(x), 1e-6)
+    for classes in (8, 13):  # vocab-parallel, even and uneven (a switch over the shard widths)
+        x, y = make((6,), classes)
+        grad = jax.grad(
+            lambda x: call_in_mesh(padded(x, 2), y, axis_name="model", vocab_size=classes)
+        )(x)
+        check(grad, jax.grad(lambda x: xj.cross_entropy(x, y))(x), 1e-6)
 
 
 def test_errors_name_the_argument():

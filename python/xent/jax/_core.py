@@ -91,9 +91,15 @@ def _call(
         "aliases": tuple((aliases or {}).items()),
         "method": method,
         "workspace": workspace,
-        "empty": tuple((i, a.shape, a.dtype) for i, a in enumerate(args) if a.size == 0),
     }
-    out = _staged(*(a for a in args if a.size != 0), **static)
+    # Empty operands are made inside only under shard_map (whose manual axes are in the abstract
+    # mesh, eager or jitted), and only where another operand is left: elsewhere an operand's
+    # device decides where an eager call runs.
+    made = [a.size == 0 for a in args]
+    if all(made) or not getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+        made = [False] * len(args)
+    static["empty"] = tuple((i, a.shape, a.dtype) for i, a in enumerate(args) if made[i])
+    out = _staged(*(a for a, m in zip(args, made) if not m), **static)
     return _varying_as(out, _varying_axes(*args) - invariant)
 
 
@@ -166,9 +172,10 @@ def _ffi_call(*operands, target, results, attrs, aliases, method, workspace=None
 #   vmap that _sharding's batching rule runs) it would choose at once, for the default backend
 #   whatever device holds the operands, and hand a CPU handler on a GPU machine one result too
 #   many: staged, it is lowered for the operands' device.
-# - Absent operands (no class weights, no bias) are empty arrays, made inside (`empty`: their
-#   positions, shapes and dtypes): an eager jax.shard_map wraps each call in a manual computation
-#   of its operands, and jaxlib 0.11.2's Shardy canonicaliser crashed the process on an empty one.
+# - Under shard_map, absent operands (no class weights, no bias: empty arrays) are made inside
+#   (`empty`: their positions, shapes and dtypes): an eager jax.shard_map wraps each call in a
+#   manual computation of its operands, and jaxlib 0.11.2's Shardy canonicaliser crashed the
+#   process on an empty one.
 @partial(
     jax.jit,
     static_argnames=("target", "results", "attrs", "aliases", "method", "workspace", "empty"),
