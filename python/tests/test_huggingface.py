@@ -119,7 +119,8 @@ def test_labels_given_by_position(family):
     params = inspect.signature(ref.forward).parameters
     if params["labels"].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
         pytest.skip(f"{family}'s forward takes labels by name only")
-    args = [ids] + [None] * (list(params).index("labels") - 1) + [labels]
+    before = list(params.values())[1 : list(params).index("labels")]
+    args = [ids, *(p.default for p in before), labels]
     out = mine(*args)
     assert out.logits is None
     torch.testing.assert_close(out.loss, ref(ids, labels=labels).loss, rtol=1e-5, atol=0)
