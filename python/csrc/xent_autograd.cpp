@@ -12,8 +12,8 @@
 //           the loss's gradient (scale_grad_, read on the device: on CUDA one launch that
 //           returns at once when it is 1). The logits (hidden, weight) are not kept for backward.
 //   split   otherwise (reduction none, whose per-row upstream gradient is known only in backward;
-//           a node that no gradient reaches the logits through; cross_entropy under torch.compile,
-//           see traced below): the forward saves the LSE and
+//           a node that no gradient reaches the logits through; float16, see fuses below;
+//           cross_entropy under torch.compile, see traced below): the forward saves the LSE and
 //           the backward calls the matching *_bwd op. A call that records no node (no_grad,
 //           evaluation) runs the forward op alone.
 //
@@ -26,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -38,6 +39,9 @@
 #include <memory>
 #include <optional>
 #include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "layout.h"
 
@@ -132,25 +136,40 @@ decltype(auto) call_bwd(F&& f) {
   return f();
 }
 
+// A new autograd node, held as this torch holds them (std::shared_ptr in older releases,
+// c10::intrusive_ptr in newer ones).
+template <class T, class... Args>
+auto make_node(Args&&... args) {
+  using held = decltype(torch::autograd::get_current_node());
+  if constexpr (std::is_same_v<held, std::shared_ptr<torch::autograd::Node>>)
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  else
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+}
+
 // xent has no second derivative. Under backward(create_graph=True) the gradients a backward
-// returns carry a node that raises when anything differentiates through them, as torch's
-// once_differentiable does, whatever the loss's gradient (the gradient depends on the logits even
-// where that is a constant). Without it a gradient penalty got a silent zero (reduction none,
+// returns carry a node that raises when anything differentiates through them, whatever the loss's
+// gradient (the gradient depends on the logits even where that is a constant). The node's edges
+// are those of the node running now (to the forward's inputs) and of the loss's gradient, so it
+// lies on every path that autograd.grad or a Hessian follows from these gradients back to them;
+// torch's once_differentiable hangs its error on fresh leaves, which such a call prunes, and a
+// Hessian came back all zeros. Without any, a gradient penalty got a silent zero (reduction none,
 // behind the autograd fallback's warning) or "element 0 of tensors does not require grad".
-variable_list first_derivative_only(variable_list grads) {
+variable_list first_derivative_only(variable_list grads, const at::Tensor& grad_output) {
   if (!at::GradMode::is_enabled()) return grads;
-  variable_list defined;
-  for (const at::Tensor& g : grads)
-    if (g.defined()) defined.push_back(g.detach().requires_grad_());
-  if (defined.empty()) return grads;
-  const auto error = std::make_shared<torch::autograd::DelayedError>(
+  torch::autograd::edge_list edges;
+  if (const auto node = torch::autograd::get_current_node()) edges = node->next_edges();
+  if (grad_output.requires_grad())
+    edges.push_back(torch::autograd::impl::gradient_edge(grad_output));
+  const auto error = make_node<torch::autograd::Error>(
       "xent_torch: cross-entropy has no second derivative (a backward reached a gradient that "
       "xent computed under create_graph=True)",
-      static_cast<std::int64_t>(defined.size()));
-  variable_list marked = error->apply(std::move(defined));
-  std::size_t k = 0;
-  for (at::Tensor& g : grads)
-    if (g.defined()) g = std::move(marked[k++]);
+      std::move(edges));
+  for (at::Tensor& g : grads) {
+    if (!g.defined()) continue;
+    g = g.detach();  // the same memory and version counter, its history replaced by the error
+    torch::autograd::create_gradient_edge(g, error);
+  }
   return grads;
 }
 
@@ -186,10 +205,13 @@ saved_options load_options(AutogradContext* ctx) {
 }
 
 // Whether a forward takes the fused path (see the top of the file): the loss is a scalar
-// (at::Reduction::None is 0) and one of the tensors the logits' gradient flows to wants it.
+// (at::Reduction::None is 0), one of the tensors the logits' gradient flows to wants it, and the
+// inputs are not float16. A float16 gradient formed at upstream 1 underflows where it is small
+// (p / N below 6e-8 is 0), and scaling it afterwards cannot bring it back: a GradScaler's factor
+// exists to keep it in range, so float16 takes the split path, which multiplies before rounding.
 template <class... Tensors>
-bool fuses(std::int64_t reduction, const Tensors&... into) {
-  return reduction != 0 && (wants_grad(into) || ...);
+bool fuses(std::int64_t reduction, at::ScalarType dtype, const Tensors&... into) {
+  return reduction != 0 && dtype != at::kHalf && (wants_grad(into) || ...);
 }
 
 // Whether the call is being traced (torch.compile runs the formulas on fake and functional
@@ -240,7 +262,7 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
     // kernel launch per backward).
     ctx->set_materialize_grads(false);
     at::Tensor loss, lse, stats;
-    if (fuses(reduction, input) && !traced(input)) {
+    if (fuses(reduction, input.scalar_type(), input) && !traced(input)) {
       at::Tensor grad;
       // In place needs rows with a contiguous last dimension (that do not overlap); other layouts
       // get a fresh gradient (the same values; only the memory saving is lost).
@@ -287,7 +309,7 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
     const variable_list saved = ctx->get_saved_variables();
     if (is_fused(ctx)) {
       result[0] = scaled(saved[0], grad_loss);
-      return first_derivative_only(std::move(result));
+      return first_derivative_only(std::move(result), grad_loss);
     }
     const at::Tensor& input = saved[0];
     const opt_tensor weight = present(saved[2]);
@@ -310,7 +332,7 @@ struct cross_entropy_function : torch::autograd::Function<cross_entropy_function
                              o.reduction, o.label_smoothing, o.z_loss, o.softcap);
       });
     }
-    return first_derivative_only(std::move(result));
+    return first_derivative_only(std::move(result), grad_loss);
   }
 };
 
@@ -333,7 +355,7 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
     at::Tensor loss, lse;
     // The logits' gradient flows to hidden, weight and bias: any of them may be the one that
     // wants it (a frozen LM head, frozen activations).
-    if (fuses(reduction, hidden, weight, bias)) {
+    if (fuses(reduction, hidden.scalar_type(), hidden, weight, bias)) {
       at::Tensor d_hidden, d_weight, d_bias;
       // Only the gradients some tensor wants: a frozen LM head skips its d_weight GEMM.
       const std::array<bool, 3> mask{wants_grad(hidden), wants_grad(weight), wants_grad(bias)};
@@ -372,7 +394,7 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
       // requiring grad are scaled.
       for (int i = 0; i < 3; ++i)
         if (saved[i].defined() && ctx->needs_input_grad(i)) result[i] = scaled(saved[i], grad_loss);
-      return first_derivative_only(std::move(result));
+      return first_derivative_only(std::move(result), grad_loss);
     }
     const opt_tensor bias = present(saved[2]);
     const saved_options o = load_options(ctx);
@@ -388,7 +410,7 @@ struct linear_cross_entropy_function : torch::autograd::Function<linear_cross_en
     if (mask[0]) result[0] = std::move(d_hidden);
     if (mask[1]) result[1] = std::move(d_weight);
     if (mask[2]) result[2] = std::move(d_bias);
-    return first_derivative_only(std::move(result));
+    return first_derivative_only(std::move(result), grad_loss);
   }
 };
 
@@ -426,6 +448,15 @@ std::tuple<at::Tensor, at::Tensor> linear_cross_entropy_autograd(
 }
 
 }  // namespace xent_torch
+
+// The vocab-parallel ops' backwards (Python, xent/torch/distributed.py) mark their gradients the
+// same way: a kernel above autograd, so the node it hangs on them stays.
+TORCH_LIBRARY_FRAGMENT(xent, m) {
+  m.def("first_derivative_only(Tensor[] grads, Tensor grad_output) -> Tensor[]",
+        [](std::vector<at::Tensor> grads, const at::Tensor& grad_output) {
+          return xent_torch::first_derivative_only(std::move(grads), grad_output);
+        });
+}
 
 TORCH_LIBRARY_IMPL(xent, Autograd, m) {
   m.impl("cross_entropy_fwd", &xent_torch::cross_entropy_autograd);

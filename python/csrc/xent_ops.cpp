@@ -12,13 +12,48 @@
 namespace xent_torch {
 namespace {
 
+// grad *= scale, each element multiplied in Acc (float32; float64 for a float64 grad) and rounded
+// to grad's dtype once, as the CUDA kernel does. aten's mul_ by a scalar would round the scalar to
+// a 16-bit grad's dtype first: a GradScaler's 65536 is inf in float16, 1/3 is 0.33398 in bfloat16.
+template <class T, class Acc>
+void scale_elements(const at::Tensor& grad, Acc scale) {
+  T* data = grad.data_ptr<T>();
+  const auto times = [scale](T v) { return static_cast<T>(static_cast<Acc>(v) * scale); };
+  if (grad.is_contiguous()) {
+    at::parallel_for(0, grad.numel(), 1 << 16, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) data[i] = times(data[i]);
+    });
+    return;
+  }
+  // 2-D (an in-place gradient is the caller's logits, whose rows may be padded), or a 1-D vector
+  // taken as one row; grad_scale_of admits no other layout.
+  const bool matrix = grad.dim() == 2;
+  const std::int64_t cols = matrix ? grad.size(1) : grad.numel();
+  const std::int64_t row_stride = matrix ? grad.stride(0) : 0, col_stride = grad.stride(-1);
+  at::parallel_for(0, matrix ? grad.size(0) : 1, 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r)
+      for (std::int64_t c = 0; c < cols; ++c) {
+        T& e = data[r * row_stride + c * col_stride];
+        e = times(e);
+      }
+  });
+}
+
 // On the CPU the upstream gradient is read where it lies. Exactly 1 (loss.backward()) leaves the
-// gradient as it is, as on CUDA; otherwise torch multiplies in float32 (float64 for a float64
-// grad: the scale comes in grad's accumulator dtype, exact as a double) and rounds to grad's
-// dtype, as the CUDA kernel does.
+// gradient as it is, as on CUDA.
 void scale_grad_cpu(const at::Tensor& grad, const at::Tensor& grad_output) {
   const double scale = grad_scale_of(grad, grad_output).item<double>();
-  if (scale != 1.0) grad.mul_(scale);
+  if (scale == 1.0 || grad.numel() == 0) return;
+  switch (grad.scalar_type()) {
+    case at::kDouble:
+      return scale_elements<double>(grad, scale);
+    case at::kFloat:
+      return scale_elements<float>(grad, static_cast<float>(scale));
+    case at::kBFloat16:
+      return scale_elements<c10::BFloat16>(grad, static_cast<float>(scale));
+    default:
+      return scale_elements<c10::Half>(grad, static_cast<float>(scale));
+  }
 }
 
 }  // namespace

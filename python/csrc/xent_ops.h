@@ -147,6 +147,11 @@ inline xent::options options_of(const at::Tensor& weights, std::int64_t ignore_i
   opts.label_smoothing = static_cast<float>(label_smoothing);
   opts.z_loss = static_cast<float>(z_loss);
   opts.softcap = static_cast<float>(softcap);
+  // A cap so small that float32 holds it as 0 would turn softcap off without a word.
+  TORCH_CHECK_VALUE(softcap == 0.0 || opts.softcap != 0.0f,
+                    "xent: softcap must be 0 (off) or at least 2.9e-39 (1 / softcap finite in "
+                    "float), got ",
+                    softcap);
   if (weights.defined()) opts.class_weights = {weights.data_ptr<float>(), weights.numel()};
   return opts;
 }
@@ -461,6 +466,9 @@ inline at::Tensor grad_scale_of(const at::Tensor& grad, const at::Tensor& grad_o
   TORCH_CHECK_VALUE(grad_output.numel() == 1,
                     "xent: grad_output of a reduced loss must have one element, got ",
                     grad_output.sizes());
+  TORCH_CHECK_VALUE(grad.is_contiguous() || grad.dim() <= 2,
+                    "xent: scale_grad_ takes a contiguous gradient or a 1-D or 2-D one, got ",
+                    grad.sizes(), " with strides ", grad.strides());
   return grad_output.to(accumulator_dtype(grad));
 }
 

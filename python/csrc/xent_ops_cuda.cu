@@ -195,9 +195,6 @@ void launch_scale(const at::Tensor& grad, const float* scale, cudaStream_t strea
 void scale_grad_cuda(const at::Tensor& grad, const at::Tensor& grad_output) {
   const at::Tensor scale = grad_scale_of(grad, grad_output);  // on the device: a cast, no sync
   TORCH_CHECK_VALUE(grad.is_cuda(), "xent: a CUDA kernel got a tensor on ", grad.device());
-  TORCH_CHECK_VALUE(grad.is_contiguous() || grad.dim() <= 2,
-                    "xent: scale_grad_ takes a contiguous gradient or a 1-D or 2-D one, got ",
-                    grad.sizes(), " with strides ", grad.strides());
   if (grad.numel() == 0) return;
   const c10::cuda::CUDAGuard device_guard(grad.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(grad.get_device()).stream();

@@ -338,6 +338,12 @@ def test_inplace_backward_refuses_a_leaf_that_requires_grad():
     with torch.no_grad():  # nothing is written without a gradient
         xent.torch.cross_entropy(leaf, t, inplace_backward=True)
     assert torch.equal(leaf.detach(), x)
+    # A view of it shares its memory as much (torch refuses in-place writes to one too); the
+    # leaf's values became its gradient.
+    for view in (leaf[:], leaf.view(N, C), leaf.t().t()):
+        with pytest.raises(RuntimeError, match="a view of a leaf"):
+            xent.torch.cross_entropy(view, t, inplace_backward=True)
+    assert torch.equal(leaf.detach(), x)
 
 
 @pytest.mark.parametrize(
@@ -602,6 +608,34 @@ def test_second_derivative_is_refused_clearly(reduction):
         dh.pow(2).sum().backward()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_second_derivative_is_refused_where_autograd_grad_prunes(reduction):
+    # autograd.grad back to the input and a Hessian follow only the paths to the input: the error
+    # node lies on them (hung on fresh leaves, as once_differentiable hangs it, a Hessian came
+    # back all zeros and autograd.grad(allow_unused=True) None).
+    x, t = make(n=4, c=3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.functional.hessian(
+            lambda z: xent.torch.cross_entropy(z, t, reduction=reduction).sum(), x
+        )
+    z = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(
+        xent.torch.cross_entropy(z, t, reduction=reduction).sum(), z, create_graph=True
+    )
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(g.pow(2).sum(), z, allow_unused=True)
+    h = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    dh, dw = torch.autograd.grad(
+        xent.torch.linear_cross_entropy(h, w, t, reduction=reduction).sum(),
+        (h, w),
+        create_graph=True,
+    )
+    for wrt in (h, w):
+        with pytest.raises(RuntimeError, match="no second derivative"):
+            torch.autograd.grad(dh.pow(2).sum() + dw.pow(2).sum(), wrt, allow_unused=True)
+
+
 def test_bad_arguments_raise_torch_errors():
     x, t = make()
     bad = t.clone()
@@ -616,6 +650,16 @@ def test_bad_arguments_raise_torch_errors():
         xent.torch.cross_entropy(x, t.float())
     with pytest.raises(ValueError, match="to match target batch_size"):
         xent.torch.cross_entropy(x, t[:-1])
+    with pytest.raises(ValueError, match=r"to match target batch_size \(0\)"):
+        xent.torch.cross_entropy(x, t[0])  # torch compares batch sizes before the target's rank
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        xent.torch.cross_entropy(x, t, ignore_index=True)
+    with pytest.raises(ValueError, match="ignore_index must fit in 64 bits"):
+        xent.torch.cross_entropy(x, t, ignore_index=2**70)
+    # A cap that float32 holds as 0 (or whose reciprocal it cannot hold) is refused, not off.
+    for cap in (1e-50, 1e-40):
+        with pytest.raises(ValueError, match="softcap"):
+            xent.torch.cross_entropy(x, t, softcap=cap)
     with pytest.raises(ValueError, match="reduction"):
         xent.torch.cross_entropy(x, t, reduction="avg")
     with pytest.raises(RuntimeError, match="label_smoothing"):

@@ -26,6 +26,8 @@ import test_linear_cross_entropy as lin  # noqa: E402
 import xent.torch
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# float16 takes the split path (csrc/xent_autograd.cpp, fuses: its gradients underflow at 1).
+FUSED_DTYPES = [torch.float32, torch.bfloat16]
 
 
 def backward_with(loss, upstream, **kw):
@@ -96,17 +98,64 @@ def test_cross_entropy_fused_matches_torch(upstream, reduction, dtype, device):
     )  # rounded twice: upstream 1, then scaled
 
 
+# Loss factors a 16-bit gradient's dtype cannot hold: a GradScaler's 65536 (inf in float16) and
+# gradient accumulation's 1/3 (0.33398 in bfloat16). The factor is applied in float32 before the
+# gradient is rounded, as torch's autograd applies it: no infinities, no bias (rounding the factor
+# first made every float16 gradient inf or NaN and every bfloat16 one 0.19% too large), and no
+# float16 gradient formed at upstream 1, where the small ones underflow (float16 takes the split
+# path: formed at 1 and scaled, the float16 gradients here were 0.9% small on average).
+@pytest.mark.parametrize(
+    "dtype, upstream",
+    [(torch.float16, 65536.0), (torch.bfloat16, 1 / 3), (torch.float16, 1 / 3)],
+    ids=["float16-65536", "bfloat16-third", "float16-third"],
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_upstreams_that_the_gradients_dtype_cannot_hold(dtype, upstream, device):
+    g = torch.Generator().manual_seed(7)
+    x, t = make(n=64, c=1000, dtype=dtype)
+    h = torch.randn(64, 48, generator=g).to(dtype)
+    w = (torch.randn(1000, 48, generator=g) / 4).to(dtype)
+    calls = {
+        "cross_entropy": (xent.torch.cross_entropy, F.cross_entropy, (x,)),
+        "linear": (
+            xent.torch.linear_cross_entropy,
+            lambda h, w, t: F.cross_entropy(h @ w.T, t),
+            (h, w),
+        ),
+    }
+    for name, (fn, ref_fn, inputs) in calls.items():
+        leaves = [a.to(device).requires_grad_() for a in inputs]
+        # Under autocast, as a GradScaler runs: the loss is float32, so its factor is too.
+        with torch.autocast(torch.device(device).type, dtype=dtype):
+            loss = fn(*leaves, t.to(device))
+        assert loss.dtype == torch.float32
+        (loss * upstream).backward()
+        refs = [a.detach().double().requires_grad_() for a in inputs]
+        (ref_fn(*refs, t) * upstream).backward()
+        for leaf, ref in zip(leaves, refs):
+            got, want = leaf.grad.cpu().double(), ref.grad
+            assert got.isfinite().all(), name
+            # Where the dtype holds the gradient as a normal number (below, torch's own underflows)
+            normal = want.abs() >= torch.finfo(dtype).tiny
+            bias = ((got - want)[normal] / want[normal]).mean().item()
+            assert abs(bias) < 5e-4, (name, bias)
+            torch.testing.assert_close(got, want, rtol=TOL[dtype][0] * 2, atol=1e-3 * upstream)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_only_the_split_path_saves_the_logits(reduction):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_only_the_split_path_saves_the_logits(reduction, dtype):
     # The fused node saves its gradient, one tensor of the logits' shape, and not the logits; the
-    # split one (reduction none) saves them for its backward.
-    x, t = make()
+    # split one (reduction none, float16) saves them for its backward.
+    x, t = make(dtype=dtype)
     logits = x.clone().requires_grad_() * 1.0  # an intermediate, as an LM head's output is
     loss, packed = saved_tensors(lambda: xent.torch.cross_entropy(logits, t, reduction=reduction))
-    assert shares_memory(packed, logits) == (reduction == "none")
-    if reduction != "none":
+    split = reduction == "none" or dtype == torch.float16
+    assert shares_memory(packed, logits) == split
+    if not split:
         assert len(packed) == 1 and packed[0].shape == x.shape
-    assert loss.grad_fn.name() == "torch::autograd::CppNode<xent_torch::cross_entropy_function>"
+    node = loss.grad_fn if dtype == torch.float32 else loss.grad_fn.next_functions[0][0]
+    assert node.name() == "torch::autograd::CppNode<xent_torch::cross_entropy_function>"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -127,7 +176,7 @@ def test_plain_backward_hands_the_saved_gradient_over(device):
     assert saved == [leaf.grad.data_ptr()]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_after_the_caller_overwrites_its_logits(dtype, device):
     # Nothing of the logits is needed after the fused forward: a backward after they were
@@ -149,7 +198,7 @@ def test_backward_after_the_caller_overwrites_its_logits(dtype, device):
 
 @pytest.mark.parametrize("upstream", UPSTREAMS, ids=UPSTREAM_IDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", FUSED_DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_inplace_fused_forward_writes_the_gradient_over_the_logits(
     upstream, reduction, dtype, device

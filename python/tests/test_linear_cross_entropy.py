@@ -232,6 +232,10 @@ def test_bad_arguments():
         xent.torch.linear_cross_entropy(hidden, weight[0], target)
     with pytest.raises(ValueError, match=r"class_weight must be \(C,\) with C = 41"):
         xent.torch.linear_cross_entropy(hidden, weight, target, class_weight=torch.ones(5))
+    with pytest.raises(ValueError, match=r"hidden must be \(\.\.\., D\), got a 0-d tensor"):
+        xent.torch.linear_cross_entropy(hidden[0, 0], weight, target[0])
+    with pytest.raises(ValueError, match="softcap"):  # float32 holds it as 0: not off, refused
+        xent.torch.linear_cross_entropy(hidden, weight, target, softcap=1e-50)
 
 
 @pytest.mark.parametrize("label_smoothing", [-0.5, float("nan")])

@@ -365,13 +365,19 @@ def _autograd_cases(rank, world):
         "logits": lambda: (xd.vocab_parallel_cross_entropy(x, y, **where).sum(), x),
         "linear": lambda: (xd.vocab_parallel_linear_cross_entropy(h, ws, y, **where).sum(), h),
     }.items():
-        loss, wrt = make()
-        (g,) = torch.autograd.grad(loss, wrt, create_graph=True)
-        try:
-            (g * g).sum().backward()
-            errors[name] = None
-        except RuntimeError as e:
-            errors[name] = str(e)
+        # Through backward(), and through autograd.grad back to the input itself (which prunes
+        # whatever lies off the paths to it: an error hung on fresh leaves gave None there).
+        for how, differentiate in {
+            "backward": lambda g, wrt: (g * g).sum().backward(),
+            "grad": lambda g, wrt: torch.autograd.grad((g * g).sum(), wrt, allow_unused=True),
+        }.items():
+            loss, wrt = make()
+            (g,) = torch.autograd.grad(loss, wrt, create_graph=True)
+            try:
+                differentiate(g, wrt)
+                errors[f"{name} {how}"] = None
+            except RuntimeError as e:
+                errors[f"{name} {how}"] = str(e)
     return out, errors
 
 

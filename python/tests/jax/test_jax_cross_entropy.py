@@ -472,6 +472,9 @@ def test_bad_arguments_name_themselves():
         (ValueError, "z_loss", {"z_loss": 1e39}),  # inf as the float32 the handlers take
         (ValueError, "softcap", {"softcap": -2.0}),
         (ValueError, "softcap", {"softcap": float("inf")}),
+        # 0 as a float32 (it turned softcap off) and a denormal whose reciprocal is inf.
+        (ValueError, "softcap", {"softcap": 1e-50}),
+        (ValueError, "softcap", {"softcap": 1e-40}),
         (TypeError, "ignore_index", {"ignore_index": 1.5}),
         (ValueError, "ignore_index", {"ignore_index": 2**63}),
         # No int32 label can equal it (the sharded calls compare labels with it in int32).

@@ -320,6 +320,15 @@ def _check_options(
         raise ValueError(f"xent: z_loss must be >= 0, got {z_loss}")
     if values["softcap"] < 0.0:
         raise ValueError(f"xent: softcap must be >= 0 (0 is off), got {softcap}")
+    # A cap that float32 holds as 0 would turn softcap off without a word; the kernels divide by it.
+    with np.errstate(divide="ignore", over="ignore"):
+        if values["softcap"] > 0.0 and not np.isfinite(
+            np.float32(1.0) / np.float32(values["softcap"])
+        ):
+            raise ValueError(
+                f"xent: softcap must be 0 (off) or at least 2.9e-39 (1 / softcap finite as a "
+                f"float32), got {softcap}"
+            )
     return _Config(
         int(ignore_index), _REDUCTIONS[reduction], **values, inplace_backward=inplace_backward
     )

@@ -16,7 +16,6 @@ group's own all-gather (gloo on the CPU, NCCL on CUDA), once per call.
 import functools
 import math
 import numbers
-import operator
 from typing import Optional
 
 import torch
@@ -28,6 +27,7 @@ from .ops import (
     _accumulator,
     _check_fused,
     _check_like_torch,
+    _int64,
     _result,
     _smoothing,
 )
@@ -111,9 +111,9 @@ def _linear_fwd_bwd_fake(
 
 def _first_derivative_only(backward):
     """A backward whose gradients, under backward(create_graph=True), carry a node that raises
-    when anything differentiates through them (as the single-device ops' do): xent has no second
-    derivative, and without the node a gradient penalty would take xent's gradient as a constant
-    (torch's once_differentiable marks them only when the loss's gradient requires grad)."""
+    when anything differentiates through them (torch.ops.xent.first_derivative_only, as the
+    single-device ops' do): xent has no second derivative, and without the node a gradient
+    penalty or a Hessian would take xent's gradient as a constant."""
 
     @functools.wraps(backward)
     def wrapped(ctx, *grads):
@@ -121,16 +121,11 @@ def _first_derivative_only(backward):
             out = backward(ctx, *grads)
         if not torch.is_grad_enabled():
             return out
-        marked = [g.detach().requires_grad_() for g in out if isinstance(g, torch.Tensor)]
-        if not marked:
+        defined = [g for g in out if isinstance(g, torch.Tensor)]
+        if not defined:
             return out
-        error = torch._C._functions.DelayedError(
-            "xent.torch.distributed: cross-entropy has no second derivative (a backward reached "
-            "a gradient that xent computed under create_graph=True)",
-            len(marked),
-        )
-        marked = error(*marked)
-        marked = iter((marked,) if isinstance(marked, torch.Tensor) else marked)
+        grad_loss = grads[0] if isinstance(grads[0], torch.Tensor) else defined[0].new_empty(0)
+        marked = iter(torch.ops.xent.first_derivative_only(defined, grad_loss))
         return tuple(next(marked) if isinstance(g, torch.Tensor) else g for g in out)
 
     return wrapped
@@ -150,6 +145,13 @@ def _scaled(grad, grad_loss):
     return g
 
 
+def _fuses(reduction, dtype, wanted):
+    """Whether a call takes the fused path, as the single-device ops decide (csrc/xent_autograd.cpp,
+    fuses): a reduced loss, a gradient wanted, and not float16, whose gradients formed at upstream
+    1 underflow where a GradScaler's factor would have kept them."""
+    return reduction != 0 and dtype != torch.float16 and wanted
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Training with a reduced loss runs the fused op (one read of the slice, its gradient written
     with upstream 1) and scales that gradient by the loss's gradient in backward; otherwise the
@@ -158,7 +160,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, args):
         reduction = args[4]
-        ctx.fused = reduction != 0 and ctx.needs_input_grad[0]
+        ctx.fused = _fuses(reduction, logits.dtype, ctx.needs_input_grad[0])
         if ctx.fused:
             loss, lse, grad = _fwd_bwd(logits, target, weight, *args)
             ctx.save_for_backward(grad)
@@ -199,7 +201,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, class_weight, args, group, reduce_hidden):
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
         ctx.mask, ctx.group, ctx.reduce_hidden = mask, group, reduce_hidden
-        ctx.fused = args[4] != 0 and any(mask)
+        ctx.fused = _fuses(args[4], hidden.dtype, any(mask))
         if ctx.fused:
             loss, lse, dh, dw, db = _linear_fwd_bwd(
                 hidden, weight, bias, target, class_weight, *args, mask
@@ -240,20 +242,8 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         return out + (None,) * 5
 
 
-def _as_int64(name, value):
-    """An integer argument as the ops' int64 takes it, checked here (a value the op's argument
-    conversion refuses would be refused past the agreement)."""
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if not -(2**63) <= v < 2**63:
-        raise ValueError(f"{name} must fit in 64 bits, got {v}")
-    return v
-
-
 def _as_float(name, value):
-    """A float argument as the ops take it, checked here as _as_int64's."""
+    """A float argument as the ops take it, checked here as ops._int64 checks an integer."""
     if isinstance(value, (str, bytes)) or not isinstance(value, (numbers.Real, torch.Tensor)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     return float(value)
@@ -277,8 +267,8 @@ def _group_and_shard(group, v_local, vocab_start, vocab_size):
         vocab_start, vocab_size = rank * v_local, ranks * v_local
     return (
         group.group_name,
-        _as_int64("vocab_start", vocab_start),
-        _as_int64("vocab_size", vocab_size),
+        _int64("vocab_start", vocab_start),
+        _int64("vocab_size", vocab_size),
     )
 
 
@@ -292,7 +282,7 @@ def _options(ignore_index, reduction, label_smoothing, z_loss, softcap):
     elif not softcap >= 0:
         raise ValueError(f"softcap must be > 0, 0 or None (off), got {softcap}")
     return (
-        _as_int64("ignore_index", ignore_index),
+        _int64("ignore_index", ignore_index),
         reduction,
         _smoothing(label_smoothing),
         _as_float("z_loss", z_loss),

@@ -215,14 +215,14 @@ def _rows(input, target):
         )
     if target.dtype not in (torch.int64, torch.int32, torch.uint8):
         _raise_torchs_target_error(input, target)
-    if len(shape) == 2:
+    if len(shape) == 2:  # torch compares the batch sizes first (a 0-d target's is 0)
+        batch = target.shape[0] if target.dim() else 0
+        if batch != shape[0]:
+            raise ValueError(
+                f"Expected input batch_size ({shape[0]}) to match target batch_size ({batch})."
+            )
         if target.dim() != 1:
             raise RuntimeError("0D or 1D target tensor expected, multi-target not supported")
-        if target.shape[0] != shape[0]:
-            raise ValueError(
-                f"Expected input batch_size ({shape[0]}) to match target batch_size "
-                f"({target.shape[0]})."
-            )
         return input, target, shape[:1]
     if len(shape) == 1:  # unbatched: (C) against a 0-d class id
         if target.dim() != 0:
@@ -250,13 +250,19 @@ def _smoothing(label_smoothing):
     return float(label_smoothing) if label_smoothing > 0.0 else 0.0
 
 
-def _ignore_index(ignore_index):
-    """ignore_index as an int: an integer of any kind (a NumPy or 0-d tensor integer too); torch
-    raises TypeError for anything else (1.5 is not row 1)."""
+def _int64(name, value):
+    """An integer argument as the ops' int64 takes it: an integer of any kind (a NumPy or 0-d
+    tensor integer too) but a bool, else TypeError as torch raises (1.5 is not row 1); ValueError
+    outside 64 bits."""
     try:
-        return operator.index(ignore_index)
+        if isinstance(value, bool):
+            raise TypeError
+        v = operator.index(value)
     except TypeError:
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}") from None
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if not -(2**63) <= v < 2**63:
+        raise ValueError(f"{name} must fit in 64 bits, got {v}")
+    return v
 
 
 def _z_loss_term(lse, target, weight, ignore_index, code, z_loss, rows_shape):
@@ -357,7 +363,7 @@ def cross_entropy(
     code = _REDUCTIONS.get(reduction)
     if code is None:
         raise ValueError(f"{reduction} is not a valid value for reduction")
-    ignore_index = _ignore_index(ignore_index)
+    ignore_index = _int64("ignore_index", ignore_index)
     smoothing = _smoothing(label_smoothing)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
@@ -381,11 +387,14 @@ def cross_entropy(
             "xent.torch.cross_entropy: return_token_accuracy needs class ids as target "
             "(class probabilities have no correct class)"
         )
-    if inplace_backward and input.is_leaf and input.requires_grad and torch.is_grad_enabled():
+    # torch's in-place rule: a leaf that requires grad, or a view of one, is not written over.
+    base = input if input._base is None else input._base
+    if inplace_backward and base.is_leaf and base.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(
             "xent.torch.cross_entropy: inplace_backward=True would write the gradient over "
-            "input, a leaf tensor that requires grad (a parameter, say), so that its values and "
-            "its .grad share memory; pass logits computed from it, or inplace_backward=False"
+            f"input, {'a view of ' if base is not input else ''}a leaf tensor that requires grad "
+            "(a parameter, say), so that its values and its .grad share memory; pass logits "
+            "computed from it, or inplace_backward=False"
         )
     # The kernel's side outputs: each row's argmax (predicted tokens; per-row accuracy under
     # reduction none) and the count of rows predicted right (accuracy under mean or sum).
@@ -620,13 +629,15 @@ def _linear_loss(
     code = _REDUCTIONS.get(reduction)
     if code is None:
         raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
-    ignore_index = _ignore_index(ignore_index)
+    ignore_index = _int64("ignore_index", ignore_index)
     smoothing = _smoothing(label_smoothing)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     order_code = _linear_choice("order", order, _ORDERS)
     accumulate_code = _linear_choice("accumulate", accumulate, _ACCUMULATIONS)
     threshold = _sparse_threshold(sparse_threshold)
+    if hidden.dim() == 0:
+        raise ValueError("hidden must be (..., D), got a 0-d tensor")
     shape = hidden.shape
     _check_devices(
         "linear_cross_entropy",
