@@ -136,7 +136,7 @@ decltype(auto) call_bwd(F&& f) {
   return f();
 }
 
-// A new autograd node, held as this torch holds them (std::shared_ptr in older releases,
+// A new autograd node, held as this torch holds them (std::shared_ptr in older versions,
 // c10::intrusive_ptr in newer ones).
 template <class T, class... Args>
 auto make_node(Args&&... args) {
