@@ -314,6 +314,50 @@ def test_upstream_gradient_per_row(device):
     assert_close(grad, np.asarray(up)[:, None] * d, 2e-5)
 
 
+def assert_rounded_once(got, want, name, share=1.0):
+    """got is want rounded once to float16 (within 0.6 of float16's spacing at want) on `share` of
+    the entries, and close everywhere: the linear calls' sums that cancel leave a few entries
+    further off. Rounded at upstream 1 and then scaled, entries below float16's normal range are
+    thousands of spacings off."""
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), name
+    spacing = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+    assert np.quantile(np.abs(got - want) / spacing, share) <= 0.6, name
+    np.testing.assert_allclose(got, want, rtol=8e-3, atol=1e-3 * np.abs(want).max(), err_msg=name)
+
+
+# A loss scale (jmp's first, 2^15) or a gradient-accumulation factor reaches float16 gradients
+# before they are rounded, as in torch: formed at upstream 1 and scaled afterwards, the entries
+# p / N below float16's normal range would lose their digits or vanish.
+@pytest.mark.parametrize("upstream", [2.0**15, 1 / 3], ids=["scale-2^15", "third"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_float16_gradients_take_the_upstream_before_rounding(device, upstream, reduction):
+    rows, classes, dim = 64, 1000, 48
+    x, y = make((rows,), classes, jnp.float16)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(5))
+    h = jax.random.normal(k1, (rows, dim)).astype(jnp.float16)
+    wt = (jax.random.normal(k2, (classes, dim)) / 4).astype(jnp.float16)
+    y = y.at[3].set(-100)
+    if reduction == "sum":  # keeps the sum's gradient inside float16's range
+        upstream /= rows
+    x, y, h, wt = put(device, x, y, h, wt)
+
+    def ce(x):
+        return xj.cross_entropy(x, y, reduction=reduction) * upstream
+
+    def lce(h, wt):
+        return xj.linear_cross_entropy(h, wt, y, reduction=reduction) * upstream
+
+    g = float(np.float16(upstream))  # the loss is float16, and so is its gradient
+    _, _, d = oracle(x, y, reduction=reduction)
+    assert_rounded_once(jax.grad(ce)(x), d * g, "cross_entropy")
+    h64, w64 = np.asarray(h, np.float64), np.asarray(wt, np.float64)
+    _, _, dz = oracle(h64 @ w64.T, y, reduction=reduction)
+    dh, dw = jax.grad(lce, argnums=(0, 1))(h, wt)
+    assert_rounded_once(dh, dz @ w64 * g, "linear d_hidden", share=0.999)
+    assert_rounded_once(dw, dz.T @ h64 * g, "linear d_weight", share=0.999)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_vmap_matches_a_loop(device, reduction):
     x, y = make((4, 9), 17)

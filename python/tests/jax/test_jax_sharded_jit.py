@@ -88,6 +88,22 @@ def test_cross_entropy_matches_unsharded_without_gathering_logits(shape, spec, k
     assert_gathers_records_only(f, xs, vocab_split=spec[1] is not None)
 
 
+# float16 forms its gradient in backward from each row's upstream (the loss's gradient over the
+# mean's normaliser W): W of every row shard together, as the forward's mean, not of one shard.
+@pytest.mark.parametrize("shape,spec", LAYOUTS, ids=lambda v: str(v).replace(" ", ""))
+def test_float16_mean_divides_by_every_shards_normaliser(shape, spec):
+    classes = 16
+    x, y = make((12,), classes, jnp.float16)
+    y = y.at[1].set(-100)
+    kw = resolve({"weight": "random", "label_smoothing": 0.1}, classes)
+    xs = jax.device_put(x, NamedSharding(mesh_of(*shape), spec))
+    f, (loss, grad) = value_and_grad(lambda x: xj.cross_entropy(x, y, **kw) * 1024.0, xs)
+    want, want_grad = jax.value_and_grad(lambda x: xj.cross_entropy(x, y, **kw) * 1024.0)(x)
+    check(loss, want, 1e-3)
+    check(grad, want_grad, 1e-3)
+    assert_gathers_records_only(f, xs, vocab_split=spec[1] is not None)
+
+
 def test_three_dimensional_logits_and_return_lse():
     x, y = make((4, 3), 16)
     xs = jax.device_put(x, NamedSharding(mesh_of(2, 2), P("b", None, "v")))
@@ -201,6 +217,26 @@ def test_linear_matches_unsharded_without_gathering_the_weight(shape, hspec, wsp
         check(g, w)
     assert grads[1].sharding.is_equivalent_to(ws.sharding, 2)
     assert_gathers_records_only(f, hs, ws, bs, vocab_split=wspec != P())
+
+
+@pytest.mark.parametrize("shape,hspec,wspec", LINEAR_LAYOUTS, ids=lambda v: str(v).replace(" ", ""))
+def test_linear_float16_mean_divides_by_every_shards_normaliser(shape, hspec, wspec):
+    h, wt, _, y = linear_inputs(8, 6, 16, False)
+    h, wt = h.astype(jnp.float16), wt.astype(jnp.float16)
+    y = y.at[1].set(-100)
+    mesh = mesh_of(*shape)
+    hs = jax.device_put(h, NamedSharding(mesh, hspec))
+    ws = jax.device_put(wt, NamedSharding(mesh, wspec))
+
+    def loss(h, wt):
+        return xj.linear_cross_entropy(h, wt, y) * 1024.0
+
+    f, (got, grads) = value_and_grad(loss, hs, ws, argnums=(0, 1))
+    want, want_grads = jax.value_and_grad(loss, argnums=(0, 1))(h, wt)
+    check(got, want, 1e-3)
+    for g, w in zip(grads, want_grads):
+        check(g, w, 2e-3)
+    assert_gathers_records_only(f, hs, ws, vocab_split=wspec != P())
 
 
 @pytest.mark.parametrize("spec", [P("b", None), P("b", "v")], ids=["rows", "rows_vocab"])

@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from test_jax_cross_entropy import OPTIONS, make, oracle, put, resolve
+from test_jax_cross_entropy import OPTIONS, assert_rounded_once, make, oracle, put, resolve
 
 import xent.jax as xj
 
@@ -153,6 +153,35 @@ def test_half_precision_matches_unsharded(dtype):
     tol = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}[dtype]
     check(loss, want, tol)
     check(grad, want_grad, tol)
+
+
+# As the unsharded calls (test_jax_cross_entropy): a loss scale reaches float16 gradients before
+# they are rounded, here over shards of the vocabulary (one of them partly padding). The linear
+# path rounds each chunk's logit gradient to float16 for its GEMMs, so its gradients are held to
+# float16's unit roundoff in norm; at 1024 rows a mean's gradient rounded at upstream 1 / W
+# misses it (its small entries lose their digits).
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_float16_gradients_take_the_upstream_before_rounding(reduction):
+    classes = 999
+    x, y = make((64,), classes, jnp.float16)
+    y = y.at[3].set(-100)
+    upstream = 2.0**15 if reduction == "mean" else 2.0**9
+    g = float(np.float16(upstream))
+    f = sharded(2, classes, reduction=reduction)
+    _, _, d = oracle(x, y, reduction=reduction)
+    assert_rounded_once(jax.grad(lambda x: f(x, y) * upstream)(x), d * g, "cross_entropy")
+
+    h, wt, _, y = linear_inputs(1024, 48, classes, False)
+    h, wt, y = h.astype(jnp.float16), (wt / 4).astype(jnp.float16), y.at[3].set(-100)
+    upstream = 2.0**15 if reduction == "mean" else 2.0**5
+    g = float(np.float16(upstream))
+    lf = sharded_linear(2, classes, False, reduction=reduction)
+    grads = jax.grad(lambda h, wt: lf(h, wt, None, y) * upstream, argnums=(0, 1))(h, wt)
+    _, wants = linear_oracle(h, wt, None, y, reduction=reduction)
+    for name, got, want in zip(("d_hidden", "d_weight"), grads, wants):
+        got, want = np.asarray(got, np.float64), want * g
+        assert np.isfinite(got).all(), name
+        assert np.linalg.norm(got - want) <= 2.0**-11 * np.linalg.norm(want), name
 
 
 def test_int64_labels_all_ignored_and_rows_of_zero():

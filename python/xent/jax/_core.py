@@ -272,6 +272,35 @@ def _kept(x, dtype):
     return jnp.zeros((0,), dtype) if x is None else x
 
 
+def _fuses(cfg: _Config, dtype) -> bool:
+    """Whether a call forms its gradients in its forward, for an upstream gradient of 1 (mean
+    and sum), and scales them in backward. Not float16: a gradient formed at upstream 1 and
+    rounded to it loses its small entries (p / N is below float16's normal range), which a loss
+    scale applied afterwards cannot bring back. Such a call saves the LSE and forms the gradient
+    in backward from each row's upstream (_row_upstreams), as reduction none does, at the cost of
+    one more pass over the logits; torch's float16 path does the same."""
+    return cfg.reduction != 0 and dtype != jnp.float16
+
+
+def _mean_normaliser(cfg: _Config, y, w, classes: int):
+    """The mean's normaliser W = sum of w[y] over rows not ignored (1 a row without class
+    weights), float32; a class id outside [0, classes) counts 0, as in the handlers."""
+    keep = (y != cfg.ignore_index) & (y >= 0) & (y < classes)
+    row = w[jnp.clip(y, 0, classes - 1)] if w.shape[0] else jnp.ones(y.shape, jnp.float32)
+    return jnp.where(keep, row, 0.0).sum()
+
+
+def _row_upstreams(cfg: _Config, y, w, g, classes: int):
+    """The upstream gradient of every row of a mean or sum whose loss has gradient g (float32,
+    (N,)): g, over the mean's W. W = 0 gives NaN, as the handlers' mean does (its rows that are
+    ignored still get gradient 0)."""
+    g = g.astype(jnp.float32)
+    if cfg.reduction == 1:
+        total = _mean_normaliser(cfg, y, w, classes)
+        g = jnp.where(total == 0, jnp.nan, g / total)
+    return jnp.broadcast_to(g, y.shape)
+
+
 def _scaled_linear_grads(saved, g):
     """A fused linear call's saved (d_hidden, d_weight, d_bias or None) times the loss's gradient
     g: a pass over d_hidden (N x D) and d_weight (V x D), small beside the call's GEMMs; each

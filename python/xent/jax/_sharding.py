@@ -50,6 +50,7 @@ from ._core import (
     _linear_backward,
     _linear_forward,
     _linear_fused,
+    _mean_normaliser,
     _scale,
 )
 from .vocab_parallel import (
@@ -57,7 +58,6 @@ from .vocab_parallel import (
     _Linear,
     _linear_pass,
     _local_grad,
-    _mean_normaliser,
     _merged,
     _rotate,
     _Shard,
@@ -197,18 +197,18 @@ def _local_config(layout: _Layout, cfg: _Config) -> _Config:
     return cfg._replace(reduction=2) if layout.rows and cfg.reduction == 1 else cfg
 
 
-def _normaliser(layout: _Layout, cfg: _Config, y, w):
+def _normaliser(layout: _Layout, cfg: _Config, y, w, classes: int):
     """The mean's normaliser over every device's rows."""
-    return layout.psum_rows(_mean_normaliser(cfg, y, w))
+    return layout.psum_rows(_mean_normaliser(cfg, y, w, classes))
 
 
-def _total(layout: _Layout, cfg: _Config, local_loss, y, w):
+def _total(layout: _Layout, cfg: _Config, local_loss, y, w, classes: int):
     """The reduced loss from each device's (local_config) loss: summed over the row axes, and for
     a mean whose rows are split, divided by the global normaliser."""
     if cfg.reduction == 0 or not layout.rows:
         return local_loss
     total = layout.psum_rows(local_loss)
-    return total / _normaliser(layout, cfg, y, w) if cfg.reduction == 1 else total
+    return total / _normaliser(layout, cfg, y, w, classes) if cfg.reduction == 1 else total
 
 
 # --- cross-entropy -------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def forward(x, y, w, cfg: _Config):
             loss, lse, _, _ = _merged(layout.shard(x.shape[1], vocab), lc, x, y, w)
         else:
             loss, lse = _forward(x, y, w, lc)
-        return _total(layout, cfg, loss, y, w), lse
+        return _total(layout, cfg, loss, y, w, vocab), lse
 
     vocab = x.shape[1]
     return _partitioned(
@@ -242,7 +242,9 @@ def fused(x, y, w, cfg: _Config):
     def local(layout, x, y, w):
         y = _failing_together(layout, cfg, y, vocab)
         lc = _local_config(layout, cfg)
-        scale = 1.0 / _normaliser(layout, cfg, y, w) if lc.reduction != cfg.reduction else None
+        scale = (
+            1.0 / _normaliser(layout, cfg, y, w, vocab) if lc.reduction != cfg.reduction else None
+        )
         if layout.vocab:
             shard = layout.shard(x.shape[1], vocab)
             loss, lse, yr, wr = _merged(shard, lc, x, y, w)
@@ -346,9 +348,11 @@ def linear_forward(h, wt, b, y, w, cfg: _Config):
             if cfg.reduction == 0:
                 return row_loss, lse
             total = layout.psum_rows(row_loss.sum())
-            return (total / _normaliser(layout, cfg, y, w) if cfg.reduction == 1 else total), lse
+            return (
+                total / _normaliser(layout, cfg, y, w, vocab) if cfg.reduction == 1 else total
+            ), lse
         loss, lse = _linear_forward(h, wt, b, y, w, _local_config(layout, cfg))
-        return _total(layout, cfg, loss, y, w), lse
+        return _total(layout, cfg, loss, y, w, vocab), lse
 
     vocab = wt.shape[0]
     results = (_loss_dims(cfg), "n")
@@ -363,7 +367,7 @@ def linear_fused(h, wt, b, y, w, cfg: _Config):
         y = _failing_together(layout, cfg, y, vocab)
         scale = None
         if cfg.reduction == 1 and (layout.rows or layout.vocab):
-            scale = 1.0 / _normaliser(layout, cfg, y, w)
+            scale = 1.0 / _normaliser(layout, cfg, y, w, vocab)
         if layout.vocab:
             lin = _linear_shard(layout, wt, vocab, h.shape[0])
             up = jnp.ones((), jnp.float32) if scale is None else scale

@@ -21,11 +21,13 @@ from ._core import (
     _check_options,
     _class_weights,
     _cotangent_as,
+    _fuses,
     _keep,
     _kept,
     _type_of,
     _linear_operands,
     _results,
+    _row_upstreams,
     _scaled_linear_grads,
     _training_choices,
 )
@@ -43,9 +45,9 @@ def _cross_entropy(x, y, w, cfg):
 # nothing when the scale is 1 (jax.grad of the loss itself). Saving the LSE instead would read the
 # logits a second time in backward and keep them alive until then. With reduction none each row's
 # upstream gradient exists only in backward: the forward saves the LSE and backward reads the
-# logits again.
+# logits again; so does float16 (_fuses), each row's upstream taken from the loss's gradient.
 def _cross_entropy_fwd(x, y, w, cfg):
-    if cfg.reduction == 0:
+    if not _fuses(cfg, x.dtype):
         loss, lse = _sharding.forward(x, y, w, cfg)
         return (loss, lse), (_type_of(x), x, y, _keep(w), lse)
     loss, lse, grad = _sharding.fused(x, y, w, cfg)
@@ -55,9 +57,11 @@ def _cross_entropy_fwd(x, y, w, cfg):
 def _cross_entropy_bwd(cfg, saved, cotangents):
     g = cotangents[0]  # the LSE leaves the custom VJP through stop_gradient: its cotangent is 0
     x_type, *saved = saved
-    if cfg.reduction == 0:
+    if not _fuses(cfg, saved[0].dtype):
         x, y, w, lse = saved
-        grad = _sharding.backward(x, y, _kept(w, jnp.float32), lse, g, cfg)
+        w = _kept(w, jnp.float32)
+        g = _row_upstreams(cfg, y, w, g, x.shape[1])
+        grad = _sharding.backward(x, y, w, lse, g, cfg._replace(reduction=0))
     else:
         (grad,) = saved
         grad = _sharding.scale(grad, g)
@@ -134,10 +138,11 @@ def _linear_cross_entropy(h, wt, b, y, w, cfg):
 
 # As for _cross_entropy: with mean or sum the forward computes the three gradients in the same
 # pass (each chunk's logits once; linear_backward would compute every chunk's logits again), and
-# backward scales them; with none the forward saves the LSE and backward recomputes the logits.
+# backward scales them; with none (and float16) the forward saves the LSE and backward recomputes
+# the logits.
 def _linear_cross_entropy_fwd(h, wt, b, y, w, cfg):
     types = (_type_of(h), _type_of(wt), _type_of(b))
-    if cfg.reduction == 0:
+    if not _fuses(cfg, h.dtype):
         loss, lse = _sharding.linear_forward(h, wt, b, y, w, cfg)
         return (loss, lse), (types, (h, wt, _keep(b), y, _keep(w), lse))
     loss, lse, dh, dw, db = _sharding.linear_fused(h, wt, b, y, w, cfg)
@@ -147,10 +152,11 @@ def _linear_cross_entropy_fwd(h, wt, b, y, w, cfg):
 def _linear_cross_entropy_bwd(cfg, saved, cotangents):
     g = cotangents[0]
     types, saved = saved
-    if cfg.reduction == 0:
+    if not _fuses(cfg, saved[0].dtype):
         h, wt, b, y, w, lse = saved
         b, w = _kept(b, h.dtype), _kept(w, jnp.float32)
-        dh, dw, db = _sharding.linear_backward(h, wt, b, y, w, lse, g, cfg)
+        g = _row_upstreams(cfg, y, w, g, wt.shape[0])
+        dh, dw, db = _sharding.linear_backward(h, wt, b, y, w, lse, g, cfg._replace(reduction=0))
     else:
         dh, dw, db = _scaled_linear_grads(saved, g)
     return (*(_cotangent_as(d, t) for d, t in zip((dh, dw, db), types)), None, None)

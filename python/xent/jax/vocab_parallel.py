@@ -46,13 +46,16 @@ from ._core import (
     _check_options,
     _class_weights,
     _Config,
+    _fuses,
     _keep,
     _kept,
     _type_of,
     _varying_as,
     _varying_axes,
     _linear_operands,
+    _mean_normaliser,
     _results,
+    _row_upstreams,
     _scaled_linear_grads,
 )
 
@@ -262,13 +265,13 @@ def _vp_cross_entropy(x, y, w, cfg, shard):
 
 # As the unsharded _cross_entropy_fwd: with mean or sum the forward writes the gradient for an
 # upstream gradient of 1 (over the logits' buffer unless inplace_backward is False) and backward
-# scales it; with none the forward keeps the logits and the merged LSE, and backward reads the
-# logits again. Either way the gradient needs no collective: the merged LSE is all a shard's
-# gradient needs from the others.
+# scales it; with none (and float16, _fuses) the forward keeps the logits and the merged LSE, and
+# backward reads the logits again. Either way the gradient needs no collective: the merged LSE is
+# all a shard's gradient needs from the others.
 def _vp_cross_entropy_fwd(x, y, w, cfg, shard):
     loss, lse, yr, wr = _merged(shard, cfg, x, y, w)
     out = (_replicated(shard, loss), lse)
-    if cfg.reduction == 0:
+    if not _fuses(cfg, x.dtype):
         return out, (_type_of(x), x, yr, _keep(wr), lse)
     one = jnp.ones((), jnp.float32)
     grad = _local_grad(shard, cfg, x, yr, wr, lse, one, in_place=cfg.inplace_backward)
@@ -278,9 +281,13 @@ def _vp_cross_entropy_fwd(x, y, w, cfg, shard):
 def _vp_cross_entropy_bwd(cfg, shard, saved, cotangents):
     g = cotangents[0].astype(jnp.float32)
     x_type, *saved = saved
-    if cfg.reduction == 0:
+    if not _fuses(cfg, saved[0].dtype):
         x, yr, wr, lse = saved
-        grad = _local_grad(shard, cfg, x, yr, _kept(wr, jnp.float32), lse, g)
+        wr = _kept(wr, jnp.float32)
+        # The rotated ids and weights give the caller's W: rows ignored or out of range carry the
+        # rotated ignore_index.
+        g = _row_upstreams(_rotated_config(cfg, shard.vocab), yr, wr, g, shard.vocab)
+        grad = _local_grad(shard, cfg._replace(reduction=0), x, yr, wr, lse, g)
     else:
         (grad,) = saved
         grad = _call(
@@ -378,13 +385,6 @@ class _Linear(NamedTuple):
     chunk: int  # rows a chunk
 
 
-def _mean_normaliser(cfg: _Config, y, w):
-    keep = y != cfg.ignore_index
-    if w.shape[0] == 0:
-        return keep.sum().astype(jnp.float32)
-    return jnp.where(keep, w[jnp.clip(y, 0, w.shape[0] - 1)], 0.0).sum()
-
-
 def _chunks(lin: _Linear, cfg: _Config, h, y):
     """hidden and labels as (chunks, chunk, ...): the last chunk filled with ignored rows."""
     rows = h.shape[0]
@@ -452,41 +452,45 @@ def _linear_pass(lin: _Linear, cfg: _Config, h, wt, b, y, w, upstream=None, lse=
     return loss, lse_out, (dh.astype(h.dtype), acc[0].astype(wt.dtype), db)
 
 
-def _reduce(cfg: _Config, row_loss, y, w):
+def _reduce(cfg: _Config, row_loss, y, w, classes: int):
     if cfg.reduction == 0:
         return row_loss
     total = row_loss.sum()
-    return total / _mean_normaliser(cfg, y, w) if cfg.reduction == 1 else total
+    return total / _mean_normaliser(cfg, y, w, classes) if cfg.reduction == 1 else total
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _vp_linear(h, wt, b, y, w, cfg, lin):
     row_loss, lse, _ = _linear_pass(lin, cfg, h, wt, b, y, w)
-    return _replicated(lin.shard, _reduce(cfg, row_loss, y, w)), lse
+    return _replicated(lin.shard, _reduce(cfg, row_loss, y, w, lin.shard.vocab)), lse
 
 
 # As the unsharded linear path: with mean or sum the forward also computes the gradients (each
-# chunk's logits once) for an upstream gradient of 1, and backward scales them; with none the
-# forward keeps the LSE and backward computes every chunk's logits again.
+# chunk's logits once) for an upstream gradient of 1, and backward scales them; with none (and
+# float16, _fuses) the forward keeps the LSE and backward computes every chunk's logits again.
 def _vp_linear_fwd(h, wt, b, y, w, cfg, lin):
     types = (_type_of(h), _type_of(wt), _type_of(b))
-    if cfg.reduction == 0:
+    classes = lin.shard.vocab
+    if not _fuses(cfg, h.dtype):
         row_loss, lse, _ = _linear_pass(lin, cfg, h, wt, b, y, w)
         saved = (h, wt, _keep(b), y, _keep(w), lse)
-        return (_replicated(lin.shard, row_loss), lse), (types, saved)
-    scale = 1.0 / _mean_normaliser(cfg, y, w) if cfg.reduction == 1 else jnp.ones((), jnp.float32)
+        return (_replicated(lin.shard, _reduce(cfg, row_loss, y, w, classes)), lse), (types, saved)
+    scale = jnp.ones((), jnp.float32)
+    if cfg.reduction == 1:
+        scale = 1.0 / _mean_normaliser(cfg, y, w, classes)
     row_loss, lse, grads = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=scale)
     dh, dw, db = grads
-    out = (_replicated(lin.shard, _reduce(cfg, row_loss, y, w)), lse)
+    out = (_replicated(lin.shard, _reduce(cfg, row_loss, y, w, classes)), lse)
     return out, (types, (dh, dw, _keep(db)))
 
 
 def _vp_linear_bwd(cfg, lin, saved, cotangents):
     g = cotangents[0].astype(jnp.float32)
     types, saved = saved
-    if cfg.reduction == 0:
+    if not _fuses(cfg, saved[0].dtype):
         h, wt, b, y, w, lse = saved
         b, w = _kept(b, h.dtype), _kept(w, jnp.float32)
+        g = _row_upstreams(cfg, y, w, g, lin.shard.vocab)
         _, _, (dh, dw, db) = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=g, lse=lse)
     else:
         dh, dw, db = _scaled_linear_grads(saved, g)
