@@ -471,16 +471,17 @@ def _vp_linear(h, wt, b, y, w, cfg, lin):
 def _vp_linear_fwd(h, wt, b, y, w, cfg, lin):
     types = (_type_of(h), _type_of(wt), _type_of(b))
     classes = lin.shard.vocab
-    if not _fuses(cfg, h.dtype):
-        row_loss, lse, _ = _linear_pass(lin, cfg, h, wt, b, y, w)
-        saved = (h, wt, _keep(b), y, _keep(w), lse)
-        return (_replicated(lin.shard, _reduce(cfg, row_loss, y, w, classes)), lse), (types, saved)
-    scale = jnp.ones((), jnp.float32)
-    if cfg.reduction == 1:
-        scale = 1.0 / _mean_normaliser(cfg, y, w, classes)
+    fused = _fuses(cfg, h.dtype)
+    scale = None
+    if fused:
+        scale = jnp.ones((), jnp.float32)
+        if cfg.reduction == 1:
+            scale = 1.0 / _mean_normaliser(cfg, y, w, classes)
     row_loss, lse, grads = _linear_pass(lin, cfg, h, wt, b, y, w, upstream=scale)
-    dh, dw, db = grads
     out = (_replicated(lin.shard, _reduce(cfg, row_loss, y, w, classes)), lse)
+    if not fused:
+        return out, (types, (h, wt, _keep(b), y, _keep(w), lse))
+    dh, dw, db = grads
     return out, (types, (dh, dw, _keep(db)))
 
 
